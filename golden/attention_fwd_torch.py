@@ -1,0 +1,341 @@
+"""Torch golden model of the flash-attention forward pass (Trainium layout).
+
+Every forward kernel result in this project is judged against this module.
+It is deliberately written the long way (full score matrix, explicit masks)
+and imports nothing from ``nki_attn``.  The rules are restated, with worked
+examples, in ``docs/semantics.md``.
+
+Layouts (head_dim BEFORE sequence, as the kernels use them)
+-----------------------------------------------------------
+* ``q``    ``[bs, nheads,    d_head, seqlen_q]``
+* ``k, v`` ``[bs, nheads_kv, d_head, seqlen_k]``
+* ``o``    like ``q``
+* ``lse``  ``[bs, nheads, 128, seqlen_q // 128]``; ``lse[b, h, p, t]`` is the
+  log-sum-exp of query row ``t * 128 + p``.  ``seqlen_q`` must therefore be a
+  multiple of 128.
+* ``probs`` ``[bs, nheads, seqlen_q, seqlen_k + num_sinks]`` (sink columns last)
+
+Semantics
+---------
+* scale: ``S = softmax_scale * (q_i . k_j)`` with ``softmax_scale`` defaulting
+  to ``1 / sqrt(d_head)``; ``logit_bias`` (if any) is added after scaling.
+* causal: key ``j`` is masked for query ``i`` when ``j > i`` (top-left
+  aligned); requires ``seqlen_q == seqlen_k``.
+* sliding window ``W`` (integer >= 1, causal only): query ``i`` sees keys
+  ``i - W + 1 .. i``.
+* packing: float32 vectors ``bound_min``, ``bound_max`` of length
+  ``seqlen_q``; key ``j`` is visible to query ``i`` iff
+  ``bound_min[i] <= j < bound_max[i]``.  Combines (logical AND) with causal
+  and window.  Build them from FlashAttention ``cu_seqlens`` with
+  :func:`packing_bounds`.
+* GQA / MQA: ``nheads % nheads_kv == 0``; query head ``h`` reads kv head
+  ``h // (nheads // nheads_kv)``.
+* sinks ``[bs, nheads]`` or ``[bs, nheads, num_sinks]``: extra logits per
+  head, NOT multiplied by ``softmax_scale``, that join the softmax
+  denominator (and the LSE) but contribute nothing to ``o``.
+* empty rows: a query row that sees no key and has no sink gets ``o = 0``,
+  ``lse = +inf`` and all-zero probs (FlashAttention's convention: a backward
+  pass computing ``exp(S - lse)`` then gets 0, never NaN).
+
+Precision model
+---------------
+The golden is dtype-generic; let ``dt`` be the common dtype of q, k, v.
+
+* Matmuls (``q.k`` and ``P.v``) take operands in ``dt`` and their results are
+  rounded to ``dt`` (torch's CPU matmul accumulates internally at higher
+  precision and rounds once).
+* The softmax (scale, bias, mask, row max, exp, row sum, normalisation, LSE)
+  runs in the *statistics dtype* ``sdt``:
+
+  ======================  ======================  ===================
+  dt                      mixed_precision=True    mixed_precision=False
+  ======================  ======================  ===================
+  float64                 float64                 float64
+  float32                 float32                 float32
+  bfloat16 / float16      float32                 dt
+  ======================  ======================  ===================
+
+  ``P`` is rounded to ``dt`` only as the operand of the ``P.v`` matmul.
+* With float64 inputs the golden therefore IS the float64 reference.
+* ``lse`` is returned in the *accumulator dtype*: float64 for float64 inputs,
+  float32 for every other input dtype (whatever ``mixed_precision`` is).
+* ``probs`` is returned in ``sdt``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Sequence, Union
+
+import torch
+
+from . import _validate as _v
+
+__all__ = ["compute_o_lse", "attention_fwd_torch_ref", "packing_bounds"]
+
+
+def stats_dtype(dtype: torch.dtype, mixed_precision: bool) -> torch.dtype:
+    """Dtype of the softmax statistics for inputs of ``dtype`` (see module docstring)."""
+    if dtype == torch.float64:
+        return torch.float64
+    if mixed_precision or dtype == torch.float32:
+        return torch.float32
+    return dtype
+
+
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Dtype of the returned LSE / dsinks: float64 for float64 inputs, else float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _validate_fwd(fn: str, q, k, v, *, sinks, sinks_name: str, bound_min, bound_max,
+                  use_causal_mask, mixed_precision, softmax_scale, sliding_window,
+                  logit_bias=None, dropout_mask=None, qkv_names=("q", "k", "v")) -> dict:
+    """The single validation entry point of this module; returns the resolved arguments.
+
+    ``sinks_name``/``qkv_names`` are the caller's parameter names, so that
+    messages name the argument the user actually passed.
+    """
+    dims = _v.check_qkv(fn, q, k, v, names=qkv_names)
+    causal, window = _v.check_masking(fn, dims, use_causal_mask, sliding_window,
+                                      bound_min, bound_max)
+    mixed = _v.check_flag(fn, "mixed_precision", mixed_precision)
+    scale = _v.check_scale(fn, softmax_scale, dims["d_head"])
+    num_sinks = _v.check_sinks(fn, sinks_name, sinks, dims)
+    full = (dims["bs"], dims["nheads"], dims["seqlen_q"], dims["seqlen_k"])
+    if logit_bias is not None:
+        _v.check_tensor(fn, "logit_bias", logit_bias)
+        if not logit_bias.is_floating_point():
+            _v.fail(fn, "logit_bias.dtype", logit_bias.dtype, "must be a floating dtype")
+        try:
+            ok = torch.broadcast_shapes(tuple(logit_bias.shape), full) == full
+        except RuntimeError:
+            ok = False
+        if not ok:
+            _v.fail(fn, "logit_bias.shape", tuple(logit_bias.shape),
+                    f"must broadcast to [bs, nheads, seqlen_q, seqlen_k] = {list(full)}")
+    if dropout_mask is not None:
+        _v.check_tensor(fn, "dropout_mask", dropout_mask)
+        if tuple(dropout_mask.shape) != full:
+            _v.fail(fn, "dropout_mask.shape", tuple(dropout_mask.shape),
+                    f"must be [bs, nheads, seqlen_q, seqlen_k] = {list(full)}")
+        if not (dropout_mask.dtype == torch.bool or dropout_mask.is_floating_point()):
+            _v.fail(fn, "dropout_mask.dtype", dropout_mask.dtype, "must be bool or floating")
+    return dict(dims, causal=causal, window=window, mixed=mixed, scale=scale,
+                num_sinks=num_sinks)
+
+
+def visibility_mask(seqlen_q: int, seqlen_k: int, causal: bool = False,
+                    window: Optional[int] = None,
+                    bound_min: Optional[torch.Tensor] = None,
+                    bound_max: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Boolean ``[seqlen_q, seqlen_k]`` matrix, True where query i may see key j.
+
+    All rules are ANDed: causal (``j <= i``), window (``j >= i - W + 1``),
+    packing (``bound_min[i] <= j < bound_max[i]``).  No argument checking:
+    callers validate first.
+    """
+    i = torch.arange(seqlen_q).unsqueeze(1)
+    j = torch.arange(seqlen_k).unsqueeze(0)
+    vis = torch.ones(seqlen_q, seqlen_k, dtype=torch.bool)
+    if causal:
+        vis &= j <= i
+    if window is not None:
+        vis &= j >= i - window + 1
+    if bound_min is not None:
+        # float64 holds every key index and every float32 bound exactly, so
+        # the comparison is the mathematical one.
+        jf = j.to(torch.float64)
+        vis &= (bound_min.detach().cpu().to(torch.float64).unsqueeze(1) <= jf)
+        vis &= (jf < bound_max.detach().cpu().to(torch.float64).unsqueeze(1))
+    return vis
+
+
+def compute_o_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  use_causal_mask: bool = True, mixed_precision: bool = True,
+                  softmax_scale: Optional[float] = None,
+                  logit_bias: Optional[torch.Tensor] = None,
+                  sliding_window: Optional[int] = None,
+                  dropout_mask: Optional[torch.Tensor] = None,
+                  sinks: Optional[torch.Tensor] = None,
+                  bound_min: Optional[torch.Tensor] = None,
+                  bound_max: Optional[torch.Tensor] = None):
+    """Attention forward by the definition; returns ``(o, lse, probs)``.
+
+    Args:
+        q: ``[bs, nheads, d_head, seqlen_q]``, seqlen_q a multiple of 128.
+        k, v: ``[bs, nheads_kv, d_head, seqlen_k]``, same dtype as q.
+        use_causal_mask: mask key j for query i when ``j > i``.
+        mixed_precision: softmax statistics in float32 for 16-bit inputs
+            (see the module's precision model).
+        softmax_scale: multiplies ``q.k``; default ``1 / sqrt(d_head)``.
+        logit_bias: optional floating tensor broadcastable to
+            ``[bs, nheads, seqlen_q, seqlen_k]``, added to the scaled scores.
+        sliding_window: W >= 1 (causal only): query i sees keys ``i-W+1 .. i``.
+        dropout_mask: optional bool/floating ``[bs, nheads, seqlen_q, seqlen_k]``;
+            ``o = (probs[..., :seqlen_k] * dropout_mask) @ v``.  The golden
+            applies NO ``1/(1-p)`` rescale: put it in the mask values if wanted.
+            ``probs`` and ``lse`` are the pre-dropout softmax.
+        sinks: optional ``[bs, nheads]`` or ``[bs, nheads, num_sinks]`` logits
+            (not scaled) appended as the last softmax columns.
+        bound_min, bound_max: optional float32 ``[seqlen_q]`` packing bounds
+            (both or neither); key j visible iff ``bound_min[i] <= j < bound_max[i]``.
+
+    Returns:
+        o: ``[bs, nheads, d_head, seqlen_q]`` in q's dtype (0 for empty rows).
+        lse: ``[bs, nheads, 128, seqlen_q // 128]``, float32 (float64 for
+            float64 inputs); ``lse[b, h, p, t]`` belongs to query row
+            ``t * 128 + p``; ``+inf`` for empty rows.
+        probs: ``[bs, nheads, seqlen_q, seqlen_k + num_sinks]`` in the
+            statistics dtype, sink columns last (all 0 for empty rows).
+
+    Raises:
+        ValueError: naming the offending argument, its value and the rule.
+    """
+    a = _validate_fwd("compute_o_lse", q, k, v, sinks=sinks, sinks_name="sinks",
+                      bound_min=bound_min, bound_max=bound_max,
+                      use_causal_mask=use_causal_mask, mixed_precision=mixed_precision,
+                      softmax_scale=softmax_scale, sliding_window=sliding_window,
+                      logit_bias=logit_bias, dropout_mask=dropout_mask)
+    return _forward(q, k, v, a, logit_bias, dropout_mask, sinks, bound_min, bound_max)
+
+
+def _forward(q, k, v, a, logit_bias, dropout_mask, sinks, bound_min, bound_max):
+    """Forward on validated arguments ``a`` (the dict from ``_validate_fwd``)."""
+    bs, nheads, seqlen_q, seqlen_k = a["bs"], a["nheads"], a["seqlen_q"], a["seqlen_k"]
+    dt = q.dtype
+    sdt = stats_dtype(dt, a["mixed"])
+    adt = acc_dtype(dt)
+
+    # Work in [b, h, s, d]; each query head gets its own copy of its kv head.
+    qt = q.transpose(-1, -2)
+    kt = k.transpose(-1, -2).repeat_interleave(a["group"], dim=1)
+    vt = v.transpose(-1, -2).repeat_interleave(a["group"], dim=1)
+
+    # Matmul rounded to dt, everything softmax-related in sdt.
+    s = torch.matmul(qt, kt.transpose(-1, -2)).to(sdt) * a["scale"]
+    if logit_bias is not None:
+        s = s + logit_bias.to(device=s.device, dtype=sdt)
+    vis = visibility_mask(seqlen_q, seqlen_k, a["causal"], a["window"], bound_min, bound_max)
+    s = s.masked_fill(~vis.to(s.device), float("-inf"))
+    if sinks is not None:
+        sink_cols = sinks.to(device=s.device, dtype=sdt).reshape(bs, nheads, 1, a["num_sinks"])
+        s = torch.cat([s, sink_cols.expand(bs, nheads, seqlen_q, a["num_sinks"])], dim=-1)
+
+    m = s.amax(dim=-1, keepdim=True)
+    # A row whose max is -inf has nothing to attend to.  Shifting by 0
+    # instead of -inf keeps exp() at exactly 0 (no inf - inf = NaN), and
+    # dividing by 1 instead of 0 keeps the probs at 0.
+    empty = torch.isneginf(m)
+    m_safe = torch.where(empty, torch.zeros_like(m), m)
+    e = torch.exp(s - m_safe)
+    row_sum = e.sum(dim=-1, keepdim=True)
+    probs = e / torch.where(empty, torch.ones_like(row_sum), row_sum)
+    lse_rows = torch.where(empty, torch.full_like(m, float("inf")),
+                           m_safe + torch.log(row_sum)).squeeze(-1)
+
+    p_keys = probs[..., :seqlen_k]
+    if dropout_mask is not None:
+        p_keys = p_keys * dropout_mask.to(device=p_keys.device, dtype=sdt)
+    o = torch.matmul(p_keys.to(dt), vt).transpose(-1, -2).contiguous()
+
+    # Row r = t * 128 + p goes to [p, t]: split rows into tiles of 128, then
+    # put the within-tile index first.
+    lse = (lse_rows.to(adt)
+           .reshape(bs, nheads, seqlen_q // _v.PARTITIONS, _v.PARTITIONS)
+           .transpose(-1, -2).contiguous())
+    return o, lse, probs
+
+
+def attention_fwd_torch_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                            sinks_ref: Optional[torch.Tensor] = None,
+                            bound_min: Optional[torch.Tensor] = None,
+                            bound_max: Optional[torch.Tensor] = None,
+                            use_causal_mask: bool = False,
+                            mixed_precision: bool = True,
+                            softmax_scale: Optional[float] = None,
+                            sliding_window: Optional[int] = None):
+    """Reference with the forward kernel's signature; returns ``(o, lse)``.
+
+    Args:
+        q: ``[bs, nheads, d_head, seqlen_q]`` (seqlen_q a multiple of 128).
+        k, v: ``[bs, nheads_kv, d_head, seqlen_k]``.
+        sinks_ref: optional ``[bs, nheads]`` or ``[bs, nheads, num_sinks]``.
+        bound_min, bound_max: optional float32 ``[seqlen_q]`` packing bounds.
+        use_causal_mask, mixed_precision, softmax_scale, sliding_window: as
+            in :func:`compute_o_lse` (note the causal default here is False,
+            as in the kernel).
+
+    Returns:
+        o: ``[bs, nheads, d_head, seqlen_q]`` in q's dtype.
+        lse: ``[bs, nheads, 128, seqlen_q // 128]``, float32 (float64 for
+            float64 inputs), ``lse[b, h, p, t]`` for query row ``t * 128 + p``.
+    """
+    a = _validate_fwd("attention_fwd_torch_ref", q, k, v, sinks=sinks_ref,
+                      sinks_name="sinks_ref", bound_min=bound_min, bound_max=bound_max,
+                      use_causal_mask=use_causal_mask, mixed_precision=mixed_precision,
+                      softmax_scale=softmax_scale, sliding_window=sliding_window)
+    o, lse, _ = _forward(q, k, v, a, None, None, sinks_ref, bound_min, bound_max)
+    return o, lse
+
+
+def _as_cu(name: str, cu) -> torch.Tensor:
+    """Validate one cu_seqlens argument and return it as a 1-D int64 CPU tensor."""
+    fn = "packing_bounds"
+    t = torch.as_tensor(cu)
+    if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+        _v.fail(fn, f"{name}.dtype", t.dtype, "cu_seqlens must be an integer tensor")
+    if t.dim() != 1 or t.numel() < 2:
+        _v.fail(fn, f"{name}.shape", tuple(t.shape),
+                "must be 1-D [num_seqs + 1] with at least 2 entries")
+    t = t.to(device="cpu", dtype=torch.int64)
+    if int(t[0]) != 0:
+        _v.fail(fn, f"{name}[0]", int(t[0]), "cu_seqlens must start at 0")
+    if bool((t[1:] < t[:-1]).any()):
+        _v.fail(fn, name, t.tolist(), "cu_seqlens must be non-decreasing")
+    # float32 represents every integer up to 2**24 exactly; beyond that the
+    # bounds could round onto a neighbouring key.
+    if int(t[-1]) > 2 ** 24:
+        _v.fail(fn, f"{name}[-1]", int(t[-1]), "must be <= 2**24 to be exact in float32")
+    return t
+
+
+def packing_bounds(cu_seqlens_q: Union[torch.Tensor, Sequence[int]],
+                   cu_seqlens_k: Union[torch.Tensor, Sequence[int], None] = None,
+                   seqlen_q: Optional[int] = None):
+    """Turn FlashAttention ``cu_seqlens`` into per-query packing bounds.
+
+    Args:
+        cu_seqlens_q: int ``[num_seqs + 1]``, starting at 0, non-decreasing;
+            sequence s owns query rows ``cu_seqlens_q[s] .. cu_seqlens_q[s+1]-1``.
+        cu_seqlens_k: int ``[num_seqs + 1]`` for the keys; defaults to
+            ``cu_seqlens_q`` (self-attention).
+        seqlen_q: padded query length (>= ``cu_seqlens_q[-1]``); defaults to
+            ``cu_seqlens_q[-1]``.
+
+    Returns:
+        ``(bound_min, bound_max)``, float32 ``[seqlen_q]``: query i of sequence
+        s gets ``[cu_seqlens_k[s], cu_seqlens_k[s+1])``; padding rows
+        (``i >= cu_seqlens_q[-1]``) get ``0, 0`` and so see no key.
+    """
+    fn = "packing_bounds"
+    cu_q = _as_cu("cu_seqlens_q", cu_seqlens_q)
+    cu_k = cu_q if cu_seqlens_k is None else _as_cu("cu_seqlens_k", cu_seqlens_k)
+    if cu_k.numel() != cu_q.numel():
+        _v.fail(fn, "cu_seqlens_k.shape", tuple(cu_k.shape),
+                f"must have the same number of sequences as cu_seqlens_q (shape {tuple(cu_q.shape)})")
+    total_q = int(cu_q[-1])
+    if seqlen_q is None:
+        seqlen_q = total_q
+    if isinstance(seqlen_q, bool) or not isinstance(seqlen_q, int) or seqlen_q < total_q:
+        _v.fail(fn, "seqlen_q", repr(seqlen_q),
+                f"must be an int >= cu_seqlens_q[-1] = {total_q}")
+    rows = torch.arange(seqlen_q)
+    # right=True puts row i after every boundary <= i, i.e. into the last
+    # sequence that starts at or before i (empty sequences are skipped).
+    seq = torch.searchsorted(cu_q[1:], rows, right=True).clamp(max=cu_q.numel() - 2)
+    inside = rows < total_q
+    zero = torch.zeros(seqlen_q, dtype=torch.int64)
+    bound_min = torch.where(inside, cu_k[seq], zero).to(torch.float32)
+    bound_max = torch.where(inside, cu_k[seq + 1], zero).to(torch.float32)
+    return bound_min, bound_max

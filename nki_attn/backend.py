@@ -1,0 +1,46 @@
+"""Chooses the NKI implementation the kernels run on: the real ``nki`` or the built-in simulator.
+
+Kernels import ``nki``, ``nl`` and ``nisa`` only from here. The rule (env ``NKI_ATTN_BACKEND``):
+
+- unset or ``nki``: the real ``nki`` package when it imports; unset falls back to the simulator when it does
+  not, ``nki`` fails with a clear message instead;
+- ``sim``: always the simulator (``nki_attn.sim``), even where the real package is installed.
+
+``BACKEND`` is ``"nki"`` or ``"sim"``.
+"""
+import importlib
+import os
+
+_choice = os.environ.get("NKI_ATTN_BACKEND", "").strip().lower()
+if _choice not in ("", "nki", "sim"):
+    raise ImportError(f"NKI_ATTN_BACKEND={_choice!r} is not valid; use 'nki' (real package) or 'sim' (simulator)")
+
+
+def _import_real():
+    try:
+        mod = importlib.import_module("nki")
+    except ImportError:
+        return None
+    if getattr(mod, "__nki_attn_sim__", False):  # install_as_nki() put the simulator there
+        return None
+    return mod
+
+
+_real = None if _choice == "sim" else _import_real()
+if _real is not None:
+    nki = _real
+    nl = importlib.import_module("nki.language")
+    nisa = importlib.import_module("nki.isa")
+    BACKEND = "nki"
+elif _choice == "nki":
+    raise ImportError(
+        "NKI_ATTN_BACKEND=nki but the real 'nki' package is not importable. It ships with the Neuron SDK "
+        "(neuronx-cc) from the Neuron package repository, not from PyPI; install it there, or unset "
+        "NKI_ATTN_BACKEND (or set it to 'sim') to use the built-in simulator.")
+else:
+    from . import sim as nki  # noqa: E402
+    from .sim import isa as nisa  # noqa: E402,F401
+    from .sim import language as nl  # noqa: E402,F401
+    BACKEND = "sim"
+
+__all__ = ["nki", "nl", "nisa", "BACKEND"]

@@ -1,0 +1,90 @@
+"""Launch-wide configuration and per-core execution state.
+
+A launch (``kernel[lnc](...)``) reads its configuration from the environment once, then runs one Python thread
+per NeuronCore. Each thread sees its own ``CoreState`` (program id, engine accumulators) through a thread-local,
+and all share the ``Launch`` (target generation, shared-HBM tensors, checking modes).
+"""
+import os
+import threading
+
+import numpy as np
+
+from .errors import NkiValidationError
+
+# Public generation names accepted by NEURON_PLATFORM_TARGET_OVERRIDE and the NeuronCore version each maps to.
+_TARGETS = {"trn1": 2, "inf2": 2, "gen2": 2, "trn2": 3, "gen3": 3, "trn3": 4, "gen4": 4}
+_TARGET_NAMES = {2: "trn1", 3: "trn2", 4: "trn3"}
+DEFAULT_TARGET = "trn2"
+
+# Usable SBUF bytes per partition by NeuronCore version (KLR's sbuf_fmax_bytes; see docs/simulator.md).
+SBUF_BYTES_PER_PARTITION = {2: 180224, 3: 212984, 4: 245752}
+PSUM_BANK_BYTES = 2048
+PSUM_BANKS = 8
+
+
+def target_version(name=None):
+    """NeuronCore version (2, 3, 4) for a target name, or for NEURON_PLATFORM_TARGET_OVERRIDE when ``None``."""
+    raw = name if name is not None else os.environ.get("NEURON_PLATFORM_TARGET_OVERRIDE", "") or DEFAULT_TARGET
+    key = raw.strip().lower()
+    if key not in _TARGETS:
+        raise NkiValidationError(
+            f"NEURON_PLATFORM_TARGET_OVERRIDE={raw!r} is not a known target; use one of {sorted(_TARGETS)}")
+    return _TARGETS[key]
+
+
+def target_name(version):
+    return _TARGET_NAMES[version]
+
+
+def _env_flag(name, default):
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    return raw.strip().lower() not in ("0", "false", "no", "off")
+
+
+class Launch:
+    """State shared by the cores of one kernel launch."""
+
+    def __init__(self, lnc, grid):
+        self.version = target_version()
+        self.lnc = lnc
+        self.grid = grid  # False when launched without brackets (program_ndim() == 0)
+        self.precise_fp = _env_flag("NKI_PRECISE_FP", True)
+        self.strict = _env_flag("NKI_ATTN_SIM_STRICT", False)
+        self.lock = threading.Lock()
+        self.shared_allocs = []  # shared_hbm tensors by allocation order, one storage for all cores
+        self.tracer = None
+
+
+class CoreState:
+    """What one NeuronCore's thread sees."""
+
+    def __init__(self, launch, program_id):
+        self.launch = launch
+        self.program_id = program_id
+        self.shared_counter = 0
+        # Engine accumulators are per-lane fp32 state that persists between instructions. They start poisoned
+        # so a kernel that reads one it never reset gets NaN instead of a plausible number.
+        self.scalar_acc = np.full(128, np.nan, dtype=np.float32)
+        self.vector_acc = np.full(128, np.nan, dtype=np.float32)
+
+
+_local = threading.local()
+
+
+def current():
+    """The CoreState of the calling thread; outside a launch a fresh single-core state (eager use in tests)."""
+    state = getattr(_local, "state", None)
+    if state is None:
+        # Not cached: the environment (target, precision) may change between eager calls.
+        state = CoreState(Launch(lnc=1, grid=False), 0)
+    return state
+
+
+def set_current(state):
+    _local.state = state
+
+
+def version():
+    return current().launch.version

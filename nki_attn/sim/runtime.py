@@ -1,0 +1,188 @@
+"""Kernel objects and launches: ``nki.jit``, ``kernel[lnc](...)``, ``nki.simulate``.
+
+A launch turns every numpy array / CPU torch tensor argument into an HBM tensor (``shared_hbm`` under LNC2),
+runs the kernel body once per NeuronCore (LNC2: two threads, each with its own ``nl.program_id``), copies back
+into the caller's arrays any argument the kernel wrote, and converts the returned ``shared_hbm`` tensors to
+arrays of the caller's kind (numpy in, numpy out; torch in, torch out).
+"""
+import functools
+import sys
+import threading
+
+import numpy as np
+
+from . import context
+from .errors import NkiValidationError
+from .tensor import NkiTensor, from_array, private_hbm, shared_hbm, to_array
+
+
+def _is_torch(x):
+    t = sys.modules.get("torch")
+    return t is not None and isinstance(x, t.Tensor)
+
+
+def _torch_to_numpy(x):
+    import torch
+    x = x.detach()
+    if x.device.type != "cpu":
+        raise NkiValidationError(f"the simulator runs on CPU tensors; got a tensor on {x.device}")
+    x = x.contiguous()
+    if x.dtype == torch.bfloat16:
+        import ml_dtypes
+        return x.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    return x.numpy()
+
+
+def _numpy_to_torch(a):
+    import ml_dtypes
+    import torch
+    if a.dtype == ml_dtypes.bfloat16:
+        return torch.from_numpy(np.ascontiguousarray(a).view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(np.ascontiguousarray(a))
+
+
+class Kernel:
+    """A kernel function; ``kernel[lnc]`` selects the LNC degree, calling it launches on the simulator."""
+
+    def __init__(self, fn, lnc=None):
+        self.fn = fn
+        self.lnc = lnc
+        functools.update_wrapper(self, fn)
+
+    def __getitem__(self, lnc):
+        if isinstance(lnc, tuple):
+            raise NkiValidationError(f"kernel[{lnc}]: multi-axis SPMD grids are legacy; use kernel[lnc] with "
+                                     f"lnc in (1, 2)")
+        if not isinstance(lnc, (int, np.integer)) or int(lnc) not in (1, 2):
+            raise NkiValidationError(f"kernel[{lnc!r}]: the LNC degree must be 1 or 2")
+        return Kernel(self.fn, int(lnc))
+
+    def __call__(self, *args, **kwargs):
+        return launch(self.fn, self.lnc, args, kwargs)
+
+    def __repr__(self):
+        return f"<nki kernel {self.fn.__name__}{'' if self.lnc is None else f'[{self.lnc}]'}>"
+
+
+def jit(fn=None, **kwargs):
+    """``@nki.jit``: wrap a kernel function. ``platform_target=`` is rejected (use
+    NEURON_PLATFORM_TARGET_OVERRIDE); ``mode=`` is deprecated and ignored."""
+    if "platform_target" in kwargs:
+        raise NkiValidationError("jit(platform_target=...) is no longer accepted; set "
+                                 "NEURON_PLATFORM_TARGET_OVERRIDE instead")
+    unknown = set(kwargs) - {"mode", "debug_kernel", "show_compiler_tool", "additional_compile_opt"}
+    if unknown:
+        raise NkiValidationError(f"jit: unknown keyword arguments {sorted(unknown)}")
+    if fn is None:
+        return lambda f: jit(f, **kwargs)
+    if isinstance(fn, Kernel):
+        return fn
+    return Kernel(fn)
+
+
+def simulate(kernel):
+    """``nki.simulate(kernel)(*args)`` / ``nki.simulate(kernel[2])(*args)``: run on the CPU simulator."""
+    if not isinstance(kernel, Kernel):
+        kernel = Kernel(kernel)
+    return lambda *args, **kwargs: launch(kernel.fn, kernel.lnc, args, kwargs)
+
+
+def simulate_kernel(kernel, *args, **kwargs):
+    """Older name: ``nki.simulate_kernel(kernel, *args, **kwargs)``."""
+    return simulate(kernel)(*args, **kwargs)
+
+
+class _Arg:
+    __slots__ = ("original", "tensor", "torch")
+
+    def __init__(self, original, tensor, is_torch):
+        self.original = original
+        self.tensor = tensor
+        self.torch = is_torch
+
+
+def _convert_args(values, buffer, record, path="arg"):
+    out = []
+    for i, v in enumerate(values):
+        if isinstance(v, np.ndarray) or _is_torch(v):
+            is_t = _is_torch(v)
+            arr = _torch_to_numpy(v) if is_t else v
+            t = from_array(arr, buffer, name=f"{path}{i}")
+            record.append(_Arg(v, t, is_t))
+            out.append(t)
+        elif isinstance(v, list) and any(isinstance(e, np.ndarray) or _is_torch(e) for e in v):
+            raise NkiValidationError(f"{path}{i}: list kernel arguments are rejected by the compiler; pass a tuple")
+        elif isinstance(v, tuple) and any(isinstance(e, np.ndarray) or _is_torch(e) for e in v):
+            out.append(tuple(_convert_args(v, buffer, record, path=f"{path}{i}.")))
+        else:
+            out.append(v)
+    return out
+
+
+def launch(fn, lnc, args, kwargs):
+    """Run ``fn`` on ``lnc`` simulated cores (``None``: no brackets, one core, program_ndim() == 0)."""
+    n = lnc or 1
+    lau = context.Launch(n, grid=lnc is not None)
+    if n > 1 and lau.version < 3:
+        raise NkiValidationError(f"kernel[{n}]: LNC2 exists on trn2/trn3 only; the target is "
+                                 f"{context.target_name(lau.version)}")
+    prev = getattr(context._local, "state", None)
+    states = [context.CoreState(lau, pid) for pid in range(n)]
+    context.set_current(states[0])
+    try:
+        record = []
+        buffer = shared_hbm if n > 1 else private_hbm
+        keys = list(kwargs)
+        conv = _convert_args(list(args) + [kwargs[k] for k in keys], buffer, record)
+        targs, tkw = conv[:len(args)], dict(zip(keys, conv[len(args):]))
+        results = [None] * n
+        errors = [None] * n
+
+        def run(pid):
+            context.set_current(states[pid])
+            try:
+                results[pid] = fn(*targs, **tkw)
+            except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
+                errors[pid] = exc
+            finally:
+                context.set_current(None)
+
+        if n == 1:
+            results[0] = fn(*targs, **tkw)
+        else:
+            threads = [threading.Thread(target=run, args=(pid,), name=f"nki-core{pid}") for pid in range(n)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            for e in errors:
+                if e is not None:
+                    raise e
+    finally:
+        context.set_current(prev)
+    for a in record:
+        if a.tensor.storage.dirty:
+            back = to_array(a.tensor)
+            if a.torch:
+                a.original.copy_(_numpy_to_torch(back).to(a.original.dtype))
+            else:
+                a.original[...] = back
+    as_torch = any(a.torch for a in record)
+    return _convert_results(results[0], as_torch, record)
+
+
+def _convert_results(res, as_torch, record):
+    if isinstance(res, NkiTensor):
+        args = {id(a.tensor.storage) for a in record}
+        if res.buffer is not shared_hbm and id(res.storage) not in args:
+            raise NkiValidationError(f"returned tensor {res.name} is in {res.buffer.name}; kernel outputs must be "
+                                     f"allocated with buffer=nl.shared_hbm")
+        arr = to_array(res)
+        return _numpy_to_torch(arr) if as_torch else arr
+    if isinstance(res, tuple):
+        return tuple(_convert_results(r, as_torch, record) for r in res)
+    if isinstance(res, list):
+        return [_convert_results(r, as_torch, record) for r in res]
+    if isinstance(res, dict):
+        return {k: _convert_results(v, as_torch, record) for k, v in res.items()}
+    return res
