@@ -151,7 +151,7 @@ def attention_bwd_torch_ref(q_ref: torch.Tensor, k_ref: torch.Tensor, v_ref: tor
                       bound_max, use_causal_mask, mixed_precision, softmax_scale,
                       sliding_window)
     bs, nheads, nheads_kv = a["bs"], a["nheads"], a["nheads_kv"]
-    seqlen_q, seqlen_k, d_head, group = a["seqlen_q"], a["seqlen_k"], a["d_head"], a["group"]
+    seqlen_q, seqlen_k, group = a["seqlen_q"], a["seqlen_k"], a["group"]
     dt = q_ref.dtype
     sdt = stats_dtype(dt, a["mixed"])
 

@@ -64,7 +64,6 @@ The golden is dtype-generic; let ``dt`` be the common dtype of q, k, v.
 
 from __future__ import annotations
 
-import math
 from typing import Optional, Sequence, Union
 
 import torch

@@ -54,7 +54,41 @@ class Launch:
         self.strict = _env_flag("NKI_ATTN_SIM_STRICT", False)
         self.lock = threading.Lock()
         self.shared_allocs = []  # shared_hbm tensors by allocation order, one storage for all cores
-        self.tracer = None
+        from .trace import active_recorder
+        self.tracer = active_recorder()
+
+
+class EagerLaunch(Launch):
+    """The implicit launch of instructions called outside any kernel (tests, notebooks): it re-reads the
+    target and precision from the environment at every access, so they can change between calls."""
+
+    def __init__(self):
+        super().__init__(lnc=1, grid=False)
+
+    @property
+    def version(self):
+        return target_version()
+
+    @version.setter
+    def version(self, _):
+        pass
+
+    @property
+    def precise_fp(self):
+        return _env_flag("NKI_PRECISE_FP", True)
+
+    @precise_fp.setter
+    def precise_fp(self, _):
+        pass
+
+    @property
+    def tracer(self):
+        from .trace import active_recorder
+        return active_recorder()
+
+    @tracer.setter
+    def tracer(self, _):
+        pass
 
 
 class CoreState:
@@ -74,11 +108,12 @@ _local = threading.local()
 
 
 def current():
-    """The CoreState of the calling thread; outside a launch a fresh single-core state (eager use in tests)."""
+    """The CoreState of the calling thread; outside a launch, the thread's eager single-core state."""
     state = getattr(_local, "state", None)
     if state is None:
-        # Not cached: the environment (target, precision) may change between eager calls.
-        state = CoreState(Launch(lnc=1, grid=False), 0)
+        state = getattr(_local, "eager", None)
+        if state is None:
+            state = _local.eager = CoreState(EagerLaunch(), 0)
     return state
 
 

@@ -86,6 +86,12 @@ def test_sinks_numeric_example():
     # Without the sink: softmax([1, 2]) = [0.2689, 0.7311], o = 17.3106.
     o2, _, _ = golden.compute_o_lse(q, k, v, use_causal_mask=False, softmax_scale=1.0)
     assert round(float(o2[0, 0, 0, 0]), 4) == 17.3106
+    # dO = 1 on every row: D_i = O_i = 15.7521, each of the 128 identical
+    # rows adds -p_sink * D_i = -1.4182 to dsinks.
+    sinks = torch.zeros(1, 1, dtype=torch.float64)
+    got = golden.attention_bwd_torch_ref(q, k, v, o, torch.ones_like(q), lse, sinks_ref=sinks,
+                                         softmax_scale=1.0)
+    assert round(float(got["out_dsinks_ref"][0, 0]) / 128, 4) == -1.4182
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])

@@ -21,7 +21,7 @@ seqlen_k, group * seqlen_q).  Derivation:
   errors random-walk to ~sqrt(n) * u32 (a factor 2 of headroom).  For 16-bit
   inputs this term is negligible; for float32 it dominates.
 
-Measured errors sit 3-5x below this bound; an indexing or masking bug gives
+Measured errors sit 2.5-10x below this bound; an indexing or masking bug gives
 errors of order M, far above it (about 9 * eps for bf16 with smax ~ 5).
 """
 
