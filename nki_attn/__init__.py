@@ -1,6 +1,12 @@
 """nki-attn: flash-attention forward and backward kernels for AWS Trainium in NKI, with a CPU simulator.
 
+Public PyTorch API (autograd, CPU tensors on the simulator, XLA tensors on Trainium):
+``flash_attn_func``, ``flash_attn_varlen_func``, ``scaled_dot_product_attention``.
 Subpackages: ``nki_attn.kernels`` (the NKI kernels), ``nki_attn.sim`` (the simulator of the NKI API),
-``nki_attn.backend`` (real ``nki`` or simulator).
+``nki_attn.backend`` (real ``nki`` or simulator), ``nki_attn.harness`` (the correctness harness).
 """
+from .attention import (NkiAttentionFunction, flash_attn_func, flash_attn_varlen_func,  # noqa: F401
+                        scaled_dot_product_attention)
+
 __version__ = "0.1.0"
+__all__ = ["flash_attn_func", "flash_attn_varlen_func", "scaled_dot_product_attention", "NkiAttentionFunction"]

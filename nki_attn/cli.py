@@ -26,6 +26,10 @@ def main(argv=None):
     sub = parser.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("demo", help="run a demo kernel and check it against numpy")
     p.set_defaults(func=_demo)
+    from .harness.cli import add_parser as _add_check
+    _add_check(sub)
+    from .profiler.cli import add_parser as _add_profile
+    _add_profile(sub)
     args = parser.parse_args(argv)
     return args.func(args)
 

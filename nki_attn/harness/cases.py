@@ -1,0 +1,166 @@
+"""Harness rows: one ``Case`` per (shape, dtype, feature set), and the presets that list them.
+
+A case describes one forward + backward check in the kernels' layout: q ``[batch, heads, d_head, seqlen_q]``,
+k/v ``[batch, kv_heads, d_head, seqlen_k]``. Features: ``causal``, ``window`` (sliding window, causal only),
+``sinks`` (sink logits per head), ``packing`` (packed sequences given by ``cu_seqlens``; a gap at the end
+leaves query rows that see no key), ``scale`` (non-default softmax scale).
+"""
+import dataclasses
+
+DTYPES = ("float32", "bfloat16", "float16")
+FEATURES = ("plain", "causal", "window", "gqa", "mqa", "packing", "packing_causal", "sinks", "sinks2", "scale",
+            "unequal", "empty_row")
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One harness row. ``note`` records how the shape was derived (e.g. a model scaled down in seqlen)."""
+
+    name: str
+    batch: int
+    heads: int
+    kv_heads: int
+    seqlen_q: int
+    seqlen_k: int
+    d_head: int
+    dtype: str
+    causal: bool = False
+    window: int = 0
+    num_sinks: int = 0
+    cu_seqlens: tuple = ()
+    scale: float = 0.0  # 0 means the default 1/sqrt(d_head)
+    note: str = ""
+
+    @property
+    def features(self):
+        f = []
+        if self.causal:
+            f.append("causal")
+        if self.window:
+            f.append(f"window{self.window}")
+        if self.kv_heads == 1 and self.heads > 1:
+            f.append("mqa")
+        elif self.kv_heads != self.heads:
+            f.append(f"gqa{self.heads // self.kv_heads}:1")
+        if self.num_sinks:
+            f.append(f"sinks{self.num_sinks}")
+        if self.cu_seqlens:
+            f.append("packing")
+            if self.cu_seqlens[-1] < self.seqlen_q:
+                f.append("empty_rows")
+        if self.scale:
+            f.append(f"scale{self.scale:g}")
+        if self.seqlen_q != self.seqlen_k:
+            f.append("sq!=sk")
+        return f or ["plain"]
+
+    def as_dict(self):
+        d = dataclasses.asdict(self)
+        d["cu_seqlens"] = list(self.cu_seqlens)
+        d["features"] = self.features
+        return d
+
+
+def feature_case(feature, seqlen, d_head, dtype, heads=2, batch=1):
+    """The case that exercises one named feature at the given size."""
+    s, h = seqlen, heads
+    base = dict(batch=batch, heads=h, kv_heads=h, seqlen_q=s, seqlen_k=s, d_head=d_head, dtype=dtype)
+    thirds = (0, s // 3 - 5, s // 3 + s // 2, s)  # three packed sequences of unequal length
+    spec = {
+        "plain": {},
+        "causal": dict(causal=True),
+        "window": dict(causal=True, window=max(1, s // 4) + 3),
+        "gqa": dict(heads=4 * h, kv_heads=h),
+        "mqa": dict(heads=4, kv_heads=1),
+        "packing": dict(cu_seqlens=thirds),
+        "packing_causal": dict(cu_seqlens=thirds, causal=True),
+        "sinks": dict(num_sinks=1, causal=True),
+        "sinks2": dict(num_sinks=2),
+        "scale": dict(scale=0.3),
+        "unequal": dict(seqlen_k=s + 128 if s <= 1024 else s // 2),
+        "empty_row": dict(cu_seqlens=(0, s // 2, s - 64)),
+    }[feature]
+    base.update(spec)
+    return Case(name=f"{feature}-s{base['seqlen_q']}-d{d_head}-{dtype}", **base)
+
+
+def quick():
+    """Every feature at small sizes, plus each d_head and dtype: a few minutes on 2 cores."""
+    rows = [feature_case(f, 256, 64, "bfloat16") for f in FEATURES]
+    rows += [feature_case("causal", 256, 64, dt) for dt in ("float32", "float16")]
+    rows += [feature_case("plain", 256, 64, "float32"), feature_case("sinks", 256, 64, "float16")]
+    rows += [feature_case("causal", 256, d, "bfloat16") for d in (96, 128, 256)]
+    return rows
+
+
+def full():
+    """The feature matrix at realistic sizes (seqlen 2048-4096), every dtype, d_head 64/128/256."""
+    rows = []
+    for dt in DTYPES:
+        rows += [feature_case(f, 2048, 128, dt, heads=1) for f in FEATURES if f not in ("gqa", "mqa")]
+        rows += [feature_case(f, 2048, 128, dt, heads=1) for f in ("gqa", "mqa")]
+    for d in (64, 256):
+        rows += [feature_case("causal", 4096, d, "bfloat16", heads=1)]
+    rows += [feature_case("window", 8192, 128, "bfloat16", heads=1)]
+    return rows
+
+
+# (name, heads, kv_heads, d_head, causal, window, sinks, real seqlen)
+MODELS = (
+    ("llama3-8b", 32, 8, 128, True, 0, 0, 8192),
+    ("llama3-70b-tp8", 8, 1, 128, True, 0, 0, 8192),
+    ("qwen3-8b", 32, 8, 128, True, 0, 0, 4096),
+    ("gemma2-9b-swa", 16, 8, 256, True, 4096, 0, 8192),
+    ("gpt-oss-20b-sinks-swa", 64, 8, 64, True, 128, 1, 4096),
+    ("modernbert", 16, 16, 64, False, 0, 0, 1024),
+    ("mqa-d96", 8, 1, 96, True, 0, 0, 8192),
+)
+
+
+def models(seqlen_cap=1024):
+    """Real models' head counts, kv heads, d_head, window and sinks; seqlen capped at ``seqlen_cap`` to fit the
+    simulator's time budget (the note says so; windows larger than the cap are scaled down with it)."""
+    rows = []
+    for name, h, hk, d, causal, window, sinks, real in MODELS:
+        s = min(real, seqlen_cap)
+        w = window
+        note = ""
+        if s < real:
+            note = f"seqlen scaled down from {real} to {s} for the simulator's time budget"
+            if window and window >= s:
+                w = s // 4
+                note += f"; window scaled from {window} to {w}"
+        rows.append(Case(name=f"{name}-s{s}", batch=1, heads=h, kv_heads=hk, seqlen_q=s, seqlen_k=s, d_head=d,
+                         dtype="bfloat16", causal=causal, window=w, num_sinks=sinks, note=note))
+    return rows
+
+
+PRESETS = {"quick": quick, "full": full, "models": models}
+
+
+def select(preset=None, shapes=None, dtypes=None, features=None):
+    """Rows of a preset, or rows built from ``shapes`` ("SEQLENxD_HEAD[xHEADS]" strings) x ``dtypes`` x
+    ``features``; with a preset, ``dtypes``/``features`` filter its rows."""
+    if shapes:
+        feats = features or ["plain", "causal"]
+        dts = dtypes or ["bfloat16"]
+        rows = []
+        for spec in shapes:
+            parts = [int(x) for x in spec.lower().split("x")]
+            if len(parts) not in (2, 3):
+                raise ValueError(f"--shapes entry {spec!r} must be SEQLENxD_HEAD or SEQLENxD_HEADxHEADS")
+            s, d = parts[0], parts[1]
+            h = parts[2] if len(parts) == 3 else 2
+            for f in feats:
+                if f not in FEATURES:
+                    raise ValueError(f"unknown feature {f!r}; choose from {FEATURES}")
+                rows += [feature_case(f, s, d, dt, heads=h) for dt in dts]
+        return rows
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; choose from {sorted(PRESETS)}")
+    rows = PRESETS[preset]()
+    if dtypes:
+        rows = [r for r in rows if r.dtype in dtypes]
+    if features:
+        rows = [r for r in rows if any(r.name.startswith(f + "-") for f in features)]
+    return rows
