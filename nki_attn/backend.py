@@ -23,6 +23,12 @@ def _import_real():
         return None
     if getattr(mod, "__nki_attn_sim__", False):  # install_as_nki() put the simulator there
         return None
+    if getattr(mod, "__file__", None) is None:
+        # A plain directory named "nki" on sys.path (e.g. a checkout of the NKI docs) imports as an empty
+        # namespace package; it is not the nki package, and leaving it registered would hide the simulator.
+        import sys
+        sys.modules.pop("nki", None)
+        return None
     return mod
 
 

@@ -9,19 +9,24 @@ import importlib.util
 import sys
 
 from . import isa, language  # noqa: F401
+from . import nki_typing as typing  # noqa: F401 - nki.typing
+from .checks import LaunchStats, checking, last_launch_stats  # noqa: F401
 from .errors import NkiValidationError  # noqa: F401
 from .runtime import Kernel, jit, simulate, simulate_kernel  # noqa: F401
 
-__all__ = ["jit", "simulate", "simulate_kernel", "Kernel", "NkiValidationError", "language", "isa",
-           "install_as_nki", "real_nki_available"]
+__all__ = ["jit", "simulate", "simulate_kernel", "Kernel", "NkiValidationError", "language", "isa", "typing",
+           "install_as_nki", "real_nki_available", "checking", "last_launch_stats", "LaunchStats"]
 
 
 def real_nki_available():
     """True when a real ``nki`` package (not this simulator) can be imported."""
     mod = sys.modules.get("nki")
-    if mod is not None:
+    if mod is not None and getattr(mod, "__file__", None) is not None:
         return not getattr(mod, "__nki_attn_sim__", False)
-    return importlib.util.find_spec("nki") is not None
+    spec = importlib.util.find_spec("nki")
+    # A directory that merely happens to be called "nki" on sys.path (e.g. a checkout of the NKI docs, whose
+    # examples live under nki/) is found as a namespace package with no origin; it is not the nki package.
+    return spec is not None and spec.origin not in (None, "namespace")
 
 
 def install_as_nki(force=False):
@@ -36,6 +41,7 @@ def install_as_nki(force=False):
     sys.modules["nki"] = me
     sys.modules["nki.language"] = language
     sys.modules["nki.isa"] = isa
+    sys.modules["nki.typing"] = typing
     return True
 
 

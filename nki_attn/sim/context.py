@@ -51,7 +51,15 @@ class Launch:
         self.lnc = lnc
         self.grid = grid  # False when launched without brackets (program_ndim() == 0)
         self.precise_fp = _env_flag("NKI_PRECISE_FP", True)
-        self.strict = _env_flag("NKI_ATTN_SIM_STRICT", False)
+        from .checks import mode_overrides
+        modes = mode_overrides()
+        # Checking modes (nki_attn.sim.checks): the innermost checking() block wins over the environment.
+        self.strict = modes["strict"] if modes["strict"] is not None else _env_flag("NKI_ATTN_SIM_STRICT", False)
+        self.capacity = (modes["capacity"] if modes["capacity"] is not None
+                         else _env_flag("NKI_ATTN_SIM_CAPACITY", True))
+        self.track_memory = True
+        self.peak_sbuf_bytes = 0
+        self.peak_psum_banks = 0
         self.lock = threading.Lock()
         self.shared_allocs = []  # shared_hbm tensors by allocation order, one storage for all cores
         from .trace import active_recorder
@@ -64,6 +72,11 @@ class EagerLaunch(Launch):
 
     def __init__(self):
         super().__init__(lnc=1, grid=False)
+        # Instructions called outside a kernel (tests, notebooks) build tiles by hand, so the launch-scoped
+        # checking modes do not apply to them.
+        self.strict = False
+        self.capacity = False
+        self.track_memory = False
 
     @property
     def version(self):
@@ -102,6 +115,11 @@ class CoreState:
         # so a kernel that reads one it never reset gets NaN instead of a plausible number.
         self.scalar_acc = np.full(128, np.nan, dtype=np.float32)
         self.vector_acc = np.full(128, np.nan, dtype=np.float32)
+        # This core's live SBUF/PSUM account (capacity checks and peaks); None for eager instructions.
+        self.mem = None
+        if launch.track_memory:
+            from .checks import MemAccount
+            self.mem = MemAccount(launch.version, program_id, launch.capacity)
 
 
 _local = threading.local()

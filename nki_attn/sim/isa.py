@@ -9,6 +9,7 @@ import enum
 
 import numpy as np
 
+from . import checks as _checks
 from . import context
 from . import dtypes as _dt
 from . import ops as _ops
@@ -119,6 +120,8 @@ def _tensor(instr, name, t):
 
 
 _START_RULE = ((32, (0, 32, 64, 96)), (64, (0, 64)), (128, (0,)))
+# Operand names that an instruction writes rather than reads (strict mode checks reads of all others).
+_WRITE_OPERANDS = frozenset(("dst", "reduce_res"))
 
 
 def _onchip(instr, name, t, allow=("sbuf", "psum")):
@@ -139,6 +142,8 @@ def _onchip(instr, name, t, allow=("sbuf", "psum")):
             if p0 not in starts:
                 fail(instr, name, f"an access of {p} partitions must start at partition {starts}, starts at {p0}")
             break
+    if t.storage.written is not None and name not in _WRITE_OPERANDS:
+        _checks.check_read(instr, name, t)
     return t
 
 
@@ -195,14 +200,28 @@ def _flags(storage_flags, t):
     return np.lib.stride_tricks.as_strided(storage_flags[t.offset:], shape=t.shape, strides=t.strides)
 
 
-def _write(dst, vals, writer="other"):
+def _wrote(instr, dst, keep=None, matmul=False):
+    """Bookkeeping after an instruction wrote ``dst`` (``keep``: mask of the elements it actually changed):
+    dirty flag, PSUM history, and the checking modes' masks. The common case (SBUF, no checking) costs two
+    attribute tests."""
+    st = dst.storage
+    if st.mm_written is None and st.written is None and st.writer is None:
+        st.dirty = True
+    else:
+        _checks.note_write(instr, "dst", dst, keep, matmul)
+
+
+def _read_checked(instr, name, t):
+    """Strict-mode read check for operands that do not pass through ``_onchip`` (DMA sources)."""
+    if t.storage.written is not None:
+        _checks.check_read(instr, name, t)
+
+
+def _write(dst, vals):
     """Store ``vals`` ((P, F) or any shape with dst.size elements) into dst, rounding to its dtype."""
     arr = dst.np()
     arr[...] = _cast_for(dst, np.asarray(vals)).reshape(arr.shape)
-    st = dst.storage
-    st.dirty = True
-    if st.mm_written is not None and writer == "other":
-        _flags(st.other_written, dst)[...] = True
+    _wrote(None, dst)
 
 
 def _trace(instr, eng, dst, srcs, **info):
@@ -277,6 +296,7 @@ def dma_copy(dst, src, priority=None, oob_mode=oob_mode.error, dge_mode=dge_mode
         _need_version(instr, 3, "dge_mode=hwdge")
         if dst.dtype != src.dtype:
             fail(instr, "dge_mode", f"hwdge needs equal dtypes, got {src.dtype} -> {dst.dtype}")
+    _read_checked(instr, "src", src)
     s = src.np()
     if dst.dtype == src.dtype and s.dtype == dst.np().dtype:
         vals = s
@@ -288,7 +308,7 @@ def dma_copy(dst, src, priority=None, oob_mode=oob_mode.error, dge_mode=dge_mode
             vals = s
         arr = dst.np()
         arr[...] = _cast_for(dst, np.asarray(vals)).reshape(arr.shape)
-    dst.storage.dirty = True
+    _wrote(instr, dst)
     _trace(instr, engine if engine is not _E.unknown else _E.dma, dst, [src])
 
 
@@ -309,10 +329,7 @@ def tensor_copy(dst, src, engine=engine.unknown, name=None):
         vals = np.array(src.np()).reshape(p, f)
         arr = dst.np()
         arr[...] = vals.reshape(arr.shape)
-        st = dst.storage
-        st.dirty = True
-        if st.mm_written is not None:
-            _flags(st.other_written, dst)[...] = True
+        _wrote(instr, dst)
     else:
         _write(dst, _read(src) if (src.dtype.kind == "float" or dst.dtype.kind == "float") else _read_int(src))
     if eng is _E.vector:
@@ -404,8 +421,9 @@ def dma_transpose(dst, src, axes=None, priority=None, dge_mode=dge_mode.unknown,
         fail(instr, "dst", f"shape {dst.shape} must equal the permuted src shape {want}")
     if dst.shape[0] > PMAX:
         fail(instr, "dst", f"partition dimension {dst.shape[0]} exceeds maximum {PMAX}")
+    _read_checked(instr, "src", src)
     dst.np()[...] = np.transpose(src.np(), axes)
-    dst.storage.dirty = True
+    _wrote(instr, dst)
     _trace(instr, engine.dma, dst, [src])
 
 
@@ -531,10 +549,14 @@ def _check_tiling(instr, tile_position, tile_size, k, m):
 
 
 def _mark_matmul(dst):
-    st = dst.storage
-    st.dirty = True
-    _flags(st.mm_written, dst)[...] = True
-    _flags(st.other_written, dst)[...] = False
+    _wrote("nc_matmul", dst, matmul=True)
+
+
+def _psum_where(dst, p, f):
+    """``t5[0:4, 0:8] (element [p, ...] of t5)``: the dst region and one element, in tensor coordinates."""
+    pos = (int(p),) + tuple(int(i) for i in np.unravel_index(int(f), dst.shape[1:] or (1,)))[:dst.ndim - 1]
+    flat = dst.offset + sum(i * s for i, s in zip(pos, dst.strides))
+    return f"{_checks.region(dst)} (element {list(_checks.element_index(dst, flat))} of {dst.name})"
 
 
 def _accumulate(instr, dst, prod, accumulate, ver):
@@ -548,15 +570,15 @@ def _accumulate(instr, dst, prod, accumulate, ver):
             never = ~mm & ~other
             what = "was never written" if never.any() else "was last written by a non-matmul instruction"
             if never.any() or ver < 4:
-                p, f = np.argwhere(~mm)[0]
-                fail(instr, "accumulate", f"True onto PSUM {dst.name} (element [{p}, {f}] of dst) that {what}; "
-                                          f"no overwriting matmul started this accumulation (undefined on hardware)")
+                p, f = np.argwhere(never if never.any() else ~mm)[0]  # an element the message describes
+                fail(instr, "accumulate", f"True onto PSUM {_psum_where(dst, p, f)} that {what}; no overwriting "
+                                          f"matmul started this accumulation (undefined on hardware)")
         add_mask = np.ones_like(mm)
     else:
         add_mask = mm
         if ver < 4 and (mm & other).any():
             p, f = np.argwhere(mm & other)[0]
-            fail(instr, "accumulate", f"accumulating onto PSUM {dst.name} element [{p}, {f}] last written by a "
+            fail(instr, "accumulate", f"accumulating onto PSUM {_psum_where(dst, p, f)}, last written by a "
                                       f"non-matmul instruction (undefined on {context.target_name(ver)})")
     arr = dst.np()
     if add_mask is None or not add_mask.any():
@@ -601,9 +623,7 @@ def nc_transpose(dst, data, engine=engine.unknown, name=None):
     if eng is eng_cls.tensor:
         _mark_matmul(dst)
     else:
-        dst.storage.dirty = True
-        if dst.storage.mm_written is not None:
-            _flags(dst.storage.other_written, dst)[...] = True
+        _wrote(instr, dst)
         _poison_vector_acc()
     _trace(instr, eng, dst, [data], m=p, n=f, k=p, transpose=True)
 
@@ -724,6 +744,82 @@ def scalar_tensor_tensor(dst, data, op0, operand0, op1, operand1, reverse0=False
     _write(dst, res)
     _poison_vector_acc()
     _trace(instr, engine.vector, dst, [data, operand1] + ([operand0] if isinstance(operand0, NkiTensor) else []))
+
+
+def tensor_tensor_scan(dst, data0, data1, initial, op0, op1, reverse0=False, reverse1=False, name=None):
+    """Vector: running scan along the (flattened) free dim of each partition,
+    ``r[i] = op1(op0(data0[i], r[i-1]), data1[i])`` with ``r[-1] = initial`` (a number or a (P, 1) tile).
+    ``reverse0`` makes data0 the right operand of op0, ``reverse1`` makes data1 the left operand of op1. Math in
+    float32 (the carried state too); each result is rounded to dst's dtype on write. Not both data in PSUM."""
+    instr = "tensor_tensor_scan"
+    _check_op(instr, "op0", op0, allow_bitvec=False)
+    _check_op(instr, "op1", op1, allow_bitvec=False)
+    _onchip(instr, "dst", dst)
+    _onchip(instr, "data0", data0)
+    _onchip(instr, "data1", data1)
+    if data0.buffer.kind == "psum" and data1.buffer.kind == "psum":
+        fail(instr, "data1", "data0 and data1 are both in PSUM; at most one may be")
+    p, f = _pf(dst)
+    _match(instr, "data0", data0, p, f)
+    _match(instr, "data1", data1, p, f)
+    a, b = _read(data0), _read(data1)
+    state = np.broadcast_to(_col_or_scalar(instr, "initial", initial, p, require_f32=False), (p, 1)).reshape(p).astype(_F32)
+    out = np.empty((p, f), dtype=_F32)
+    # The recurrence is sequential along the free dim; one numpy call per column keeps it exact in fp32.
+    for i in range(f):
+        t = op0.binary(state, a[:, i]) if reverse0 else op0.binary(a[:, i], state)
+        state = op1.binary(b[:, i], t) if reverse1 else op1.binary(t, b[:, i])
+        out[:, i] = state
+    _write(dst, out)
+    _poison_vector_acc()
+    _trace(instr, engine.vector, dst, [data0, data1] + ([initial] if isinstance(initial, NkiTensor) else []))
+
+
+def nc_stream_shuffle(dst, src, shuffle_mask, name=None):
+    """Vector: cross-partition move inside each 32-partition quadrant: ``dst[32q + i] = src[32q + mask[i]]``
+    (partitions counted from each view's start), the same 32-entry mask for every quadrant; ``mask[i] == 255``
+    leaves ``dst`` partition i unchanged. Same dtype and elements per partition on both sides; SBUF or PSUM;
+    in place allowed. Start partitions follow the rule for ``ceil(max(P_src, P_dst) / 32) * 32`` active
+    partitions."""
+    instr = "nc_stream_shuffle"
+    _onchip(instr, "dst", dst)
+    _onchip(instr, "src", src)
+    if dst.dtype != src.dtype:
+        fail(instr, "dst", f"dtype {dst.dtype} must equal src dtype {src.dtype}")
+    pd, f = _pf(dst)
+    ps, fs = _pf(src)
+    if fs != f:
+        fail(instr, "src", f"has {fs} elements per partition, dst has {f}")
+    try:
+        mask = [int(m) for m in shuffle_mask]
+    except (TypeError, ValueError):
+        fail(instr, "shuffle_mask", f"{shuffle_mask!r} must be a list of 32 ints")
+    if len(mask) != 32 or any(not (0 <= m < 32 or m == 255) for m in mask):
+        fail(instr, "shuffle_mask", f"{shuffle_mask!r} must hold 32 entries, each in 0..31 or 255 (keep)")
+    active = -(-max(ps, pd) // 32) * 32
+    starts = {128: (0,), 96: (0,), 64: (0, 64), 32: (0, 32, 64, 96)}[active]
+    for nm, t in (("src", src), ("dst", dst)):
+        if t.partition_start not in starts:
+            fail(instr, nm, f"with {active} active partitions the start partition must be one of {starts}, "
+                            f"is {t.partition_start}")
+    sv = np.array(src.np()).reshape(ps, f)
+    out = np.array(dst.np()).reshape(pd, f)
+    keep = np.zeros((pd, f), dtype=bool)
+    for p in range(pd):
+        m = mask[p % 32]
+        if m == 255:
+            continue
+        sp = (p // 32) * 32 + m
+        if sp >= ps:
+            fail(instr, "shuffle_mask", f"entry {p % 32} = {m} makes dst partition {p} read src partition {sp}, "
+                                        f"but src has {ps} partitions")
+        out[p] = sv[sp]
+        keep[p] = True
+    arr = dst.np()
+    arr[...] = out.reshape(arr.shape)
+    _wrote(instr, dst, keep=keep)
+    _poison_vector_acc()
+    _trace(instr, engine.vector, dst, [src])
 
 
 def _norm_axes(instr, axis, ndim):
@@ -1010,9 +1106,7 @@ def tensor_copy_predicated(dst, src, predicate, reverse_pred=False, name=None):
     res = np.where(keep, s, cur)
     arr = dst.np()
     arr[...] = res.astype(arr.dtype, copy=False).reshape(arr.shape)
-    dst.storage.dirty = True
-    if dst.storage.mm_written is not None:
-        _flags(dst.storage.other_written, dst)[...] = True
+    _wrote(instr, dst, keep=keep)
     _poison_vector_acc()
     _trace(instr, engine.vector, dst, [predicate] + ([src] if isinstance(src, NkiTensor) else []))
 

@@ -66,14 +66,14 @@ def ndarray(shape, dtype, buffer=sbuf, name="", address=None):
         if buffer is psum and int(address[1]) % context.PSUM_BANK_BYTES:
             raise NkiValidationError(f"ndarray {name}: PSUM address free offset {address[1]} must be bank aligned "
                                      f"(a multiple of {context.PSUM_BANK_BYTES} bytes)")
-    return _allocate(shape, dtype, buffer, name)
+    return _allocate(shape, dtype, buffer, name, address=address)
 
 
 def _filled(shape, dtype, buffer, name, value):
     t = ndarray(shape, dtype, buffer=buffer, name=name)
     if buffer.kind == "hbm":
         t.np()[...] = value
-        t.storage.dirty = True
+        _isa._wrote("nl.full", t)
     else:
         v = int(value) if t.dtype.kind != "float" else float(value)
         _isa.memset(dst=t, value=v)
@@ -107,6 +107,7 @@ def rand(shape, dtype=float32, buffer=sbuf, name="", **_):
     """Uniform [0, 1) random tile (the hardware stream is not reproducible bit for bit)."""
     t = ndarray(shape, dtype, buffer=buffer, name=name)
     t.np()[...] = np.random.default_rng().random(t.shape).astype(t.np().dtype)
+    _isa._wrote("nl.rand", t)
     return t
 
 
@@ -115,6 +116,12 @@ def shared_constant(constant, dtype=None, name=""):
     arr = np.load(constant) if isinstance(constant, str) else np.asarray(constant)
     t = ndarray(arr.shape, dtype or arr.dtype, buffer=shared_hbm, name=name)
     t.np()[...] = arr.astype(t.np().dtype)
+    # A constant is part of the compiled kernel, not written by a core at run time: it counts as written (strict
+    # mode) but has no writer core, so both LNC2 cores may declare it.
+    st = t.storage
+    st.dirty = True
+    if st.written is not None:
+        st.written[...] = True
     return t
 
 
@@ -122,6 +129,7 @@ def shared_identity_matrix(n, dtype=uint8, dst=None, name=""):
     """``n x n`` identity in SBUF (as the public doc states)."""
     t = dst if dst is not None else ndarray((n, n), dtype, buffer=sbuf, name=name)
     t.np()[...] = np.eye(n).astype(t.np().dtype)
+    _isa._wrote("nl.shared_identity_matrix", t)
     return t
 
 
@@ -217,8 +225,89 @@ def no_reorder():
     yield
 
 
+def _declared_fields(body):
+    """Field names a class body declares, in declaration order: annotated names and plain data attributes (not
+    methods or descriptors). Read when the class is created, before ``@dataclass`` rewrites the body."""
+    ann = [n for n in body.get("__annotations__", {}) if not n.startswith("__")]
+    names = []
+    for n, v in body.items():
+        if n.startswith("__") or callable(v) or isinstance(v, (property, staticmethod, classmethod)):
+            continue
+        if n in ann:
+            # annotated names without a value are declared between the valued ones, in annotation order
+            for a in ann[:ann.index(n)]:
+                if a not in names:
+                    names.append(a)
+        names.append(n)
+    names += [a for a in ann if a not in names]
+    return names
+
+
+def _nki_fields(cls):
+    """Field names of an NKIObject class, base classes first."""
+    names = []
+    for klass in reversed(cls.__mro__):
+        for n in vars(klass).get("_nki_declared_fields", ()):
+            if n not in names:
+                names.append(n)
+    return names
+
+
+def _nki_default(cls, name):
+    import dataclasses
+    f = getattr(cls, "__dataclass_fields__", {}).get(name)
+    if f is not None and f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    if f is not None and f.default is not dataclasses.MISSING:
+        return f.default
+    val = getattr(cls, name, None)
+    return None if isinstance(val, dataclasses.Field) else val
+
+
+def _synth_init(self, *args, **kwargs):
+    # The initializer the NKI compiler creates when a class does not define one (language guide, "Class
+    # Support"): every field is a keyword with its class-level default (None when it has none), then
+    # __post_init__ runs. Plain class attributes are fields too, which NKI library kernels rely on.
+    cls = type(self)
+    fields = _nki_fields(cls)
+    if len(args) > len(fields):
+        raise TypeError(f"{cls.__name__}() takes {len(fields)} positional arguments but {len(args)} were given")
+    values = dict(zip(fields, args))
+    for k, v in kwargs.items():
+        if k not in fields:
+            raise TypeError(f"{cls.__name__}() got an unexpected keyword argument {k!r}")
+        if k in values:
+            raise TypeError(f"{cls.__name__}() got multiple values for argument {k!r}")
+        values[k] = v
+    for n in fields:
+        # object.__setattr__ so that @dataclass(frozen=True) subclasses can be constructed.
+        object.__setattr__(self, n, values[n] if n in values else _nki_default(cls, n))
+    post = getattr(self, "__post_init__", None)
+    if post is not None:
+        post()
+
+
+_synth_init._nki_synthesised = True
+
+
 class NKIObject:
-    """Base class of the dataclass-like objects the NKI compiler accepts in kernels."""
+    """Base class of the dataclass-like objects the NKI compiler accepts in kernels.
+
+    As the language guide describes, a subclass that does not define ``__init__`` gets the compiler's
+    initializer: ``__init__(self, field=default, ...)`` over its fields, then ``__post_init__``; ``@dataclass``
+    is optional and does not change that (its generated ``__init__`` is not used)."""
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        cls._nki_declared_fields = tuple(_declared_fields(vars(cls)))
+        if "__init__" in vars(cls):
+            return
+        inherited = cls.__init__
+        if inherited is not object.__init__ and not getattr(inherited, "_nki_synthesised", False):
+            return  # a base class defines its own initializer: keep Python inheritance
+        # Put the initializer in the class body before @dataclass runs: dataclass never replaces an __init__
+        # the class already defines.
+        cls.__init__ = _synth_init
 
 
 def device_print(prefix, x):
@@ -250,8 +339,10 @@ def store(dst, value, **_):
 
 def load_transpose2d(src, dtype=None, **_):
     """HBM [a, b] -> SBUF [b, a]."""
+    _isa._read_checked("nl.load_transpose2d", "src", src)
     t = _new_sbuf((src.shape[1], src.shape[0]), dtype or src.dtype)
     t.np()[...] = np.asarray(src.np()).T.astype(t.np().dtype)
+    _isa._wrote("nl.load_transpose2d", t)
     return t
 
 
@@ -276,6 +367,33 @@ def transpose(x, **_):
     """TensorE transpose into a new PSUM tile."""
     out = ndarray((x.free_elems, x.shape[0]), x.dtype, buffer=psum)
     _isa.nc_transpose(dst=out, data=x)
+    return out
+
+
+def broadcast_to(x, shape, dtype=None, **_):
+    """``nl.broadcast_to(x, shape)``: a new SBUF tile of ``shape`` holding ``x`` (SBUF or PSUM) broadcast by numpy
+    rules; same rank, each dim equal or broadcast from 1 (the partition dim included). Returns ``x`` itself when the
+    shape already matches and no ``dtype`` is given. The documentation does not say which instruction the
+    broadcast lowers to; the trace records it as one VectorE pass named ``broadcast_to``."""
+    shape = tuple(int(s) for s in shape)
+    if not isinstance(x, NkiTensor) or not x.on_chip:
+        raise NkiValidationError("nl.broadcast_to: x must be an SBUF or PSUM tile")
+    if len(shape) != x.ndim:
+        raise NkiValidationError(f"nl.broadcast_to: target shape {shape} must have the rank of x {x.shape}")
+    for d, (have, want) in enumerate(zip(x.shape, shape)):
+        if have != want and have != 1:
+            raise NkiValidationError(f"nl.broadcast_to: dim {d} of x has size {have}; it can only become {want} "
+                                     f"from size 1")
+    if shape[0] > _isa.PMAX:
+        raise NkiValidationError(f"nl.broadcast_to: partition dimension {shape[0]} exceeds maximum {_isa.PMAX}")
+    if shape == x.shape and dtype is None:
+        return x
+    _isa._read_checked("nl.broadcast_to", "x", x)
+    out = _new_sbuf(shape, dtype or x.dtype)
+    vals = np.broadcast_to(np.asarray(x.np(), dtype=np.float32), shape)
+    out.np()[...] = _isa._cast_for(out, vals)
+    _isa._wrote("broadcast_to", out)
+    _isa._trace("broadcast_to", _isa.engine.vector, out, [x])
     return out
 
 
@@ -305,8 +423,10 @@ def _unary_helper(op):
         if op.activation:
             _isa.activation(dst=out, op=op, data=x)
         else:
+            _isa._read_checked(f"nl.{op.name}", "x", x)
             arr = op.unary(np.array(x.np()))
             out.np()[...] = arr.astype(out.np().dtype)
+            _isa._wrote(f"nl.{op.name}", out)
         return out
     return helper
 
@@ -349,10 +469,14 @@ def mean(x, axis, dtype=None, keepdims=False, **_):
 
 
 def where(condition, x, y, dtype=None, **_):
+    for nm, t in (("condition", condition), ("x", x), ("y", y)):
+        if isinstance(t, NkiTensor):
+            _isa._read_checked("nl.where", nm, t)
     out = _new_sbuf(x.shape, dtype or x.dtype)
     vals = np.where(np.asarray(condition.np()) != 0, np.asarray(x.np(), dtype=np.float32),
                     np.asarray(y.np(), dtype=np.float32) if isinstance(y, NkiTensor) else np.float32(y))
     out.np()[...] = vals.astype(out.np().dtype)
+    _isa._wrote("nl.where", out)
     return out
 
 

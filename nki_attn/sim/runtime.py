@@ -11,7 +11,7 @@ import threading
 
 import numpy as np
 
-from . import context
+from . import checks, context
 from .errors import NkiValidationError
 from .tensor import NkiTensor, from_array, private_hbm, shared_hbm, to_array
 
@@ -160,6 +160,11 @@ def launch(fn, lnc, args, kwargs):
                     raise e
     finally:
         context.set_current(prev)
+        stats = checks.LaunchStats(lau, states)
+        lau.peak_sbuf_bytes, lau.peak_psum_banks = stats.peak_sbuf_bytes, stats.peak_psum_banks
+        checks.set_last_launch_stats(stats)
+    if lau.strict:
+        _check_outputs(results[0])
     for a in record:
         if a.tensor.storage.dirty:
             back = to_array(a.tensor)
@@ -169,6 +174,18 @@ def launch(fn, lnc, args, kwargs):
                 a.original[...] = back
     as_torch = any(a.torch for a in record)
     return _convert_results(results[0], as_torch, record)
+
+
+def _check_outputs(res):
+    """Strict mode: every returned tensor must be fully written."""
+    if isinstance(res, NkiTensor):
+        checks.check_returned(res)
+    elif isinstance(res, (tuple, list)):
+        for r in res:
+            _check_outputs(r)
+    elif isinstance(res, dict):
+        for r in res.values():
+            _check_outputs(r)
 
 
 def _convert_results(res, as_torch, record):

@@ -47,7 +47,7 @@ class Storage:
     """Flat backing memory of one allocation (or one kernel argument)."""
 
     __slots__ = ("data", "dtype", "buffer", "name", "shape", "partitions", "free_size", "mm_written",
-                 "other_written", "init", "uid", "dirty", "alloc_bytes", "live", "__weakref__")
+                 "other_written", "uid", "dirty", "written", "writer", "acct", "__weakref__")
 
     def __init__(self, shape, dtype, buffer, name="", data=None, precise=True):
         self.dtype = dtype
@@ -68,10 +68,8 @@ class Storage:
                 data = np.full(n, np.nan, dtype=store_np)
             else:
                 data = np.full(n, INT_SENTINEL, dtype=store_np)
-            self.init = None
         else:
             data = np.ascontiguousarray(data).reshape(-1).astype(store_np, copy=False)
-            self.init = None
         self.data = data
         self.mm_written = None
         self.other_written = None
@@ -80,8 +78,17 @@ class Storage:
             self.mm_written = np.zeros(n, dtype=bool)
             self.other_written = np.zeros(n, dtype=bool)
         self.dirty = False
-        self.alloc_bytes = 0
-        self.live = True
+        # Checking-mode bookkeeping (nki_attn.sim.checks), None unless the launch asks for it: the strict-mode
+        # written mask, the LNC2 writer core per element of shared HBM, and the core's memory account.
+        self.written = None
+        self.writer = None
+        self.acct = None
+
+    def __del__(self):
+        # The end of the Python object stands in for the end of the tensor's live range (capacity accounting).
+        acct = self.acct
+        if acct is not None:
+            acct.release(self)
 
 
 def _normalize_shape(shape):
@@ -501,8 +508,19 @@ def _scalar_value(x):
     return int(x)
 
 
-def allocate(shape, dtype, buffer, name=""):
-    """Fresh storage and a full view of it (the NaN/4 sentinel fill)."""
+def _track(st, launch, state, address=None, written=False):
+    """Attach the launch's checking bookkeeping to a new storage (see nki_attn.sim.checks)."""
+    if launch.strict:
+        st.written = np.full(st.data.size, written, dtype=bool)
+    if launch.lnc > 1 and st.buffer is shared_hbm:
+        st.writer = np.full(st.data.size, -1, dtype=np.int8)
+    if st.buffer.on_chip and state.mem is not None:
+        state.mem.allocate(st, address)
+
+
+def allocate(shape, dtype, buffer, name="", address=None):
+    """Fresh storage and a full view of it (the NaN/4 sentinel fill). ``address=(partition, free byte offset)``
+    places an on-chip tensor explicitly (used by the capacity accounting)."""
     state = context.current()
     launch = state.launch
     shape = _normalize_shape(shape)
@@ -525,9 +543,11 @@ def allocate(shape, dtype, buffer, name=""):
                         f"LNC2 kernels must have identical control flow on both cores")
                 return NkiTensor(st, shape, _contig_strides(shape), 0)
             st = Storage(shape, dt, buffer, name=name, precise=launch.precise_fp)
+            _track(st, launch, state)
             launch.shared_allocs.append(st)
     else:
         st = Storage(shape, dt, buffer, name=name, precise=launch.precise_fp)
+        _track(st, launch, state, address)
     if launch.tracer is not None:
         launch.tracer.on_alloc(st)
     return NkiTensor(st, shape, _contig_strides(shape), 0)
@@ -544,8 +564,9 @@ def _contig_strides(shape):
 def from_array(arr, buffer, name=""):
     """HBM tensor holding a copy of a numpy array (kernel arguments)."""
     dt = _dt.as_dtype(arr.dtype)
-    launch = context.current().launch
-    st = Storage(arr.shape, dt, buffer, name=name, data=arr, precise=launch.precise_fp)
+    state = context.current()
+    st = Storage(arr.shape, dt, buffer, name=name, data=arr, precise=state.launch.precise_fp)
+    _track(st, state.launch, state, written=True)  # kernel arguments count as written
     return NkiTensor(st, arr.shape, _contig_strides(arr.shape), 0)
 
 

@@ -5,10 +5,13 @@ it on around any code that launches kernels::
 
     with nki_attn.sim.trace.recording() as rec:
         attention_bwd(q, k, v, o, dy, lse)
-    rec.count("nc_matmul"), rec.counts_by_instruction()
+    rec.count("nc_matmul"), rec.counts_by_engine(), rec.matmul_flops(), rec.hbm_bytes()
 
-Each record holds the instruction name, engine, program id, and the operands' shapes, dtypes and buffers, plus
-instruction-specific facts (matmul M/N/K). The cost model (issue 9) reads these records.
+Each ``Record`` holds the instruction name, the engine that executes it (one of ``ENGINES``: ``TensorE``,
+``VectorE``, ``ScalarE``, ``GpSimdE``, ``DMA``), the program id (core), the operands' shapes, dtypes, buffers and
+partition placement, and instruction-specific facts (matmul ``m``/``n``/``k``, ``transpose``). From those it
+derives the bytes each instruction reads, writes and moves through HBM, and its useful FLOPs. Timing is not
+recorded here: the cost model (``nki_attn.profiler``) turns records into modeled engine time per generation.
 """
 import contextlib
 import threading
@@ -16,21 +19,47 @@ from collections import Counter
 
 from . import context
 
+# Display names of the engines, keyed by the simulator's ``nisa.engine`` member names. A DMA instruction always
+# runs on the DMA engines (the ``engine=`` argument of dma_copy only names the engine that triggers it), so DMA
+# instructions are mapped by instruction name, not through this table.
+ENGINE_NAMES = {"tensor": "TensorE", "vector": "VectorE", "scalar": "ScalarE", "gpsimd": "GpSimdE",
+                "dma": "DMA"}
+ENGINES = ("TensorE", "VectorE", "ScalarE", "GpSimdE", "DMA")
+DMA_INSTRUCTIONS = frozenset({"dma_copy", "dma_transpose", "dma_compute"})
+
 
 class Operand:
-    """Shape, dtype and buffer kind of one instruction operand."""
+    """Shape, dtype, buffer and placement of one instruction operand, captured when the instruction ran.
 
-    __slots__ = ("shape", "dtype", "buffer", "name")
+    ``shape`` is the operand's view shape (dim 0 = partitions on chip); ``pstart`` the first partition it touches
+    (on chip; 0 in HBM); ``unit_stride`` whether its innermost dimension is contiguous (VectorE perf modes need
+    it); ``itemsize`` the element size in bytes.
+    """
+
+    __slots__ = ("shape", "dtype", "buffer", "name", "itemsize", "pstart", "unit_stride")
 
     def __init__(self, t):
         self.shape = t.shape
         self.dtype = str(t.dtype)
         self.buffer = t.buffer.kind
         self.name = t.name
+        self.itemsize = t.dtype.itemsize
+        self.pstart = t.partition_start if self.buffer != "hbm" else 0
+        # A size-1 innermost dim has no stride to speak of: treat it as contiguous.
+        self.unit_stride = len(t.shape) < 2 or t.shape[-1] == 1 or t.strides[-1] == 1
 
     @property
     def partitions(self):
+        """Partition count of an on-chip operand (``shape[0]``); None in HBM, which has no partitions."""
         return self.shape[0] if self.buffer != "hbm" else None
+
+    @property
+    def free_elems(self):
+        """Elements per partition of an on-chip operand (product of the free dims; 1 for a 1-D view)."""
+        n = 1
+        for s in self.shape[1:]:
+            n *= s
+        return n
 
     @property
     def elems(self):
@@ -41,15 +70,20 @@ class Operand:
 
     @property
     def bytes(self):
-        from .dtypes import as_dtype
-        return self.elems * as_dtype(self.dtype).itemsize
+        return int(self.elems * self.itemsize)
 
     def __repr__(self):
         return f"{self.name}{list(self.shape)}:{self.dtype}@{self.buffer}"
 
 
 class Record:
-    """One executed instruction."""
+    """One executed instruction.
+
+    ``instr`` name, ``engine`` (one of ``ENGINES``), ``core`` (program id), ``dst`` (Operand or None), ``srcs``
+    (list of tensor Operands; numbers are not recorded), ``info`` (dict of instruction facts or None). DMA records
+    carry the trigger engine the kernel asked for (``sync``, ``scalar``, ...) as ``info["trigger"]`` when it
+    was not the default.
+    """
 
     __slots__ = ("instr", "engine", "core", "dst", "srcs", "info")
 
@@ -60,6 +94,46 @@ class Record:
         self.dst = dst
         self.srcs = srcs
         self.info = info
+
+    @property
+    def is_transpose(self):
+        """True for transposes executed on TensorE/VectorE (nc_transpose, nc_matmul(is_transpose=True))."""
+        return bool(self.info and self.info.get("transpose"))
+
+    @property
+    def bytes_read(self):
+        """Bytes of all tensor inputs (per-partition scalars included)."""
+        return sum(s.bytes for s in self.srcs)
+
+    @property
+    def bytes_written(self):
+        return self.dst.bytes if self.dst is not None else 0
+
+    @property
+    def bytes_moved(self):
+        """For a DMA the transfer size (the larger side: a casting DMA reads one width and writes another);
+        for a compute instruction the bytes it reads plus the bytes it writes."""
+        if self.instr in DMA_INSTRUCTIONS:
+            return max([self.bytes_written] + [s.bytes for s in self.srcs])
+        return self.bytes_read + self.bytes_written
+
+    @property
+    def hbm_bytes(self):
+        """Bytes this instruction moves to or from HBM: the HBM-side operands of a DMA (both sides for an
+        HBM -> HBM copy), 0 for anything else (compute engines never touch HBM)."""
+        if self.instr not in DMA_INSTRUCTIONS:
+            return 0
+        ops = ([self.dst] if self.dst is not None else []) + list(self.srcs)
+        return sum(o.bytes for o in ops if o.buffer == "hbm")
+
+    @property
+    def flops(self):
+        """Useful floating-point operations: ``2*M*N*K`` for a TensorE matmul (multiply + add per MAC), 0 for
+        transposes (pure data movement, even on TensorE) and for every other instruction. Only matmul FLOPs are
+        counted because they are what the attention FLOP conventions count and what TensorE peak refers to."""
+        if self.engine != "TensorE" or self.is_transpose or not self.info:
+            return 0
+        return 2 * self.info["m"] * self.info["n"] * self.info["k"]
 
     def __repr__(self):
         return f"{self.instr}[{self.engine}] core{self.core} {self.dst} <- {self.srcs} {self.info or ''}"
@@ -74,9 +148,17 @@ class Recorder:
         self._lock = threading.Lock()
 
     def record(self, instr, engine, dst, srcs, info):
-        rec = Record(instr, engine.name if hasattr(engine, "name") else str(engine),
-                     context.current().program_id, Operand(dst) if dst is not None else None,
-                     [Operand(s) for s in srcs], dict(info) if info else None)
+        """Called by ``nisa._trace`` for each executed instruction (``engine``: a ``nisa.engine`` member)."""
+        raw = engine.name if hasattr(engine, "name") else str(engine)
+        info = dict(info) if info else None
+        if instr in DMA_INSTRUCTIONS:
+            if raw not in ("dma", "unknown"):
+                info = dict(info or {}, trigger=raw)
+            name = "DMA"
+        else:
+            name = ENGINE_NAMES.get(raw, raw)
+        rec = Record(instr, name, context.current().program_id, Operand(dst) if dst is not None else None,
+                     [Operand(s) for s in srcs], info)
         with self._lock:
             self.records.append(rec)
 
@@ -92,7 +174,21 @@ class Recorder:
         return Counter(r.instr for r in self.records)
 
     def counts_by_engine(self):
+        """Counter of records per engine display name (``TensorE``, ``VectorE``, ``ScalarE``, ``GpSimdE``,
+        ``DMA``)."""
         return Counter(r.engine for r in self.records)
+
+    def cores(self):
+        """Sorted program ids that executed at least one instruction."""
+        return sorted({r.core for r in self.records})
+
+    def matmul_flops(self):
+        """Sum of ``Record.flops`` (useful TensorE matmul FLOPs) over all records."""
+        return sum(r.flops for r in self.records)
+
+    def hbm_bytes(self):
+        """Bytes moved to or from HBM by all DMAs."""
+        return sum(r.hbm_bytes for r in self.records)
 
 
 _active = []

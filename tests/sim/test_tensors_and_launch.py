@@ -1,4 +1,5 @@
 """Tensors, views, limits, the NaN sentinel, launches (LNC2), install_as_nki and the backend switch."""
+import importlib
 import os
 import subprocess
 import sys
@@ -285,12 +286,24 @@ def test_install_as_nki_runs_the_docs_quickstart_unmodified():
     assert "quickstart ok" in r.stdout
 
 
-def test_backend_env_switch():
-    r = _run("from nki_attn import backend; print(backend.BACKEND)", NKI_ATTN_BACKEND="sim")
-    assert r.stdout.strip() == "sim", r.stderr
-    r = _run("from nki_attn import backend; print(backend.BACKEND)", NKI_ATTN_BACKEND="")
-    assert r.stdout.strip() == "sim", r.stderr  # no real nki on this machine: falls back
-    r = _run("import nki_attn.backend", NKI_ATTN_BACKEND="nki")
-    assert r.returncode != 0 and "real 'nki' package is not importable" in r.stderr
-    r = _run("import nki_attn.backend", NKI_ATTN_BACKEND="cuda")
-    assert r.returncode != 0 and "NKI_ATTN_BACKEND='cuda' is not valid" in r.stderr
+def _fresh_backend(monkeypatch, choice):
+    """Import nki_attn.backend anew under NKI_ATTN_BACKEND=choice (the original module is restored after the
+    test). In-process: a child interpreter would pay the package's torch import for every case."""
+    import nki_attn
+    monkeypatch.setenv("NKI_ATTN_BACKEND", choice)
+    monkeypatch.delitem(sys.modules, "nki_attn.backend", raising=False)
+    monkeypatch.setattr(nki_attn, "backend", nki_attn.backend)  # the import below rebinds the attribute
+    try:
+        return importlib.import_module("nki_attn.backend")
+    finally:
+        sys.modules.pop("nki_attn.backend", None)
+
+
+def test_backend_env_switch(monkeypatch):
+    import nki_attn.backend  # noqa: F401 - make sure there is an original module to restore
+    assert _fresh_backend(monkeypatch, "sim").BACKEND == "sim"
+    assert _fresh_backend(monkeypatch, "").BACKEND == "sim"  # no real nki on this machine: falls back
+    with pytest.raises(ImportError, match="real 'nki' package is not importable"):
+        _fresh_backend(monkeypatch, "nki")
+    with pytest.raises(ImportError, match="NKI_ATTN_BACKEND='cuda' is not valid"):
+        _fresh_backend(monkeypatch, "cuda")

@@ -1,0 +1,260 @@
+"""``nki-attn profile``: run one kernel once on the simulator under the instruction trace, print the modeled
+per-engine time on a Trainium generation, optionally write JSON and a PNG bar chart.
+
+Device times printed here are MODELED from the public architecture numbers (nki_attn/profiler/params.py), not
+measured on hardware.
+"""
+import json
+import os
+import sys
+import time
+
+KERNELS = ("fwd", "bwd", "demo")
+DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+
+def add_parser(sub):
+    """Register the ``profile`` subcommand on an ``argparse`` subparsers object."""
+    p = sub.add_parser(
+        "profile", help="modeled per-engine profile of one kernel run (simulator trace + cost model)",
+        description="Run a kernel once on the simulator with the instruction trace on and print its modeled "
+                    "time per engine on a Trainium generation. Times are modeled, not measured.")
+    p.add_argument("--kernel", choices=KERNELS, default="fwd",
+                   help="attention_fwd, attention_bwd, or demo (matmul_exp: lhsT [D,128], rhs [D,S])")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--heads", type=int, default=1, help="query heads")
+    p.add_argument("--kv-heads", type=int, default=None, help="kv heads (default: --heads)")
+    p.add_argument("--seqlen", type=int, default=512, help="seqlen_q = seqlen_k (a multiple of 128)")
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    p.add_argument("--causal", action="store_true")
+    p.add_argument("--window", type=int, default=None, help="sliding window W (implies --causal)")
+    p.add_argument("--sinks", type=int, default=0, help="sink logits per head (0: none)")
+    p.add_argument("--target", choices=("trn1", "trn2", "trn3"), default="trn2")
+    p.add_argument("--lnc", type=int, choices=(1, 2), default=1, help="logical NeuronCore degree (2: trn2/trn3)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", metavar="F", help="write the profile as JSON to F")
+    p.add_argument("--plot", metavar="F.png", help="write a bar chart of engine busy time to F.png (matplotlib)")
+    p.set_defaults(func=run)
+    return p
+
+
+# ----------------------------------------------------------------------------------------------------- inputs
+def _inputs(args):
+    """Random kernel-layout inputs: numpy arrays for the kernel, torch copies for the golden (same values)."""
+    import ml_dtypes
+    import numpy as np
+
+    rng = np.random.default_rng(args.seed)
+    b, h, hkv, s, d = args.batch, args.heads, args.kv_heads, args.seqlen, args.head_dim
+    npdt = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16, "float32": np.float32}[DTYPES[args.dtype]]
+
+    def rand(*shape):
+        return rng.standard_normal(shape).astype(np.float32).astype(npdt)
+
+    x = {"q": rand(b, h, d, s), "k": rand(b, hkv, d, s), "v": rand(b, hkv, d, s)}
+    if args.sinks:
+        shape = (b, h) if args.sinks == 1 else (b, h, args.sinks)
+        x["sinks"] = rng.standard_normal(shape).astype(np.float32)
+    if args.kernel == "bwd":
+        x["dy"] = rand(b, h, d, s)
+    return x
+
+
+def _torch(a):
+    from ..sim.runtime import _numpy_to_torch
+    return _numpy_to_torch(a) if a is not None else None
+
+
+def _golden_o_lse(args, x):
+    """o (kernel dtype) and lse (float32) from the torch golden forward, as numpy, for the backward's inputs."""
+    from golden.attention_fwd_torch import attention_fwd_torch_ref
+
+    from ..sim.runtime import _torch_to_numpy
+    o, lse = attention_fwd_torch_ref(_torch(x["q"]), _torch(x["k"]), _torch(x["v"]), sinks_ref=_torch(x.get("sinks")),
+                                     use_causal_mask=args.causal, sliding_window=args.window)
+    return _torch_to_numpy(o), _torch_to_numpy(lse.float())
+
+
+def _load(kind):
+    try:
+        if kind == "fwd":
+            from ..kernels.attention_fwd import attention_fwd as k
+        elif kind == "bwd":
+            from ..kernels.attention_bwd import attention_bwd as k
+        else:
+            from ..kernels.demo import matmul_exp as k
+    except ImportError as exc:
+        raise SystemExit(f"nki-attn profile: the {kind} kernel is not importable ({exc}); "
+                         f"try --kernel demo") from exc
+    return k
+
+
+def _launch(kernel, lnc):
+    return kernel if lnc == 1 else kernel[lnc]
+
+
+def run_kernel(args):
+    """Build inputs, run the kernel once under ``trace.recording()``; returns (records, sim_wall_seconds).
+
+    The backward's ``o`` and ``lse`` come from the torch golden forward, outside the recording, so the trace
+    holds the backward kernel only.
+    """
+    import numpy as np
+
+    from ..sim import trace
+
+    kernel = _launch(_load(args.kernel), args.lnc)
+    if args.kernel == "demo":
+        rng = np.random.default_rng(args.seed)
+        lhsT = (rng.standard_normal((args.head_dim, 128)) * 0.1).astype(np.float32)
+        rhs = (rng.standard_normal((args.head_dim, args.seqlen)) * 0.1).astype(np.float32)
+        call = (lambda: kernel(lhsT, rhs, 0.5))
+    else:
+        x = _inputs(args)
+        kw = dict(sinks_ref=x.get("sinks"), use_causal_mask=args.causal, sliding_window=args.window)
+        if args.kernel == "fwd":
+            call = (lambda: kernel(x["q"], x["k"], x["v"], **kw))
+        else:
+            o, lse = _golden_o_lse(args, x)
+            call = (lambda: kernel(x["q"], x["k"], x["v"], o, x["dy"], lse, **kw))
+    with trace.recording() as rec:
+        t0 = time.perf_counter()
+        call()
+        wall = time.perf_counter() - t0
+    return rec.records, wall
+
+
+def useful_flops(args):
+    """FLOPs the run is credited with: attention FLOPs (visible pairs; bwd 2.5x) or the demo's matmul FLOPs."""
+    from .flops import useful_attention_flops
+    if args.kernel == "demo":
+        return 2 * 128 * args.seqlen * args.head_dim
+    return useful_attention_flops(args.batch, args.heads, args.seqlen, args.seqlen, args.head_dim,
+                                  causal=args.causal, window=args.window, backward=args.kernel == "bwd")
+
+
+# ----------------------------------------------------------------------------------------------------- output
+def describe(args):
+    """One-line description of the profiled call."""
+    if args.kernel == "demo":
+        return f"demo matmul_exp lhsT[{args.head_dim},128] rhs[{args.head_dim},{args.seqlen}] fp32"
+    bits = [f"attention_{args.kernel}", f"B={args.batch}", f"H={args.heads}", f"HKV={args.kv_heads}",
+            f"S={args.seqlen}", f"D={args.head_dim}", args.dtype]
+    if args.causal:
+        bits.append("causal")
+    if args.window:
+        bits.append(f"window={args.window}")
+    if args.sinks:
+        bits.append(f"sinks={args.sinks}")
+    return " ".join(bits)
+
+
+def format_report(prof, title, wall=None):
+    """Human-readable table of a ``Profile``."""
+    g = prof.gen
+    idle = sorted(set(range(prof.n_cores)) - set(prof.cores))
+    lines = [f"{title}  target={g.name} cores={prof.n_cores}" + (f" (idle: {idle})" if idle else ""),
+             "Device times are MODELED from public architecture numbers (docs/performance.md), not measured.",
+             "",
+             f"{'engine':<9}{'instrs':>9}{'busy (us)':>12}{'share':>8}{'active':>8}",
+             "-" * 46]
+    for e, n, b, share, active in prof.engine_rows():
+        lines.append(f"{e:<9}{n:>9}{b / 1e3:>12.2f}{share:>8.1%}{active:>8.1%}")
+    lines += ["-" * 46,
+              "share = engine busy / sum of all engines; active = engine busy / busiest engine "
+              "(busy on the slowest core)",
+              "",
+              f"modeled time, perfect overlap (busiest engine: {prof.bottleneck}): "
+              f"{prof.time_overlap_ns / 1e3:10.2f} us",
+              f"modeled time, no overlap (sum of engines):          {prof.time_serial_ns / 1e3:10.2f} us",
+              f"useful FLOPs {prof.useful_flops:.4g}; TensorE matmul FLOPs {prof.matmul_flops:.4g}; "
+              f"TensorE transposes {prof.transposes}",
+              f"useful TFLOPS: {prof.tflops(True):.1f} (overlap) / {prof.tflops(False):.1f} (no overlap); "
+              f"peak {g.peak_tflops:.1f} per core",
+              f"TensorE utilisation: {prof.tensor_utilisation(True):.1%} (overlap) / "
+              f"{prof.tensor_utilisation(False):.1%} (no overlap); efficiency while busy "
+              f"{prof.tensor_efficiency():.1%}",
+              f"HBM traffic: {prof.hbm_bytes / 2**20:.2f} MiB; "
+              f"{prof.hbm_utilisation(True):.1%} of HBM bandwidth (overlap)"]
+    if prof.unmodelled:
+        lines.append(f"WARNING: {prof.unmodelled} instructions on engines the model does not know (cost 0)")
+    if wall is not None:
+        lines.append(f"simulator wall time (this CPU): {wall:.2f} s")
+    return "\n".join(lines)
+
+
+def write_plot(prof, path, title):
+    """Bar chart of busy time per engine with the two modeled totals; returns False (with a message on stderr)
+    when matplotlib is missing."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"nki-attn profile: matplotlib is not installed, so {path} was not written; "
+              f"install it with: pip install 'nki-attn[plot]'", file=sys.stderr)
+        return False
+    rows = prof.engine_rows()
+    names = [r[0] for r in rows]
+    busy = [r[2] / 1e3 for r in rows]
+    fig, ax = plt.subplots(figsize=(7, 3.4))
+    bars = ax.barh(names[::-1], busy[::-1], color="#4c72b0")
+    for bar, (_, n, b, share, _) in zip(bars, rows[::-1]):
+        ax.text(bar.get_width(), bar.get_y() + bar.get_height() / 2, f" {b / 1e3:.1f} us ({n} instr)",
+                va="center", fontsize=8)
+    ax.axvline(prof.time_overlap_ns / 1e3, color="#c44e52", ls="--", lw=1,
+               label=f"perfect overlap {prof.time_overlap_ns / 1e3:.1f} us")
+    ax.set_xlabel("modeled busy time (us) - modeled, not measured")
+    ax.set_title(f"{title}\n{prof.gen.name}: no overlap {prof.time_serial_ns / 1e3:.1f} us, TensorE util "
+                 f"{prof.tensor_utilisation(True):.0%} (overlap)", fontsize=9)
+    ax.set_xlim(0, max(busy + [prof.time_overlap_ns / 1e3]) * 1.35)
+    ax.legend(fontsize=8, loc="upper right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def run(args):
+    """Entry point of ``nki-attn profile``; returns the exit status."""
+    from .model import profile
+    from .params import generation
+
+    if args.kv_heads is None:
+        args.kv_heads = args.heads
+    if args.window and not args.causal:
+        print("nki-attn profile: --window implies --causal (sliding windows are causal, docs/semantics.md)",
+              file=sys.stderr)
+        args.causal = True
+    if args.lnc == 2 and args.target == "trn1":
+        raise SystemExit("nki-attn profile: --lnc 2 needs trn2 or trn3")
+    if args.lnc == 2 and args.kernel == "demo":
+        raise SystemExit("nki-attn profile: the demo kernel does not split its work between LNC2 cores")
+    from ..sim.errors import NkiValidationError
+    prev = os.environ.get("NEURON_PLATFORM_TARGET_OVERRIDE")
+    os.environ["NEURON_PLATFORM_TARGET_OVERRIDE"] = args.target
+    try:
+        records, wall = run_kernel(args)
+    except (ValueError, NkiValidationError) as exc:
+        # the kernels' argument checks (e.g. seqlen not a multiple of 128): report, no traceback
+        print(f"nki-attn profile: {describe(args)}: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        if prev is None:
+            os.environ.pop("NEURON_PLATFORM_TARGET_OVERRIDE", None)
+        else:
+            os.environ["NEURON_PLATFORM_TARGET_OVERRIDE"] = prev
+    prof = profile(records, generation(args.target), useful_flops(args), n_cores=args.lnc)
+    title = describe(args) + (f" lnc={args.lnc}" if args.lnc != 1 else "")
+    print(format_report(prof, title, wall))
+    if args.json:
+        out = prof.to_dict()
+        out.update(description=title, sim_wall_seconds=wall,
+                   args={k: v for k, v in vars(args).items() if k != "func"})
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+        print(f"wrote {args.json}")
+    if args.plot and write_plot(prof, args.plot, title):
+        print(f"wrote {args.plot}")
+    return 0

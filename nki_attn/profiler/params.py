@@ -1,0 +1,131 @@
+"""The cost-model parameter table: one ``Generation`` per Trainium generation, every number with its source.
+
+This is the ONLY place the cost model (``model.py``) gets hardware numbers from. docs/performance.md embeds the
+table rendered by ``python -m nki_attn.profiler`` (a test keeps the two identical).
+
+Source tags (full paths in /work/shared/docs/nki-api-notes.md, header and §7; all in aws-neuron/aws-neuron-sdk):
+A2/A3/A4 = architecture guides of NeuronCore v2 (trn1/inf2) / v3 (trn2) / v4 (trn3); PERF = NKI performance
+guide; DMA = NKI DMA overview; DMABW = DMA bandwidth guide; SH = nki.api.shared (instruction cost notes).
+"d" marks a number we derived from the cited ones.
+"""
+from dataclasses import dataclass, field, fields
+
+
+def _p(source, meaning):
+    """A dataclass field that carries its source and meaning (rendered into the docs table)."""
+    return field(metadata={"source": source, "meaning": meaning})
+
+
+@dataclass(frozen=True)
+class Generation:
+    """Hardware numbers of one NeuronCore generation, per NeuronCore. Clocks in GHz (= cycles per ns)."""
+
+    name: str = _p("-", "target name (NEURON_PLATFORM_TARGET_OVERRIDE)")
+    nc_version: int = _p("A2, A3, A4", "NeuronCore version")
+    # --- TensorE
+    tensor_ghz: float = _p("A2, A3, A4", "TensorE clock (GHz)")
+    pe_dim: int = _p("A2, A3, A4", "systolic array is pe_dim x pe_dim (K rows x M columns)")
+    mm_min_cycles: int = _p("A2, PERF (MM_INIT_LATENCY = 64 cycles on v2; no v3/v4 figure published, reused)",
+                            "minimum TensorE cycles per matmul (instruction turnaround)")
+    load_stationary_speedup: int = _p("PERF (fast LoadStationary), A2",
+                                      "LoadStationary of M columns takes M / this cycles, hidden under the "
+                                      "previous matmul unless longer")
+    fp32_matmul_factor: int = _p("A2/A3/A4 peak ratio bf16 : fp32 (92 : 23, 79 : 20)",
+                                 "fp32 matmul cycles = this x bf16 cycles")
+    fp32_transpose_factor: int = _p("notes §7 (v3 transpose mode: fp32 transposes 2x faster than fp32 matmuls)",
+                                    "fp32 TensorE transpose cycles = this x bf16 cycles")
+    # --- VectorE
+    vector_ghz: float = _p("A2, A3, A4", "VectorE clock (GHz)")
+    vector_fast_copy: int = _p("A3 (perf mode; width 512 bf16 / 128 lanes); v2 has none",
+                               "speedup of tensor_copy / tensor_scalar with all operands bf16/fp16 in SBUF, "
+                               "unit inner stride")
+    vector_half_copy: int = _p("A3 (perf mode, strided or one side in PSUM)",
+                               "speedup of those when strided or one operand is in PSUM")
+    vector_fast_tt: int = _p("A3 (perf mode)", "speedup of tensor_tensor with both inputs in SBUF, all bf16/fp16")
+    vector_reciprocal_factor: int = _p("SH (reciprocal: max(64, 8N) cycles on VectorE)",
+                                       "VectorE reciprocal cycles per element")
+    # --- ScalarE
+    scalar_ghz: float = _p("A2, A3, A4", "ScalarE clock (GHz)")
+    scalar_fast_copy: int = _p("A4 (2x for bf16/fp16 tensor_scalar / tensor_copy); 1 before v4",
+                               "ScalarE speedup of tensor_copy / tensor_scalar on bf16/fp16")
+    # --- GpSimdE
+    gpsimd_ghz: float = _p("A2, A3, A4", "GpSimdE clock (GHz)")
+    # --- shared by Vector / Scalar / GpSimd
+    engine_overhead_cycles: int = _p("A2 (VectorE static overhead 100 cycles), PERF (~100 cycles, any engine)",
+                                     "fixed cycles added to every Vector/Scalar/GpSimd instruction")
+    # --- DMA
+    dma_queues: int = _p("DMA (16 DMA engines per NeuronCore)", "DMA queues (engines) per core")
+    dma_partitions_per_queue: int = _p("DMA (each engine moves 8 SBUF partitions of a transfer)",
+                                       "SBUF partitions served by one queue")
+    dma_fixed_ns: float = _p("DMABW (descriptor setup + semaphore-to-start ~1300 ns per transfer)",
+                             "fixed cost per transfer on each queue (ns)")
+    dma_queue_bytes_per_ns: float = _p("DMABW table (DMA's 27.2 / 38.4 GB/s 'theoretical' is AMBIGUOUS; trn2 "
+                                       "measured 32 KiB in 1416 ns on one engine, DMA)",
+                                       "bandwidth of one queue (bytes/ns = GB/s)")
+    dma_transpose_hbm_eff: float = _p("A3 (DMA transpose <= 90% of DMA throughput from HBM)",
+                                      "dma_transpose bandwidth fraction, HBM source")
+    dma_transpose_sbuf_eff: float = _p("A3 (<= 50% SBUF -> SBUF)", "dma_transpose bandwidth fraction, SBUF source")
+    hbm_bytes_per_ns: float = _p("d: device HBM / cores: 820 GB/s / 2 (A2), 3 TB/s / 8 (A3), 4.7 TB/s / 8 (A4)",
+                                 "HBM bandwidth per core (GB/s), for HBM utilisation only")
+    peak_tflops_documented: float = _p("A2, A3, A4 (bf16/fp16 dense)", "documented TensorE peak (TFLOPS)")
+
+    @property
+    def peak_flops_per_ns(self):
+        """TensorE bf16 peak in FLOP/ns: one multiply-add per PE per cycle, ``2 * pe_dim^2 * tensor_ghz``. It
+        reproduces the documented peak (``peak_tflops_documented``) to within 1%."""
+        return 2 * self.pe_dim * self.pe_dim * self.tensor_ghz
+
+    @property
+    def peak_tflops(self):
+        return self.peak_flops_per_ns / 1000.0
+
+
+_COMMON = dict(pe_dim=128, mm_min_cycles=64, load_stationary_speedup=4, fp32_matmul_factor=4,
+               vector_reciprocal_factor=8, engine_overhead_cycles=100, dma_queues=16, dma_partitions_per_queue=8,
+               dma_fixed_ns=1300.0, dma_transpose_hbm_eff=0.9, dma_transpose_sbuf_eff=0.5)
+
+TRN1 = Generation(name="trn1", nc_version=2, tensor_ghz=2.8, fp32_transpose_factor=4, vector_ghz=1.12,
+                  vector_fast_copy=1, vector_half_copy=1, vector_fast_tt=1, scalar_ghz=1.4, scalar_fast_copy=1,
+                  gpsimd_ghz=1.4, dma_queue_bytes_per_ns=17.0, hbm_bytes_per_ns=410.0,
+                  peak_tflops_documented=92.0, **_COMMON)
+TRN2 = Generation(name="trn2", nc_version=3, tensor_ghz=2.4, fp32_transpose_factor=2, vector_ghz=0.96,
+                  vector_fast_copy=4, vector_half_copy=2, vector_fast_tt=2, scalar_ghz=1.2, scalar_fast_copy=1,
+                  gpsimd_ghz=1.2, dma_queue_bytes_per_ns=23.0, hbm_bytes_per_ns=375.0,
+                  peak_tflops_documented=79.0, **_COMMON)
+TRN3 = Generation(name="trn3", nc_version=4, tensor_ghz=2.4, fp32_transpose_factor=2, vector_ghz=1.2,
+                  vector_fast_copy=4, vector_half_copy=2, vector_fast_tt=2, scalar_ghz=1.2, scalar_fast_copy=2,
+                  gpsimd_ghz=1.2, dma_queue_bytes_per_ns=33.0, hbm_bytes_per_ns=588.0,
+                  peak_tflops_documented=79.0, **_COMMON)
+
+GENERATIONS = {g.name: g for g in (TRN1, TRN2, TRN3)}
+
+
+def generation(name):
+    """The ``Generation`` of a target name (``trn1``, ``trn2``, ``trn3``; ``inf2``/``gen2``... are aliases)."""
+    key = {"inf2": "trn1", "gen2": "trn1", "gen3": "trn2", "gen4": "trn3"}.get(name.lower(), name.lower())
+    if key not in GENERATIONS:
+        raise ValueError(f"unknown target {name!r}; use one of {sorted(GENERATIONS)}")
+    return GENERATIONS[key]
+
+
+def _fmt(v):
+    if isinstance(v, float):
+        return f"{v:g}"
+    return str(v)
+
+
+def render_table():
+    """The parameter table as Markdown: one row per parameter, one column per generation, then meaning and
+    source."""
+    gens = list(GENERATIONS.values())
+    head = "| parameter | " + " | ".join(g.name for g in gens) + " | meaning | source |"
+    rows = [head, "|" + "---|" * (len(gens) + 3)]
+    for f in fields(Generation):
+        if f.name == "name":
+            continue
+        vals = " | ".join(_fmt(getattr(g, f.name)) for g in gens)
+        rows.append(f"| `{f.name}` | {vals} | {f.metadata['meaning']} | {f.metadata['source']} |")
+    derived = " | ".join(f"{g.peak_tflops:.1f}" for g in gens)
+    rows.append(f"| peak TFLOPS used (d) | {derived} | 2 x pe_dim² x tensor_ghz / 1000 | d |")
+    return "\n".join(rows)
+
