@@ -763,7 +763,8 @@ def tensor_tensor_scan(dst, data0, data1, initial, op0, op1, reverse0=False, rev
     _match(instr, "data0", data0, p, f)
     _match(instr, "data1", data1, p, f)
     a, b = _read(data0), _read(data1)
-    state = np.broadcast_to(_col_or_scalar(instr, "initial", initial, p, require_f32=False), (p, 1)).reshape(p).astype(_F32)
+    init = _col_or_scalar(instr, "initial", initial, p, require_f32=False)
+    state = np.broadcast_to(init, (p, 1)).reshape(p).astype(_F32)
     out = np.empty((p, f), dtype=_F32)
     # The recurrence is sequential along the free dim; one numpy call per column keeps it exact in fp32.
     for i in range(f):

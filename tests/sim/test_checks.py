@@ -79,6 +79,32 @@ def test_matmul_accumulating_onto_non_matmul_data_is_undefined_before_trn3(tgt, 
         _matmul_groups(a, b, True, False, init_with)
 
 
+@sim.jit
+def _rescale_between_matmuls(a, b):
+    """acc = a.T @ b; acc *= 0.5 in place (a Vector write); acc += a.T @ b with the default accumulate=None."""
+    out = nl.ndarray((a.shape[1], b.shape[1]), nl.float32, buffer=nl.shared_hbm)
+    acc = nl.ndarray((a.shape[1], b.shape[1]), nl.float32, buffer=nl.psum, name="acc")
+    nisa.nc_matmul(dst=acc, stationary=_load(a), moving=_load(b))
+    nisa.tensor_scalar(dst=acc, data=acc, op0=nl.multiply, operand0=0.5)
+    nisa.nc_matmul(dst=acc, stationary=_load(a), moving=_load(b))
+    res = nl.ndarray(acc.shape, nl.float32, buffer=nl.sbuf)
+    nisa.tensor_copy(dst=res, src=acc)
+    nisa.dma_copy(dst=out, src=res)
+    return out
+
+
+def test_default_accumulation_onto_vector_written_psum(rng, monkeypatch):
+    a = rng.standard_normal((16, 8)).astype(np.float32)
+    b = rng.standard_normal((16, 32)).astype(np.float32)
+    with pytest.raises(NkiValidationError, match=r"accumulating onto PSUM acc\[0:8, 0:32\] \(element \[0, 0\] of "
+                                                 r"acc\), last written by a non-matmul instruction \(undefined on "
+                                                 r"trn2\)"):
+        _rescale_between_matmuls(a, b)
+    monkeypatch.setenv("NEURON_PLATFORM_TARGET_OVERRIDE", "trn3")  # defined from NeuronCore v4 on
+    np.testing.assert_allclose(_rescale_between_matmuls(a, b), 1.5 * (a.T.astype(np.float64) @ b), rtol=1e-5,
+                               atol=1e-5)
+
+
 def test_trn3_accumulates_onto_memset_psum(rng, monkeypatch):
     monkeypatch.setenv("NEURON_PLATFORM_TARGET_OVERRIDE", "trn3")
     a, b, want = _mm_inputs(rng)
