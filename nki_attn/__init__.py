@@ -3,10 +3,17 @@
 Public PyTorch API (autograd, CPU tensors on the simulator, XLA tensors on Trainium):
 ``flash_attn_func``, ``flash_attn_varlen_func``, ``scaled_dot_product_attention``.
 Subpackages: ``nki_attn.kernels`` (the NKI kernels), ``nki_attn.sim`` (the simulator of the NKI API),
-``nki_attn.backend`` (real ``nki`` or simulator), ``nki_attn.harness`` (the correctness harness).
+``nki_attn.backend`` (real ``nki`` or simulator), ``nki_attn.harness`` (the correctness harness),
+``nki_attn.profiler`` (modeled profiles).
 """
-from .attention import (NkiAttentionFunction, flash_attn_func, flash_attn_varlen_func,  # noqa: F401
-                        scaled_dot_product_attention)
-
 __version__ = "0.1.0"
 __all__ = ["flash_attn_func", "flash_attn_varlen_func", "scaled_dot_product_attention", "NkiAttentionFunction"]
+
+
+def __getattr__(name):
+    # The torch API is imported on first use, so `import nki_attn.sim` (kernels, the simulator, the CLI's
+    # other commands) does not pay for importing torch.
+    if name in __all__:
+        from . import attention
+        return getattr(attention, name)
+    raise AttributeError(f"module 'nki_attn' has no attribute {name!r}")

@@ -5,6 +5,7 @@ runs the kernel body once per NeuronCore (LNC2: two threads, each with its own `
 into the caller's arrays any argument the kernel wrote, and converts the returned ``shared_hbm`` tensors to
 arrays of the caller's kind (numpy in, numpy out; torch in, torch out).
 """
+import contextlib
 import functools
 import sys
 import threading
@@ -119,8 +120,24 @@ def _convert_args(values, buffer, record, path="arg"):
     return out
 
 
+def _one_blas_thread():
+    """Context limiting numpy's BLAS to one thread. A simulated matmul is at most 128x128x512: threading it
+    buys nothing on an idle machine and, with several processes (pytest -n, harness -j) on few cores,
+    oversubscription made launches 3-7x slower (docs/performance.md)."""
+    try:
+        from threadpoolctl import threadpool_limits
+    except ImportError:  # optional at run time: only speed depends on it
+        return contextlib.nullcontext()
+    return threadpool_limits(limits=1, user_api="blas")
+
+
 def launch(fn, lnc, args, kwargs):
     """Run ``fn`` on ``lnc`` simulated cores (``None``: no brackets, one core, program_ndim() == 0)."""
+    with _one_blas_thread():
+        return _launch(fn, lnc, args, kwargs)
+
+
+def _launch(fn, lnc, args, kwargs):
     n = lnc or 1
     lau = context.Launch(n, grid=lnc is not None)
     if n > 1 and lau.version < 3:
