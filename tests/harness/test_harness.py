@@ -70,14 +70,18 @@ def test_tolerance_rules():
     bound = 2.0 * 1e-3 + 2.0 ** -9
     assert tolerance.compare("x", ref + 0.99 * bound, ref, base, "bfloat16")["ok"]
     assert not tolerance.compare("x", ref + 1.01 * bound, ref, base, "bfloat16")["ok"]
-    # the fp32 absolute band (1e-5 + 1e-4|x|) is required where the baseline meets it: an error of 5e-5 is
-    # within K * 1e-5 + floor but outside the band at x = 0, so it fails
-    c = tolerance.compare("x", ref + 5e-5, ref, ref + 1e-5, "float32")
-    assert c["band_required"] and not c["band_ok"] and not c["ok"]
-    assert c["max_abs"] <= c["bound"]
-    # where the baseline misses the band, the band is not required
-    c2 = tolerance.compare("x", ref + 2e-5, ref, ref + 2e-5, "float32")
+    # the fp32 band (1e-5 + 1e-4 * max|ref|) is required where the baseline meets it. At max|ref| = 100 the
+    # band is 0.01001: a baseline error of 9e-3 meets it, so a candidate error of 0.05 -- inside rule 1's
+    # 10 * 9e-3 + floor -- still fails on the band
+    big = ref * 100
+    c = tolerance.compare("x", big + 0.05, big, big + 9e-3, "float32")
+    assert c["max_abs"] <= c["bound"] and c["band_required"] and not c["band_ok"] and not c["ok"]
+    # where the baseline misses the band, the band is not required and rule 1 decides
+    c2 = tolerance.compare("x", big + 0.05, big, big + 0.02, "float32")
     assert not c2["band_required"] and c2["ok"]
+    # the band is normwise: an error of 5e-5 on an element near 0 is fine when max|ref| = 1 (band 1.1e-4)
+    c3 = tolerance.compare("x", ref + 5e-5, ref, ref + 1e-5, "float32")
+    assert c3["band_required"] and c3["band_ok"] and c3["ok"]
     # +inf reference rows must be +inf in the candidate too
     r2 = ref.copy()
     r2[3] = float("inf")
