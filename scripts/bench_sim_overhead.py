@@ -15,7 +15,6 @@ import argparse
 import os
 import platform
 import sys
-import time
 
 
 def _blas_threads_from_argv():
@@ -38,6 +37,7 @@ from golden.attention_bwd_torch import attention_bwd_torch_ref  # noqa: E402
 from golden.attention_fwd_torch import attention_fwd_torch_ref  # noqa: E402
 from nki_attn.kernels.attention_bwd import attention_bwd  # noqa: E402
 from nki_attn.kernels.attention_fwd import attention_fwd  # noqa: E402
+from bench_sim_speed import best_of  # noqa: E402 - the sibling script in scripts/
 
 
 def cpu_model():
@@ -68,15 +68,6 @@ def simulated(npx, causal):
 def golden(tx, causal):
     o, lse = attention_fwd_torch_ref(tx["q"], tx["k"], tx["v"], use_causal_mask=causal)
     return attention_bwd_torch_ref(tx["q"], tx["k"], tx["v"], o, tx["dy"], lse, use_causal_mask=causal)
-
-
-def best_of(fn, repeats):
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
 
 
 def main():

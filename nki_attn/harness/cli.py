@@ -60,7 +60,11 @@ def main(args):
             futs = {ex.submit(_run_row, w): i for i, w in enumerate(work)}
             for n, fut in enumerate(concurrent.futures.as_completed(futs), 1):
                 i = futs[fut]
-                rows[i] = fut.result()
+                try:
+                    rows[i] = fut.result()
+                except Exception as exc:  # noqa: BLE001 - e.g. a worker killed for lack of memory
+                    rows[i] = {"case": work[i][0].as_dict(), "pass": False, "seconds": None,
+                               "error": f"worker process failed: {type(exc).__name__}: {exc}"}
                 _progress(n, len(work), t0, f"{rows[i]['case']['name']} {'ok' if rows[i]['pass'] else 'FAIL'}")
     else:
         for i, w in enumerate(work):

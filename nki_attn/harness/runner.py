@@ -70,19 +70,30 @@ def _kwargs(case):
 
 
 def _golden(ins, case, as_dtype):
-    """Golden forward + backward with inputs converted to ``as_dtype`` (float64: the reference)."""
+    """Golden forward + backward with inputs converted to ``as_dtype`` (float64: the reference).
+
+    Run one kv head (with its query heads) at a time: the golden materialises [heads, seqlen_q, seqlen_k]
+    matrices, which for a whole model's heads at 4096 tokens in float64 would need tens of GiB. Each kv head's
+    slice is an independent attention problem, so the results are the same.
+    """
     cv = (lambda t: None if t is None else t.to(as_dtype)) if as_dtype is not None else (lambda t: t)
     q, k, v, dy = (cv(ins[n]) for n in ("q", "k", "v", "dy"))
     sinks = ins["sinks"].to(torch.float64) if (ins["sinks"] is not None and as_dtype == torch.float64) \
         else ins["sinks"]
-    o, lse = golden.attention_fwd_torch_ref(q, k, v, sinks, ins["bound_min"], ins["bound_max"],
-                                            mixed_precision=True, **_kwargs(case))
-    g = golden.attention_bwd_torch_ref(q, k, v, o, dy, lse, sinks, ins["bound_min"], ins["bound_max"],
-                                       mixed_precision=True, **_kwargs(case))
-    out = {"o": o, "lse": lse, "dq": g["out_dq_ref"], "dk": g["out_dk_ref"], "dv": g["out_dv_ref"]}
-    if sinks is not None:
-        out["dsinks"] = g["out_dsinks_ref"]
-    return out
+    group = case.heads // case.kv_heads
+    parts = []
+    for g in range(case.kv_heads):
+        hq, hk = slice(g * group, (g + 1) * group), slice(g, g + 1)
+        s_g = None if sinks is None else sinks[:, hq]
+        o, lse = golden.attention_fwd_torch_ref(q[:, hq], k[:, hk], v[:, hk], s_g, ins["bound_min"],
+                                                ins["bound_max"], mixed_precision=True, **_kwargs(case))
+        gr = golden.attention_bwd_torch_ref(q[:, hq], k[:, hk], v[:, hk], o, dy[:, hq], lse, s_g, ins["bound_min"],
+                                            ins["bound_max"], mixed_precision=True, **_kwargs(case))
+        part = {"o": o, "lse": lse, "dq": gr["out_dq_ref"], "dk": gr["out_dk_ref"], "dv": gr["out_dv_ref"]}
+        if sinks is not None:
+            part["dsinks"] = gr["out_dsinks_ref"]
+        parts.append(part)
+    return {name: torch.cat([p[name] for p in parts], dim=1) for name in parts[0]}
 
 
 def run_candidate(candidate, ins, case):

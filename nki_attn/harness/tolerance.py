@@ -55,5 +55,5 @@ def compare(name, got, ref64, base, dtype):
     ok = nonfinite == 0 and np.isfinite(err) and err <= bound and (band_ok or not band_required)
     return {"name": name, "max_abs": err, "max_rel": err / scale if scale else 0.0, "base_abs": berr,
             "base_rel": berr / scale if scale else 0.0, "bound": bound, "k": K[dtype],
-            "band": [atol, rtol], "band_bound": band, "band_required": band_required, "band_ok": band_ok, "nonfinite": nonfinite,
-            "ok": bool(ok)}
+            "band": [atol, rtol], "band_bound": band, "band_required": band_required, "band_ok": band_ok,
+            "nonfinite": nonfinite, "ok": bool(ok)}

@@ -13,7 +13,7 @@ from . import checks as _checks
 from . import context
 from . import dtypes as _dt
 from . import ops as _ops
-from .errors import NkiValidationError, fail
+from .errors import fail
 from .tensor import NkiTensor
 
 _F32 = np.float32
