@@ -23,6 +23,40 @@ SKIPPED = [
 ]
 
 
+def tolerance_table(reports, paths):
+    """Per-dtype use of the harness's tolerance rules over all rows (for docs/tolerances.md)."""
+    agg = defaultdict(lambda: {"n": 0, "worst": 0.0, "where": "", "band_n": 0, "band_worst": 0.0})
+    nrows = 0
+    for rep in reports:
+        for r in rep["rows"]:
+            nrows += 1
+            a = agg[r["case"]["dtype"]]
+            for name, o in r.get("outputs", {}).items():
+                a["n"] += 1
+                if o["max_abs"] / o["bound"] > a["worst"]:
+                    a["worst"], a["where"] = o["max_abs"] / o["bound"], f"{r['case']['name']} {name}"
+                if o["band_required"]:
+                    a["band_n"] += 1
+                    a["band_worst"] = max(a["band_worst"], o["max_abs"] / o["band_bound"])
+    lines = [f"Measured on the committed reports ({', '.join(paths)}; {nrows} rows), by "
+             f"`python scripts/make_validation_note.py {' '.join(paths)}`:", "",
+             "| dtype | outputs judged | worst err / rule-1 bound (where) | outputs where the band was required | "
+             "worst err / band there |", "|---|---|---|---|---|"]
+    for dt in ("float32", "bfloat16", "float16"):
+        a = agg[dt]
+        lines.append(f"| {dt} | {a['n']} | {a['worst']:.3f} ({a['where']}) | {a['band_n']} | {a['band_worst']:.3f} |")
+    return "\n".join(lines)
+
+
+def update_tolerances(table, path="docs/tolerances.md"):
+    begin, end = "<!-- harness-tolerances:begin -->", "<!-- harness-tolerances:end -->"
+    text = open(path).read()
+    head, rest = text.split(begin, 1)
+    _, tail = rest.split(end, 1)
+    with open(path, "w") as f:
+        f.write(head + begin + "\n" + table + "\n" + end + tail)
+
+
 def main(paths, out="docs/validation.md"):
     reports = [json.load(open(p)) for p in paths]
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
@@ -72,7 +106,8 @@ def main(paths, out="docs/validation.md"):
     lines += ["", f"Code at commit `{commit}` (the commit before the one adding this note and the reports)."]
     with open(out, "w") as f:
         f.write("\n".join(lines) + "\n")
-    print(f"wrote {out}")
+    update_tolerances(tolerance_table(reports, paths))
+    print(f"wrote {out} and the harness table of docs/tolerances.md")
 
 
 if __name__ == "__main__":
