@@ -12,7 +12,6 @@ from . import isa as _isa
 from . import ops as _ops
 from .dtypes import (bfloat16, bool_, float8_e4m3, float8_e4m3fn, float8_e5m2, float8_e8m0fnu, float16,  # noqa: F401
                      float32, int8, int16, int32, tfloat32, uint8, uint16, uint32)
-from .dtypes import as_dtype as _as_dtype
 from .errors import NkiValidationError
 from .ops import *  # noqa: F401,F403 - nl.add, nl.exp, ... are public names of this module
 from .ops import Op as _Op
@@ -478,7 +477,3 @@ def where(condition, x, y, dtype=None, **_):
     out.np()[...] = vals.astype(out.np().dtype)
     _isa._wrote("nl.where", out)
     return out
-
-
-def _dtype(x):
-    return _as_dtype(x)

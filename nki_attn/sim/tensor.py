@@ -466,16 +466,15 @@ class NkiTensor:
         return NkiTensor(self.storage, shape, strides, self.offset, self.dtype)
 
     def select(self, dim, index):
+        """``t.select(dim, i)``: the view at index ``i`` of ``dim``, with the dim dropped (on-chip views keep a
+        size-1 dim rather than fall below 2-D). Runtime indices are not supported."""
         if not isinstance(index, (int, np.integer)):
             raise NkiValidationError("select with a runtime index is not supported by this simulator")
         if self.on_chip and dim == 0:
             raise NkiValidationError("select cannot pick along the partition dim of an on-chip tensor")
         key = [slice(None)] * self.ndim
         key[dim] = int(index)
-        v = self[tuple(key)]
-        if v.ndim == self.ndim:  # on-chip kept a size-1 dim to stay 2-D
-            return v
-        return v
+        return self[tuple(key)]
 
     def view(self, dtype):
         """Bit cast: the last dim is scaled by the element-size ratio and must be contiguous."""
