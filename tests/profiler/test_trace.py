@@ -122,3 +122,24 @@ def test_trace_is_off_by_default_and_innermost_recorder_wins(x):
         mm_exp(x)
     assert len(outer.records) == 4
     assert trace.active_recorder() is None
+
+
+def test_operand_span_bounds_the_bytes_a_view_touches():
+    big = nl.ndarray((128, 1024), nl.float32, buffer=nl.sbuf)
+    big.np()[...] = 0.0
+    small = nl.ndarray((128, 512), nl.float32, buffer=nl.sbuf)
+    with trace.recording() as rec:
+        nisa.tensor_copy(dst=big[32:64, 512:768], src=big[0:32, 0:512:2])
+        nisa.tensor_copy(dst=small, src=big[:, 0:512])
+    first, second = rec.records
+    # partitions 32..63, bytes 2048..3071 of each partition row
+    assert first.dst.span == (32, 64, 512 * 4, 768 * 4)
+    # a strided view still bounds from its first to its last element
+    assert first.srcs[0].span == (0, 32, 0, 510 * 4 + 4)
+    assert first.dst.uid == first.srcs[0].uid == second.srcs[0].uid != second.dst.uid
+    hbm = nl.ndarray((4, 256), nl.bfloat16, buffer=nl.hbm)
+    hbm.np()[...] = 0
+    sb = nl.ndarray((2, 256), nl.bfloat16, buffer=nl.sbuf)
+    with trace.recording() as rec:
+        nisa.dma_copy(dst=sb, src=hbm[2:4, :])
+    assert rec.records[0].srcs[0].span == (0, 1, 2 * 256 * 2, 4 * 256 * 2)  # HBM: one flat byte range
