@@ -56,16 +56,18 @@ def run_one(kernel, b, h, hkv, s, d, causal, window, sinks, target):
             os.environ["NEURON_PLATFORM_TARGET_OVERRIDE"] = prev
     flops = useful_flops(args)
     p = profile(records, gen, flops)
-    # Sensitivity: the same trace with the per-transfer DMA fixed cost removed (an optimistic DMA model; see
-    # docs/performance.md on why 1300 ns per transfer is pessimistic for queued transfers).
-    p0 = profile(records, dataclasses.replace(gen, dma_fixed_ns=0.0), flops)
+    # Sensitivity: the same trace without the per-piece DMA floor (only bytes / bandwidth on the queues), the
+    # optimistic end for kernels that issue many small DMAs (docs/performance.md, "Choices").
+    p0 = profile(records, dataclasses.replace(gen, dma_min_piece_ns=0.0), flops)
     return {
         "kernel": kernel, "shape": dict(batch=b, heads=h, kv_heads=hkv, seqlen=s, head_dim=d, causal=causal,
                                         window=window, sinks=sinks),
         "time_overlap_us": p.time_overlap_ns / 1e3, "time_serial_us": p.time_serial_ns / 1e3,
         "bottleneck": p.bottleneck,
         "util_overlap": p.tensor_utilisation(True), "util_serial": p.tensor_utilisation(False),
-        "util_overlap_no_dma_fixed": p0.tensor_utilisation(True), "bottleneck_no_dma_fixed": p0.bottleneck,
+        "useful_util_overlap": p.useful_tensor_utilisation(True), "floor_ratio": p.floor_ratio(True),
+        "util_overlap_no_dma_floor": p0.useful_tensor_utilisation(True), "bottleneck_no_dma_floor": p0.bottleneck,
+        "sbuf_port_us": p.engine_busy("VectorE/GpSimdE SBUF port") / 1e3,
         "tensor_efficiency": p.tensor_efficiency(), "tflops_overlap": p.tflops(True),
         "busy_us": {e: p.engine_busy(e) / 1e3 for e in ("TensorE", "VectorE", "ScalarE", "GpSimdE", "DMA")},
         "hbm_mib": p.hbm_bytes / 2**20, "instructions": len(records), "sim_wall_s": wall,
@@ -96,23 +98,25 @@ def shape_str(r):
 
 
 def table(rows):
-    head = ("| case | kernel | ran (H/HKV, S, d) | modeled us (overlap / serial) | bottleneck | TensorE util "
-            "overlap / serial | util, no DMA fixed cost | TensorE eff. | TFLOPS (overlap) | TensorE / VectorE / "
-            "ScalarE / GpSimdE / DMA busy us | sim s |")
-    out = [head, "|" + "---|" * 12]
+    head = ("| case | kernel | ran (H/HKV, S, d) | modeled us (overlap / serial) | bottleneck | useful util | "
+            "x useful-FLOP bound | executed util overlap / serial | useful util, no DMA floor | TensorE eff. | "
+            "TFLOPS (overlap) | TensorE / VectorE / ScalarE / GpSimdE / DMA busy us | V/G SBUF port us | sim s |")
+    out = [head, "|" + "---|" * 14]
     for name, r in rows:
         b = r["busy_us"]
         busy = " / ".join(f"{b[e]:.0f}" for e in ("TensorE", "VectorE", "ScalarE", "GpSimdE", "DMA"))
         out.append(f"| {name} | {r['kernel']} | {shape_str(r)} | {r['time_overlap_us']:.0f} / "
-                   f"{r['time_serial_us']:.0f} | {r['bottleneck']} | {r['util_overlap']:.1%} / "
-                   f"{r['util_serial']:.1%} | {r['util_overlap_no_dma_fixed']:.1%} "
-                   f"({r['bottleneck_no_dma_fixed']}) | {r['tensor_efficiency']:.0%} | {r['tflops_overlap']:.1f} | "
-                   f"{busy} | {r['sim_wall_s']:.1f} |")
+                   f"{r['time_serial_us']:.0f} | {r['bottleneck']} | {r['useful_util_overlap']:.1%} | "
+                   f"{r['floor_ratio']:.2f} | {r['util_overlap']:.1%} / {r['util_serial']:.1%} | "
+                   f"{r['util_overlap_no_dma_floor']:.1%} ({r['bottleneck_no_dma_floor']}) | "
+                   f"{r['tensor_efficiency']:.0%} | {r['tflops_overlap']:.1f} | {busy} | {r['sbuf_port_us']:.0f} | "
+                   f"{r['sim_wall_s']:.1f} |")
     return "\n".join(out)
 
 
 def plot(rows, path, target):
-    """Grouped bars: modeled TensorE utilisation (perfect overlap; the no-overlap value as a dark inner bar)."""
+    """Grouped bars: modeled TensorE utilisation of useful FLOPs (perfect overlap; the no-overlap value as a dark
+    inner bar)."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -126,15 +130,16 @@ def plot(rows, path, target):
     width = 0.38
     for i, kernel in enumerate(("fwd", "bwd")):
         xs = [j + (i - 0.5) * width for j in range(len(names))]
-        over = [100 * by[(n, kernel)]["util_overlap"] for n in names]
-        ser = [100 * by[(n, kernel)]["util_serial"] for n in names]
+        over = [100 * by[(n, kernel)]["useful_util_overlap"] for n in names]
+        ser = [100 * by[(n, kernel)]["useful_util_overlap"] * by[(n, kernel)]["time_overlap_us"]
+               / by[(n, kernel)]["time_serial_us"] for n in names]
         ax.bar(xs, over, width, color=("#4c72b0", "#dd8452")[i], label=f"{kernel} (perfect overlap)")
         ax.bar(xs, ser, width * 0.5, color="black", alpha=0.35, label="no overlap" if i else None)
         for x, v in zip(xs, over):
             ax.text(x, v, f"{v:.0f}", ha="center", va="bottom", fontsize=7)
     ax.set_xticks(range(len(names)))
     ax.set_xticklabels(names, fontsize=8)
-    ax.set_ylabel("TensorE utilisation (%)")
+    ax.set_ylabel("TensorE utilisation, useful FLOPs (%)")
     ax.set_title(f"Modeled TensorE utilisation on {target} (modeled, not measured; scaled-down head counts)",
                  fontsize=9)
     ax.legend(fontsize=7)
@@ -160,7 +165,8 @@ def main():
             r = run_one(kernel, *shape, args.target)
             r["model"] = model
             rows.append((name, r))
-            print(f"{name} {kernel}: util {r['util_overlap']:.1%} ({r['sim_wall_s']:.1f} s sim)", flush=True)
+            print(f"{name} {kernel}: useful util {r['useful_util_overlap']:.1%} ({r['sim_wall_s']:.1f} s sim)",
+                  flush=True)
     mask_rows = {}
     for name, shape in MASKS.items():
         if args.only and name not in args.only:

@@ -161,6 +161,8 @@ def format_report(prof, title, wall=None):
              "-" * 46]
     for e, n, b, share, active in prof.engine_rows():
         lines.append(f"{e:<9}{n:>9}{b / 1e3:>12.2f}{share:>8.1%}{active:>8.1%}")
+    for r, b, active in prof.resource_rows():
+        lines.append(f"  shared: {r} {b / 1e3:.2f} us, active {active:.1%}")
     lines += ["-" * 46,
               "share = engine busy / sum of all engines; active = engine busy / busiest engine "
               "(busy on the slowest core)",
@@ -172,7 +174,10 @@ def format_report(prof, title, wall=None):
               f"TensorE transposes {prof.transposes}",
               f"useful TFLOPS: {prof.tflops(True):.1f} (overlap) / {prof.tflops(False):.1f} (no overlap); "
               f"peak {g.peak_tflops:.1f} per core",
-              f"TensorE utilisation: {prof.tensor_utilisation(True):.1%} (overlap) / "
+              f"TensorE utilisation, useful FLOPs: {prof.useful_tensor_utilisation(True):.1%} (overlap) / "
+              f"{prof.useful_tensor_utilisation(False):.1%} (no overlap); useful-FLOP bound "
+              f"{prof.tensor_floor_ns / 1e3:.2f} us ({prof.floor_ratio(True):.2f}x)",
+              f"TensorE utilisation, executed FLOPs: {prof.tensor_utilisation(True):.1%} (overlap) / "
               f"{prof.tensor_utilisation(False):.1%} (no overlap); efficiency while busy "
               f"{prof.tensor_efficiency():.1%}",
               f"HBM traffic: {prof.hbm_bytes / 2**20:.2f} MiB; "

@@ -7,19 +7,33 @@ them with their sources):
   cycles, ``N`` = moving free size (dst columns), ``M`` = stationary free size (dst rows); times
   ``fp32_matmul_factor`` for fp32 operands (``fp32_transpose_factor`` for fp32 transposes). K does not change the
   time: a matmul with K < 128 wastes rows. A transpose costs like the matmul it is (identity moving).
-- **VectorE / GpSimdE**: ``engine_overhead_cycles + N * inputs * op_factor / speedup`` cycles, ``N`` = elements per
-  partition of the largest operand, ``inputs`` = full-size tensor inputs (per-partition ``(P, 1)`` operands are
-  free), ``op_factor`` = ``vector_reciprocal_factor`` for ``reciprocal`` (else 1), ``speedup`` = the VectorE perf
-  modes (``vector_fast_copy`` / ``vector_half_copy`` / ``vector_fast_tt``). Partitions used do not matter.
-- **ScalarE**: ``engine_overhead_cycles + N / speedup`` cycles (one input; scale, bias, reduce are free),
-  ``speedup`` = ``scalar_fast_copy`` for 16-bit ``tensor_copy``/``tensor_scalar``.
+- **VectorE / ScalarE / GpSimdE**: ``max(min_ii_cycles, work)`` cycles, plus ``static_overhead_cycles`` when the
+  instruction reads what the same engine's previous instruction wrote (``static_overhead_applies="dependent"``).
+  ``work``, with ``N`` = elements per partition of the largest operand and ``inputs`` = full-size tensor inputs
+  (per-partition ``(P, 1)`` operands are free):
+
+  - VectorE: ``N * inputs / speedup``; ``speedup`` = the bf16/fp16 perf mode (``vector_fast_copy`` /
+    ``vector_half_copy`` / ``vector_fast_tt``) or, when larger, the width outside it
+    (``vector_width_other / 128`` lanes). ``reciprocal``: ``N * vector_reciprocal_factor``.
+  - ScalarE: ``N / speedup`` (one input; scale, bias, reduce are free), ``speedup`` = ``scalar_fast_copy`` for
+    16-bit ``tensor_copy``/``tensor_scalar``.
+  - GpSimdE: ``N * inputs`` (no published rule).
+
+  Partitions used do not matter.
 - **DMA**: a transfer is split over the queues that serve its SBUF partitions (partition ``p`` -> queue
-  ``p // dma_partitions_per_queue``; HBM -> HBM transfers over all queues evenly); each piece costs
-  ``dma_fixed_ns + bytes / dma_queue_bytes_per_ns`` on its queue (bandwidth scaled by the transpose efficiency for
-  ``dma_transpose``). The DMA engine's busy time is its busiest queue's.
+  ``p // dma_partitions_per_queue``; HBM -> HBM transfers over all queues evenly); each piece occupies its queue
+  ``max(dma_min_piece_ns, bytes / dma_queue_bytes_per_ns) + dma_fixed_ns`` (bandwidth scaled by the transpose
+  efficiency for ``dma_transpose``). The DMA engine's busy time is its busiest queue's. The ~1300 ns
+  semaphore-to-start latency (``dma_latency_ns``) is reported, not charged: queued transfers hide it.
+- **Shared resources** (engines that cannot work at once): the SBUF port VectorE shares with GpSimdE
+  (``vector_gpsimd_port``: every VectorE instruction on v2, the perf-mode ones on v3+, plus all GpSimdE
+  instructions), the PSUM port of v2 (VectorE and ScalarE instructions touching PSUM,
+  ``vector_scalar_psum_shared``), and the hardware DGE (``dge_instr_ns`` per ``dge_mode=hwdge`` DMA, spread over
+  ``dge_instances``). Each is busy for the sum of the time of the instructions that need it.
 
 A profile sums instruction times per engine and core; the modeled kernel time is reported two ways: the busiest
-engine (perfect overlap, a lower bound) and the sum over engines (no overlap, an upper bound for this model).
+engine or shared resource (perfect overlap, a lower bound) and the sum over engines (no overlap, an upper bound for
+this model).
 """
 import math
 from collections import defaultdict
@@ -28,18 +42,30 @@ from dataclasses import dataclass
 from ..sim.trace import DMA_INSTRUCTIONS, ENGINES
 
 _HALF = frozenset({"bfloat16", "float16"})
+# A2: VectorE and ScalarE have 128 parallel lanes, one per partition.
+LANES = 128
+
+SBUF_PORT = "VectorE/GpSimdE SBUF port"
+PSUM_PORT = "VectorE/ScalarE PSUM port"
+DGE = "DGE"
+RESOURCES = (SBUF_PORT, PSUM_PORT, DGE)
 
 
 @dataclass
 class InstrCost:
     """Modeled cost of one record: ``engine`` it occupies, ``ns`` of that engine's time (for a DMA, its longest
-    queue piece), ``cycles`` on that engine's clock (None for DMAs), and ``queues``: ``(queue, ns)`` pieces of a
-    DMA (empty otherwise)."""
+    queue piece), ``cycles`` on that engine's clock (None for DMAs), ``queues``: ``(queue, ns)`` pieces of a DMA
+    (empty otherwise), ``shared``: ``(resource, ns)`` it also holds (see ``RESOURCES``), ``dependent``: it paid the
+    static overhead for reading its engine's previous output, ``unmodelled_issue``: a software-DGE DMA whose
+    descriptor generation on GpSimdE has no published cost."""
 
     engine: str
     ns: float
     cycles: float = None
     queues: tuple = ()
+    shared: tuple = ()
+    dependent: bool = False
+    unmodelled_issue: bool = False
 
 
 # ----------------------------------------------------------------------------------------------------- TensorE
@@ -69,8 +95,8 @@ def _full_operands(rec, n):
     return ops + [s for s in rec.srcs if s.free_elems == n]
 
 
-def vector_speedup(rec, gen, n):
-    """VectorE perf-mode speedup of one record (1 when no perf mode applies)."""
+def perf_mode(rec, gen, n):
+    """Speedup of a VectorE record from the bf16/fp16 perf mode exactly as A3 states it (1: no perf mode)."""
     ops = _full_operands(rec, n)
     half = all(o.dtype in _HALF for o in ops)
     if rec.instr in ("tensor_copy", "tensor_scalar") and half:
@@ -85,22 +111,59 @@ def vector_speedup(rec, gen, n):
     return 1
 
 
-def elementwise_cycles(rec, gen):
-    """Cycles of a VectorE, ScalarE or GpSimdE record (see the module docstring)."""
+def vector_speedup(rec, gen, n):
+    """Elements per partition per cycle of each input stream of a VectorE record: the perf mode, or the width the
+    data path has outside it (A3/A4: 256 elements per cycle for other data types, i.e. 2 per lane), whichever is
+    larger."""
+    return max(perf_mode(rec, gen, n), gen.vector_width_other / LANES)
+
+
+def depends_on(rec, prev):
+    """True when ``rec`` reads bytes that ``prev`` wrote (same allocation, overlapping byte ranges)."""
+    if prev is None or prev.dst is None:
+        return False
+    d = prev.dst.span
+    return any(s.uid == prev.dst.uid and s.span[0] < d[1] and d[0] < s.span[1] and s.span[2] < d[3]
+               and d[2] < s.span[3] for s in rec.srcs)
+
+
+def elementwise_cycles(rec, gen, dependent=False):
+    """Cycles of a VectorE, ScalarE or GpSimdE record (see the module docstring); ``dependent``: it reads what
+    the same engine's previous instruction wrote."""
     n, inputs = _elems_and_inputs(rec)
     if rec.engine == "ScalarE":
         ops = _full_operands(rec, n)
         fast = rec.instr in ("tensor_copy", "tensor_scalar") and all(o.dtype in _HALF for o in ops)
         work = n / (gen.scalar_fast_copy if fast else 1)
     elif rec.engine == "VectorE":
-        factor = gen.vector_reciprocal_factor if rec.instr == "reciprocal" else 1
-        work = n * inputs * factor / vector_speedup(rec, gen, n)
-    else:  # GpSimdE: no published rule; one element per partition per cycle like un-accelerated VectorE
+        if rec.instr == "reciprocal":
+            work = n * gen.vector_reciprocal_factor  # SH: max(MIN_II, 8N), stated without a width speedup
+        else:
+            work = n * inputs / vector_speedup(rec, gen, n)
+    else:  # GpSimdE: no published rule; one element per partition per cycle like v2's VectorE
         work = n * inputs
-    return gen.engine_overhead_cycles + work
+    cycles = max(gen.min_ii_cycles, work)
+    if gen.static_overhead_applies == "all" or (gen.static_overhead_applies == "dependent" and dependent):
+        cycles += gen.static_overhead_cycles
+    return cycles
 
 
 _CLOCK = {"VectorE": "vector_ghz", "ScalarE": "scalar_ghz", "GpSimdE": "gpsimd_ghz"}
+
+
+def _shared_ports(rec, gen, ns, n):
+    """``(resource, ns)`` pairs a compute record holds besides its engine."""
+    out = []
+    buffers = {o.buffer for o in ([rec.dst] if rec.dst is not None else []) + rec.srcs}
+    if rec.engine == "GpSimdE" and gen.vector_gpsimd_port != "none" and "sbuf" in buffers:
+        out.append((SBUF_PORT, ns))
+    elif rec.engine == "VectorE":
+        if (gen.vector_gpsimd_port == "all" and "sbuf" in buffers) or \
+                (gen.vector_gpsimd_port == "perf_mode" and rec.instr != "reciprocal" and perf_mode(rec, gen, n) > 1):
+            out.append((SBUF_PORT, ns))
+    if gen.vector_scalar_psum_shared and rec.engine in ("VectorE", "ScalarE") and "psum" in buffers:
+        out.append((PSUM_PORT, ns))
+    return tuple(out)
 
 
 # ----------------------------------------------------------------------------------------------------- DMA
@@ -123,28 +186,44 @@ def dma_pieces(rec, gen):
     return pieces
 
 
+def dma_piece_ns(nbytes, gen, bw):
+    """Queue occupancy of one piece of ``nbytes`` at ``bw`` bytes/ns (see the module docstring)."""
+    return max(gen.dma_min_piece_ns, nbytes / bw) + gen.dma_fixed_ns
+
+
 def dma_cost(rec, gen):
-    """InstrCost of a DMA record: per-queue pieces of ``dma_fixed_ns + bytes / bandwidth``."""
+    """InstrCost of a DMA record: per-queue pieces, and the DGE time when it forces hardware DGE."""
     bw = gen.dma_queue_bytes_per_ns
     if rec.instr == "dma_transpose":
         from_hbm = any(s.buffer == "hbm" for s in rec.srcs)
         bw *= gen.dma_transpose_hbm_eff if from_hbm else gen.dma_transpose_sbuf_eff
-    queues = tuple((q, gen.dma_fixed_ns + b / bw) for q, b in dma_pieces(rec, gen))
-    return InstrCost("DMA", max(ns for _, ns in queues), None, queues)
+    queues = tuple((q, dma_piece_ns(b, gen, bw)) for q, b in dma_pieces(rec, gen))
+    dge = (rec.info or {}).get("dge")
+    # Static descriptors (dge_mode none, and what the compiler picks for the trace-time addresses of both
+    # kernels) cost nothing on the device (DGE reference). A hardware-DGE instruction holds a DGE block; its
+    # trigger engine (ScalarE or SyncE) only issues it and can keep computing (A3).
+    shared = ((DGE, gen.dge_instr_ns),) if dge == "hwdge" and gen.dge_instr_ns else ()
+    return InstrCost("DMA", max(ns for _, ns in queues), None, queues, shared,
+                     unmodelled_issue=dge == "swdge")
 
 
 # ----------------------------------------------------------------------------------------------------- dispatch
-def instruction_cost(rec, gen):
-    """Modeled ``InstrCost`` of one trace ``Record`` on generation ``gen``. Records on an engine the model does
-    not know cost 0 (``Profile.unmodelled`` counts them)."""
+def instruction_cost(rec, gen, prev=None):
+    """Modeled ``InstrCost`` of one trace ``Record`` on generation ``gen``; ``prev``: the previous record on the
+    same engine and core (for the dependent-instruction overhead). Records on an engine the model does not know
+    cost 0 (``Profile.unmodelled`` counts them)."""
     if rec.instr in DMA_INSTRUCTIONS or rec.engine == "DMA":
         return dma_cost(rec, gen)
     if rec.engine == "TensorE":
         c = tensor_cycles(rec, gen)
         return InstrCost("TensorE", c / gen.tensor_ghz, c)
     if rec.engine in _CLOCK:
-        c = elementwise_cycles(rec, gen)
-        return InstrCost(rec.engine, c / getattr(gen, _CLOCK[rec.engine]), c)
+        dep = depends_on(rec, prev)
+        c = elementwise_cycles(rec, gen, dep)
+        ns = c / getattr(gen, _CLOCK[rec.engine])
+        n, _ = _elems_and_inputs(rec)
+        return InstrCost(rec.engine, ns, c, shared=_shared_ports(rec, gen, ns, n),
+                         dependent=dep and gen.static_overhead_applies == "dependent")
     return InstrCost(rec.engine, 0.0, 0.0)
 
 
@@ -153,16 +232,20 @@ class Profile:
     """Modeled time of a list of trace records on one generation.
 
     Attributes: ``gen``; ``cores`` (program ids that ran instructions); ``n_cores`` (cores the launch occupied:
-    ``n_cores`` argument, at least ``len(cores)``; utilisations divide by it); ``busy[core][engine]`` ns (DMA: busiest queue);
-    ``queue_busy[core]`` list of per-queue ns; ``counts[engine]`` instructions over all cores;
-    ``by_instr[(engine, instr)] = [count, ns]`` (ns summed over cores; DMA: sum of each transfer's longest piece);
-    ``matmul_flops`` (useful TensorE FLOPs); ``transposes`` (TensorE transposes); ``hbm_bytes``; ``useful_flops``
-    (the caller's convention, e.g. attention FLOPs; defaults to ``matmul_flops``); ``unmodelled`` records.
+    ``n_cores`` argument, at least ``len(cores)``; utilisations divide by it); ``busy[core][engine]`` ns (DMA:
+    busiest queue); ``shared[core][resource]`` ns of the ``RESOURCES`` (DGE: per block); ``queue_busy[core]``
+    list of per-queue ns; ``counts[engine]`` instructions over all cores; ``by_instr[(engine, instr)] = [count,
+    ns]`` (ns summed over cores; DMA: sum of each transfer's longest piece); ``matmul_flops`` (executed TensorE
+    FLOPs, masked parts included); ``transposes`` (TensorE transposes); ``hbm_bytes``; ``useful_flops`` (the
+    caller's convention, e.g. attention FLOPs of the visible pairs; defaults to ``matmul_flops``);
+    ``dma_transfers``; ``dependent`` (instructions that paid the dependent-instruction overhead);
+    ``unmodelled`` records; ``unmodelled_issue`` (software-DGE DMAs).
     """
 
     def __init__(self, records, gen, useful_flops=None, n_cores=None):
         self.gen = gen
         self.busy = defaultdict(lambda: dict.fromkeys(ENGINES, 0.0))
+        self.shared = defaultdict(lambda: dict.fromkeys(RESOURCES, 0.0))
         self.queue_busy = defaultdict(lambda: [0.0] * gen.dma_queues)
         self.counts = dict.fromkeys(ENGINES, 0)
         self.by_instr = defaultdict(lambda: [0, 0.0])
@@ -170,18 +253,28 @@ class Profile:
         self.transposes = 0
         self.hbm_bytes = 0
         self.unmodelled = 0
+        self.unmodelled_issue = 0
+        self.dma_transfers = 0
+        self.dependent = 0
+        last = {}
         for rec in records:
-            cost = instruction_cost(rec, gen)
             core = rec.core
+            cost = instruction_cost(rec, gen, last.get((core, rec.engine)))
+            last[(core, rec.engine)] = rec
             if cost.engine == "DMA":
                 qb = self.queue_busy[core]
                 for q, ns in cost.queues:
                     qb[q] += ns
+                self.dma_transfers += 1
             elif cost.engine in ENGINES:
                 self.busy[core][cost.engine] += cost.ns
             else:
                 self.unmodelled += 1
                 continue
+            for res, ns in cost.shared:
+                self.shared[core][res] += ns
+            self.dependent += cost.dependent
+            self.unmodelled_issue += cost.unmodelled_issue
             self.counts[cost.engine] += 1
             entry = self.by_instr[(cost.engine, rec.instr)]
             entry[0] += 1
@@ -191,57 +284,85 @@ class Profile:
             self.hbm_bytes += rec.hbm_bytes
         for core, qb in self.queue_busy.items():
             self.busy[core]["DMA"] = max(qb)
+        for core in self.busy:
+            self.shared[core][DGE] /= max(gen.dge_instances, 1)
         self.cores = sorted(self.busy)
         self.n_cores = max(n_cores or 1, len(self.cores))
         self.useful_flops = self.matmul_flops if useful_flops is None else useful_flops
 
     # ------------------------------------------------------------------ times
     def engine_busy(self, engine):
-        """Busy ns of ``engine`` on the busiest core (the critical one)."""
-        return max((self.busy[c][engine] for c in self.cores), default=0.0)
+        """Busy ns of ``engine`` (or shared resource) on the busiest core (the critical one)."""
+        table = self.shared if engine in RESOURCES else self.busy
+        return max((table[c][engine] for c in self.cores), default=0.0)
+
+    def _units(self, core):
+        return {**self.busy[core], **self.shared[core]}
 
     @property
     def time_overlap_ns(self):
-        """Modeled time with perfect overlap: the busiest engine of the slowest core."""
-        return max((max(self.busy[c].values()) for c in self.cores), default=0.0)
+        """Modeled time with perfect overlap: the busiest engine or shared resource of the slowest core."""
+        return max((max(self._units(c).values()) for c in self.cores), default=0.0)
 
     @property
     def time_serial_ns(self):
-        """Modeled time with no overlap: the sum of all engines' busy time, slowest core."""
-        return max((sum(self.busy[c].values()) for c in self.cores), default=0.0)
+        """Modeled time with no overlap: the sum of all engines' busy time (and the DGE's), slowest core."""
+        return max((sum(self.busy[c].values()) + self.shared[c][DGE] for c in self.cores), default=0.0)
 
     @property
     def bottleneck(self):
-        """Engine that sets ``time_overlap_ns``."""
+        """Engine or shared resource that sets ``time_overlap_ns``."""
         if not self.cores:
             return None
-        core = max(self.cores, key=lambda c: max(self.busy[c].values()))
-        return max(self.busy[core], key=self.busy[core].get)
+        core = max(self.cores, key=lambda c: max(self._units(c).values()))
+        units = self._units(core)
+        return max(units, key=units.get)
+
+    @property
+    def dma_latency_ns(self):
+        """Sum of the transfers' semaphore-to-start latency (``dma_latency_ns`` each): what the DMAs would add if
+        none of it were hidden behind other work. Not part of either modeled time."""
+        return self.dma_transfers * self.gen.dma_latency_ns
 
     # ------------------------------------------------------------------ rates
     def _per_ns(self, amount, t):
         return amount / t if t > 0 else 0.0
 
+    def _time(self, overlap):
+        return self.time_overlap_ns if overlap else self.time_serial_ns
+
     def tflops(self, overlap=True):
         """Useful TFLOPS (``useful_flops`` over modeled time; FLOP/ns / 1000 = TFLOP/s)."""
-        t = self.time_overlap_ns if overlap else self.time_serial_ns
-        return self._per_ns(self.useful_flops, t) / 1000.0
+        return self._per_ns(self.useful_flops, self._time(overlap)) / 1000.0
 
     def tensor_utilisation(self, overlap=True):
-        """Useful matmul FLOPs over (modeled time x TensorE peak x cores): fraction of peak in [0, 1]."""
-        t = self.time_overlap_ns if overlap else self.time_serial_ns
-        return self._per_ns(self.matmul_flops, t * self.gen.peak_flops_per_ns * self.n_cores)
+        """Executed matmul FLOPs (masked parts of computed tiles included) over (modeled time x TensorE peak x
+        cores): fraction of peak in [0, 1]."""
+        return self._per_ns(self.matmul_flops, self._time(overlap) * self.gen.peak_flops_per_ns * self.n_cores)
+
+    def useful_tensor_utilisation(self, overlap=True):
+        """Useful FLOPs (``useful_flops``: for attention the FlashAttention convention over visible pairs) over
+        (modeled time x TensorE peak x cores): what FlashAttention papers report as utilisation."""
+        return self._per_ns(self.useful_flops, self._time(overlap) * self.gen.peak_flops_per_ns * self.n_cores)
+
+    @property
+    def tensor_floor_ns(self):
+        """The useful-FLOP bound: ``useful_flops`` at TensorE peak on every core, the time no kernel beats."""
+        return self._per_ns(self.useful_flops, self.gen.peak_flops_per_ns * self.n_cores)
+
+    def floor_ratio(self, overlap=True):
+        """Modeled time over ``tensor_floor_ns`` (1.0 = at the useful-FLOP bound)."""
+        return self._per_ns(self._time(overlap), self.tensor_floor_ns)
 
     def tensor_efficiency(self):
-        """Useful matmul FLOPs over TensorE busy time x peak: how well the time TensorE does spend is used
+        """Executed matmul FLOPs over TensorE busy time x peak: how well the time TensorE does spend is used
         (transposes, narrow N, K < 128, fp32 all lower it). ``tensor_utilisation = this x TensorE active share``."""
         busy = sum(self.busy[c]["TensorE"] for c in self.cores)
         return self._per_ns(self.matmul_flops, busy * self.gen.peak_flops_per_ns)
 
     def hbm_utilisation(self, overlap=True):
         """HBM bytes over (modeled time x per-core HBM bandwidth x cores)."""
-        t = self.time_overlap_ns if overlap else self.time_serial_ns
-        return self._per_ns(self.hbm_bytes, t * self.gen.hbm_bytes_per_ns * self.n_cores)
+        return self._per_ns(self.hbm_bytes, self._time(overlap) * self.gen.hbm_bytes_per_ns * self.n_cores)
 
     # ------------------------------------------------------------------ export
     def engine_rows(self):
@@ -253,6 +374,12 @@ class Profile:
             rows.append((e, self.counts[e], b, b / serial if serial else 0.0, b / overlap if overlap else 0.0))
         return rows
 
+    def resource_rows(self):
+        """``[(resource, busy_ns, active_share_of_overlap)]`` of the shared resources some instruction used."""
+        overlap = self.time_overlap_ns
+        return [(r, self.engine_busy(r), self.engine_busy(r) / overlap if overlap else 0.0)
+                for r in RESOURCES if self.engine_busy(r) > 0]
+
     def to_dict(self):
         """JSON-ready summary (times in ns, FLOPs, bytes; utilisations as fractions)."""
         return {
@@ -262,6 +389,7 @@ class Profile:
             "active_cores": self.cores,
             "engines": {e: {"instructions": n, "busy_ns": b, "share_of_serial": s, "active_share": a}
                         for e, n, b, s, a in self.engine_rows()},
+            "shared_resources": {r: {"busy_ns": b, "active_share": a} for r, b, a in self.resource_rows()},
             "busy_ns_by_core": {str(c): dict(self.busy[c]) for c in self.cores},
             "dma_queue_busy_ns_by_core": {str(c): list(self.queue_busy[c]) for c in self.cores},
             "by_instruction": [{"engine": e, "instr": i, "count": n, "ns": ns}
@@ -276,11 +404,19 @@ class Profile:
             "tflops_serial": self.tflops(False),
             "tensor_utilisation_overlap": self.tensor_utilisation(True),
             "tensor_utilisation_serial": self.tensor_utilisation(False),
+            "useful_tensor_utilisation_overlap": self.useful_tensor_utilisation(True),
+            "useful_tensor_utilisation_serial": self.useful_tensor_utilisation(False),
+            "tensor_floor_ns": self.tensor_floor_ns,
+            "floor_ratio_overlap": self.floor_ratio(True),
             "tensor_efficiency": self.tensor_efficiency(),
             "hbm_bytes": self.hbm_bytes,
             "hbm_utilisation_overlap": self.hbm_utilisation(True),
+            "dma_transfers": self.dma_transfers,
+            "dma_latency_ns_unhidden": self.dma_latency_ns,
+            "dependent_instructions": self.dependent,
             "peak_tflops_per_core": self.gen.peak_tflops,
             "unmodelled_instructions": self.unmodelled,
+            "unmodelled_dge_instructions": self.unmodelled_issue,
         }
 
 

@@ -3,10 +3,12 @@
 This is the ONLY place the cost model (``model.py``) gets hardware numbers from. docs/performance.md embeds the
 table rendered by ``python -m nki_attn.profiler`` (a test keeps the two identical).
 
-Source tags (full paths in /work/shared/docs/nki-api-notes.md, header and §7; all in aws-neuron/aws-neuron-sdk):
-A2/A3/A4 = architecture guides of NeuronCore v2 (trn1/inf2) / v3 (trn2) / v4 (trn3); PERF = NKI performance
-guide; DMA = NKI DMA overview; DMABW = DMA bandwidth guide; SH = nki.api.shared (instruction cost notes).
-"d" marks a number we derived from the cited ones.
+Source tags, all documents of the public aws-neuron-sdk documentation (folder nki/): A2/A3/A4 = the architecture
+guides of NeuronCore v2 (trn1/inf2) / v3 (trn2) / v4 (trn3); PERF = the NKI performance guide; DMA = the NKI DMA
+overview ("Introduction to Direct Memory Access (DMA) with NKI"); DMABW = the DMA bandwidth guide ("Guideline to
+Avoid Under-Utilizing DMA Bandwidth"); DGE = the Descriptor Generation Engine reference; SH = ``nki.api.shared``
+("NKI Engine Selection for Operators Supported on Multiple Engines"). "d" marks a number we derived from the
+cited ones.
 """
 from dataclasses import dataclass, field, fields
 
@@ -36,32 +38,63 @@ class Generation:
                                     "fp32 TensorE transpose cycles = this x bf16 cycles")
     # --- VectorE
     vector_ghz: float = _p("A2, A3, A4", "VectorE clock (GHz)")
+    vector_width_other: int = _p("A2 table (128 input/output); A3, A4 tables (256 input/output for data types "
+                                 "other than bf16/fp16)",
+                                 "VectorE elements per cycle (all lanes) outside the bf16/fp16 perf mode; / 128 "
+                                 "lanes = elements per partition per cycle of each input stream")
     vector_fast_copy: int = _p("A3 (perf mode; width 512 bf16 / 128 lanes); v2 has none",
                                "speedup of tensor_copy / tensor_scalar with all operands bf16/fp16 in SBUF, "
                                "unit inner stride")
     vector_half_copy: int = _p("A3 (perf mode, strided or one side in PSUM)",
                                "speedup of those when strided or one operand is in PSUM")
     vector_fast_tt: int = _p("A3 (perf mode)", "speedup of tensor_tensor with both inputs in SBUF, all bf16/fp16")
-    vector_reciprocal_factor: int = _p("SH (reciprocal: max(64, 8N) cycles on VectorE)",
-                                       "VectorE reciprocal cycles per element")
+    vector_reciprocal_factor: int = _p("SH (reciprocal: max(MIN_II, 8N) cycles on VectorE)",
+                                       "VectorE reciprocal cycles per element (no width speedup: SH states 8N)")
+    vector_gpsimd_port: str = _p("A3 (v3 lifts v2's VectorE/GpSimdE SBUF exclusion; the perf mode uses a bus "
+                                 "shared with GpSimdE); A4 silent (v3 kept)",
+                                 "which VectorE instructions share GpSimdE's SBUF port: all (v2), perf_mode "
+                                 "(v3+: those running in the bf16/fp16 perf mode), none")
+    vector_scalar_psum_shared: bool = _p("A3 (VectorE and ScalarE may access PSUM in parallel from v3 on; "
+                                         "disallowed in v2)",
+                                         "VectorE and ScalarE instructions touching PSUM serialise (v2)")
     # --- ScalarE
     scalar_ghz: float = _p("A2, A3, A4", "ScalarE clock (GHz)")
-    scalar_fast_copy: int = _p("A4 (2x for bf16/fp16 tensor_scalar / tensor_copy); 1 before v4",
+    scalar_fast_copy: int = _p("A4 (2x for bf16/fp16 tensor_scalar / tensor_copy; width 256 bf16); 1 before v4",
                                "ScalarE speedup of tensor_copy / tensor_scalar on bf16/fp16")
     # --- GpSimdE
     gpsimd_ghz: float = _p("A2, A3, A4", "GpSimdE clock (GHz)")
     # --- shared by Vector / Scalar / GpSimd
-    engine_overhead_cycles: int = _p("A2 (VectorE static overhead 100 cycles), PERF (~100 cycles, any engine)",
-                                     "fixed cycles added to every Vector/Scalar/GpSimd instruction")
+    min_ii_cycles: int = _p("SH (MIN_II: minimum instruction initiation interval, roughly 64 engine cycles)",
+                            "an instruction takes at least this many cycles: max(MIN_II, work)")
+    static_overhead_cycles: int = _p("A2 (VectorE static instruction overhead 100 cycles; ScalarE inherits "
+                                     "VectorE's notes), PERF (~100 cycles)",
+                                     "cycles added where static_overhead_applies says")
+    static_overhead_applies: str = _p("A2 (only for back-to-back instructions each depending on the previous "
+                                      "one's output, or with N << 128: MIN_II covers the latter, SH)",
+                                      "dependent: an instruction reading what the engine's previous instruction "
+                                      "wrote; all: every instruction")
     # --- DMA
     dma_queues: int = _p("DMA (16 DMA engines per NeuronCore)", "DMA queues (engines) per core")
     dma_partitions_per_queue: int = _p("DMA (each engine moves 8 SBUF partitions of a transfer)",
                                        "SBUF partitions served by one queue")
-    dma_fixed_ns: float = _p("DMABW (descriptor setup + semaphore-to-start ~1300 ns per transfer)",
-                             "fixed cost per transfer on each queue (ns)")
-    dma_queue_bytes_per_ns: float = _p("DMABW table (DMA's 27.2 / 38.4 GB/s 'theoretical' is AMBIGUOUS; trn2 "
-                                       "measured 32 KiB in 1416 ns on one engine, DMA)",
-                                       "bandwidth of one queue (bytes/ns = GB/s)")
+    dma_queue_bytes_per_ns: float = _p("DMABW and DMA tables (BW / engine; DMA's 27.2 / 38.4 GB/s 'theoretical' "
+                                       "is AMBIGUOUS); trn2 measured 32 KiB in 1416 ns on one engine, DMA",
+                                       "sustained bandwidth of one queue (bytes/ns = GB/s), per-transfer costs "
+                                       "included")
+    dma_min_piece_ns: float = _p("d: DMA figure 'throughput vs bytes per partition, p_dim = 128' (trn2): "
+                                 "throughput grows in proportion to bytes up to 1 KiB/partition, i.e. a constant "
+                                 "~0.85 us per engine piece (128 B - 2 KiB points: 841-875 ns at 23 B/ns); "
+                                 "reused for trn1/trn3",
+                                 "a queue piece occupies its queue max(this, bytes / bandwidth) ns")
+    dma_fixed_ns: float = _p("DMABW: the ~1300 ns per transfer is semaphore-to-start latency, and the "
+                             "bandwidth above already includes per-transfer costs, so 0",
+                             "extra queue occupancy per piece (ns); the earlier model charged 1300")
+    dma_latency_ns: float = _p("DMABW (descriptor setup, synchronisation, semaphore-to-start ~1300 ns)",
+                               "latency of one transfer: reported, not charged (queued transfers hide it)")
+    dge_instr_ns: float = _p("A3, DGE (a hardware-DGE DMA instruction takes ~600 ns on NeuronCore-v3); v2 has "
+                             "no HWDGE; A4 silent (v3 kept)",
+                             "DGE time of a DMA issued with dge_mode=hwdge (ns)")
+    dge_instances: int = _p("A3, DGE (two DGE instances per NeuronCore)", "DGE blocks per core")
     dma_transpose_hbm_eff: float = _p("A3 (DMA transpose <= 90% of DMA throughput from HBM)",
                                       "dma_transpose bandwidth fraction, HBM source")
     dma_transpose_sbuf_eff: float = _p("A3 (<= 50% SBUF -> SBUF)", "dma_transpose bandwidth fraction, SBUF source")
@@ -81,20 +114,27 @@ class Generation:
 
 
 _COMMON = dict(pe_dim=128, mm_min_cycles=64, load_stationary_speedup=4, fp32_matmul_factor=4,
-               vector_reciprocal_factor=8, engine_overhead_cycles=100, dma_queues=16, dma_partitions_per_queue=8,
-               dma_fixed_ns=1300.0, dma_transpose_hbm_eff=0.9, dma_transpose_sbuf_eff=0.5)
+               vector_reciprocal_factor=8, min_ii_cycles=64, static_overhead_cycles=100,
+               static_overhead_applies="dependent", dma_queues=16, dma_partitions_per_queue=8,
+               dma_min_piece_ns=850.0, dma_fixed_ns=0.0, dma_latency_ns=1300.0, dge_instances=2,
+               dma_transpose_hbm_eff=0.9, dma_transpose_sbuf_eff=0.5)
 
 TRN1 = Generation(name="trn1", nc_version=2, tensor_ghz=2.8, fp32_transpose_factor=4, vector_ghz=1.12,
-                  vector_fast_copy=1, vector_half_copy=1, vector_fast_tt=1, scalar_ghz=1.4, scalar_fast_copy=1,
-                  gpsimd_ghz=1.4, dma_queue_bytes_per_ns=17.0, hbm_bytes_per_ns=410.0,
+                  vector_width_other=128, vector_fast_copy=1, vector_half_copy=1, vector_fast_tt=1,
+                  vector_gpsimd_port="all", vector_scalar_psum_shared=True, scalar_ghz=1.4, scalar_fast_copy=1,
+                  gpsimd_ghz=1.4, dma_queue_bytes_per_ns=17.0, dge_instr_ns=0.0, hbm_bytes_per_ns=410.0,
                   peak_tflops_documented=92.0, **_COMMON)
 TRN2 = Generation(name="trn2", nc_version=3, tensor_ghz=2.4, fp32_transpose_factor=2, vector_ghz=0.96,
-                  vector_fast_copy=4, vector_half_copy=2, vector_fast_tt=2, scalar_ghz=1.2, scalar_fast_copy=1,
-                  gpsimd_ghz=1.2, dma_queue_bytes_per_ns=23.0, hbm_bytes_per_ns=375.0,
+                  vector_width_other=256, vector_fast_copy=4, vector_half_copy=2, vector_fast_tt=2,
+                  vector_gpsimd_port="perf_mode", vector_scalar_psum_shared=False, scalar_ghz=1.2,
+                  scalar_fast_copy=1, gpsimd_ghz=1.2, dma_queue_bytes_per_ns=23.0, dge_instr_ns=600.0,
+                  hbm_bytes_per_ns=375.0,
                   peak_tflops_documented=79.0, **_COMMON)
 TRN3 = Generation(name="trn3", nc_version=4, tensor_ghz=2.4, fp32_transpose_factor=2, vector_ghz=1.2,
-                  vector_fast_copy=4, vector_half_copy=2, vector_fast_tt=2, scalar_ghz=1.2, scalar_fast_copy=2,
-                  gpsimd_ghz=1.2, dma_queue_bytes_per_ns=33.0, hbm_bytes_per_ns=588.0,
+                  vector_width_other=256, vector_fast_copy=4, vector_half_copy=2, vector_fast_tt=2,
+                  vector_gpsimd_port="perf_mode", vector_scalar_psum_shared=False, scalar_ghz=1.2,
+                  scalar_fast_copy=2, gpsimd_ghz=1.2, dma_queue_bytes_per_ns=33.0, dge_instr_ns=600.0,
+                  hbm_bytes_per_ns=588.0,
                   peak_tflops_documented=79.0, **_COMMON)
 
 GENERATIONS = {g.name: g for g in (TRN1, TRN2, TRN3)}
@@ -129,3 +169,25 @@ def render_table():
     rows.append(f"| peak TFLOPS used (d) | {derived} | 2 x pe_dim² x tensor_ghz / 1000 | d |")
     return "\n".join(rows)
 
+
+
+# The corrections of issue #13, each as the parameter values that undo it (docs/performance.md, "Changes to the
+# model", reports the figures before and after each one). ``revert(gen, names)`` rebuilds an earlier model.
+CORRECTIONS = {
+    "dma_fixed_cost_is_latency": dict(dma_fixed_ns=1300.0, dma_min_piece_ns=0.0),
+    "vector_width_other": dict(vector_width_other=128),
+    "min_ii_and_dependent_overhead": dict(min_ii_cycles=0, static_overhead_applies="all"),
+    "vector_gpsimd_port": dict(vector_gpsimd_port="none", vector_scalar_psum_shared=False),
+    "dge_issue_cost": dict(dge_instr_ns=0.0),
+}
+
+
+def revert(gen, names):
+    """``gen`` with the named ``CORRECTIONS`` undone (an earlier model, for before/after figures)."""
+    from dataclasses import replace
+    changes = {}
+    for name in names:
+        if name not in CORRECTIONS:
+            raise ValueError(f"unknown correction {name!r}; use one of {sorted(CORRECTIONS)}")
+        changes.update(CORRECTIONS[name])
+    return replace(gen, **changes)

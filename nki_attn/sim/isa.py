@@ -224,6 +224,10 @@ def _write(dst, vals):
     _wrote(None, dst)
 
 
+def _dge_info(mode):
+    return {} if mode is _DGE.unknown else {"dge": mode.name}
+
+
 def _trace(instr, eng, dst, srcs, **info):
     tracer = _state().launch.tracer
     if tracer is not None:
@@ -309,7 +313,8 @@ def dma_copy(dst, src, priority=None, oob_mode=oob_mode.error, dge_mode=dge_mode
         arr = dst.np()
         arr[...] = _cast_for(dst, np.asarray(vals)).reshape(arr.shape)
     _wrote(instr, dst)
-    _trace(instr, engine if engine is not _E.unknown else _E.dma, dst, [src])
+    # The DGE mode (when the kernel forces one) lets the cost model charge descriptor generation.
+    _trace(instr, engine if engine is not _E.unknown else _E.dma, dst, [src], **_dge_info(dge_mode))
 
 
 def tensor_copy(dst, src, engine=engine.unknown, name=None):
@@ -424,7 +429,7 @@ def dma_transpose(dst, src, axes=None, priority=None, dge_mode=dge_mode.unknown,
     _read_checked(instr, "src", src)
     dst.np()[...] = np.transpose(src.np(), axes)
     _wrote(instr, dst)
-    _trace(instr, engine.dma, dst, [src])
+    _trace(instr, engine.dma, dst, [src], **_dge_info(dge_mode))
 
 
 # ----------------------------------------------------------------------------------------------------- TensorE

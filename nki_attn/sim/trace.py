@@ -28,15 +28,36 @@ ENGINES = ("TensorE", "VectorE", "ScalarE", "GpSimdE", "DMA")
 DMA_INSTRUCTIONS = frozenset({"dma_copy", "dma_transpose", "dma_compute"})
 
 
+def _span(t):
+    """``(p_lo, p_hi, lo, hi)`` bounding the bytes view ``t`` can touch (see ``Operand``)."""
+    size = t.dtype.itemsize
+    start = t.offset * size
+    row = t.storage.free_size * t.storage.dtype.itemsize if t.on_chip else None
+    dims = list(zip(t.shape, t.strides))
+    if row and dims and dims[0][1] * size == row:
+        p_lo = start // row
+        p_hi, lo, dims = p_lo + dims[0][0], start % row, dims[1:]
+    else:  # HBM, or an on-chip view whose first dim is not the partition dim: one flat range
+        p_lo, p_hi, lo = 0, 1, start
+    hi = lo
+    for n, st in dims:
+        if n > 0:
+            lo, hi = lo + min(0, (n - 1) * st * size), hi + max(0, (n - 1) * st * size)
+    return p_lo, p_hi, lo, hi + size
+
+
 class Operand:
     """Shape, dtype, buffer and placement of one instruction operand, captured when the instruction ran.
 
     ``shape`` is the operand's view shape (dim 0 = partitions on chip); ``pstart`` the first partition it touches
     (on chip; 0 in HBM); ``unit_stride`` whether its innermost dimension is contiguous (VectorE perf modes need
-    it); ``itemsize`` the element size in bytes.
+    it); ``itemsize`` the element size in bytes; ``uid`` the allocation it views and ``span`` =
+    ``(p_lo, p_hi, lo, hi)``: the partitions ``[p_lo, p_hi)`` and, within each, the byte range ``[lo, hi)`` it can
+    touch (in HBM one flat byte range, partitions ``[0, 1)``). The cost model finds read-after-write dependencies
+    with them.
     """
 
-    __slots__ = ("shape", "dtype", "buffer", "name", "itemsize", "pstart", "unit_stride")
+    __slots__ = ("shape", "dtype", "buffer", "name", "itemsize", "pstart", "unit_stride", "uid", "span")
 
     def __init__(self, t):
         self.shape = t.shape
@@ -47,6 +68,8 @@ class Operand:
         self.pstart = t.partition_start if self.buffer != "hbm" else 0
         # A size-1 innermost dim has no stride to speak of: treat it as contiguous.
         self.unit_stride = len(t.shape) < 2 or t.shape[-1] == 1 or t.strides[-1] == 1
+        self.uid = t.storage.uid
+        self.span = _span(t)
 
     @property
     def partitions(self):

@@ -69,24 +69,32 @@ def test_tiny_kernel_records(monkeypatch, x):
 def test_tiny_kernel_modeled_time(x):
     with trace.recording() as rec:
         mm_exp(x)
-    p = profile(rec.records, TRN2)
+    p = profile(rec.records, TRN2, useful_flops=2 * 128 * 512 * 64)
     tensor = 512 / 2.4
-    scalar = (100 + 512) / 1.2
-    # every queue carries 8 partitions of each transfer: 8 KiB in, 16 KiB out
-    dma = (1300 + 8 * 512 * 2 / 23) + (1300 + 8 * 512 * 4 / 23)
+    scalar = 512 / 1.2  # max(MIN_II = 64, N = 512); it reads PSUM written by TensorE: no same-engine dependency
+    # every queue carries 8 partitions of each transfer: 8 KiB in, 16 KiB out, both under the 850 ns piece floor
+    dma = 850 + 850
     assert p.engine_busy("TensorE") == pytest.approx(tensor)
     assert p.engine_busy("ScalarE") == pytest.approx(scalar)
     assert p.engine_busy("DMA") == pytest.approx(dma)
     assert p.engine_busy("VectorE") == 0 and p.engine_busy("GpSimdE") == 0
     assert p.time_overlap_ns == pytest.approx(dma) and p.bottleneck == "DMA"
     assert p.time_serial_ns == pytest.approx(tensor + scalar + dma)
+    assert p.dma_transfers == 2 and p.dma_latency_ns == pytest.approx(2 * 1300)  # reported, not in either time
     peak = 2 * 128 * 128 * 2.4  # FLOP per ns
-    assert p.tensor_utilisation(True) == pytest.approx(2 * 128 * 512 * 128 / (dma * peak))
+    executed = 2 * 128 * 512 * 128
+    assert p.tensor_utilisation(True) == pytest.approx(executed / (dma * peak))
+    # useful FLOPs (here: a caller counting half the contraction as useful) are reported beside executed ones
+    assert p.useful_tensor_utilisation(True) == pytest.approx(executed / 2 / (dma * peak))
+    assert p.tensor_floor_ns == pytest.approx(executed / 2 / peak)
+    assert p.floor_ratio() == pytest.approx(dma / (executed / 2 / peak))
     assert p.tensor_efficiency() == pytest.approx(1.0)  # a full 128x128x512 bf16 matmul uses every PE
     assert p.hbm_bytes == 128 * 512 * 6
     d = p.to_dict()
     assert d["modeled"] is True and d["engines"]["DMA"]["instructions"] == 2
     assert sum(e["busy_ns"] for e in d["engines"].values()) == pytest.approx(d["time_serial_ns"])
+    assert d["useful_tensor_utilisation_overlap"] == pytest.approx(p.useful_tensor_utilisation(True))
+    assert d["floor_ratio_overlap"] == pytest.approx(p.floor_ratio(True))
 
 
 def test_lnc2_cores_are_modeled_separately(monkeypatch, x):
@@ -114,3 +122,24 @@ def test_trace_is_off_by_default_and_innermost_recorder_wins(x):
         mm_exp(x)
     assert len(outer.records) == 4
     assert trace.active_recorder() is None
+
+
+def test_operand_span_bounds_the_bytes_a_view_touches():
+    big = nl.ndarray((128, 1024), nl.float32, buffer=nl.sbuf)
+    big.np()[...] = 0.0
+    small = nl.ndarray((128, 512), nl.float32, buffer=nl.sbuf)
+    with trace.recording() as rec:
+        nisa.tensor_copy(dst=big[32:64, 512:768], src=big[0:32, 0:512:2])
+        nisa.tensor_copy(dst=small, src=big[:, 0:512])
+    first, second = rec.records
+    # partitions 32..63, bytes 2048..3071 of each partition row
+    assert first.dst.span == (32, 64, 512 * 4, 768 * 4)
+    # a strided view still bounds from its first to its last element
+    assert first.srcs[0].span == (0, 32, 0, 510 * 4 + 4)
+    assert first.dst.uid == first.srcs[0].uid == second.srcs[0].uid != second.dst.uid
+    hbm = nl.ndarray((4, 256), nl.bfloat16, buffer=nl.hbm)
+    hbm.np()[...] = 0
+    sb = nl.ndarray((2, 256), nl.bfloat16, buffer=nl.sbuf)
+    with trace.recording() as rec:
+        nisa.dma_copy(dst=sb, src=hbm[2:4, :])
+    assert rec.records[0].srcs[0].span == (0, 1, 2 * 256 * 2, 4 * 256 * 2)  # HBM: one flat byte range
