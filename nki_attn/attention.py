@@ -232,11 +232,11 @@ def _empty_attention(q, k, v, mask, sinks):
     return out, lse.contiguous(), None
 
 
-def _attention(fn, q, k, v, mask, scale, sinks, want_probs):
+def _attention(fn, q, k, v, mask, scale, sinks, want_probs, scale_name="softmax_scale"):
     """q [b, sq, h, d], k/v [b, sk, hk, d] -> (out [b, sq, h, d] contiguous, lse float32 [b, h, sq], probs or None)."""
     b, sq, hq, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
-    scale = ops.resolve_scale(fn, scale, max(d, 1))
+    scale = ops.resolve_scale(fn, scale, max(d, 1), scale_name)
     if q.numel() == 0 or k.numel() == 0:
         out, lse, _ = _empty_attention(q, k, v, mask, sinks)
         probs = q.new_zeros((b, hq, sq, sk), dtype=torch.float32) if want_probs else None
@@ -503,7 +503,7 @@ def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqle
 
 # ----------------------------------------------------------------------------------------------------- masks → bounds
 @torch.library.custom_op("nki_attn::mask_intervals", mutates_args=())
-def _mask_intervals(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _mask_intervals(mask: torch.Tensor, fn: str) -> tuple[torch.Tensor, torch.Tensor]:
     """bool ``[n, sq, sk]`` -> key intervals (int64 ``[n, sq]`` each) of every row, after checking that each
     row's visible keys are one contiguous run (NotImplementedError otherwise). Rows with no key get lo == hi."""
     n, sq, sk = mask.shape
@@ -515,14 +515,14 @@ def _mask_intervals(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     lo = torch.where(any_, lo, 0)
     hi = torch.where(any_, hi, 0)
     if bool((m.sum(-1) != hi - lo).any()):
-        raise NotImplementedError("attn_mask: every query's visible keys must be one contiguous run (causal, "
+        raise NotImplementedError(f"{fn}: attn_mask: every query's visible keys must be one contiguous run (causal, "
                                   "sliding-window, padding and packed-sequence masks are); this mask has a row "
                                   "with gaps, which the kernels' per-query key bounds cannot express")
     return lo.to(torch.int64), hi.to(torch.int64)
 
 
 @_mask_intervals.register_fake
-def _mask_intervals_fake(mask):
+def _mask_intervals_fake(mask, fn):
     n, sq, _ = mask.shape
     return mask.new_empty((n, sq), dtype=torch.int64), mask.new_empty((n, sq), dtype=torch.int64)
 
@@ -586,7 +586,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     lead = tuple(query.shape[:-3])
     if tuple(key.shape[:-3]) != lead:
         _fail(fn, "key.shape", tuple(key.shape), f"leading (batch) dims must equal query's {lead}")
-    q4, k4, v4 = (t.reshape(-1, *t.shape[-3:]) if t.dim() >= 4 else t.reshape(*([1] * (4 - t.dim())), *t.shape)
+    nb = math.prod(lead)
+    q4, k4, v4 = (t.reshape(nb, *t.shape[-3:]) if t.dim() >= 4 else t.reshape(*([1] * (4 - t.dim())), *t.shape)
                   for t in (query, key, value))
     _check_qkv(fn, q4, k4, v4, 4, names)
     b, hq, sq, d = q4.shape
@@ -601,12 +602,12 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     qf, kf, vf = (t.transpose(1, 2) for t in (q4, k4, v4))
     if attn_mask is None:
         mask = _Mask(sq, sk, -1, 0 if is_causal else -1, shift=0)
-        out, _, _ = _attention(fn, qf, kf, vf, mask, scale, None, False)
+        out, _, _ = _attention(fn, qf, kf, vf, mask, scale, None, False, "scale")
     else:
         if is_causal:
             _fail(fn, "attn_mask", "a tensor", "must be None when is_causal=True (as torch)")
+        scale = ops.resolve_scale(fn, scale, max(d, 1), "scale")
         lo, hi = _sdpa_mask_intervals(fn, attn_mask, lead, b, sq, sk, q4.device)
-        ops.resolve_scale(fn, scale, max(d, 1))
         out, _ = interval_attention(qf, kf, vf, lo, hi, scale)
     return out.transpose(1, 2).reshape(*query.shape[:-1], d)
 
@@ -628,4 +629,8 @@ def _sdpa_mask_intervals(fn, attn_mask, lead, b, sq, sk, device):
         _fail(fn, "attn_mask.shape", tuple(attn_mask.shape), f"must broadcast to [..., 1, seqlen_q, seqlen_k] = "
                                                              f"{list(full)} (one mask shared by all heads)",
               NotImplementedError if attn_mask.dim() >= 3 and attn_mask.shape[-3] > 1 else ValueError)
-    return _mask_intervals(m.reshape(b, sq, sk))
+    if all(n == 1 for n in attn_mask.shape[:-2]):  # one mask for the whole batch: shared bounds, one launch
+        mm = attn_mask.reshape(attn_mask.shape[-2:]) if attn_mask.dim() > 2 else attn_mask
+        lo, hi = _mask_intervals(mm.expand(sq, sk).reshape(1, sq, sk), fn)
+        return lo[0], hi[0]
+    return _mask_intervals(m.reshape(b, sq, sk), fn)

@@ -41,6 +41,7 @@ CPU tensors, on the real NKI for XLA (Neuron) tensors when ``nki_attn.backend`` 
 launches on two NeuronCores (trn2/trn3; bit-identical results).
 """
 import math
+import numbers
 import os
 from typing import Optional
 
@@ -160,14 +161,14 @@ def check_kernel_args(fn, q, k, v, o=None, do=None, lse=None, sinks=None, bound_
     return resolve_scale(fn, softmax_scale, d_head)
 
 
-def resolve_scale(fn, softmax_scale, d_head):
+def resolve_scale(fn, softmax_scale, d_head, name="softmax_scale"):
     """``softmax_scale`` as a float: default ``1/sqrt(d_head)``; otherwise a finite number > 0."""
     if softmax_scale is None:
         return 1.0 / math.sqrt(d_head)
-    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
-        _fail(fn, "softmax_scale", repr(softmax_scale), "must be None or a real number", TypeError)
+    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
+        _fail(fn, name, repr(softmax_scale), "must be None or a real number", TypeError)
     if not (math.isfinite(softmax_scale) and softmax_scale > 0):
-        _fail(fn, "softmax_scale", softmax_scale, "must be finite and > 0 (the kernels fold it into Q)")
+        _fail(fn, name, softmax_scale, "must be finite and > 0 (the kernels fold it into Q)")
     return float(softmax_scale)
 
 

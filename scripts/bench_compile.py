@@ -8,9 +8,15 @@ Each case is a small training step ``loss = (attn(q, k, v) * w).sum(); loss.back
 the kernels run on the NKI simulator: the per-call ratio is the compile machinery's overhead around the opaque
 kernel ops, not a device time. Graph breaks come from ``torch._dynamo.explain``; recompiles are detected by
 ``torch._dynamo.config.error_on_recompile`` over the timed calls (same shapes, fresh tensors each call).
+
+OpenMP: Inductor's generated CPU code runs OpenMP regions whose worker threads then busy-wait (libgomp's default
+spin) while the single-threaded simulator runs, which on a small, loaded machine slows the simulated kernels
+down. ``OMP_WAIT_POLICY=PASSIVE`` (set before Python starts) makes the workers sleep instead; the JSON records
+the policy in effect. Real Trainium runs (XLA tensors) have no Inductor CPU code around the kernels.
 """
 import argparse
 import json
+import os
 import statistics
 import time
 
@@ -122,7 +128,8 @@ def main():
         print(json.dumps(r), flush=True)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"torch": torch.__version__, "calls": args.calls, "rows": rows}, f, indent=1)
+            json.dump({"torch": torch.__version__, "calls": args.calls, "cpus": os.cpu_count(),
+                       "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY"), "rows": rows}, f, indent=1)
     bad = [r for r in rows if r["graph_breaks"] or r["recompiles"] or not r["bit_exact"]]
     raise SystemExit(1 if bad else 0)
 

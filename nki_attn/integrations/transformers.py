@@ -79,7 +79,7 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
         if not bool((m == m[:, :1]).all()):
             raise NotImplementedError(f"{_FN}: per-head attention masks are not supported")
         m = m[:, :1]
-    lo, hi = _api._mask_intervals(m.reshape(m.shape[0], sq, sk))
+    lo, hi = _api._mask_intervals(m.reshape(m.shape[0], sq, sk), _FN)
     if lo.shape[0] == 1:
         lo, hi = lo[0], hi[0]  # one mask for the whole batch: one batched launch
     out, _ = _api.interval_attention(q, k, v, lo, hi, softmax_scale=scaling, sinks=s_aux)
