@@ -21,6 +21,7 @@ sequences, interval masks — goes through the kernels' per-query bounds ``[boun
 """
 import math
 import numbers
+from typing import Optional
 
 import torch
 
@@ -177,8 +178,6 @@ class _Mask:
     def kernel_args(self, device):
         """(use_causal_mask, sliding_window, bound_min, bound_max) for the padded problem."""
         sq_pad, sk_pad = _round_up(self.sq), _round_up(self.sk)
-        if sk_pad > MAX_EXACT_KEY:
-            _fail("nki_attn", "seqlen_k", self.sk, f"must be at most {MAX_EXACT_KEY} (float32 key bounds)")
         if self.lo is None:
             if self.shift == 0 and self.right == 0 and self.sq == self.sk:
                 # causal order on equal lengths: padded keys lie after every real query, so causal hides them
@@ -241,14 +240,86 @@ def _attention(fn, q, k, v, mask, scale, sinks, want_probs, scale_name="softmax_
         out, lse, _ = _empty_attention(q, k, v, mask, sinks)
         probs = q.new_zeros((b, hq, sq, sk), dtype=torch.float32) if want_probs else None
         return out, lse, probs
+    if _round_up(sk) > MAX_EXACT_KEY:
+        _fail(fn, "seqlen_k", sk, f"must be at most {MAX_EXACT_KEY} (the kernels' key bounds are float32)")
+    out, lse = _flash_fwd(q, k, v, sinks, mask.lo, mask.hi, mask.left, mask.right, mask.shift, scale)
+    probs = _probs(q, k, mask, scale, lse) if want_probs else None
+    return out, lse, probs
+
+
+# The API's own pair of ops, in FlashAttention's layout: the permutes, the padding to 128 and the sinks' batch
+# expansion happen inside them, so a compiled graph holds one opaque node per direction instead of a dozen small
+# generated layout kernels (each a parallel region: measurable per-call overhead next to the simulator).
+@torch.library.custom_op("nki_attn::flash_fwd", mutates_args=())
+def _flash_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: Optional[torch.Tensor],
+               key_lo: Optional[torch.Tensor], key_hi: Optional[torch.Tensor], left: int, right: int, shift: int,
+               scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [b, sq, h, d], k/v [b, sk, hk, d], sinks [h(, n)], key_lo/key_hi int64 [sq] (or the window
+    description left/right/shift) -> (out [b, sq, h, d], lse float32 [b, h, sq])."""
+    b, sq, hq, _ = q.shape
+    sk = k.shape[1]
     sq_pad, sk_pad = _round_up(sq), _round_up(sk)
-    causal, window, bmin, bmax = mask.kernel_args(q.device)
+    causal, window, bmin, bmax = _Mask(sq, sk, left, right, shift, key_lo, key_hi).kernel_args(q.device)
     o, lse = ops._fwd_op(_to_kernel(q, sq_pad), _to_kernel(k, sk_pad), _to_kernel(v, sk_pad),
                          _kernel_sinks(sinks, b), bmin, bmax, causal, scale, window, True)
     out = o[..., :sq].permute(0, 3, 1, 2).contiguous()
-    lse = lse.permute(0, 1, 3, 2).reshape(b, hq, sq_pad)[..., :sq]
-    probs = _probs(q, k, mask, scale, lse) if want_probs else None
-    return out, lse, probs
+    lse = lse.permute(0, 1, 3, 2).reshape(b, hq, sq_pad)[..., :sq].contiguous()
+    return out, lse
+
+
+@_flash_fwd.register_fake
+def _flash_fwd_fake(q, k, v, sinks, key_lo, key_hi, left, right, shift, scale):
+    b, sq, hq, _ = q.shape
+    return torch.empty_like(q, memory_format=torch.contiguous_format), \
+        q.new_empty((b, hq, sq), dtype=torch.float32)
+
+
+@torch.library.custom_op("nki_attn::flash_bwd", mutates_args=())
+def _flash_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, dout: torch.Tensor,
+               lse: torch.Tensor, sinks: Optional[torch.Tensor], key_lo: Optional[torch.Tensor],
+               key_hi: Optional[torch.Tensor], left: int, right: int, shift: int, scale: float,
+               dlse: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of ``_flash_fwd``: (dq, dk, dv like q, k, v; dsinks like sinks, or an empty [0] tensor)."""
+    b, sq, hq, _ = q.shape
+    sk = k.shape[1]
+    sq_pad, sk_pad = _round_up(sq), _round_up(sk)
+    causal, window, bmin, bmax = _Mask(sq, sk, left, right, shift, key_lo, key_hi).kernel_args(q.device)
+    # Padded query rows get dout = 0 (so D = 0 and dS = 0) and lse = +inf (so P = exp(S - lse) = 0): they add
+    # nothing to dk, dv, dsinks, whatever o holds there.
+    lse_k = torch.nn.functional.pad(lse, (0, sq_pad - sq), value=math.inf)
+    lse_k = lse_k.reshape(b, hq, sq_pad // PMAX, PMAX).transpose(-1, -2).contiguous()
+    ks = _kernel_sinks(sinks, b)
+    dq, dk, dv, dsinks = ops._bwd_op(_to_kernel(q, sq_pad), _to_kernel(k, sk_pad), _to_kernel(v, sk_pad),
+                                     _to_kernel(out, sq_pad), _to_kernel(dout, sq_pad), lse_k, ks, bmin, bmax,
+                                     causal, scale, window, True, dlse)
+    back = [dq[..., :sq], dk[..., :sk], dv[..., :sk]]
+    back = [t.permute(0, 3, 1, 2).contiguous() for t in back]
+    dsinks = dsinks.sum(0).to(sinks.dtype) if sinks is not None else dsinks
+    return back[0], back[1], back[2], dsinks
+
+
+@_flash_bwd.register_fake
+def _flash_bwd_fake(q, k, v, out, dout, lse, sinks, key_lo, key_hi, left, right, shift, scale, dlse):
+    c = torch.contiguous_format
+    dsinks = torch.empty_like(sinks, memory_format=c) if sinks is not None else q.new_empty((0,), dtype=torch.float32)
+    return (torch.empty_like(q, memory_format=c), torch.empty_like(k, memory_format=c),
+            torch.empty_like(v, memory_format=c), dsinks)
+
+
+def _flash_setup_context(ctx, inputs, output):
+    q, k, v, sinks, key_lo, key_hi, left, right, shift, scale = inputs
+    ctx.save_for_backward(q, k, v, output[0], output[1], sinks, key_lo, key_hi)
+    ctx.flags = (left, right, shift, scale)
+
+
+def _flash_backward(ctx, dout, dlse):
+    q, k, v, out, lse, sinks, key_lo, key_hi = ctx.saved_tensors
+    dq, dk, dv, dsinks = _flash_bwd(q, k, v, out, dout, lse, sinks, key_lo, key_hi, *ctx.flags, dlse)
+    return dq, dk, dv, (dsinks if sinks is not None else None), None, None, None, None, None, None
+
+
+_flash_fwd.register_autograd(_flash_backward, setup_context=_flash_setup_context)
+_flash_bwd.register_autograd(ops._bwd_backward, setup_context=ops._bwd_setup_context)
 
 
 def _probs(q, k, mask, scale, lse):

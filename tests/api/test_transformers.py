@@ -190,3 +190,26 @@ def test_mask_with_gaps_is_refused():
     bias[..., 0] = 0.5
     with pytest.raises(NotImplementedError, match="additive bias"):
         nki_hf.attention_forward(module, q, q, q, bias)
+
+
+def test_generation_with_cache_matches_sdpa():
+    """Decoding with a KV cache (one query against a growing cache, left padding): same tokens and scores as
+    SDPA within the float32 criterion's scale."""
+    cfg, _ = _configs()["mistral"]
+    torch.manual_seed(0)
+    state = _model(cfg, "sdpa").state_dict()
+    ids, am, _ = _batch(cfg.vocab_size, False)
+    ids, am = ids[:, :20], am[:, :20].clone()
+    am[0, :4] = 0  # left padding, as for batched generation
+    runs = {}
+    for impl in (nki_hf.NAME, "sdpa"):
+        model = _model(cfg, impl)
+        model.load_state_dict(state)
+        model.eval()
+        with torch.no_grad():
+            runs[impl] = model.generate(input_ids=ids, attention_mask=am, max_new_tokens=4, do_sample=False,
+                                        output_scores=True, return_dict_in_generate=True, pad_token_id=0)
+    ours, ref = runs[nki_hf.NAME], runs["sdpa"]
+    assert torch.equal(ours.sequences, ref.sequences)
+    for a, b in zip(ours.scores, ref.scores):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-4 * float(b.abs().max()))
