@@ -8,11 +8,12 @@ Entry points (all differentiable with respect to q, k, v and sinks):
   packed ``[total_tokens, heads, head_dim]`` sequences described by cu_seqlens;
 - ``scaled_dot_product_attention`` — torch's layout ``[..., heads, seqlen, head_dim]`` and argument names.
 
-Each is a layout adapter over the custom ops of ``nki_attn.ops`` (``torch.ops.nki_attn.attention_fwd`` /
-``attention_bwd``). The kernels want ``[b, h, d, s]`` with s a multiple of 128: the adapters permute once on the
-way in and once on the way out with differentiable torch ops, zero-pad lengths that are not multiples of 128,
-mask the padded keys and drop the padded query rows, so callers never see padded values or gradients. All of it
-is plain tensor code that ``torch.compile(fullgraph=True)`` traces; the kernels themselves are opaque graph nodes.
+Each validates its arguments (plain Python on shapes and values, which ``torch.compile(fullgraph=True)`` traces
+without a break) and calls one custom op per direction, ``nki_attn::flash_fwd`` / ``flash_bwd``, in
+FlashAttention's layout. Those hold the layout work around the kernel ops of ``nki_attn.ops``: the kernels want
+``[b, h, d, s]`` with s a multiple of 128, so the ops permute, zero-pad lengths that are not multiples of 128,
+mask the padded keys and drop the padded query rows; callers never see padded values or gradients. Keeping that
+work inside the ops leaves a compiled graph with one opaque node per direction.
 
 Every mask is a per-query key interval. Equal lengths with causal order (with or without a sliding window) use
 the kernels' native ``use_causal_mask`` / ``sliding_window``, which skip masked tiles at trace time; any other

@@ -1,7 +1,7 @@
 """Hugging Face transformers with attn_implementation="nki_attn": tiny models built from configs (random weights,
 no download) against transformers' own attention ("sdpa", or "eager" where the model does not support SDPA).
 
-Criterion (docs/tolerances.md, "Hugging Face models"): the truth is the model run in float64 with an exact
+Criterion (docs/api.md, "Hugging Face models"; the float32 factor is the harness's, docs/tolerances.md): the truth is the model run in float64 with an exact
 attention written out in this file (``exact_attention``: masked softmax in the input dtype, sinks as an extra
 column; transformers' eager attention is not a float64 reference: it takes its softmax in float32, where the
 float64 mask minimum becomes -inf and fully padded rows become NaN). The baseline is transformers' own attention
