@@ -235,7 +235,7 @@ def _empty_attention(q, k, v, mask, sinks):
 def _attention(fn, q, k, v, mask, scale, sinks, want_probs, scale_name="softmax_scale"):
     """q [b, sq, h, d], k/v [b, sk, hk, d] -> (out [b, sq, h, d] contiguous, lse float32 [b, h, sq], probs or None)."""
     b, sq, hq, d = q.shape
-    sk, hk = k.shape[1], k.shape[2]
+    sk = k.shape[1]
     scale = ops.resolve_scale(fn, scale, max(d, 1), scale_name)
     if q.numel() == 0 or k.numel() == 0:
         out, lse, _ = _empty_attention(q, k, v, mask, sinks)

@@ -4,9 +4,9 @@ recompiles, and bit-for-bit agreement with eager (forward output and every input
     python scripts/bench_compile.py [--calls 20] [--json out.json]
 
 Each case is a small training step ``loss = (attn(q, k, v) * w).sum(); loss.backward()`` with ``attn`` eager and
-with ``attn = torch.compile(attn, fullgraph=True)`` (default Inductor backend; the loss is the same eager code). Times are wall-clock on this machine's CPU, where
-the kernels run on the NKI simulator: the per-call ratio is the compile machinery's overhead around the opaque
-kernel ops, not a device time. Graph breaks come from ``torch._dynamo.explain``; recompiles are detected by
+with ``attn = torch.compile(attn, fullgraph=True)`` (default Inductor backend; the loss is the same eager code).
+Times are wall-clock on this machine's CPU, where the kernels run on the NKI simulator: the per-call ratio is the
+compile machinery's overhead around the opaque kernel ops, not a device time. Graph breaks come from ``torch._dynamo.explain``; recompiles are detected by
 ``torch._dynamo.config.error_on_recompile`` over the timed calls (same shapes, fresh tensors each call).
 
 OpenMP: Inductor's generated CPU code runs OpenMP regions whose worker threads then busy-wait (libgomp's default

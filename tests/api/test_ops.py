@@ -40,7 +40,8 @@ def _sdpa_mask_step(q, k, v, s):
 
 
 @pytest.mark.parametrize("step,backend", [(_fa_step, "inductor"), (_varlen_step, "aot_eager"),
-                                          (_sdpa_mask_step, "aot_eager")], ids=["flash-inductor", "varlen", "sdpa-mask"])
+                                          (_sdpa_mask_step, "aot_eager")],
+                         ids=["flash-inductor", "varlen", "sdpa-mask"])
 def test_compile_fullgraph_is_bit_exact_without_breaks_or_recompiles(step, backend):
     torch._dynamo.reset()
     q, k, v, s = rand(1, 200, 4, 32, seed=1), rand(1, 200, 2, 32, seed=2), rand(1, 200, 2, 32, seed=3), rand(4, seed=4)

@@ -1,13 +1,14 @@
 """Hugging Face transformers with attn_implementation="nki_attn": tiny models built from configs (random weights,
 no download) against transformers' own attention ("sdpa", or "eager" where the model does not support SDPA).
 
-Criterion (docs/api.md, "Hugging Face models"; the float32 factor is the harness's, docs/tolerances.md): the truth is the model run in float64 with an exact
-attention written out in this file (``exact_attention``: masked softmax in the input dtype, sinks as an extra
+Criterion (docs/api.md, "Hugging Face models"): the truth is the model run in float64 with an exact attention
+written out in this file (``exact_attention``: masked softmax in the input dtype, sinks as an extra
 column; transformers' eager attention is not a float64 reference: it takes its softmax in float32, where the
 float64 mask minimum becomes -inf and fully padded rows become NaN). The baseline is transformers' own attention
 ("sdpa", or "eager" where the model has no SDPA support) in float32. For the logits (non-padding positions),
 the loss and every parameter gradient, our float32 error must satisfy
-``err <= K * err_baseline + 2^-22 * max|truth|`` with K = 10, the harness's float32 factor (FlexAttention's):
+``err <= K * err_baseline + 2^-22 * max|truth|`` with K = 10, the harness's float32 factor (FlexAttention's;
+docs/tolerances.md):
 in float32 the baseline's error is summation-order noise, so a small multiple of it is the honest bound.
 
 Skipped only when transformers is not installed (``pip install -e ".[hf]"``).
