@@ -227,7 +227,9 @@ def _empty_attention(q, k, v, mask, sinks):
     n = (hi - lo).to(torch.float32)  # zero scores: lse = log(#visible keys)
     lse = torch.log(n).expand(b, hq, sq)
     if sinks is not None:
-        lse = torch.logaddexp(lse, torch.logsumexp(sinks.detach().float().reshape(hq, -1), -1)[None, :, None])
+        s = sinks.detach().float()
+        s = s if s.dim() == 2 else s[:, None]
+        lse = torch.logaddexp(lse, torch.logsumexp(s, -1)[None, :, None])
     lse = torch.where(torch.isneginf(lse), torch.full_like(lse, math.inf), lse)
     return out, lse.contiguous(), None
 

@@ -217,6 +217,9 @@ def test_empty_keys_give_infinite_lse_or_the_sinks():
     sinks = torch.tensor([0.5, -1.0])
     out, lse = flash_attn_func(q, k, k, return_lse=True, sinks=sinks)
     assert torch.equal(lse, sinks.reshape(1, 2, 1).expand(1, 2, 5))
+    out, lse = flash_attn_func(_t(1, 5, 0, 16), _t(1, 5, 0, 16), _t(1, 5, 0, 16), return_lse=True,
+                               sinks=torch.zeros(0, 3))
+    assert out.shape == (1, 5, 0, 16) and lse.shape == (1, 0, 5)
 
 
 # ---------------------------------------------------------------------------------------------- non-finite inputs
