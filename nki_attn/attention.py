@@ -1,331 +1,710 @@
-"""PyTorch API: attention functions with autograd, running the NKI kernels.
+"""PyTorch API: FlashAttention-compatible and SDPA-compatible attention running the NKI kernels.
 
-Three entry points, each a thin layout adapter over one ``torch.autograd.Function`` (``NkiAttentionFunction``)
-whose forward runs ``attention_fwd`` and saves (q, k, v, o, lse), and whose backward runs ``attention_bwd``:
+Entry points (all differentiable with respect to q, k, v and sinks):
 
-- ``flash_attn_func`` — FlashAttention's layout ``[batch, seqlen, heads, head_dim]`` and conventions;
-- ``flash_attn_varlen_func`` — packed ``[total_tokens, heads, head_dim]`` sequences described by cu_seqlens;
-- ``scaled_dot_product_attention`` — torch's layout ``[batch, heads, seqlen, head_dim]`` and argument names.
+- ``flash_attn_func``, ``flash_attn_qkvpacked_func``, ``flash_attn_kvpacked_func`` — FlashAttention's layout
+  ``[batch, seqlen, heads, head_dim]``, signatures and conventions (flash_attn_interface.py);
+- ``flash_attn_varlen_func``, ``flash_attn_varlen_qkvpacked_func``, ``flash_attn_varlen_kvpacked_func`` —
+  packed ``[total_tokens, heads, head_dim]`` sequences described by cu_seqlens;
+- ``scaled_dot_product_attention`` — torch's layout ``[..., heads, seqlen, head_dim]`` and argument names.
 
-The kernels want ``[b, h, d, s]`` with s a multiple of 128. The adapters permute once on the way in and once on
-the way out, with differentiable torch ops, so autograd converts the gradients back by itself. Lengths that are
-not multiples of 128 are zero-padded; padded keys are masked (causal order or per-query key bounds) and padded
-query rows are dropped, so callers never see padded values or gradients.
+Each validates its arguments (plain Python on shapes and values, which ``torch.compile(fullgraph=True)`` traces
+without a break) and calls one custom op per direction, ``nki_attn::flash_fwd`` / ``flash_bwd``, in
+FlashAttention's layout. Those hold the layout work around the kernel ops of ``nki_attn.ops``: the kernels want
+``[b, h, d, s]`` with s a multiple of 128, so the ops permute, zero-pad lengths that are not multiples of 128,
+mask the padded keys and drop the padded query rows; callers never see padded values or gradients. Keeping that
+work inside the ops leaves a compiled graph with one opaque node per direction.
 
-Masks the kernels support natively are passed as flags (causal, sliding window, with trace-time tile skipping);
-everything else expressible as a per-query key interval ``[bound_min, bound_max)`` — padding, bottom-right
-causal alignment when seqlen_q != seqlen_k, packed sequences — goes through the kernels' packing bounds.
-
-CPU tensors run on the built-in simulator; XLA tensors run on the real NKI when ``nki_attn.backend`` found it.
-``NKI_ATTN_LNC=2`` launches the kernels on two NeuronCores (trn2/trn3); results are bit-identical to one core.
+Every mask is a per-query key interval. Equal lengths with causal order (with or without a sliding window) use
+the kernels' native ``use_causal_mask`` / ``sliding_window``, which skip masked tiles at trace time; any other
+interval — FlashAttention windows, bottom-right alignment for seqlen_q != seqlen_k, padded keys, packed
+sequences, interval masks — goes through the kernels' per-query bounds ``[bound_min, bound_max)``.
 """
 import math
-import os
+import numbers
+from typing import Optional
 
 import torch
 
-from .backend import BACKEND
+from . import ops
+from .ops import PMAX, _fail
 
-_TILE = 128
-_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+MAX_PROBS_ELEMENTS = 1 << 24  # return_attn_probs materialises S_dmask up to this many elements (64 MiB fp32)
+MAX_EXACT_KEY = 1 << 24  # bounds are float32: key indices up to 2**24 are exact
 
-
-# ----------------------------------------------------------------------------------------------------- kernel calls
-def _launcher(kernel):
-    lnc = os.environ.get("NKI_ATTN_LNC", "1").strip()
-    if lnc not in ("1", "2"):
-        raise ValueError(f"NKI_ATTN_LNC={lnc!r} must be 1 or 2")
-    return kernel[2] if lnc == "2" else kernel
+__all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func",
+           "flash_attn_varlen_qkvpacked_func", "flash_attn_varlen_kvpacked_func", "scaled_dot_product_attention"]
 
 
-def _check_device(t):
-    if t.device.type == "cpu":
-        if BACKEND != "sim":
-            raise RuntimeError("CPU tensors run on the simulator; set NKI_ATTN_BACKEND=sim to use it alongside the "
-                               "real nki, or move the tensors to the XLA (Neuron) device")
-    elif t.device.type == "xla":
-        if BACKEND != "nki":
-            raise RuntimeError("XLA tensors need the real nki package (torch-neuronx / neuronx-cc); it is not "
-                               "importable here")
-    else:
-        raise RuntimeError(f"tensors on {t.device} are not supported: use CPU (simulator) or XLA (Trainium)")
+# ----------------------------------------------------------------------------------------------------- arguments
+def _check_tensor(fn, name, t):
+    if not isinstance(t, torch.Tensor):
+        _fail(fn, name, type(t).__name__, "must be a torch.Tensor", TypeError)
 
 
-def _kernels():
-    from .kernels.attention_bwd import attention_bwd
-    from .kernels.attention_fwd import attention_fwd
-    return attention_fwd, attention_bwd
+def _check_bool(fn, name, x):
+    if not isinstance(x, bool):
+        _fail(fn, name, repr(x), "must be a bool (True or False)", TypeError)
+    return x
 
 
-class NkiAttentionFunction(torch.autograd.Function):
-    """Autograd function over the kernels, in the kernels' layout.
+def _is_int(x):
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
-    forward(q [b, h, d, sq], k [b, hk, d, sk], v [b, hk, d, sk], sinks [b, h(, n)] or None,
-            bound_min [sq] or None, bound_max [sq] or None, causal, window, scale) -> (o [b, h, d, sq],
-            lse float32 [b, h, 128, sq // 128]); sq, sk multiples of 128. lse is not differentiable.
-    """
 
-    @staticmethod
-    def forward(ctx, q, k, v, sinks, bound_min, bound_max, causal, window, scale):
-        attention_fwd, _ = _kernels()
-        o, lse = _launcher(attention_fwd)(q, k, v, sinks, bound_min, bound_max, use_causal_mask=causal,
-                                         mixed_precision=True, softmax_scale=scale, sliding_window=window)
-        ctx.save_for_backward(q, k, v, o, lse, sinks, bound_min, bound_max)
-        ctx.causal, ctx.window, ctx.scale = causal, window, scale
-        ctx.mark_non_differentiable(lse)
-        return o, lse
+def _check_real(fn, name, x):
+    if isinstance(x, bool) or not isinstance(x, numbers.Real):
+        _fail(fn, name, repr(x), "must be a real number", TypeError)
+    return float(x)
 
-    @staticmethod
-    def backward(ctx, do, _dlse):
-        _, attention_bwd = _kernels()
-        q, k, v, o, lse, sinks, bound_min, bound_max = ctx.saved_tensors
-        outs = _launcher(attention_bwd)(q, k, v, o, do.contiguous(), lse, sinks, bound_min, bound_max,
-                                        use_causal_mask=ctx.causal, mixed_precision=True,
-                                        softmax_scale=ctx.scale, sliding_window=ctx.window)
-        dq, dk, dv = outs[:3]
-        dsinks = outs[3].to(sinks.dtype) if sinks is not None else None
-        return dq, dk, dv, dsinks, None, None, None, None, None
+
+def _check_dropout(fn, dropout_p):
+    p = _check_real(fn, "dropout_p", dropout_p)
+    if not 0.0 <= p <= 1.0:
+        _fail(fn, "dropout_p", p, "must be a probability in [0, 1]")
+    if p != 0.0:
+        _fail(fn, "dropout_p", p, "dropout is not implemented by the NKI kernels yet; only 0.0 is accepted",
+              NotImplementedError)
+
+
+def _check_fa_extras(fn, softcap, alibi_slopes, deterministic, return_attn_probs):
+    """FlashAttention arguments accepted at their defaults only, until the kernels implement them."""
+    cap = _check_real(fn, "softcap", softcap)
+    if cap != 0.0:
+        _fail(fn, "softcap", cap, "logit soft-capping is not implemented by the NKI kernels yet; only 0.0 "
+                                  "(deactivated) is accepted", NotImplementedError)
+    if alibi_slopes is not None:
+        shape = tuple(alibi_slopes.shape) if isinstance(alibi_slopes, torch.Tensor) else type(alibi_slopes).__name__
+        _fail(fn, "alibi_slopes", shape, "ALiBi is not implemented by the NKI kernels yet; only None is accepted",
+              NotImplementedError)
+    _check_bool(fn, "deterministic", deterministic)  # always honoured: the kernels are deterministic
+    _check_bool(fn, "return_attn_probs", return_attn_probs)
+
+
+def _window(fn, window_size, causal):
+    """FlashAttention's window_size=(left, right) -> (left, right), -1 = unbounded; causal forces right = 0."""
+    if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
+        _fail(fn, "window_size", repr(window_size), "must be a pair (left, right) of ints, -1 meaning unbounded",
+              TypeError)
+    for x in window_size:
+        if not _is_int(x):
+            _fail(fn, "window_size", repr(tuple(window_size)), "entries must be ints (-1 means unbounded)",
+                  TypeError)
+    left, right = int(window_size[0]), int(window_size[1])
+    if left < -1 or right < -1:
+        _fail(fn, "window_size", (left, right), "entries must be >= -1 (-1 means unbounded)")
+    if causal:
+        right = 0  # FlashAttention: causal attention sees nothing to the right, whatever the window says
+    return left, right
+
+
+def _check_qkv(fn, q, k, v, rank, names=("q", "k", "v")):
+    for name, t in zip(names, (q, k, v)):
+        _check_tensor(fn, name, t)
+        if t.dim() != rank:
+            _fail(fn, f"{name}.shape", tuple(t.shape), f"must be {rank}-D")
+    for name, t in zip(names[1:], (k, v)):
+        if t.dtype != q.dtype:
+            _fail(fn, f"{name}.dtype", t.dtype, f"must equal {names[0]}.dtype {q.dtype}")
+        if t.device != q.device:
+            _fail(fn, f"{name}.device", t.device, f"must equal {names[0]}.device {q.device}")
+    if q.dtype not in ops.DTYPES:
+        _fail(fn, f"{names[0]}.dtype", q.dtype, "must be float32, bfloat16 or float16")
+    if k.shape != v.shape:
+        _fail(fn, f"{names[2]}.shape", tuple(v.shape), f"must equal {names[1]}.shape {tuple(k.shape)} (the kernels "
+                                                       f"need one head_dim for q, k and v)")
+    ops.check_device(q, names[0])
+
+
+def _check_heads(fn, hq, hk, name):
+    if hk == 0 and hq == 0:
+        return
+    if hk < 1 or hq % hk != 0:
+        _fail(fn, name, hk, f"the number of key/value heads must be >= 1 and divide the {hq} query heads")
+
+
+def _check_head_dim(fn, d, name):
+    if d == 0:
+        return  # empty output, as torch
+    if d > ops.MAX_D_HEAD or d % -(-d // PMAX) != 0:
+        _fail(fn, name, d, f"head_dim must be at most {PMAX}, or up to {ops.MAX_D_HEAD} splitting into equal "
+                           f"tiles of at most {PMAX} (e.g. 192, 256)")
+
+
+def _check_sinks(fn, sinks, hq, q):
+    if sinks is None:
+        return
+    _check_tensor(fn, "sinks", sinks)
+    if sinks.dim() not in (1, 2) or sinks.shape[0] != hq or (sinks.dim() == 2 and sinks.shape[1] < 1):
+        _fail(fn, "sinks.shape", tuple(sinks.shape), f"must be [heads] = [{hq}] or [heads, num_sinks]")
+    if not sinks.is_floating_point():
+        _fail(fn, "sinks.dtype", sinks.dtype, "must be a floating dtype")
+    if sinks.device != q.device:
+        _fail(fn, "sinks.device", sinks.device, f"must equal q.device {q.device}")
+
+
+# ----------------------------------------------------------------------------------------------------- masks
+def _round_up(n):
+    return max(PMAX, -(-n // PMAX) * PMAX)
+
+
+def window_intervals(sq, sk, left, right, shift, device=None):
+    """Key interval ``[lo, hi)`` of each query i < sq (int64 [sq] each): keys ``i + shift - left ..
+    i + shift + right`` (a side of -1 is unbounded) within ``[0, sk)``; ``hi == lo`` when none is visible."""
+    i = torch.arange(sq, dtype=torch.int64, device=device)
+    lo = (i + shift - left).clamp(0, sk) if left >= 0 else torch.zeros_like(i)
+    hi = (i + shift + right + 1).clamp(0, sk) if right >= 0 else torch.full_like(i, sk)
+    return lo, torch.maximum(hi, lo)
+
+
+def _bounds(lo, hi, pad_to):
+    """float32 [pad_to] kernel bounds from int64 [n] intervals; padded query rows see no key."""
+    n = lo.shape[0]
+    z = lo.new_zeros(pad_to - n)
+    return torch.cat([lo, z]).to(torch.float32), torch.cat([hi, z]).to(torch.float32)
+
+
+class _Mask:
+    """How one call's mask reaches the kernels: native flags, or per-query intervals over the packed keys."""
+
+    def __init__(self, sq, sk, left=-1, right=-1, shift=0, lo=None, hi=None):
+        self.sq, self.sk, self.left, self.right, self.shift = sq, sk, left, right, shift
+        self.lo, self.hi = lo, hi  # explicit intervals (int64 [sq]) override the window description
+
+    def intervals(self, device):
+        if self.lo is not None:
+            return self.lo, self.hi
+        return window_intervals(self.sq, self.sk, self.left, self.right, self.shift, device)
+
+    def kernel_args(self, device):
+        """(use_causal_mask, sliding_window, bound_min, bound_max) for the padded problem."""
+        sq_pad, sk_pad = _round_up(self.sq), _round_up(self.sk)
+        if self.lo is None:
+            if self.shift == 0 and self.right == 0 and self.sq == self.sk:
+                # causal order on equal lengths: padded keys lie after every real query, so causal hides them
+                return True, (self.left + 1 if self.left >= 0 else None), None, None
+            if self.left == -1 and self.right == -1 and self.sk == sk_pad:
+                return False, None, None, None
+        bmin, bmax = _bounds(*self.intervals(device), sq_pad)
+        return False, None, bmin, bmax
+
+
+def _visibility(mask, device):
+    """bool [sq, sk], True where query i sees key j."""
+    lo, hi = mask.intervals(device)
+    j = torch.arange(mask.sk, device=device)
+    return (j[None, :] >= lo[:, None]) & (j[None, :] < hi[:, None])
 
 
 # ----------------------------------------------------------------------------------------------------- core
-def _round_up(n):
-    return max(_TILE, -(-n // _TILE) * _TILE)
-
-
-def _to_kernel_layout(x, seq_dim, pad_to):
-    """[b, s, h, d] (seq_dim=1) or [b, h, s, d] (seq_dim=2) -> [b, h, d, s_padded], one permute + pad."""
-    x = x.permute(0, 2, 3, 1) if seq_dim == 1 else x.permute(0, 1, 3, 2)
+def _to_kernel(x, pad_to):
+    """[b, s, h, d] -> [b, h, d, s_padded], contiguous."""
+    x = x.permute(0, 2, 3, 1)
     s = x.shape[-1]
     if pad_to > s:
         x = torch.nn.functional.pad(x, (0, pad_to - s))
     return x.contiguous()
 
 
-def _bounds(sq, sk, sq_pad, key_lo, key_hi):
-    """float32 [sq_pad] bounds from per-query int64 tensors key_lo/key_hi [sq]; padded rows see no key."""
-    bmin = torch.zeros(sq_pad, dtype=torch.float32)
-    bmax = torch.zeros(sq_pad, dtype=torch.float32)
-    lo = key_lo.clamp(0, sk)
-    hi = key_hi.clamp(0, sk)
-    hi = torch.maximum(hi, lo)
-    bmin[:sq] = lo.to(torch.float32)
-    bmax[:sq] = hi.to(torch.float32)
-    return bmin, bmax
-
-
-def _attention(q, k, v, seq_dim, causal, left, scale, sinks, align, key_lo=None, key_hi=None):
-    """Shared body: q [b, s, h, d] (seq_dim 1) or [b, h, s, d] (seq_dim 2); returns (o in q's layout, lse [b, h, sq]).
-
-    ``causal`` with ``left`` (keys i-left..i visible, -1 = unbounded) describes the mask; ``align`` is
-    "top_left" or "bottom_right" for causal masks when sq != sk. ``key_lo``/``key_hi`` (int64 [sq]) override
-    the mask with explicit per-query key intervals (varlen).
-    """
-    b = q.shape[0]
-    hq = q.shape[2] if seq_dim == 1 else q.shape[1]
-    sq = q.shape[seq_dim]
-    sk = k.shape[seq_dim]
-    d = q.shape[-1]
-    sq_pad, sk_pad = _round_up(sq), _round_up(sk)
-    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
-
-    native_causal = key_lo is None and causal and sq == sk
-    window = None
-    if native_causal and left >= 0:
-        window = left + 1
-    need_bounds = key_lo is not None or (sk_pad != sk and not native_causal) or (causal and not native_causal)
-    bmin = bmax = None
-    if need_bounds:
-        i = torch.arange(sq, dtype=torch.int64)
-        if key_lo is None:
-            if causal:
-                shift = (sk - sq) if align == "bottom_right" else 0
-                key_hi = i + shift + 1
-                key_lo = (key_hi - 1 - left) if left >= 0 else torch.zeros_like(i)
-            else:
-                key_lo, key_hi = torch.zeros_like(i), torch.full_like(i, sk)
-        bmin, bmax = _bounds(sq, sk, sq_pad, key_lo, key_hi)
-    qk = _to_kernel_layout(q, seq_dim, sq_pad)
-    kk = _to_kernel_layout(k, seq_dim, sk_pad)
-    vk = _to_kernel_layout(v, seq_dim, sk_pad)
-    sk_sinks = None
-    if sinks is not None:
-        s = sinks.to(torch.float32)
-        sk_sinks = s.unsqueeze(0).expand(b, *s.shape).contiguous()
-    o, lse = NkiAttentionFunction.apply(qk, kk, vk, sk_sinks, bmin, bmax, native_causal, window, scale)
-    o = o[..., :sq]
-    o = o.permute(0, 3, 1, 2) if seq_dim == 1 else o.permute(0, 1, 3, 2)
-    lse = lse.permute(0, 1, 3, 2).reshape(b, hq, sq_pad)[..., :sq]
-    return o, lse
-
-
-# ----------------------------------------------------------------------------------------------------- validation
-def _check_qkv(q, k, v, layout, rank=4, names=("q", "k", "v")):
-    for name, t in zip(names, (q, k, v)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dim() != rank:
-            raise ValueError(f"{name} must be {rank}-D {layout}, got shape {tuple(t.shape)}")
-    for name, t in zip(names[1:], (k, v)):
-        if t.dtype != q.dtype:
-            raise ValueError(f"{name} dtype {t.dtype} must equal {names[0]} dtype {q.dtype}")
-        if t.device != q.device:
-            raise ValueError(f"{name} is on {t.device} but {names[0]} is on {q.device}")
-    if q.dtype not in _DTYPES:
-        raise ValueError(f"{names[0]} dtype {q.dtype} is not supported; use float32, bfloat16 or float16")
-    if k.shape != v.shape:
-        raise ValueError(f"{names[1]} shape {tuple(k.shape)} must equal {names[2]} shape {tuple(v.shape)}")
-    _check_device(q)
-
-
-def _check_heads(hq, hk, what):
-    if hk < 1 or hq % hk != 0:
-        raise ValueError(f"number of query heads {hq} must be divisible by the number of key/value heads {hk} "
-                         f"({what})")
-
-
-def _check_sinks(sinks, hq, q):
+def _kernel_sinks(sinks, b):
     if sinks is None:
-        return
-    if not isinstance(sinks, torch.Tensor) or sinks.dim() not in (1, 2) or sinks.shape[0] != hq:
-        raise ValueError(f"sinks must be a tensor of shape [heads] = [{hq}] or [heads, num_sinks], got "
-                         f"{tuple(sinks.shape) if isinstance(sinks, torch.Tensor) else type(sinks).__name__}")
-    if sinks.device != q.device:
-        raise ValueError(f"sinks is on {sinks.device} but q is on {q.device}")
+        return None
+    s = sinks.to(torch.float32)
+    return s.unsqueeze(0).expand(b, *s.shape).contiguous()
 
 
-def _window(window_size, causal):
-    """FlashAttention window_size=(left, right) -> (causal, left) with left=-1 meaning unbounded."""
-    try:
-        left, right = (int(x) for x in window_size)
-    except (TypeError, ValueError):
-        raise ValueError(f"window_size must be a pair (left, right), got {window_size!r}") from None
-    if left < -1 or right < -1:
-        raise ValueError(f"window_size={window_size!r}: entries must be >= -1 (-1 means unbounded)")
-    if causal and right == -1:
-        right = 0  # causal implies nothing to the right, as in FlashAttention
-    if right == 0:
-        return True, left
-    if (left, right) == (-1, -1):
-        return False, -1
-    raise NotImplementedError(f"window_size={tuple(window_size)} with causal={causal}: the kernels support "
-                              f"windows (left >= 0, right = 0) with causal masking, or no window (-1, -1)")
+def _empty_attention(q, k, v, mask, sinks):
+    """Some size is 0: torch's result (zeros when no key exists, else an empty output), with gradients."""
+    b, sq, hq, d = q.shape
+    hk = k.shape[2]
+    kk, vv = k, v
+    if hq and hk and hq != hk:
+        kk, vv = k.repeat_interleave(hq // hk, dim=2), v.repeat_interleave(hq // hk, dim=2)
+    # with no key or an empty head_dim the scores are an empty sum (exact zeros), so this is exact
+    s = torch.matmul(q.transpose(1, 2), kk.permute(0, 2, 3, 1))
+    out = torch.matmul(s, vv.transpose(1, 2)).transpose(1, 2).contiguous()
+    lo, hi = mask.intervals(q.device)
+    n = (hi - lo).to(torch.float32)  # zero scores: lse = log(#visible keys)
+    lse = torch.log(n).expand(b, hq, sq)
+    if sinks is not None:
+        s = sinks.detach().float()
+        s = s if s.dim() == 2 else s[:, None]
+        lse = torch.logaddexp(lse, torch.logsumexp(s, -1)[None, :, None])
+    lse = torch.where(torch.isneginf(lse), torch.full_like(lse, math.inf), lse)
+    return out, lse.contiguous(), None
 
 
-def _check_dropout(dropout_p):
-    if dropout_p != 0.0:
-        raise NotImplementedError(f"dropout_p={dropout_p}: dropout is not implemented by the NKI kernels yet")
+def _attention(fn, q, k, v, mask, scale, sinks, want_probs, scale_name="softmax_scale"):
+    """q [b, sq, h, d], k/v [b, sk, hk, d] -> (out [b, sq, h, d] contiguous, lse float32 [b, h, sq], probs or None)."""
+    b, sq, hq, d = q.shape
+    sk = k.shape[1]
+    scale = ops.resolve_scale(fn, scale, max(d, 1), scale_name)
+    if q.numel() == 0 or k.numel() == 0:
+        out, lse, _ = _empty_attention(q, k, v, mask, sinks)
+        probs = q.new_zeros((b, hq, sq, sk), dtype=torch.float32) if want_probs else None
+        return out, lse, probs
+    if _round_up(sk) > MAX_EXACT_KEY:
+        _fail(fn, "seqlen_k", sk, f"must be at most {MAX_EXACT_KEY} (the kernels' key bounds are float32)")
+    out, lse = _flash_fwd(q, k, v, sinks, mask.lo, mask.hi, mask.left, mask.right, mask.shift, scale)
+    probs = _probs(q, k, mask, scale, lse) if want_probs else None
+    return out, lse, probs
 
 
-# ----------------------------------------------------------------------------------------------------- public API
-def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), sinks=None,
-                    deterministic=True, return_lse=False):
-    """Attention in FlashAttention's layout, differentiable with respect to q, k, v and sinks.
+# The API's own pair of ops, in FlashAttention's layout: the permutes, the padding to 128 and the sinks' batch
+# expansion happen inside them, so a compiled graph holds one opaque node per direction instead of a dozen small
+# generated layout kernels (each a parallel region: measurable per-call overhead next to the simulator).
+@torch.library.custom_op("nki_attn::flash_fwd", mutates_args=())
+def _flash_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: Optional[torch.Tensor],
+               key_lo: Optional[torch.Tensor], key_hi: Optional[torch.Tensor], left: int, right: int, shift: int,
+               scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [b, sq, h, d], k/v [b, sk, hk, d], sinks [h(, n)], key_lo/key_hi int64 [sq] (or the window
+    description left/right/shift) -> (out [b, sq, h, d], lse float32 [b, h, sq])."""
+    b, sq, hq, _ = q.shape
+    sk = k.shape[1]
+    sq_pad, sk_pad = _round_up(sq), _round_up(sk)
+    causal, window, bmin, bmax = _Mask(sq, sk, left, right, shift, key_lo, key_hi).kernel_args(q.device)
+    o, lse = ops._fwd_op(_to_kernel(q, sq_pad), _to_kernel(k, sk_pad), _to_kernel(v, sk_pad),
+                         _kernel_sinks(sinks, b), bmin, bmax, causal, scale, window, True)
+    out = o[..., :sq].permute(0, 3, 1, 2).contiguous()
+    lse = lse.permute(0, 1, 3, 2).reshape(b, hq, sq_pad)[..., :sq].contiguous()
+    return out, lse
+
+
+@_flash_fwd.register_fake
+def _flash_fwd_fake(q, k, v, sinks, key_lo, key_hi, left, right, shift, scale):
+    b, sq, hq, _ = q.shape
+    return torch.empty_like(q, memory_format=torch.contiguous_format), \
+        q.new_empty((b, hq, sq), dtype=torch.float32)
+
+
+@torch.library.custom_op("nki_attn::flash_bwd", mutates_args=())
+def _flash_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, dout: torch.Tensor,
+               lse: torch.Tensor, sinks: Optional[torch.Tensor], key_lo: Optional[torch.Tensor],
+               key_hi: Optional[torch.Tensor], left: int, right: int, shift: int, scale: float,
+               dlse: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of ``_flash_fwd``: (dq, dk, dv like q, k, v; dsinks like sinks, or an empty [0] tensor)."""
+    b, sq, hq, _ = q.shape
+    sk = k.shape[1]
+    sq_pad, sk_pad = _round_up(sq), _round_up(sk)
+    causal, window, bmin, bmax = _Mask(sq, sk, left, right, shift, key_lo, key_hi).kernel_args(q.device)
+    # Padded query rows get dout = 0 (so D = 0 and dS = 0) and lse = +inf (so P = exp(S - lse) = 0): they add
+    # nothing to dk, dv, dsinks, whatever o holds there.
+    lse_k = torch.nn.functional.pad(lse, (0, sq_pad - sq), value=math.inf)
+    lse_k = lse_k.reshape(b, hq, sq_pad // PMAX, PMAX).transpose(-1, -2).contiguous()
+    ks = _kernel_sinks(sinks, b)
+    dq, dk, dv, dsinks = ops._bwd_op(_to_kernel(q, sq_pad), _to_kernel(k, sk_pad), _to_kernel(v, sk_pad),
+                                     _to_kernel(out, sq_pad), _to_kernel(dout, sq_pad), lse_k, ks, bmin, bmax,
+                                     causal, scale, window, True, dlse)
+    back = [dq[..., :sq], dk[..., :sk], dv[..., :sk]]
+    back = [t.permute(0, 3, 1, 2).contiguous() for t in back]
+    dsinks = dsinks.sum(0).to(sinks.dtype) if sinks is not None else dsinks
+    return back[0], back[1], back[2], dsinks
+
+
+@_flash_bwd.register_fake
+def _flash_bwd_fake(q, k, v, out, dout, lse, sinks, key_lo, key_hi, left, right, shift, scale, dlse):
+    c = torch.contiguous_format
+    dsinks = torch.empty_like(sinks, memory_format=c) if sinks is not None else q.new_empty((0,), dtype=torch.float32)
+    return (torch.empty_like(q, memory_format=c), torch.empty_like(k, memory_format=c),
+            torch.empty_like(v, memory_format=c), dsinks)
+
+
+def _flash_setup_context(ctx, inputs, output):
+    q, k, v, sinks, key_lo, key_hi, left, right, shift, scale = inputs
+    ctx.save_for_backward(q, k, v, output[0], output[1], sinks, key_lo, key_hi)
+    ctx.flags = (left, right, shift, scale)
+
+
+def _flash_backward(ctx, dout, dlse):
+    q, k, v, out, lse, sinks, key_lo, key_hi = ctx.saved_tensors
+    dq, dk, dv, dsinks = _flash_bwd(q, k, v, out, dout, lse, sinks, key_lo, key_hi, *ctx.flags, dlse)
+    return dq, dk, dv, (dsinks if sinks is not None else None), None, None, None, None, None, None
+
+
+_flash_fwd.register_autograd(_flash_backward, setup_context=_flash_setup_context)
+_flash_bwd.register_autograd(ops._bwd_backward, setup_context=ops._bwd_setup_context)
+
+
+def _probs(q, k, mask, scale, lse):
+    """S_dmask: softmax probabilities [b, h, sq, sk] (float32) recomputed from q, k and the kernel's lse, zero
+    where masked; None above MAX_PROBS_ELEMENTS. Not differentiable."""
+    b, sq, hq, _ = q.shape
+    sk, hk = k.shape[1], k.shape[2]
+    if b * hq * sq * sk > MAX_PROBS_ELEMENTS:
+        return None
+    with torch.no_grad():
+        kk = k.repeat_interleave(hq // hk, dim=2) if hk != hq else k
+        s = torch.einsum("bqhd,bkhd->bhqk", q.float(), kk.float()) * scale
+        vis = _visibility(mask, q.device)
+        p = torch.exp(s - lse.detach()[..., None])
+        return torch.where(vis, p, torch.zeros_like(p))
+
+
+def _results(out, lse, probs, return_attn_probs, return_lse):
+    if return_attn_probs:
+        return out, lse, probs
+    if return_lse:
+        return out, lse
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------- flash_attn
+def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                    alibi_slopes=None, deterministic=False, return_attn_probs=False, *, sinks=None,
+                    return_lse=False):
+    """Attention in FlashAttention's layout, with FlashAttention's signature and conventions.
 
     Args:
-        q: ``[batch, seqlen_q, nheads, head_dim]``, float32/bfloat16/float16 (CPU: simulator; XLA: Trainium).
-        k, v: ``[batch, seqlen_k, nheads_k, head_dim]``; nheads % nheads_k == 0 (GQA/MQA).
-        dropout_p: must be 0.0 (NotImplementedError otherwise).
-        softmax_scale: scale of q·k; default 1/sqrt(head_dim).
-        causal: mask key j for query i when j > i + seqlen_k - seqlen_q (bottom-right aligned, as FlashAttention).
-        window_size: (left, right); -1 is unbounded. Supported: (-1, -1), and (left >= 0, 0) which with causal
-            order keeps keys i-left..i. Anything else raises NotImplementedError.
-        sinks: optional ``[nheads]`` (or ``[nheads, num_sinks]``) learnable logits that join the softmax
-            denominator (not scaled, no value); shared by the batch.
-        deterministic: accepted for compatibility; the kernels are always deterministic (bit-identical runs).
-        return_lse: also return the log-sum-exp ``[batch, nheads, seqlen_q]`` float32 (+inf for rows that see
-            no key).
+        q: ``[batch, seqlen_q, nheads, head_dim]``, float32 / bfloat16 / float16 (CPU: simulator; XLA: Trainium;
+            meta: shapes only).
+        k, v: ``[batch, seqlen_k, nheads_k, head_dim]``; ``nheads % nheads_k == 0`` (GQA / MQA: query head h
+            reads kv head ``h // (nheads // nheads_k)``).
+        dropout_p: must be 0.0 (NotImplementedError otherwise: no kernel implements dropout yet).
+        softmax_scale: scale of q·k, a finite number > 0; default ``1/sqrt(head_dim)``.
+        causal: bool; key j masked for query i when ``j > i + seqlen_k - seqlen_q`` (bottom-right aligned).
+        window_size: ``(left, right)`` ints, -1 = unbounded: query i sees keys
+            ``i + seqlen_k - seqlen_q - left .. i + seqlen_k - seqlen_q + right``. ``causal`` forces right = 0.
+        softcap: must be 0.0 (deactivated); alibi_slopes: must be None (NotImplementedError otherwise).
+        deterministic: bool, accepted; the kernels are always deterministic (bit-identical reruns).
+        return_attn_probs: also return the log-sum-exp and S_dmask (see Returns).
+        sinks: keyword only; optional ``[nheads]`` or ``[nheads, num_sinks]`` learnable logits that join the
+            softmax denominator (not scaled, no value; -inf means no sink); shared by the batch; get a gradient.
+        return_lse: keyword only; return ``(out, lse)``.
+
     Returns:
-        out ``[batch, seqlen_q, nheads, head_dim]`` in q's dtype (and lse when return_lse).
+        out ``[batch, seqlen_q, nheads, head_dim]`` contiguous, in q's dtype. With ``return_attn_probs``:
+        ``(out, softmax_lse, S_dmask)``: softmax_lse float32 ``[batch, nheads, seqlen_q]`` (+inf for a row that
+        sees no key and has no sink), S_dmask float32 ``[batch, nheads, seqlen_q, seqlen_k]``, the attention
+        probabilities over the keys (sinks excluded; zero where masked) recomputed from q, k and the kernel's lse,
+        or None when it would exceed ``MAX_PROBS_ELEMENTS`` (FlashAttention gives None without dropout).
+        With ``return_lse``: ``(out, lse)``. lse takes no gradient (a non-zero one raises NotImplementedError).
     """
-    _check_dropout(dropout_p)
-    _check_qkv(q, k, v, "[batch, seqlen, heads, head_dim]")
+    fn = "flash_attn_func"
+    _check_dropout(fn, dropout_p)
+    _check_fa_extras(fn, softcap, alibi_slopes, deterministic, return_attn_probs)
+    _check_bool(fn, "return_lse", return_lse)
+    causal = _check_bool(fn, "causal", causal)
+    _check_qkv(fn, q, k, v, 4)
     b, sq, hq, d = q.shape
     bk, sk, hk, dk = k.shape
-    if bk != b or dk != d:
-        raise ValueError(f"k shape {tuple(k.shape)} must match q shape {tuple(q.shape)} in batch and head_dim")
-    _check_heads(hq, hk, "q.shape[2] and k.shape[2]")
-    _check_sinks(sinks, hq, q)
-    is_causal, left = _window(window_size, causal)
-    o, lse = _attention(q, k, v, 1, is_causal, left, softmax_scale, sinks, "bottom_right")
-    return (o, lse) if return_lse else o
+    if bk != b:
+        _fail(fn, "k.shape[0]", bk, f"batch must equal q.shape[0] = {b}")
+    if dk != d:
+        _fail(fn, "k.shape[3]", dk, f"head_dim must equal q.shape[3] = {d}")
+    _check_heads(fn, hq, hk, "k.shape[2]")
+    _check_head_dim(fn, d, "q.shape[3]")
+    _check_sinks(fn, sinks, hq, q)
+    left, right = _window(fn, window_size, causal)
+    mask = _Mask(sq, sk, left, right, shift=sk - sq)
+    out, lse, probs = _attention(fn, q, k, v, mask, softmax_scale, sinks, return_attn_probs)
+    return _results(out, lse, probs, return_attn_probs, return_lse)
+
+
+def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                              softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False, *,
+                              sinks=None, return_lse=False):
+    """``flash_attn_func`` on ``qkv [batch, seqlen, 3, nheads, head_dim]`` (q, k, v stacked on dim 2)."""
+    _check_tensor("flash_attn_qkvpacked_func", "qkv", qkv)
+    if qkv.dim() != 5 or qkv.shape[2] != 3:
+        _fail("flash_attn_qkvpacked_func", "qkv.shape", tuple(qkv.shape), "must be [batch, seqlen, 3, nheads, "
+                                                                          "head_dim]")
+    q, k, v = qkv.unbind(2)
+    return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                           deterministic, return_attn_probs, sinks=sinks, return_lse=return_lse)
+
+
+def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                             softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False, *,
+                             sinks=None, return_lse=False):
+    """``flash_attn_func`` on q and ``kv [batch, seqlen_k, 2, nheads_k, head_dim]`` (k, v stacked on dim 2)."""
+    _check_tensor("flash_attn_kvpacked_func", "kv", kv)
+    if kv.dim() != 5 or kv.shape[2] != 2:
+        _fail("flash_attn_kvpacked_func", "kv.shape", tuple(kv.shape), "must be [batch, seqlen_k, 2, nheads_k, "
+                                                                      "head_dim]")
+    k, v = kv.unbind(2)
+    return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                           deterministic, return_attn_probs, sinks=sinks, return_lse=return_lse)
+
+
+# ----------------------------------------------------------------------------------------------------- varlen
+def _as_max_seqlen(fn, name, x):
+    if isinstance(x, torch.Tensor) and x.dim() == 0 and not x.is_floating_point() and x.dtype != torch.bool:
+        x = int(x)
+    if not _is_int(x) or x < 0:
+        _fail(fn, name, repr(x), "must be an int >= 0 (the longest sequence)", TypeError if not _is_int(x)
+              else ValueError)
+    return int(x)
+
+
+def _check_cu(fn, name, cu):
+    _check_tensor(fn, name, cu)
+    if cu.is_floating_point() or cu.is_complex() or cu.dtype == torch.bool:
+        _fail(fn, f"{name}.dtype", cu.dtype, "cu_seqlens must be an integer tensor (FlashAttention: int32)",
+              TypeError)
+    if cu.dim() != 1 or cu.shape[0] < 2:
+        _fail(fn, f"{name}.shape", tuple(cu.shape), "must be 1-D [num_seqs + 1] with at least 2 entries")
+
+
+@torch.library.custom_op("nki_attn::varlen_intervals", mutates_args=())
+def _varlen_intervals(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, total_q: int, total_k: int,
+                      max_seqlen_q: int, max_seqlen_k: int, left: int, right: int
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-query key intervals (int64 [total_q] each) of packed sequences, after checking cu_seqlens' values
+    (the one step that reads them: an op of its own so that compiled graphs keep the check without a break)."""
+    fn = "flash_attn_varlen_func"
+    cq = cu_seqlens_q.detach().to("cpu", torch.int64)
+    ck = cu_seqlens_k.detach().to("cpu", torch.int64)
+    for name, c, total, mx, mx_name in (("cu_seqlens_q", cq, total_q, max_seqlen_q, "max_seqlen_q"),
+                                        ("cu_seqlens_k", ck, total_k, max_seqlen_k, "max_seqlen_k")):
+        if int(c[0]) != 0 or bool((c[1:] < c[:-1]).any()):
+            _fail(fn, name, c.tolist(), "must start at 0 and be non-decreasing")
+        if int(c[-1]) != total:
+            _fail(fn, f"{name}[-1]", int(c[-1]), f"must equal the number of packed tokens {total}")
+        longest = int((c[1:] - c[:-1]).max())
+        if longest > mx:
+            _fail(fn, mx_name, mx, f"is smaller than the longest sequence in {name} ({longest})")
+    seq = torch.repeat_interleave(torch.arange(cq.shape[0] - 1), cq[1:] - cq[:-1], output_size=total_q)
+    pos = torch.arange(total_q) - cq[seq]
+    len_q, len_k, start_k = (cq[1:] - cq[:-1])[seq], (ck[1:] - ck[:-1])[seq], ck[seq]
+    rel = pos + (len_k - len_q)  # bottom-right alignment within each sequence
+    lo = (rel - left).clamp(min=0) if left >= 0 else torch.zeros_like(pos)
+    hi = torch.minimum(rel + right + 1, len_k).clamp(min=0) if right >= 0 else len_k
+    lo = torch.minimum(lo, len_k)
+    hi = torch.maximum(hi, lo)
+    return (start_k + lo).to(cu_seqlens_q.device), (start_k + hi).to(cu_seqlens_q.device)
+
+
+@_varlen_intervals.register_fake
+def _varlen_intervals_fake(cu_seqlens_q, cu_seqlens_k, total_q, total_k, max_seqlen_q, max_seqlen_k, left, right):
+    return (cu_seqlens_q.new_empty((total_q,), dtype=torch.int64),
+            cu_seqlens_q.new_empty((total_q,), dtype=torch.int64))
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
-                           softmax_scale=None, causal=False, window_size=(-1, -1), sinks=None, deterministic=True,
+                           softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                           deterministic=False, return_attn_probs=False, block_table=None, *, sinks=None,
                            return_lse=False):
-    """Attention over packed variable-length sequences, FlashAttention's varlen layout.
+    """Attention over packed variable-length sequences, FlashAttention's varlen signature and layout.
 
     Args:
         q: ``[total_q, nheads, head_dim]``; k, v: ``[total_k, nheads_k, head_dim]``.
-        cu_seqlens_q, cu_seqlens_k: int ``[num_seqs + 1]``, cumulative lengths starting at 0; sequence s owns
-            query rows cu_seqlens_q[s]:cu_seqlens_q[s+1] and key rows cu_seqlens_k[s]:cu_seqlens_k[s+1].
-        max_seqlen_q, max_seqlen_k: longest sequence (checked against cu_seqlens).
-        causal, window_size, softmax_scale, sinks, dropout_p, deterministic, return_lse: as flash_attn_func,
-            applied within each sequence (causal bottom-right aligned per sequence).
+        cu_seqlens_q, cu_seqlens_k: integer ``[num_seqs + 1]``, cumulative lengths from 0, non-decreasing, last
+            entry = total tokens; sequence s owns query rows ``cu_seqlens_q[s]:cu_seqlens_q[s+1]`` and key rows
+            ``cu_seqlens_k[s]:cu_seqlens_k[s+1]``. Both list the same number of sequences.
+        max_seqlen_q, max_seqlen_k: int >= the longest sequence (checked).
+        block_table: must be None (paged KV cache: NotImplementedError).
+        Others: as ``flash_attn_func``, applied within each sequence (causal and windows bottom-right aligned
+            per sequence).
     Returns:
-        out ``[total_q, nheads, head_dim]`` (and lse ``[nheads, total_q]`` float32 when return_lse).
+        out ``[total_q, nheads, head_dim]``; with ``return_attn_probs`` ``(out, softmax_lse [nheads, total_q],
+        S_dmask [num_seqs, nheads, max_seqlen_q, max_seqlen_k] or None)``; with ``return_lse`` ``(out, lse)``.
     """
-    _check_dropout(dropout_p)
-    _check_qkv(q, k, v, "[total_tokens, heads, head_dim]", rank=3)
+    fn = "flash_attn_varlen_func"
+    _check_dropout(fn, dropout_p)
+    _check_fa_extras(fn, softcap, alibi_slopes, deterministic, return_attn_probs)
+    _check_bool(fn, "return_lse", return_lse)
+    if block_table is not None:
+        _fail(fn, "block_table", type(block_table).__name__, "a paged KV cache is not supported; only None",
+              NotImplementedError)
+    causal = _check_bool(fn, "causal", causal)
+    _check_qkv(fn, q, k, v, 3)
     tq, hq, d = q.shape
     tk, hk, dk = k.shape
     if dk != d:
-        raise ValueError(f"k head_dim {dk} must equal q head_dim {d}")
-    _check_heads(hq, hk, "q.shape[1] and k.shape[1]")
-    _check_sinks(sinks, hq, q)
-    cq = torch.as_tensor(cu_seqlens_q).to(device="cpu", dtype=torch.int64)
-    ck = torch.as_tensor(cu_seqlens_k).to(device="cpu", dtype=torch.int64)
-    for name, c, total, mx in (("cu_seqlens_q", cq, tq, max_seqlen_q), ("cu_seqlens_k", ck, tk, max_seqlen_k)):
-        if c.dim() != 1 or c.numel() < 2 or int(c[0]) != 0 or bool((c[1:] < c[:-1]).any()):
-            raise ValueError(f"{name} must be a non-decreasing 1-D int tensor starting at 0, got {c.tolist()}")
-        if int(c[-1]) != total:
-            raise ValueError(f"{name}[-1]={int(c[-1])} must equal the number of packed tokens {total}")
-        if int((c[1:] - c[:-1]).max()) > int(mx):
-            raise ValueError(f"max_seqlen {mx} is smaller than the longest sequence in {name}")
-    if cq.numel() != ck.numel():
-        raise ValueError(f"cu_seqlens_q has {cq.numel() - 1} sequences but cu_seqlens_k has {ck.numel() - 1}")
-    is_causal, left = _window(window_size, causal)
-    seq = torch.repeat_interleave(torch.arange(cq.numel() - 1), cq[1:] - cq[:-1])
-    pos = torch.arange(tq) - cq[seq]
-    len_q, len_k = (cq[1:] - cq[:-1])[seq], (ck[1:] - ck[:-1])[seq]
-    start_k = ck[seq]
-    if is_causal:
-        hi = start_k + torch.clamp(pos + (len_k - len_q) + 1, max=len_k)
-        lo = torch.maximum(start_k, hi - 1 - left) if left >= 0 else start_k
-    else:
-        lo, hi = start_k, start_k + len_k
-    o, lse = _attention(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), 1, False, -1, softmax_scale, sinks,
-                        "top_left", key_lo=lo, key_hi=torch.maximum(hi, lo))
-    o = o.squeeze(0)
-    return (o, lse.squeeze(0)) if return_lse else o
+        _fail(fn, "k.shape[2]", dk, f"head_dim must equal q.shape[2] = {d}")
+    _check_heads(fn, hq, hk, "k.shape[1]")
+    _check_head_dim(fn, d, "q.shape[2]")
+    _check_sinks(fn, sinks, hq, q)
+    _check_cu(fn, "cu_seqlens_q", cu_seqlens_q)
+    _check_cu(fn, "cu_seqlens_k", cu_seqlens_k)
+    if cu_seqlens_q.shape[0] != cu_seqlens_k.shape[0]:
+        _fail(fn, "cu_seqlens_k.shape", tuple(cu_seqlens_k.shape), f"must list as many sequences as cu_seqlens_q "
+                                                                   f"{tuple(cu_seqlens_q.shape)}")
+    mq = _as_max_seqlen(fn, "max_seqlen_q", max_seqlen_q)
+    mk = _as_max_seqlen(fn, "max_seqlen_k", max_seqlen_k)
+    left, right = _window(fn, window_size, causal)
+    lo, hi = _varlen_intervals(cu_seqlens_q, cu_seqlens_k, tq, tk, mq, mk, left, right)
+    lo, hi = lo.to(q.device), hi.to(q.device)
+    mask = _Mask(tq, tk, lo=lo, hi=hi)
+    out, lse, probs = _attention(fn, q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), mask, softmax_scale, sinks,
+                                 return_attn_probs)
+    out, lse = out.squeeze(0), lse.squeeze(0)
+    if return_attn_probs:
+        probs = _varlen_probs(probs, cu_seqlens_q, cu_seqlens_k, mq, mk)
+    return _results(out, lse, probs, return_attn_probs, return_lse)
 
 
+def _varlen_probs(probs, cu_q, cu_k, mq, mk):
+    """Packed probabilities [1, h, total_q, total_k] -> FlashAttention's [num_seqs, h, max_seqlen_q, max_seqlen_k]."""
+    n = cu_q.shape[0] - 1
+    if probs is None or n * probs.shape[1] * mq * mk > MAX_PROBS_ELEMENTS:
+        return None
+    out = probs.new_zeros((n, probs.shape[1], mq, mk))
+    cq, ck = cu_q.tolist(), cu_k.tolist()
+    for s in range(n):
+        out[s, :, :cq[s + 1] - cq[s], :ck[s + 1] - ck[s]] = probs[0, :, cq[s]:cq[s + 1], ck[s]:ck[s + 1]]
+    return out
+
+
+def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None, causal=False,
+                                     window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
+                                     return_attn_probs=False, *, sinks=None, return_lse=False):
+    """``flash_attn_varlen_func`` on ``qkv [total, 3, nheads, head_dim]`` with one ``cu_seqlens`` / ``max_seqlen``."""
+    _check_tensor("flash_attn_varlen_qkvpacked_func", "qkv", qkv)
+    if qkv.dim() != 4 or qkv.shape[1] != 3:
+        _fail("flash_attn_varlen_qkvpacked_func", "qkv.shape", tuple(qkv.shape), "must be [total, 3, nheads, "
+                                                                                 "head_dim]")
+    q, k, v = qkv.unbind(1)
+    return flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p,
+                                  softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+                                  return_attn_probs, sinks=sinks, return_lse=return_lse)
+
+
+def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                                    softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                                    alibi_slopes=None, deterministic=False, return_attn_probs=False, *, sinks=None,
+                                    return_lse=False):
+    """``flash_attn_varlen_func`` on q and ``kv [total_k, 2, nheads_k, head_dim]``."""
+    _check_tensor("flash_attn_varlen_kvpacked_func", "kv", kv)
+    if kv.dim() != 4 or kv.shape[1] != 2:
+        _fail("flash_attn_varlen_kvpacked_func", "kv.shape", tuple(kv.shape), "must be [total_k, 2, nheads_k, "
+                                                                             "head_dim]")
+    k, v = kv.unbind(1)
+    return flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                                  softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+                                  return_attn_probs, sinks=sinks, return_lse=return_lse)
+
+
+# ----------------------------------------------------------------------------------------------------- masks → bounds
+@torch.library.custom_op("nki_attn::mask_intervals", mutates_args=())
+def _mask_intervals(mask: torch.Tensor, fn: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """bool ``[n, sq, sk]`` -> key intervals (int64 ``[n, sq]`` each) of every row, after checking that each
+    row's visible keys are one contiguous run (NotImplementedError otherwise). Rows with no key get lo == hi."""
+    n, sq, sk = mask.shape
+    m = mask.detach()
+    j = torch.arange(sk, device=m.device)
+    any_ = m.any(-1)
+    lo = torch.where(m, j, sk).amin(-1) if sk else torch.zeros((n, sq), dtype=torch.int64, device=m.device)
+    hi = torch.where(m, j + 1, 0).amax(-1) if sk else torch.zeros((n, sq), dtype=torch.int64, device=m.device)
+    lo = torch.where(any_, lo, 0)
+    hi = torch.where(any_, hi, 0)
+    if bool((m.sum(-1) != hi - lo).any()):
+        raise NotImplementedError(f"{fn}: attn_mask: every query's visible keys must be one contiguous run (causal, "
+                                  "sliding-window, padding and packed-sequence masks are); this mask has a row "
+                                  "with gaps, which the kernels' per-query key bounds cannot express")
+    return lo.to(torch.int64), hi.to(torch.int64)
+
+
+@_mask_intervals.register_fake
+def _mask_intervals_fake(mask, fn):
+    n, sq, _ = mask.shape
+    return mask.new_empty((n, sq), dtype=torch.int64), mask.new_empty((n, sq), dtype=torch.int64)
+
+
+def interval_attention(q, k, v, lo, hi, softmax_scale=None, sinks=None):
+    """Attention where query i of batch entry n sees keys ``lo[n, i] <= j < hi[n, i]``.
+
+    Args:
+        q: ``[batch, seqlen_q, nheads, head_dim]``; k, v: ``[batch, seqlen_k, nheads_k, head_dim]``.
+        lo, hi: int64 ``[batch, seqlen_q]`` (or ``[seqlen_q]``, shared by the batch).
+    Returns:
+        (out ``[batch, seqlen_q, nheads, head_dim]``, lse float32 ``[batch, nheads, seqlen_q]``).
+
+    Intervals shared by the whole batch run as one batched launch; otherwise the batch entries are packed along
+    the sequence (entry n's keys offset by n * seqlen_k), as varlen packs its sequences.
+    """
+    b, sq, hq, d = q.shape
+    sk = k.shape[1]
+    if lo.dim() == 2 and b <= 1:
+        lo, hi = (lo[0], hi[0]) if b == 1 else (lo.new_zeros(sq), hi.new_zeros(sq))
+    if lo.dim() == 1:
+        out, lse, _ = _attention("nki_attn", q, k, v, _Mask(sq, sk, lo=lo, hi=hi), softmax_scale, sinks, False)
+        return out, lse
+    off = (torch.arange(b, device=lo.device) * sk)[:, None]
+    mask = _Mask(b * sq, b * sk, lo=(lo + off).reshape(-1), hi=(hi + off).reshape(-1))
+    out, lse, _ = _attention("nki_attn", q.reshape(1, b * sq, hq, d), k.reshape(1, b * sk, *k.shape[2:]),
+                             v.reshape(1, b * sk, *v.shape[2:]), mask, softmax_scale, sinks, False)
+    return out.reshape(b, sq, hq, d), lse.reshape(hq, b, sq).transpose(0, 1)
+
+
+# ----------------------------------------------------------------------------------------------------- SDPA
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                                  enable_gqa=False):
     """Drop-in for ``torch.nn.functional.scaled_dot_product_attention`` on the NKI kernels.
 
     Args:
-        query: ``[batch, heads, seqlen_q, head_dim]``; key, value: ``[batch, heads_kv, seqlen_k, head_dim]``.
-        attn_mask: must be None (arbitrary masks are not supported by the kernels: NotImplementedError).
+        query: ``[..., heads, seqlen_q, head_dim]`` (2-D and up, as torch); key, value:
+            ``[..., heads_kv, seqlen_k, head_dim]`` with the same leading dims and one head_dim.
+        attn_mask: None, or a bool mask broadcastable to ``[..., 1, seqlen_q, seqlen_k]`` (True = attend; one
+            mask for all heads) whose visible keys form one contiguous run per query (causal, sliding-window,
+            padding, packed-sequence masks); other masks (gaps, per-head, additive float) raise
+            NotImplementedError.
         dropout_p: must be 0.0.
-        is_causal: top-left aligned causal mask, as torch (key j masked for query i when j > i).
-        scale: scale of q·k; default 1/sqrt(head_dim).
-        enable_gqa: allow heads_kv < heads (heads % heads_kv == 0), as torch.
+        is_causal: bool, top-left aligned as torch (key j masked for query i when j > i); not with attn_mask.
+        scale: scale of q·k, finite > 0; default ``1/sqrt(head_dim)``.
+        enable_gqa: bool; must be True when heads_kv < heads (heads % heads_kv == 0), as torch.
     Returns:
-        ``[batch, heads, seqlen_q, head_dim]`` in query's dtype.
+        ``[..., heads, seqlen_q, head_dim]`` in query's dtype.
     """
-    if attn_mask is not None:
-        raise NotImplementedError("attn_mask is not supported by the NKI kernels; use is_causal, or "
-                                  "flash_attn_func's window_size / flash_attn_varlen_func's cu_seqlens")
-    _check_dropout(dropout_p)
-    _check_qkv(query, key, value, "[batch, heads, seqlen, head_dim]", names=("query", "key", "value"))
-    b, hq, sq, d = query.shape
-    bk, hk, sk, dk = key.shape
-    if bk != b or dk != d:
-        raise ValueError(f"key shape {tuple(key.shape)} must match query shape {tuple(query.shape)} in batch "
-                         f"and head_dim")
+    fn = "scaled_dot_product_attention"
+    _check_dropout(fn, dropout_p)
+    is_causal = _check_bool(fn, "is_causal", is_causal)
+    _check_bool(fn, "enable_gqa", enable_gqa)
+    names = ("query", "key", "value")
+    for name, t in zip(names, (query, key, value)):
+        _check_tensor(fn, name, t)
+        if t.dim() < 2:
+            _fail(fn, f"{name}.shape", tuple(t.shape), "must have at least 2 dims [..., seqlen, head_dim]")
+    if query.dim() != key.dim() or key.dim() != value.dim():
+        _fail(fn, "key.dim()/value.dim()", (key.dim(), value.dim()), f"must equal query.dim() {query.dim()}")
+    lead = tuple(query.shape[:-3])
+    if tuple(key.shape[:-3]) != lead:
+        _fail(fn, "key.shape", tuple(key.shape), f"leading (batch) dims must equal query's {lead}")
+    nb = math.prod(lead)
+    q4, k4, v4 = (t.reshape(nb, *t.shape[-3:]) if t.dim() >= 4 else t.reshape(*([1] * (4 - t.dim())), *t.shape)
+                  for t in (query, key, value))
+    _check_qkv(fn, q4, k4, v4, 4, names)
+    b, hq, sq, d = q4.shape
+    _, hk, sk, dk = k4.shape
+    if dk != d:
+        _fail(fn, "key.shape[-1]", dk, f"head_dim must equal query.shape[-1] = {d}")
     if hk != hq and not enable_gqa:
-        raise ValueError(f"query has {hq} heads and key {hk}: pass enable_gqa=True for grouped-query attention")
-    _check_heads(hq, hk, "query.shape[1] and key.shape[1]")
-    o, _ = _attention(query, key, value, 2, bool(is_causal), -1, scale, None, "top_left")
-    return o
+        _fail(fn, "key.shape[-3]", hk, f"differs from query's {hq} heads: pass enable_gqa=True for grouped-query "
+                                       f"attention")
+    _check_heads(fn, hq, hk, "key.shape[-3]")
+    _check_head_dim(fn, d, "query.shape[-1]")
+    qf, kf, vf = (t.transpose(1, 2) for t in (q4, k4, v4))
+    if attn_mask is None:
+        mask = _Mask(sq, sk, -1, 0 if is_causal else -1, shift=0)
+        out, _, _ = _attention(fn, qf, kf, vf, mask, scale, None, False, "scale")
+    else:
+        if is_causal:
+            _fail(fn, "attn_mask", "a tensor", "must be None when is_causal=True (as torch)")
+        scale = ops.resolve_scale(fn, scale, max(d, 1), "scale")
+        lo, hi = _sdpa_mask_intervals(fn, attn_mask, lead, b, sq, sk, q4.device)
+        out, _ = interval_attention(qf, kf, vf, lo, hi, scale)
+    return out.transpose(1, 2).reshape(*query.shape[:-1], d)
+
+
+def _sdpa_mask_intervals(fn, attn_mask, lead, b, sq, sk, device):
+    _check_tensor(fn, "attn_mask", attn_mask)
+    if attn_mask.dtype != torch.bool:
+        _fail(fn, "attn_mask.dtype", attn_mask.dtype, "only bool masks are supported (additive float masks are "
+                                                      "arbitrary biases the kernels do not take)",
+              NotImplementedError)
+    if attn_mask.device != device:
+        _fail(fn, "attn_mask.device", attn_mask.device, f"must equal query.device {device}")
+    full = (*lead, 1, sq, sk)
+    try:
+        m = attn_mask.expand(full) if attn_mask.dim() <= len(full) else None
+    except RuntimeError:
+        m = None
+    if m is None:
+        _fail(fn, "attn_mask.shape", tuple(attn_mask.shape), f"must broadcast to [..., 1, seqlen_q, seqlen_k] = "
+                                                             f"{list(full)} (one mask shared by all heads)",
+              NotImplementedError if attn_mask.dim() >= 3 and attn_mask.shape[-3] > 1 else ValueError)
+    if all(n == 1 for n in attn_mask.shape[:-2]):  # one mask for the whole batch: shared bounds, one launch
+        mm = attn_mask.reshape(attn_mask.shape[-2:]) if attn_mask.dim() > 2 else attn_mask
+        lo, hi = _mask_intervals(mm.expand(sq, sk).reshape(1, sq, sk), fn)
+        return lo[0], hi[0]
+    return _mask_intervals(m.reshape(b, sq, sk), fn)

@@ -104,6 +104,10 @@ def _init_unit(q_ref, sinks_ref, shp, b, h, t, acc_dtype):
         sink = nl.ndarray((PMAX, ns), dtype=nl.float32, buffer=nl.sbuf)
         nisa.dma_copy(dst=sink, src=sinks_ref.ap(pattern=[[0, PMAX], [1, ns]], offset=(b * shp.nheads + h) * ns))
         nisa.tensor_reduce(dst=neg_max, op=nl.maximum, data=sink, axis=1, negate=True)
+        # Sinks all -inf mean "no sink": cap the negated max at the mask value's, as for a row that has seen only
+        # masked scores, so exp(sink + neg_max) is exactly 0 (not exp(-inf + inf) = NaN) and the result is the
+        # no-sink result bit for bit.
+        nisa.tensor_scalar(dst=neg_max, data=neg_max, op0=nl.minimum, operand0=-FP32_MIN)
         sink_p = nl.ndarray((PMAX, ns), dtype=nl.float32, buffer=nl.sbuf)
         nisa.activation(dst=sink_p, op=nl.exp, data=sink, bias=neg_max, scale=1.0, reduce_op=nl.add,
                         reduce_res=l_sum, reduce_cmd=nisa.reduce_cmd.reset_reduce)

@@ -182,27 +182,7 @@ def test_varlen_three_sequences(causal):
 
 
 # ---------------------------------------------------------------------------------------------- errors
-def test_clear_errors():
-    q = torch.randn(1, 128, 4, 64)
-    with pytest.raises(ValueError, match="q must be 4-D"):
-        flash_attn_func(q[0], q, q)
-    with pytest.raises(ValueError, match="k dtype torch.float16 must equal q dtype"):
-        flash_attn_func(q, q.half(), q)
-    with pytest.raises(ValueError, match="query heads 4 must be divisible by the number of key/value heads 3"):
-        flash_attn_func(q, torch.randn(1, 128, 3, 64), torch.randn(1, 128, 3, 64))
-    with pytest.raises(NotImplementedError, match="dropout"):
-        flash_attn_func(q, q, q, dropout_p=0.1)
-    with pytest.raises(NotImplementedError, match=r"window_size=\(16, 16\)"):
-        flash_attn_func(q, q, q, window_size=(16, 16))
-    with pytest.raises(ValueError, match="dtype torch.float64 is not supported"):
-        flash_attn_func(q.double(), q.double(), q.double())
-    with pytest.raises(ValueError, match="enable_gqa=True"):
-        scaled_dot_product_attention(torch.randn(1, 4, 128, 64), torch.randn(1, 2, 128, 64),
-                                     torch.randn(1, 2, 128, 64))
-    with pytest.raises(NotImplementedError, match="attn_mask"):
-        scaled_dot_product_attention(q, q, q, attn_mask=torch.ones(128, 128, dtype=torch.bool))
-    with pytest.raises(ValueError, match=r"cu_seqlens_q\[-1\]=100 must equal"):
-        flash_attn_varlen_func(q[0], q[0], q[0], torch.tensor([0, 100]), torch.tensor([0, 128]), 128, 128)
+# Bad input: tests/api/test_bad_inputs.py (the matrix of refused arguments and empty sizes).
 
 
 def test_non_contiguous_inputs_are_accepted():
