@@ -12,7 +12,7 @@ import threading
 
 import numpy as np
 
-from . import checks, context
+from . import checks, context, frontend
 from .errors import NkiValidationError
 from .tensor import NkiTensor, from_array, private_hbm, shared_hbm, to_array
 
@@ -132,8 +132,13 @@ def _one_blas_thread():
 
 
 def launch(fn, lnc, args, kwargs):
-    """Run ``fn`` on ``lnc`` simulated cores (``None``: no brackets, one core, program_ndim() == 0)."""
-    with _one_blas_thread():
+    """Run ``fn`` on ``lnc`` simulated cores (``None``: no brackets, one core, program_ndim() == 0).
+
+    The NKI frontend check (``nki_attn.sim.frontend``) runs first: code the compiler refuses raises
+    ``NkiFrontendError`` before any instruction runs, and the launch runs the instrumented code that checks the
+    tracing rules."""
+    checked = frontend.prepare(fn, args, kwargs)
+    with _one_blas_thread(), checked:
         return _launch(fn, lnc, args, kwargs)
 
 

@@ -384,6 +384,15 @@ BAD_CASES = {
 
 @pytest.mark.parametrize("case", sorted(BAD_CASES))
 def test_validation_errors(case):
+    from nki_attn import kernel_api
+    from nki_attn.sim.trace import recording
     make, match = BAD_CASES[case]
-    with pytest.raises(ValueError, match=match):
-        attention_fwd(**make())
+    args = make()
+    with pytest.raises(ValueError, match=match) as host:
+        kernel_api.attention_fwd(**args)
+    # Kernel code cannot raise: called directly, the kernel fails its assert with the same message, before it
+    # emits any instruction.
+    with recording() as rec, pytest.raises(AssertionError) as kernel:
+        attention_fwd(**args)
+    assert str(kernel.value) == str(host.value)
+    assert rec.count() == 0
