@@ -5,8 +5,11 @@ Three numbers per shape, for attention_fwd followed by attention_bwd (bf16, caus
 - first call: gathering (parse + rule checks of every function the kernels reach) and compiling the instrumented
   copies, paid once per kernel function and process;
 - per launch: the frontend's own work before a launch (argument and global checks, code swap), timed directly;
+- the tracing checks: how many checked subscripts / isinstance calls one fwd + bwd pair makes, times the cost of
+  one check call (measured on its own): an estimate that does not depend on the load of the machine;
 - whole launches with the check off / gather-only / full (the tracing checks run inside the kernels), CPU time,
-  runs alternated between the modes so that a load change on the machine hits all three alike.
+  runs alternated between the modes so that a load change on the machine hits all three alike (best and median
+  of the repeats; on a shared machine the medians move by more than the overhead).
 
     python scripts/bench_frontend_overhead.py [--repeats 5] [--shapes 1x256x64,4x1024x128]
 
@@ -67,11 +70,22 @@ def main():
     per = (time.perf_counter() - t0) / n
     print(f"per launch, frontend work before the kernel runs (prepare + code swap): {1e6 * per:.0f} us")
 
-    print("\n| shape (heads x seqlen x d_head) | off | gather | full | full / off |")
-    print("|---|---|---|---|---|")
+    # one check call, on the commonest operand (a tensor indexed by a tuple)
+    checks = frontend._CHECKS
+    t = _Probe()
+    n = 200000
+    t0 = time.perf_counter()
+    for _ in range(n):
+        checks.sub(t, (0, 1), 0)
+    per_check = (time.perf_counter() - t0) / n - _bare(t, n)
+    print(f"one tracing check (beyond the subscript itself): {1e9 * per_check:.0f} ns")
+
+    print("\n| shape (heads x seqlen x d_head) | checks per pair | estimate | off | gather | full | full / off |")
+    print("|---|---|---|---|---|---|---|")
     for spec in args.shapes.split(","):
         h, s, d = (int(p) for p in spec.lower().split("x"))
         x = _inputs(h, s, d)
+        calls = _count_checks(lambda: _pair(attention_fwd, attention_bwd, x))
         times = {"off": [], "gather": [], "full": []}
         for mode in times:  # warm-up: caches, first-call costs
             with checking(frontend=mode):
@@ -82,10 +96,49 @@ def main():
                     t0 = time.process_time()
                     _pair(attention_fwd, attention_bwd, x)
                     times[mode].append(time.process_time() - t0)
+        best = {m: min(v) for m, v in times.items()}
         med = {m: statistics.median(v) for m, v in times.items()}
-        print(f"| {h}x{s}x{d} | {med['off']:.3f} s | {med['gather']:.3f} s | {med['full']:.3f} s | "
-              f"{med['full'] / med['off']:.3f} |")
-    print(f"\n(median CPU seconds of {args.repeats} alternated runs of attention_fwd + attention_bwd, bf16, causal)")
+        est = calls * per_check + 2 * per
+        print(f"| {h}x{s}x{d} | {calls} | {1e3 * est:.2f} ms ({100 * est / best['off']:.2f} %) | "
+              + " | ".join(f"{best[m]:.3f} / {med[m]:.3f} s" for m in ("off", "gather", "full"))
+              + f" | {best['full'] / best['off']:.3f} / {med['full'] / med['off']:.3f} |")
+    print(f"\n(CPU seconds of attention_fwd + attention_bwd, bf16, causal: best / median of {args.repeats} alternated "
+          f"runs; estimate = checks x one check + 2 x the per-launch work, as a share of the best run without the "
+          f"check)")
+
+
+class _Probe:
+    def __getitem__(self, k):
+        return k
+
+
+def _bare(t, n):
+    """Seconds per plain subscript of ``t`` (subtracted from the check's time)."""
+    t0 = time.perf_counter()
+    for _ in range(n):
+        t[(0, 1)]
+    return (time.perf_counter() - t0) / n
+
+
+def _count_checks(run):
+    """Tracing-check calls (subscripts, isinstance, dict) made by ``run()`` in full mode."""
+    counts = [0]
+    saved = {n: getattr(frontend._Checks, n) for n in ("sub", "key", "isinstance_", "dict_")}
+
+    def counting(fn):
+        def wrapper(*args, **kwargs):
+            counts[0] += 1
+            return fn(*args, **kwargs)
+        return staticmethod(wrapper)
+    try:
+        for n, f in saved.items():
+            setattr(frontend._Checks, n, counting(f))
+        with checking(frontend="full"):
+            run()
+    finally:
+        for n, f in saved.items():
+            setattr(frontend._Checks, n, staticmethod(f))
+    return counts[0]
 
 
 if __name__ == "__main__":

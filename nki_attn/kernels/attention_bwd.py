@@ -1,10 +1,12 @@
 """Flash-attention backward pass (training) for Trainium, in NKI.
 
 ``attention_bwd(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref=None, bound_min=None, bound_max=None,
-use_causal_mask=False, mixed_precision=False, softmax_scale=None, sliding_window=None)``
+use_causal_mask=False, mixed_precision=False, softmax_scale=None, sliding_window=None, k_section_len=None)``
 returns ``(dq, dk, dv)`` or, with sinks, ``(dq, dk, dv, dsinks)``: the layouts and semantics of
 ``golden.attention_bwd_torch.attention_bwd_torch_ref`` (see docs/semantics.md). docs/kernel-bwd.md explains the
-design; each step below is named there after the function that implements it.
+design; each step below is named there after the function that implements it. Kernel code stays in NKI's
+compile-time subset (checked by the simulator's frontend check): invalid arguments fail an ``assert`` on
+``bwd_problem``'s message; ``nki_attn.kernel_api.attention_bwd`` raises it as ``ValueError`` before launching.
 
 Layouts (head_dim on the partition axis in HBM): q, o, dy, dq ``[bs, nheads, d_head, seqlen_q]``; k, v, dk, dv
 ``[bs, nheads_kv, d_head, seqlen_k]``; lse float32 ``[bs, nheads, 128, seqlen_q // 128]`` (``lse[b, h, p, t]`` is
@@ -13,7 +15,7 @@ sinks.
 
 The FlashAttention-2 recipe, per (batch, kv head) work item:
 
-    for each K/V section (<= K_SECTION_MAX keys, bounded so SBUF holds it)       KV-outer
+    for each K/V section (<= K_SECTION_MAX keys so SBUF holds it, or k_section_len)  KV-outer
         load K, V (+ K^T for dQ); zero the fp32 dK, dV section accumulators
         for each query head of the kv head (GQA/MQA), for each 128-row query tile   Q-inner
             first section only: D = rowsum(O * dO)                              _rowsum_o_dy

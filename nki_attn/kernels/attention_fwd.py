@@ -7,6 +7,8 @@ Layouts (head_dim on the partition axis): q/o ``[bs, nheads, d_head, seqlen_q]``
 ``[bs, nheads_kv, d_head, seqlen_k]``, lse float32 ``[bs, nheads, 128, seqlen_q // 128]`` with
 ``lse[b, h, p, t]`` the log-sum-exp of query row ``t * 128 + p`` (``+inf`` for a row that sees no key and has no
 sink; its ``o`` is 0). Semantics follow ``golden/attention_fwd_torch.py``; docs/kernel-fwd.md explains the design.
+Kernel code stays in NKI's compile-time subset (checked by the simulator's frontend check): invalid arguments fail
+an ``assert`` on ``fwd_problem``'s message; ``nki_attn.kernel_api.attention_fwd`` raises it as ``ValueError``.
 
 Algorithm (FlashAttention-2, Q outer). The work is sharded over ``bs * nheads_kv`` (LNC2: ``nl.program_id``).
 For one (batch, kv head) the (query head, query tile) pairs of the GQA group are processed in blocks of up to

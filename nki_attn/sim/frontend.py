@@ -83,7 +83,7 @@ RULES = {
     "inner-class": ("class defined inside a function", "gather", "KLR gather.c",
                     "NKI does not support 'class' definitions within a function. Move class definition outside "
                     "this function."),
-    "lambda": ("lambda", "gather", "KLR gather.c",
+    "lambda": ("lambda", "gather, launch", "KLR gather.c",
                "unsupported expression: NKI has no lambda. Define a module-level function and pass it by name."),
     "comprehension": ("comprehension", "gather", "KLR gather.c",
                       "unsupported expression: NKI has no list/dict/set comprehensions. Build the container with a "
@@ -125,10 +125,10 @@ RULES = {
     "decorator": ("decorator", "gather", "KLR Simplify.lean",
                   "unsupported decorator: NKI accepts only @nki.jit, @staticmethod and @dataclass on the code it "
                   "compiles. Call the helper explicitly instead."),
-    "int-range": ("integer outside 32 bits", "gather", f"{GUIDE}, NKI Values; KLR gather.c",
+    "int-range": ("integer outside 32 bits", "gather, launch", f"{GUIDE}, NKI Values; KLR gather.c",
                   "NKI integers are 32-bit ('integer value is too large/small'). Keep compile-time integers in "
                   "[-2**31, 2**31 - 1]; use a float for larger magnitudes."),
-    "class-base": ("class not deriving from NKIObject", "gather", f"{GUIDE}, Class Support; KLR gather.c",
+    "class-base": ("class not deriving from NKIObject", "gather, launch", f"{GUIDE}, Class Support; KLR gather.c",
                    "NKI classes must inherit from either Enum or NKIObject (and nothing else)."),
     "class-body": ("class body statement", "gather", "KLR gather.c",
                    "NKI class bodies hold only a docstring, field assignments (one name each) and methods."),
@@ -137,11 +137,12 @@ RULES = {
     "minmax-args": ("min/max call NKI cannot evaluate", "gather", "KLR Trace/Python.lean",
                     "NKI's min and max take two numbers or one list/tuple (no third argument, no key=/default=). "
                     "Nest the calls: min(min(a, b), c)."),
-    "numpy-dtype": ("numpy dtype value", "gather", "KLR gather.c",
+    "numpy-dtype": ("numpy dtype value", "gather, launch", "KLR gather.c",
                     "numpy dtypes are not supported as arguments. Use the nki.language dtype (nl.float32, ...)."),
-    "dict-key": ("dict with a non-string key", "traced", f"{GUIDE}, NKI Values; KLR Trace/Term.lean, NKI.lean",
+    "dict-key": ("dict with a non-string key", "gather, launch, traced",
+                 f"{GUIDE}, NKI Values; KLR Trace/Term.lean, NKI.lean",
                  "NKI dictionaries have string keys only. Use str keys (e.g. f'{i}') or a list indexed by int."),
-    "isinstance-tuple": ("isinstance with a tuple of types", "traced", "KLR Trace/Python.lean",
+    "isinstance-tuple": ("isinstance with a tuple of types", "gather, traced", "KLR Trace/Python.lean",
                          "NKI's isinstance matches a single type (a tuple silently gives False). Write "
                          "isinstance(x, A) or isinstance(x, B)."),
     "slice-range": ("out-of-range list/tuple slice", "traced", "KLR Trace/Term.lean",
@@ -272,14 +273,16 @@ def _is_numpy_dtype(v):
 
 
 # ----------------------------------------------------------------------------------------------------- sources
-_FUTURE_MASK = 0
+_FUTURE_MASK = 0  # the compile flags of `from __future__` imports, copied from the code being recompiled
 for _name in __future__.all_feature_names:
     _FUTURE_MASK |= getattr(__future__, _name).compiler_flag
+del _name
 
 
 def _source(obj):
-    """``(file, first line, AST of the definition)`` of a function or class, or None when it has no parseable
-    source (builtins, C classes, lambdas): gather.c treats that as nothing to gather, not as an error."""
+    """``(file, AST of the definition with its original line numbers, _Source)`` of a function or class, or None
+    when it has no parseable source (builtins, C classes, lambdas): gather.c treats that as nothing to gather, not
+    as an error."""
     try:
         file = inspect.getsourcefile(obj) or inspect.getfile(obj)
         lines, first = inspect.getsourcelines(obj)
@@ -438,6 +441,26 @@ _REFUSED_EXPR = {ast.Lambda: "lambda", ast.ListComp: "comprehension", ast.SetCom
 _DECORATORS = ("staticmethod", "dataclass", "jit")
 
 
+def _allowed_decorator(dec, globals_, builtins_):
+    """Simplify.lean accepts @nki.jit, @staticmethod and @dataclass (with or without a call), by name; a
+    decorator imported under another name counts by the object it resolves to."""
+    target = dec.func if isinstance(dec, ast.Call) else dec
+    name = target.attr if isinstance(target, ast.Attribute) else getattr(target, "id", None)
+    if name in _DECORATORS:
+        return True
+    chain = []
+    while isinstance(target, ast.Attribute):
+        chain.append(target.attr)
+        target = target.value
+    if not isinstance(target, ast.Name):
+        return False
+    obj = globals_.get(target.id, builtins_.get(target.id))
+    for attr in reversed(chain):
+        obj = getattr(obj, attr, None)
+    return getattr(obj, "__name__", None) in _DECORATORS and (_skipped(obj) or obj is staticmethod
+                                                              or _module_of(obj) == "dataclasses")
+
+
 class _Scan:
     """Shared by function and class scans: problems, references and value checks for one Definition."""
 
@@ -541,9 +564,7 @@ class _FunctionScan(_Scan):
             self.stmt(s)
 
     def decorator(self, dec):
-        target = dec.func if isinstance(dec, ast.Call) else dec
-        name = target.attr if isinstance(target, ast.Attribute) else getattr(target, "id", None)
-        if name not in _DECORATORS:
+        if not _allowed_decorator(dec, self.globals, self.builtins):
             self.problem("decorator", dec, f"@{_snippet(dec)}")
 
     # -- statements
@@ -755,10 +776,9 @@ class _ClassScan(_Scan):
         bases = [b.__name__ for b in cls.__bases__]
         if not node.bases or any(b not in ("NKIObject", "Enum") for b in bases):
             self.problem("class-base", node, f"class {node.name}({', '.join(bases) if node.bases else ''})")
+        module = sys.modules.get(cls.__module__)
         for dec in node.decorator_list:
-            target = dec.func if isinstance(dec, ast.Call) else dec
-            name = target.attr if isinstance(target, ast.Attribute) else getattr(target, "id", None)
-            if name not in _DECORATORS:
+            if not _allowed_decorator(dec, vars(module) if module is not None else {}, builtins.__dict__):
                 self.problem("decorator", dec, f"@{_snippet(dec)}")
         for index, s in enumerate(node.body):
             if isinstance(s, ast.Pass):
