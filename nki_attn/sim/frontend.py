@@ -1351,24 +1351,34 @@ class _Instrumented:
 
     def __enter__(self):
         with _LOCK:
-            for fn, code in self.pairs:
-                slot = _ACTIVE.get(id(fn))
-                if slot is not None:
-                    slot[2] += 1
-                    continue
-                _ACTIVE[id(fn)] = [fn, fn.__code__, 1]
-                fn.__code__ = code
+            done = []
+            try:
+                for fn, code in self.pairs:
+                    slot = _ACTIVE.get(id(fn))
+                    if slot is not None:
+                        slot[2] += 1
+                    else:
+                        _ACTIVE[id(fn)] = [fn, fn.__code__, 1]
+                        fn.__code__ = code
+                    done.append((fn, code))
+            except BaseException:
+                self._restore(done)
+                raise
         return self
 
     def __exit__(self, *exc):
         with _LOCK:
-            for fn, _ in self.pairs:
-                slot = _ACTIVE.get(id(fn))
-                if slot is None:
-                    continue
-                slot[2] -= 1
-                if slot[2] == 0:
-                    fn.__code__ = slot[1]
-                    del _ACTIVE[id(fn)]
+            self._restore(self.pairs)
         return False
+
+    @staticmethod
+    def _restore(pairs):
+        for fn, _ in pairs:
+            slot = _ACTIVE.get(id(fn))
+            if slot is None:
+                continue
+            slot[2] -= 1
+            if slot[2] == 0:
+                fn.__code__ = slot[1]
+                del _ACTIVE[id(fn)]
 

@@ -396,3 +396,14 @@ def test_validation_errors(case):
         attention_fwd(**args)
     assert str(kernel.value) == str(host.value)
     assert rec.count() == 0
+
+
+def test_kernel_api_launches_the_kernel_unchanged():
+    from nki_attn import kernel_api
+    q, k, v = make_qkv(bs=2, nheads=2, nheads_kv=1, sq=256, dtype=torch.bfloat16)
+    want = attention_fwd[2](q, k, v, use_causal_mask=True)
+    got = kernel_api.attention_fwd[2](q, k, v, use_causal_mask=True)
+    for a, b in zip(want, got):
+        assert torch.equal(a, b)
+    with pytest.raises(TypeError):
+        kernel_api.attention_fwd(q, k, v, no_such_argument=1)  # the kernel's own signature, checked on the host
