@@ -46,16 +46,11 @@ SWEEP = [dict(), dict(causal=True), dict(scale=0.3), dict(scale=1.0, causal=True
 def count(seqlen, d=64, h=1, causal=False, window=None, section=None, dtype=np.float32):
     z = np.zeros((1, h, d, seqlen), dtype)
     lse = np.zeros((1, h, 128, seqlen // 128), np.float32)
-    old = kb.K_SECTION_MAX
-    if section is not None:
-        kb.K_SECTION_MAX = section
-    try:
-        t0 = time.time()
-        with trace.recording() as rec:
-            kb.attention_bwd(z, z[:, :1], z[:, :1], z, z, lse, use_causal_mask=causal, sliding_window=window)
-        secs = time.time() - t0
-    finally:
-        kb.K_SECTION_MAX = old
+    t0 = time.time()
+    with trace.recording() as rec:
+        kb.attention_bwd(z, z[:, :1], z[:, :1], z, z, lse, use_causal_mask=causal, sliding_window=window,
+                         k_section_len=section)
+    secs = time.time() - t0
     return rec.counts_by_instruction(), secs
 
 
@@ -163,12 +158,7 @@ def tolerance_sweep():
                 sec = kw.pop("section", None)
                 for seed in range(3):
                     c = Case(dtype=dtype, mixed=mixed, seed=seed, **kw)
-                    old = kb.K_SECTION_MAX
-                    kb.K_SECTION_MAX = sec or old
-                    try:
-                        out = c.run()
-                    finally:
-                        kb.K_SECTION_MAX = old
+                    out = c.run(k_section_len=sec)
                     u = _compare.UNIT_ROUNDOFF[dtype]
                     atol, rtol = _compare.ABS_BANDS[dtype]
                     for name, got in zip(NAMES, out):

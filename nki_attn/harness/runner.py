@@ -23,8 +23,7 @@ class KernelCandidate:
     name = "nki-kernels"
 
     def __init__(self, lnc=1):
-        from ..kernels.attention_bwd import attention_bwd
-        from ..kernels.attention_fwd import attention_fwd
+        from ..kernel_api import attention_bwd, attention_fwd  # ValueError for bad arguments, before launching
         self._fwd = attention_fwd[lnc] if lnc == 2 else attention_fwd
         self._bwd = attention_bwd[lnc] if lnc == 2 else attention_bwd
         self.lnc = lnc

@@ -1,10 +1,12 @@
 """Flash-attention backward pass (training) for Trainium, in NKI.
 
 ``attention_bwd(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref=None, bound_min=None, bound_max=None,
-use_causal_mask=False, mixed_precision=False, softmax_scale=None, sliding_window=None)``
+use_causal_mask=False, mixed_precision=False, softmax_scale=None, sliding_window=None, k_section_len=None)``
 returns ``(dq, dk, dv)`` or, with sinks, ``(dq, dk, dv, dsinks)``: the layouts and semantics of
 ``golden.attention_bwd_torch.attention_bwd_torch_ref`` (see docs/semantics.md). docs/kernel-bwd.md explains the
-design; each step below is named there after the function that implements it.
+design; each step below is named there after the function that implements it. Kernel code stays in NKI's
+compile-time subset (checked by the simulator's frontend check): invalid arguments fail an ``assert`` on
+``bwd_problem``'s message; ``nki_attn.kernel_api.attention_bwd`` raises it as ``ValueError`` before launching.
 
 Layouts (head_dim on the partition axis in HBM): q, o, dy, dq ``[bs, nheads, d_head, seqlen_q]``; k, v, dk, dv
 ``[bs, nheads_kv, d_head, seqlen_k]``; lse float32 ``[bs, nheads, 128, seqlen_q // 128]`` (``lse[b, h, p, t]`` is
@@ -13,7 +15,7 @@ sinks.
 
 The FlashAttention-2 recipe, per (batch, kv head) work item:
 
-    for each K/V section (<= K_SECTION_MAX keys, bounded so SBUF holds it)       KV-outer
+    for each K/V section (<= K_SECTION_MAX keys so SBUF holds it, or k_section_len)  KV-outer
         load K, V (+ K^T for dQ); zero the fp32 dK, dV section accumulators
         for each query head of the kv head (GQA/MQA), for each 128-row query tile   Q-inner
             first section only: D = rowsum(O * dO)                              _rowsum_o_dy
@@ -30,7 +32,7 @@ The FlashAttention-2 recipe, per (batch, kv head) work item:
 
 from ..backend import nisa, nki, nl
 from .tiling import tile_fully_visible, tile_visible
-from .validation import PMAX, validate_attention
+from .validation import PMAX, attention_problem, attention_shape, sbuf_bytes_per_partition
 
 FP32_MIN = -3.4028235e38
 
@@ -38,16 +40,18 @@ FP32_MIN = -3.4028235e38
 # (512 fp32) and 512 is the matmul's moving free-size limit on trn1/trn2.
 K_TILE = 512
 # Longest K/V section. The section length is the largest multiple of K_TILE whose section buffers fit
-# SECTION_BUDGET_BYTES per partition, capped by K_SECTION_MAX. Tests shrink K_SECTION_MAX (any multiple of 128)
-# to force several sections at small seqlen; attention_bwd_core(k_section_len=) overrides it per call.
+# SECTION_BUDGET_BYTES per partition, capped by K_SECTION_MAX; the kernel argument k_section_len (a multiple of
+# 128) overrides it per call (tests use it to force several sections at small seqlen). Both are constants:
+# a kernel must be a pure function of its arguments (NKI caches compiled kernels by argument).
 K_SECTION_MAX = 8192
 SECTION_BUDGET_BYTES = 112 * 1024
 
-_ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
-
 
 def _itemsize(dtype):
-    return _ITEMSIZE[str(dtype)]
+    """Bytes per element of the kernel's input dtypes (float32, bfloat16, float16)."""
+    if str(dtype) == str(nl.float32):
+        return 4
+    return 2
 
 
 # ----------------------------------------------------------------------------------------------- planning
@@ -57,12 +61,11 @@ def section_bytes_per_key(d_head, d_tiles, itemsize):
     return 2 * d_tiles * itemsize + d_head * itemsize / PMAX + 2 * d_tiles * 4
 
 
-def default_section_len(d_head, d_tiles, itemsize, seqlen_k, cap=None):
+def default_section_len(d_head, d_tiles, itemsize, seqlen_k, cap=K_SECTION_MAX):
     """Keys per K/V section: the largest multiple of K_TILE within SECTION_BUDGET_BYTES, at most ``cap``
     (default K_SECTION_MAX) and seqlen_k, rounded down to a multiple of 128."""
-    cap = K_SECTION_MAX if cap is None else cap
     fit = int(SECTION_BUDGET_BYTES // section_bytes_per_key(d_head, d_tiles, itemsize)) // K_TILE * K_TILE
-    n = min(cap, fit, seqlen_k) // PMAX * PMAX
+    n = min(min(cap, fit), seqlen_k) // PMAX * PMAX  # (NKI's min takes two values)
     return max(n, PMAX)
 
 
@@ -133,18 +136,28 @@ class BwdConfig(nl.NKIObject):
     """Trace-time plan of one attention_bwd call (shapes, dtypes, sections, visible tiles)."""
 
     def __init__(self, a, dtype, mixed, section_len, trn1):
-        self.bs, self.nheads, self.nheads_kv, self.group = a.bs, a.nheads, a.nheads_kv, a.group
-        self.d_head, self.d_tiles, self.d_tile = a.d_head, a.d_tiles, a.d_tile
-        self.seqlen_q, self.seqlen_k = a.seqlen_q, a.seqlen_k
+        # (NKI binds one target per attribute assignment: no tuple unpacking into attributes)
+        self.bs = a.bs
+        self.nheads = a.nheads
+        self.nheads_kv = a.nheads_kv
+        self.group = a.group
+        self.d_head = a.d_head
+        self.d_tiles = a.d_tiles
+        self.d_tile = a.d_tile
+        self.seqlen_q = a.seqlen_q
+        self.seqlen_k = a.seqlen_k
         self.nq = a.seqlen_q // PMAX
         self.scale = a.scale
-        self.causal, self.window, self.packing = a.causal, a.window, a.packing
-        self.num_sinks, self.sinks_3d = a.num_sinks, a.sinks_3d
+        self.causal = a.causal
+        self.window = a.window
+        self.packing = a.packing
+        self.num_sinks = a.num_sinks
+        self.sinks_3d = a.sinks_3d
         self.mm_dtype = dtype
         self.mixed = mixed
         # P is kept in fp32 with mixed precision (cast for the dV matmul), else in the input dtype.
         self.p_dtype = nl.float32 if mixed else dtype
-        self.p_cast = mixed and str(dtype) != "float32"
+        self.p_cast = mixed and str(dtype) != str(nl.float32)
         self.trn1 = trn1
         self.section_len = section_len
         self.sections = []
@@ -154,7 +167,8 @@ class BwdConfig(nl.NKIObject):
         # tiles[s][i]: visible key tiles of section s for query tile i; first_sec[i] / last_sec[i]: the first and
         # last section with one (-1: none)
         self.tiles = []
-        for lo, n in self.sections:
+        for sec in self.sections:
+            lo, n = sec
             row = []
             for i in range(self.nq):
                 row.append(_visible_tiles(self, i * PMAX, lo, n))
@@ -171,36 +185,60 @@ class BwdConfig(nl.NKIObject):
             self.first_sec.append(first)
             self.last_sec.append(last)
         # dQ partial sums between sections: fp32 scratch in HBM with mixed precision, else out_dq itself.
-        self.dq_scratch = mixed and str(dtype) != "float32" and self.n_sections > 1
+        self.dq_scratch = mixed and str(dtype) != str(nl.float32) and self.n_sections > 1
 
 
-def _configure(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref, bound_min, bound_max, use_causal_mask,
-               mixed_precision, softmax_scale, sliding_window, k_section_len):
-    if lse_ref is None or o_ref is None or dy_ref is None:
-        raise ValueError("o_ref, dy_ref and lse_ref are required by attention_bwd (got None)")
-    a = validate_attention(q_ref, k_ref, v_ref, o=o_ref, dy=dy_ref, lse=lse_ref, sinks=sinks_ref,
-                           bound_min=bound_min, bound_max=bound_max, use_causal_mask=use_causal_mask,
-                           softmax_scale=softmax_scale, sliding_window=sliding_window)
-    if not isinstance(mixed_precision, bool):
-        raise ValueError(f"mixed_precision={mixed_precision!r} must be a bool")
-    isz = _itemsize(q_ref.dtype)
+def _section_len(d_head, d_tiles, itemsize, seqlen_k, k_section_len):
     if k_section_len is None:
-        sec = default_section_len(a.d_head, a.d_tiles, isz, a.seqlen_k)
-    else:
+        return default_section_len(d_head, d_tiles, itemsize, seqlen_k)
+    return min(k_section_len, seqlen_k)
+
+
+def _is_trn1():
+    return not nisa.get_nc_version() >= nisa.nc_version.gen3  # no range_select before trn2
+
+
+def bwd_problem(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref=None, bound_min=None, bound_max=None,
+                use_causal_mask=False, mixed_precision=False, softmax_scale=None, sliding_window=None,
+                k_section_len=None):
+    """``None`` when ``attention_bwd`` accepts these arguments on the current target, else the first problem as
+    a message (argument, value, rule). The kernel asserts on it; ``nki_attn.kernel_api.attention_bwd`` raises it
+    as ``ValueError`` before launching."""
+    if lse_ref is None or o_ref is None or dy_ref is None:
+        return "o_ref, dy_ref and lse_ref are required by attention_bwd (got None)"
+    problem = attention_problem(q_ref, k_ref, v_ref, o=o_ref, dy=dy_ref, lse=lse_ref, sinks=sinks_ref,
+                                bound_min=bound_min, bound_max=bound_max, use_causal_mask=use_causal_mask,
+                                softmax_scale=softmax_scale, sliding_window=sliding_window)
+    if problem is not None:
+        return problem
+    if not isinstance(mixed_precision, bool):
+        return f"mixed_precision={mixed_precision!r} must be a bool"
+    if k_section_len is not None:
         if isinstance(k_section_len, bool) or not isinstance(k_section_len, int) or k_section_len < PMAX \
                 or k_section_len % PMAX != 0:
-            raise ValueError(f"k_section_len={k_section_len!r} must be a positive multiple of {PMAX}")
-        sec = min(k_section_len, a.seqlen_k)
-    trn1 = not nisa.get_nc_version() >= nisa.nc_version.gen3  # no range_select before trn2
+            return f"k_section_len={k_section_len!r} must be a positive multiple of {PMAX}"
+    a = attention_shape(q_ref, k_ref, sinks=sinks_ref, bound_min=bound_min, use_causal_mask=use_causal_mask,
+                        softmax_scale=softmax_scale, sliding_window=sliding_window)
+    isz = _itemsize(q_ref.dtype)
+    sec = _section_len(a.d_head, a.d_tiles, isz, a.seqlen_k, k_section_len)
+    trn1 = _is_trn1()
     use = sbuf_usage(a.d_head, a.d_tiles, isz, sec, a.group, a.seqlen_q, mixed_precision, a.packing,
                      a.num_sinks, trn1 and a.packing)
-    cap = nl.tile_size.sbuf_fmax_bytes
+    cap = sbuf_bytes_per_partition()
     if use["total"] > cap:
-        raise ValueError(
-            f"attention_bwd needs {use['total']} SBUF bytes per partition (section {use['section']}, per-row "
-            f"statistics {use['persistent']} for nheads/nheads_kv={a.group} x seqlen_q={a.seqlen_q}), more than "
-            f"the {cap} available: shorten seqlen_q or the query-head group per kv head")
-    return BwdConfig(a, q_ref.dtype, mixed_precision, sec, trn1)
+        return (f"attention_bwd needs {use['total']} SBUF bytes per partition (section {use['section']}, per-row "
+                f"statistics {use['persistent']} for nheads/nheads_kv={a.group} x seqlen_q={a.seqlen_q}), more "
+                f"than the {cap} available: shorten seqlen_q or the query-head group per kv head")
+    return None
+
+
+def _configure(q_ref, k_ref, sinks_ref, bound_min, use_causal_mask, mixed_precision, softmax_scale,
+               sliding_window, k_section_len):
+    """The ``BwdConfig`` of arguments ``bwd_problem`` accepted."""
+    a = attention_shape(q_ref, k_ref, sinks=sinks_ref, bound_min=bound_min, use_causal_mask=use_causal_mask,
+                        softmax_scale=softmax_scale, sliding_window=sliding_window)
+    sec = _section_len(a.d_head, a.d_tiles, _itemsize(q_ref.dtype), a.seqlen_k, k_section_len)
+    return BwdConfig(a, q_ref.dtype, mixed_precision, sec, _is_trn1())
 
 
 # ----------------------------------------------------------------------------------------------- loads
@@ -479,7 +517,8 @@ def _work_item(c, b, hk, q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref,
                 bcols = None
                 if c.packing:
                     bcols = (bounds[0][:, i:i + 1], bounds[1][:, i:i + 1])
-                for k0, kw, cmask, wmask in tiles:
+                for tile in tiles:
+                    k0, kw, cmask, wmask = tile
                     kk = k0 - k_lo
                     p = _recompute_p(c, q_s, ks, kk, q0, k0, kw, cmask, wmask, bcols, nlse_col)
                     p_mm = p
@@ -508,8 +547,11 @@ def attention_bwd_core(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref=No
                        sliding_window=None, k_section_len=None):
     """Body of attention_bwd (inlined at trace time); ``k_section_len`` (a multiple of 128) overrides the K/V
     section length chosen from the SBUF budget."""
-    c = _configure(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref, bound_min, bound_max, use_causal_mask,
-                   mixed_precision, softmax_scale, sliding_window, k_section_len)
+    problem = bwd_problem(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref, bound_min, bound_max,
+                          use_causal_mask, mixed_precision, softmax_scale, sliding_window, k_section_len)
+    assert problem is None, problem
+    c = _configure(q_ref, k_ref, sinks_ref, bound_min, use_causal_mask, mixed_precision, softmax_scale,
+                   sliding_window, k_section_len)
     out_dq = nl.ndarray(q_ref.shape, dtype=q_ref.dtype, buffer=nl.shared_hbm)
     out_dk = nl.ndarray(k_ref.shape, dtype=k_ref.dtype, buffer=nl.shared_hbm)
     out_dv = nl.ndarray(v_ref.shape, dtype=v_ref.dtype, buffer=nl.shared_hbm)
@@ -518,7 +560,7 @@ def attention_bwd_core(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref=No
         out_dsinks = nl.ndarray(sinks_ref.shape, dtype=nl.float32, buffer=nl.shared_hbm)
     dq_scratch = None
     if c.dq_scratch:
-        dq_scratch = nl.ndarray((c.group, c.d_head, c.seqlen_q), dtype=nl.float32, buffer=nl.hbm)
+        dq_scratch = nl.ndarray((c.group, c.d_head, c.seqlen_q), dtype=nl.float32, buffer=nl.private_hbm)
 
     # SPMD: the bs * nheads_kv work items are split into contiguous blocks over the cores (LNC2).
     if nl.program_ndim() == 0:
@@ -543,7 +585,12 @@ def attention_bwd_core(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref=No
 
 @nki.jit
 def attention_bwd(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref=None, bound_min=None, bound_max=None,
-                  use_causal_mask=False, mixed_precision=False, softmax_scale=None, sliding_window=None):
-    """Flash-attention backward: ``(dq, dk, dv)`` or ``(dq, dk, dv, dsinks)``. See the module docstring."""
+                  use_causal_mask=False, mixed_precision=False, softmax_scale=None, sliding_window=None,
+                  k_section_len=None):
+    """Flash-attention backward: ``(dq, dk, dv)`` or ``(dq, dk, dv, dsinks)``. See the module docstring.
+
+    ``k_section_len``: keys per K/V section, a multiple of 128 (default: the largest multiple of 512 that fits
+    the SBUF section budget, at most ``K_SECTION_MAX``). Invalid arguments fail the kernel's assert with the
+    message of ``bwd_problem``; ``nki_attn.kernel_api.attention_bwd`` raises it as ``ValueError`` instead."""
     return attention_bwd_core(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref, bound_min, bound_max,
-                              use_causal_mask, mixed_precision, softmax_scale, sliding_window)
+                              use_causal_mask, mixed_precision, softmax_scale, sliding_window, k_section_len)

@@ -7,6 +7,8 @@ Layouts (head_dim on the partition axis): q/o ``[bs, nheads, d_head, seqlen_q]``
 ``[bs, nheads_kv, d_head, seqlen_k]``, lse float32 ``[bs, nheads, 128, seqlen_q // 128]`` with
 ``lse[b, h, p, t]`` the log-sum-exp of query row ``t * 128 + p`` (``+inf`` for a row that sees no key and has no
 sink; its ``o`` is 0). Semantics follow ``golden/attention_fwd_torch.py``; docs/kernel-fwd.md explains the design.
+Kernel code stays in NKI's compile-time subset (checked by the simulator's frontend check): invalid arguments fail
+an ``assert`` on ``fwd_problem``'s message; ``nki_attn.kernel_api.attention_fwd`` raises it as ``ValueError``.
 
 Algorithm (FlashAttention-2, Q outer). The work is sharded over ``bs * nheads_kv`` (LNC2: ``nl.program_id``).
 For one (batch, kv head) the (query head, query tile) pairs of the GQA group are processed in blocks of up to
@@ -26,7 +28,7 @@ sink) are forced to ``o = 0``, ``lse = +inf`` by a multiply with a 0/1 keep flag
 """
 from ..backend import nisa, nki, nl
 from .tiling import tile_fully_visible, tile_visible
-from .validation import validate_attention
+from .validation import attention_problem, attention_shape
 
 PMAX = 128
 K_TILE = 512  # keys per score tile: 128 x 512 fp32 = one 2 KiB PSUM bank per partition
@@ -306,6 +308,18 @@ def _attend_block(q_ref, k_ref, v_ref, sinks_ref, o_ref, lse_ref, shp, b, kvh, b
         _finish_unit(units[i], shp, o_ref, lse_ref, b)
 
 
+def fwd_problem(q_ref, k_ref, v_ref, sinks_ref=None, bound_min=None, bound_max=None, use_causal_mask=False,
+                mixed_precision=True, softmax_scale=None, sliding_window=None):
+    """``None`` when ``attention_fwd`` accepts these arguments, else the first problem as a message. The kernel
+    asserts on it; ``nki_attn.kernel_api.attention_fwd`` raises it as ``ValueError`` before launching."""
+    problem = attention_problem(q_ref, k_ref, v_ref, sinks=sinks_ref, bound_min=bound_min, bound_max=bound_max,
+                                use_causal_mask=use_causal_mask, softmax_scale=softmax_scale,
+                                sliding_window=sliding_window)
+    if problem is None and not isinstance(mixed_precision, bool):
+        problem = f"mixed_precision={mixed_precision!r} must be True or False"
+    return problem
+
+
 @nki.jit
 def attention_fwd(q_ref, k_ref, v_ref, sinks_ref=None, bound_min=None, bound_max=None, use_causal_mask=False,
                   mixed_precision=True, softmax_scale=None, sliding_window=None):
@@ -328,11 +342,11 @@ def attention_fwd(q_ref, k_ref, v_ref, sinks_ref=None, bound_min=None, bound_max
     Returns:
         o: like q; lse: float32 ``[bs, nheads, 128, seqlen_q // 128]``.
     """
-    shp = validate_attention(q_ref, k_ref, v_ref, sinks=sinks_ref, bound_min=bound_min, bound_max=bound_max,
-                             use_causal_mask=use_causal_mask, softmax_scale=softmax_scale,
-                             sliding_window=sliding_window)
-    if not isinstance(mixed_precision, bool):
-        raise ValueError(f"mixed_precision={mixed_precision!r} must be True or False")
+    problem = fwd_problem(q_ref, k_ref, v_ref, sinks_ref, bound_min, bound_max, use_causal_mask, mixed_precision,
+                          softmax_scale, sliding_window)
+    assert problem is None, problem
+    shp = attention_shape(q_ref, k_ref, sinks=sinks_ref, bound_min=bound_min, use_causal_mask=use_causal_mask,
+                          softmax_scale=softmax_scale, sliding_window=sliding_window)
     packing_isa = nisa.get_nc_version() >= nisa.nc_version.gen3  # range_select exists on trn2+
     acc_dtype = nl.float32 if mixed_precision else q_ref.dtype
     n_qt = shp.seqlen_q // PMAX
@@ -363,7 +377,7 @@ def attention_fwd(q_ref, k_ref, v_ref, sinks_ref=None, bound_min=None, bound_max
             pairs.append((hl, t))
     blocks = []
     for i in range(0, len(pairs), MAX_UNITS):
-        blocks.append(pairs[i:i + MAX_UNITS])
+        blocks.append(pairs[i:min(i + MAX_UNITS, len(pairs))])  # NKI refuses slices past the end
     for item in range(start, stop):
         b = item // shp.nheads_kv
         kvh = item % shp.nheads_kv

@@ -3,19 +3,20 @@
 Shaped like the real package so kernels run unchanged: ``nki_attn.sim`` plays ``nki`` (``jit``, ``simulate``,
 ``simulate_kernel``), ``nki_attn.sim.language`` plays ``nki.language`` and ``nki_attn.sim.isa`` plays
 ``nki.isa``. ``install_as_nki()`` registers them under those names when no real ``nki`` is importable, so a
-third-party kernel doing ``import nki`` runs here. docs/simulator.md says what is modelled.
+third-party kernel doing ``import nki`` runs here. Every launch first applies the NKI compiler frontend's rules
+(``nki_attn.sim.frontend``). docs/simulator.md says what is modelled.
 """
 import importlib.util
 import sys
 
-from . import isa, language  # noqa: F401
+from . import frontend, isa, language  # noqa: F401
 from . import nki_typing as typing  # noqa: F401 - nki.typing
 from .checks import LaunchStats, checking, last_launch_stats  # noqa: F401
 from .errors import NkiValidationError  # noqa: F401
 from .runtime import Kernel, jit, simulate, simulate_kernel  # noqa: F401
 
 __all__ = ["jit", "simulate", "simulate_kernel", "Kernel", "NkiValidationError", "language", "isa", "typing",
-           "install_as_nki", "real_nki_available", "checking", "last_launch_stats", "LaunchStats"]
+           "install_as_nki", "real_nki_available", "checking", "last_launch_stats", "LaunchStats", "frontend"]
 
 
 def real_nki_available():

@@ -33,14 +33,17 @@ _mode_lock = threading.Lock()
 
 
 @contextlib.contextmanager
-def checking(strict=None, capacity=None):
+def checking(strict=None, capacity=None, frontend=None):
     """Set the checking modes of every launch started inside the ``with`` block.
 
     ``strict``: raise at the first read of never-written memory (default: env ``NKI_ATTN_SIM_STRICT``, off).
     ``capacity``: raise when live SBUF/PSUM exceeds the target's capacity (default: env
-    ``NKI_ATTN_SIM_CAPACITY``, on). ``None`` keeps the enclosing setting. Peaks are recorded either way.
+    ``NKI_ATTN_SIM_CAPACITY``, on). ``frontend``: the NKI frontend check (``nki_attn.sim.frontend``): ``"full"``
+    or ``True`` (gathering, launch and tracing rules), ``"gather"`` (no tracing rules), ``"off"`` or ``False``
+    (default: env ``NKI_ATTN_SIM_FRONTEND``, full). ``None`` keeps the enclosing setting. Peaks are recorded
+    either way.
     """
-    entry = {"strict": strict, "capacity": capacity}
+    entry = {"strict": strict, "capacity": capacity, "frontend": frontend}
     with _mode_lock:
         _mode_stack.append(entry)
     try:
@@ -52,7 +55,7 @@ def checking(strict=None, capacity=None):
 
 def mode_overrides():
     """The innermost ``checking()`` value of each mode (``None`` where no block set it)."""
-    out = {"strict": None, "capacity": None}
+    out = {"strict": None, "capacity": None, "frontend": None}
     with _mode_lock:
         for entry in _mode_stack:
             for k, v in entry.items():
@@ -320,6 +323,7 @@ class LaunchStats:
         self.lnc = launch.lnc
         self.strict = launch.strict
         self.capacity_checked = launch.capacity
+        self.frontend = launch.frontend
         self.sbuf_capacity_bytes = context.SBUF_BYTES_PER_PARTITION[launch.version]
         self.psum_capacity_banks = context.PSUM_BANKS
         self.per_core = [(s.mem.peak_sbuf, s.mem.peak_psum) if s.mem is not None else (0, 0) for s in states]
@@ -328,7 +332,8 @@ class LaunchStats:
 
     def memory_report(self):
         """One line per core: peak SBUF bytes per partition (and share of capacity) and peak PSUM banks."""
-        lines = [f"{self.target}, lnc={self.lnc}, strict={self.strict}, capacity checked={self.capacity_checked}"]
+        lines = [f"{self.target}, lnc={self.lnc}, strict={self.strict}, capacity checked={self.capacity_checked}, "
+                 f"frontend={self.frontend}"]
         for core, (sb, ps) in enumerate(self.per_core):
             lines.append(f"core {core}: SBUF peak {sb} B per partition ({100.0 * sb / self.sbuf_capacity_bytes:.1f}% "
                          f"of {self.sbuf_capacity_bytes}), PSUM peak {ps}/{self.psum_capacity_banks} banks")
@@ -336,7 +341,7 @@ class LaunchStats:
 
     def __repr__(self):
         return (f"LaunchStats(target={self.target!r}, lnc={self.lnc}, peak_sbuf_bytes={self.peak_sbuf_bytes}, "
-                f"peak_psum_banks={self.peak_psum_banks}, strict={self.strict})")
+                f"peak_psum_banks={self.peak_psum_banks}, strict={self.strict}, frontend={self.frontend!r})")
 
 
 _last = [None]

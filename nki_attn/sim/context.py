@@ -57,6 +57,8 @@ class Launch:
         self.strict = modes["strict"] if modes["strict"] is not None else _env_flag("NKI_ATTN_SIM_STRICT", False)
         self.capacity = (modes["capacity"] if modes["capacity"] is not None
                          else _env_flag("NKI_ATTN_SIM_CAPACITY", True))
+        from .frontend import mode as frontend_mode
+        self.frontend = frontend_mode()  # "full", "gather" or "off" (nki_attn.sim.frontend)
         self.track_memory = True
         self.peak_sbuf_bytes = 0
         self.peak_psum_banks = 0
@@ -76,6 +78,7 @@ class EagerLaunch(Launch):
         # checking modes do not apply to them.
         self.strict = False
         self.capacity = False
+        self.frontend = "off"
         self.track_memory = False
 
     @property

@@ -1045,7 +1045,8 @@ def range_select(dst, on_true_tile, comp_op0, comp_op1, bound0, bound1, reduce_c
                  reduce_res=None, reduce_op=_ops.maximum, range_start=0, on_false_value=FP32_MIN, name=None):
     """Vector (v3+): with ``idx = range_start + j`` (flat free index, compared in fp32), keep where
     ``comp_op0(idx, bound0[p]) and comp_op1(idx, bound1[p])``: ``dst = keep ? on_true : on_false_value``.
-    ``on_false_value`` must be -3.4028235e38; the accumulator takes the row max (``reduce_res``)."""
+    ``bound0``/``bound1`` are (P, 1) float32 tiles (no immediates); ``on_false_value`` must be -3.4028235e38; the
+    accumulator takes the row max (``reduce_res``)."""
     instr = "range_select"
     _need_version(instr, 3)
     for nm, o in (("comp_op0", comp_op0), ("comp_op1", comp_op1)):
@@ -1063,6 +1064,10 @@ def range_select(dst, on_true_tile, comp_op0, comp_op1, bound0, bound1, reduce_c
         fail(instr, "on_true_tile", f"dtype {on_true_tile.dtype} must be a float type")
     p, f = _pf(dst)
     _match(instr, "on_true_tile", on_true_tile, p, f)
+    for nm, b in (("bound0", bound0), ("bound1", bound1)):
+        if not isinstance(b, NkiTensor):
+            # the ISA takes bounds as tiles with one fp32 element per partition (no immediate form)
+            fail(instr, nm, f"must be a ({p}, 1) float32 tile, got {type(b).__name__} {b!r}")
     b0 = _col_or_scalar(instr, "bound0", bound0, p)
     b1 = _col_or_scalar(instr, "bound1", bound1, p)
     if int(range_start) + f > (1 << 24):
@@ -1090,12 +1095,12 @@ def _predicate(instr, pred, p, f, allowed):
 
 
 def tensor_copy_predicated(dst, src, predicate, reverse_pred=False, name=None):
-    """Vector: copy ``src`` (tile of dst's dtype, or a number) into ``dst`` where ``predicate`` is non-zero (zero
-    with ``reverse_pred``); elsewhere dst keeps its value."""
+    """Vector: copy ``src`` (tile of dst's dtype, or a number) into ``dst`` where ``predicate`` (uint8, uint16 or
+    uint32) is non-zero (zero with ``reverse_pred``); elsewhere dst keeps its value."""
     instr = "tensor_copy_predicated"
     _onchip(instr, "dst", dst)
     p, f = _pf(dst)
-    keep = _predicate(instr, predicate, p, f, ("uint8", "uint16", "uint32", "bool_"))
+    keep = _predicate(instr, predicate, p, f, ("uint8", "uint16", "uint32"))
     if reverse_pred:
         keep = ~keep
     if isinstance(src, NkiTensor):
@@ -1120,16 +1125,22 @@ def tensor_copy_predicated(dst, src, predicate, reverse_pred=False, name=None):
 def select_reduce(dst, predicate, on_true, on_false, reduce_res=None, reduce_cmd=reduce_cmd.idle,
                   reduce_op=_ops.maximum, reverse_pred=False, name=None):
     """Vector: ``dst = predicate ? on_true : on_false`` (on_false a float32 number or (P, 1) tensor), with an
-    optional row max into the Vector accumulator / ``reduce_res``."""
+    optional row max into the Vector accumulator / ``reduce_res``. ``on_true`` and ``predicate`` may not both be in
+    PSUM; ``on_true`` may not be tfloat32/int32/uint32."""
     instr = "select_reduce"
     _check_reduce_cmd(instr, reduce_cmd)
     if reduce_op is not _ops.maximum:
         fail(instr, "reduce_op", f"{reduce_op!r} is not supported; only nl.maximum")
     _onchip(instr, "dst", dst)
     _onchip(instr, "on_true", on_true)
+    if str(on_true.dtype) in ("tfloat32", "int32", "uint32"):
+        fail(instr, "on_true", f"dtype {on_true.dtype} is not accepted (any supported dtype except tfloat32, "
+                               f"int32, uint32)")
     p, f = _pf(dst)
     _match(instr, "on_true", on_true, p, f)
     keep = _predicate(instr, predicate, p, f, ("int8", "uint8", "int16", "uint16"))
+    if on_true.buffer.kind == "psum" and predicate.buffer.kind == "psum":
+        fail(instr, "predicate", "on_true and predicate are both in PSUM; at most one may be")
     if reverse_pred:
         keep = ~keep
     off = _col_or_scalar(instr, "on_false", on_false, p)

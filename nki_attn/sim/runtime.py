@@ -12,7 +12,7 @@ import threading
 
 import numpy as np
 
-from . import checks, context
+from . import checks, context, frontend
 from .errors import NkiValidationError
 from .tensor import NkiTensor, from_array, private_hbm, shared_hbm, to_array
 
@@ -132,10 +132,15 @@ def _one_blas_thread():
 
 
 def launch(fn, lnc, args, kwargs):
-    """Run ``fn`` on ``lnc`` simulated cores (``None``: no brackets, one core, program_ndim() == 0)."""
+    """Run ``fn`` on ``lnc`` simulated cores (``None``: no brackets, one core, program_ndim() == 0).
+
+    The NKI frontend check (``nki_attn.sim.frontend``) runs first: code the compiler refuses raises
+    ``NkiFrontendError`` before any instruction runs, and the launch runs the instrumented code that checks the
+    tracing rules."""
+    checked = frontend.prepare(fn, args, kwargs)
     # The hardware computes IEEE results (NaN, inf) without complaint; numpy's floating-point warnings on such
     # values are not the kernel's to report. errstate is per thread: run() below sets it for LNC2 cores too.
-    with _one_blas_thread(), np.errstate(all="ignore"):
+    with _one_blas_thread(), np.errstate(all="ignore"), checked:
         return _launch(fn, lnc, args, kwargs)
 
 

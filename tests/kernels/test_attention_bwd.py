@@ -5,6 +5,7 @@ dtype-rounded inputs) with the criterion of docs/tolerances.md (tests/kernels/_c
 band per dtype. Inputs: q, k, v, dy ~ N(0, 1) rounded to the dtype; o and lse from the float64 forward (o rounded
 to the dtype, lse to float32), in the kernel layout.
 """
+import inspect
 import os
 import sys
 import types
@@ -19,7 +20,7 @@ import _compare  # noqa: E402
 
 from golden.attention_bwd_torch import attention_bwd_torch_ref  # noqa: E402
 from golden.attention_fwd_torch import compute_o_lse, packing_bounds  # noqa: E402
-from nki_attn.backend import nki  # noqa: E402
+from nki_attn import kernel_api  # noqa: E402
 from nki_attn.kernels import attention_bwd as kb  # noqa: E402
 from nki_attn.sim import trace  # noqa: E402
 from nki_attn.sim.errors import NkiValidationError  # noqa: E402
@@ -77,9 +78,9 @@ class Case:
             self.kwargs["bound_min"] = to_np(bmin)
             self.kwargs["bound_max"] = to_np(bmax)
 
-    def run(self, lnc=None):
+    def run(self, lnc=None, **extra):
         kern = kb.attention_bwd if lnc is None else kb.attention_bwd[lnc]
-        return kern(*self.args, **self.kwargs)
+        return kern(*self.args, **self.kwargs, **extra)
 
     def check(self, out):
         n_out = 4 if "sinks_ref" in self.kwargs else 3
@@ -93,9 +94,9 @@ class Case:
         return stats
 
 
-def run_case(**kw):
+def run_case(k_section_len=None, **kw):
     c = Case(**kw)
-    out = c.run()
+    out = c.run(k_section_len=k_section_len)
     c.check(out)
     return c, out
 
@@ -173,48 +174,41 @@ def test_low_precision(dtype, mixed):
     dict(sq=512, dtype="bfloat16", mixed=False, causal=True, sinks=2),  # dQ round trip in bf16
     dict(sq=384, d=256, causal=True),
 ], ids=["fp32-causal-window", "bf16-mixed", "bf16-sinks", "d256"])
-def test_several_sections(kw, monkeypatch):
-    monkeypatch.setattr(kb, "K_SECTION_MAX", 128)
-    run_case(**kw)
+def test_several_sections(kw):
+    run_case(k_section_len=128, **kw)
 
 
-def test_section_count_does_not_change_results(monkeypatch):
+def test_section_count_does_not_change_results():
     c = Case(sq=512, causal=True, h=2, hk=1)
     one = c.run()
-    monkeypatch.setattr(kb, "K_SECTION_MAX", 256)
-    two = c.run()
+    two = c.run(k_section_len=256)
     c.check(two)
     # only the grouping of the dQ partial sums changes (fp32 rounding)
     for a, b in zip(one, two):
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)
 
 
-def test_core_section_length_keyword():
+def test_section_length_argument():
     c = Case(sq=384, causal=True, sinks=1)
-
-    @nki.jit
-    def bwd_256(*args, **kwargs):
-        return kb.attention_bwd_core(*args, k_section_len=256, **kwargs)
-
     with trace.recording() as rec:
-        out = bwd_256(*c.args, **c.kwargs)
+        out = c.run(k_section_len=256)
     c.check(out)
     # sections [0, 256) and [256, 384): query tile 2 needs both, so 3 + 1 exp activations + 3 for the sink
     assert rec.count("activation") == 4 + 3
-
-    @nki.jit
-    def bwd_bad(*args, **kwargs):
-        return kb.attention_bwd_core(*args, k_section_len=200, **kwargs)
-
-    with pytest.raises(ValueError, match="k_section_len=200 must be a positive multiple of 128"):
-        bwd_bad(*c.args, **c.kwargs)
+    # the argument is the last keyword of the jit kernel
+    assert list(inspect.signature(kb.attention_bwd.fn).parameters)[-1] == "k_section_len"
+    msg = "k_section_len=200 must be a positive multiple of 128"
+    with pytest.raises(ValueError, match=msg):
+        kernel_api.attention_bwd(*c.args, **c.kwargs, k_section_len=200)
+    with pytest.raises(AssertionError, match=msg):
+        c.run(k_section_len=200)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype,mixed", [("bfloat16", True), ("float32", False)])
-def test_slow_long_sequence(dtype, mixed, monkeypatch):
-    monkeypatch.setattr(kb, "K_SECTION_MAX", 1024)
-    run_case(sq=2048, h=4, hk=2, d=128, dtype=dtype, mixed=mixed, causal=True, window=700, sinks=1)
+def test_slow_long_sequence(dtype, mixed):
+    run_case(k_section_len=1024, sq=2048, h=4, hk=2, d=128, dtype=dtype, mixed=mixed, causal=True, window=700,
+             sinks=1)
 
 
 # --------------------------------------------------------------------------------------------- SPMD / targets
@@ -248,17 +242,16 @@ def test_trn1_refuses_lnc2(target):
 
 
 # --------------------------------------------------------------------------------------------- design checks
-def _counts(c):
+def _counts(c, **extra):
     with trace.recording() as rec:
-        c.run()
+        c.run(**extra)
     return rec.counts_by_instruction()
 
 
-def test_rowsum_once_per_query_tile_whatever_the_sections(monkeypatch):
+def test_rowsum_once_per_query_tile_whatever_the_sections():
     c = Case(sq=512, h=2, hk=1, causal=True, sinks=1)
     full = _counts(c)
-    monkeypatch.setattr(kb, "K_SECTION_MAX", 128)
-    split = _counts(c)
+    split = _counts(c, k_section_len=128)
     n_rows = 2 * 512 // 128  # query heads x query tiles
     assert full["tensor_reduce"] == split["tensor_reduce"] == n_rows
     # one exp per visible (query tile, key tile) pair and one per (head, query tile) for the sink
@@ -312,8 +305,14 @@ def _arrays(bs=1, h=1, hk=1, d=64, sq=128, sk=None, dtype=np.float32):
 def test_validation_errors(change, match):
     args = _arrays()
     args.update(change)
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(ValueError, match=match) as host:
+        kernel_api.attention_bwd(**args)
+    # Kernel code cannot raise: called directly, the kernel fails its assert with the same message, before it
+    # emits any instruction.
+    with trace.recording() as rec, pytest.raises(AssertionError) as kernel:
         kb.attention_bwd(**args)
+    assert str(kernel.value) == str(host.value)
+    assert rec.count() == 0
 
 
 @pytest.mark.parametrize("shape_kw,match", [
@@ -323,13 +322,15 @@ def test_validation_errors(change, match):
 ])
 def test_validation_shapes(shape_kw, match):
     with pytest.raises(ValueError, match=match):
+        kernel_api.attention_bwd(**_arrays(**shape_kw))
+    with pytest.raises(AssertionError, match=match):
         kb.attention_bwd(**_arrays(**shape_kw))
 
 
 def test_validation_dtype():
     # (float64 has no NKI dtype: the launcher itself rejects it before the kernel runs)
     with pytest.raises(ValueError, match="q dtype int32 is not supported"):
-        kb.attention_bwd(**_arrays(dtype=np.int32))
+        kernel_api.attention_bwd(**_arrays(dtype=np.int32))
 
 
 def test_sbuf_budget_refusal(target):
@@ -341,9 +342,9 @@ def test_sbuf_budget_refusal(target):
         return types.SimpleNamespace(shape=shape, dtype=dt)
     q, kv = t(1, 64, 128, 32768), t(1, 1, 128, 32768)
     lse = t(1, 64, 128, 256)
-    with pytest.raises(ValueError, match="SBUF bytes per partition"):
-        kb._configure(q, kv, kv, q, q, lse, None, None, None, True, False, None, None, None)
+    assert "SBUF bytes per partition" in kb.bwd_problem(q, kv, kv, q, q, lse, use_causal_mask=True)
     # the same shapes with 8 query heads per kv head fit (llama-style GQA at 16K)
     q8, lse8, kv8 = t(1, 8, 128, 16384), t(1, 8, 128, 128), t(1, 1, 128, 16384)
-    cfg = kb._configure(q8, kv8, kv8, q8, q8, lse8, None, None, None, True, False, None, None, None)
+    assert kb.bwd_problem(q8, kv8, kv8, q8, q8, lse8, use_causal_mask=True) is None
+    cfg = kb._configure(q8, kv8, None, None, True, False, None, None, None)
     assert cfg.n_sections == -(-16384 // cfg.section_len) >= 2

@@ -384,6 +384,26 @@ BAD_CASES = {
 
 @pytest.mark.parametrize("case", sorted(BAD_CASES))
 def test_validation_errors(case):
+    from nki_attn import kernel_api
+    from nki_attn.sim.trace import recording
     make, match = BAD_CASES[case]
-    with pytest.raises(ValueError, match=match):
-        attention_fwd(**make())
+    args = make()
+    with pytest.raises(ValueError, match=match) as host:
+        kernel_api.attention_fwd(**args)
+    # Kernel code cannot raise: called directly, the kernel fails its assert with the same message, before it
+    # emits any instruction.
+    with recording() as rec, pytest.raises(AssertionError) as kernel:
+        attention_fwd(**args)
+    assert str(kernel.value) == str(host.value)
+    assert rec.count() == 0
+
+
+def test_kernel_api_launches_the_kernel_unchanged():
+    from nki_attn import kernel_api
+    q, k, v = make_qkv(bs=2, nheads=2, nheads_kv=1, sq=256, dtype=torch.bfloat16)
+    want = attention_fwd[2](q, k, v, use_causal_mask=True)
+    got = kernel_api.attention_fwd[2](q, k, v, use_causal_mask=True)
+    for a, b in zip(want, got):
+        assert torch.equal(a, b)
+    with pytest.raises(TypeError):
+        kernel_api.attention_fwd(q, k, v, no_such_argument=1)  # the kernel's own signature, checked on the host

@@ -218,14 +218,15 @@ def test_lnc2_shared_constants_are_not_core_writes():
 
 # ------------------------------------------------------------------ capacity
 @sim.jit
-def _alloc(free_bytes_list, buffer_name, dtype_name="float32"):
-    """Holds one live tensor per entry (128 partitions x bytes per partition), touches each, returns a dummy."""
+def _alloc(free_bytes_list, buffer_name):
+    """Holds one live fp32 tensor per entry (128 partitions x bytes per partition), touches each, returns a
+    dummy."""
     out = nl.ndarray((1, 1), nl.float32, buffer=nl.shared_hbm)
     buf = {"sbuf": nl.sbuf, "psum": nl.psum}[buffer_name]
-    dt = getattr(nl, dtype_name)
     live = []
-    for i, nbytes in enumerate(free_bytes_list):
-        t = nl.ndarray((128, nbytes // dt.itemsize), dt, buffer=buf, name=f"{buffer_name}{i}")
+    for i in range(len(free_bytes_list)):  # (NKI has no enumerate, and loops bind one name)
+        nbytes = free_bytes_list[i]
+        t = nl.ndarray((128, nbytes // 4), nl.float32, buffer=buf, name=f"{buffer_name}{i}")
         nisa.memset(dst=t, value=0.0)
         live.append(t)
     one = nl.ones((1, 1), nl.float32)
@@ -276,7 +277,8 @@ def test_dead_tiles_are_released_and_capacity_is_per_core():
             p = nl.ndarray((128, 512), nl.float32, buffer=nl.psum)
             nisa.memset(dst=t, value=0.0)
             nisa.memset(dst=p, value=0.0)
-            del t, p
+            t = None  # release both before the next iteration allocates (NKI has no 'del')
+            p = None
         if nl.program_id(0) == 0:  # one writer: both cores writing `out` would be a race
             nisa.dma_copy(dst=out, src=nl.ones((1, 1), nl.float32))
         return out
@@ -297,7 +299,9 @@ def test_placed_tensors_occupy_their_address_range():
         for i in range(n):  # circular buffer: n logical tiles on two physical slots
             t = nl.ndarray((128, 4096), nl.float32, buffer=nl.sbuf, address=(0, offset + (i % 2) * 16384))
             keep.append(t)
-        ps = [nl.ndarray((128, 512), nl.float32, buffer=nl.psum, address=(0, (i % 2) * 2048)) for i in range(n)]
+        ps = []
+        for i in range(n):
+            ps.append(nl.ndarray((128, 512), nl.float32, buffer=nl.psum, address=(0, (i % 2) * 2048)))
         nisa.dma_copy(dst=out, src=nl.ones((1, 1), nl.float32))
         return out, len(ps)
 

@@ -282,6 +282,47 @@ def test_tensor_copy_predicated_and_select_reduce(rng):
     np.testing.assert_array_equal(val(mx)[:, 0], want.max(1))
 
 
+@pytest.mark.parametrize("which", ["bound0", "bound1"])
+def test_range_select_bounds_must_be_tiles(target, which):
+    # ISA: bound0/bound1 are tiles with one fp32 element per partition; there is no immediate form
+    target("trn2")
+    s = tile(np.ones((4, 8), np.float32))
+    kw = dict(bound0=tile(np.zeros((4, 1), np.float32)), bound1=tile(np.full((4, 1), 8.0, np.float32)))
+    kw[which] = 0.0
+    with pytest.raises(NkiValidationError, match=rf"range_select: {which}: must be a \(4, 1\) float32 tile"):
+        nisa.range_select(dst=empty((4, 8)), on_true_tile=s, comp_op0=nl.greater_equal, comp_op1=nl.less, **kw)
+
+
+@pytest.mark.parametrize("dtype", ["uint8", "uint16", "uint32"])
+def test_tensor_copy_predicated_accepts_unsigned_predicates(dtype):
+    pred = np.array([[1, 0, 2, 0]], dtype)
+    dst = tile(np.zeros((1, 4), np.float32))
+    nisa.tensor_copy_predicated(dst=dst, src=tile(np.ones((1, 4), np.float32)), predicate=tile(pred))
+    np.testing.assert_array_equal(val(dst), [[1, 0, 1, 0]])
+
+
+@pytest.mark.parametrize("dtype", ["bool_", "int8", "int32", "float32"])
+def test_tensor_copy_predicated_refuses_other_predicate_dtypes(dtype):
+    # ISA: predicate must be uint8, uint16 or uint32
+    pred = tile(np.ones((1, 4), np.float32), dtype=getattr(nl, dtype))
+    with pytest.raises(NkiValidationError, match=f"tensor_copy_predicated: predicate: dtype {dtype} is not accepted"):
+        nisa.tensor_copy_predicated(dst=empty((1, 4)), src=1.0, predicate=pred)
+
+
+def test_select_reduce_refuses_on_true_and_predicate_both_in_psum():
+    x = tile(np.ones((2, 4), np.float32), buffer=nl.psum)
+    pred_ps = tile(np.ones((2, 4), np.uint8), buffer=nl.psum)
+    with pytest.raises(NkiValidationError, match="select_reduce: predicate: on_true and predicate are both in PSUM"):
+        nisa.select_reduce(dst=empty((2, 4)), predicate=pred_ps, on_true=x, on_false=0.0)
+    # one of them in PSUM is fine
+    d = empty((2, 4))
+    nisa.select_reduce(dst=d, predicate=tile(np.ones((2, 4), np.uint8)), on_true=x, on_false=0.0)
+    np.testing.assert_array_equal(val(d), 1.0)
+    with pytest.raises(NkiValidationError, match="select_reduce: on_true: dtype int32 is not accepted"):
+        nisa.select_reduce(dst=empty((2, 4)), predicate=tile(np.ones((2, 4), np.uint8)),
+                           on_true=tile(np.ones((2, 4), np.int32)), on_false=0.0)
+
+
 # ------------------------------------------------------------------ iota / memset / copies
 def test_iota_pattern_and_channel_multiplier():
     dst = empty((4, 6), nl.int32)

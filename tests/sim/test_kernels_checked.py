@@ -1,7 +1,8 @@
 """The project's own kernels under every checking mode: strict (no uninitialised reads, outputs fully written),
-capacity (SBUF bytes per partition and PSUM banks within the target's limits, per core) and, under LNC2, no two
-cores writing one HBM region. The results are compared loosely with the float64 golden; the precise accuracy
-criteria live in tests/kernels/.
+capacity (SBUF bytes per partition and PSUM banks within the target's limits, per core), the NKI frontend check
+(no construct the compiler refuses, in any kernel, including code never run) and, under LNC2, no two cores
+writing one HBM region. The results are compared loosely with the float64 golden; the precise accuracy criteria
+live in tests/kernels/.
 """
 import importlib
 
@@ -45,10 +46,10 @@ def _close(got, ref, dtype):
 
 def _checked(fn, *args, lnc=None, **kwargs):
     kern = fn if lnc is None else fn[lnc]
-    with sim.checking(strict=True, capacity=True):
+    with sim.checking(strict=True, capacity=True, frontend="full"):
         out = kern(*args, **kwargs)
     stats = sim.last_launch_stats()
-    assert stats.strict and stats.capacity_checked
+    assert stats.strict and stats.capacity_checked and stats.frontend == "full"
     assert 0 < stats.peak_sbuf_bytes <= stats.sbuf_capacity_bytes and stats.peak_psum_banks <= 8
     return out
 
@@ -114,3 +115,54 @@ def test_attention_bwd_checked(case):
     assert len(out) == (4 if sinks is not None else 3)
     for got, name in zip(out, names):
         _close(got, ref[name], case["dtype"])
+
+
+# ------------------------------------------------------------------------------------------- NKI frontend
+def _project_kernels():
+    import pkgutil
+
+    import nki_attn.kernels
+    from nki_attn.sim.runtime import Kernel
+    found = {}
+    for info in pkgutil.iter_modules(nki_attn.kernels.__path__):
+        mod = importlib.import_module(f"nki_attn.kernels.{info.name}")
+        for name, obj in vars(mod).items():
+            if isinstance(obj, Kernel) and obj.fn.__module__ == mod.__name__:
+                found[f"{info.name}.{name}"] = obj
+    return found
+
+
+def test_every_project_kernel_passes_the_frontend_gathering():
+    from nki_attn.sim import frontend
+    kernels = _project_kernels()
+    assert {"attention_fwd.attention_fwd", "attention_bwd.attention_bwd", "demo.matmul_exp"} <= set(kernels)
+    for name, k in kernels.items():
+        g = frontend.check_kernel(k)  # raises NkiFrontendError listing every refused construct
+        assert not g.problems, name
+    # the gathering reaches the validation, tiling and config code, not just the kernel function
+    names = {d.name for d in frontend.gather(kernels["attention_bwd.attention_bwd"]).definitions}
+    assert {"attention_problem", "tile_visible", "BwdConfig", "AttentionShape", "bwd_problem"} <= names
+
+
+@pytest.mark.parametrize("frontend", ["full", "gather", "off"])
+@pytest.mark.parametrize("strict", [True, False])
+@pytest.mark.parametrize("capacity", [True, False])
+def test_kernels_in_every_checking_mode(frontend, strict, capacity):
+    attention_fwd = _kernel("nki_attn.kernels.attention_fwd", "attention_fwd")
+    attention_bwd = _kernel("nki_attn.kernels.attention_bwd", "attention_bwd")
+    q, k, v = _qkv(1, 2, 1, 64, 256, "bfloat16", seed=4)
+    dy = torch.randn(q.shape, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    args = [_np(x) for x in (q, k, v)]
+    with sim.checking(strict=strict, capacity=capacity, frontend=frontend):
+        o, lse = attention_fwd(*args, use_causal_mask=True, sliding_window=100)
+        stats = sim.last_launch_stats()
+        assert (stats.strict, stats.capacity_checked, stats.frontend) == (strict, capacity, frontend)
+        out = attention_bwd[2](*args, o, _np(dy), lse, use_causal_mask=True, sliding_window=100,
+                               mixed_precision=True, k_section_len=128)
+    from golden import attention_bwd_torch_ref, attention_fwd_torch_ref
+    opts = dict(use_causal_mask=True, sliding_window=100)
+    o_ref, lse_ref = attention_fwd_torch_ref(q.double(), k.double(), v.double(), **opts)
+    _close(o, o_ref, "bfloat16")
+    ref = attention_bwd_torch_ref(q.double(), k.double(), v.double(), o_ref, dy.double(), lse_ref, **opts)
+    for got, name in zip(out, ["out_dq_ref", "out_dk_ref", "out_dv_ref"]):
+        _close(got, ref[name], "bfloat16")
