@@ -21,16 +21,16 @@ dV, dK and dQ partial sums stay in PSUM:
     for each K/V section (<= K_SECTION_MAX keys so SBUF holds it, or k_section_len)  KV-outer
         load K, V (+ K^T for dQ); zero the fp32 dK, dV section accumulators     _load_kv_section
         for each block of members with a visible key in the section (trace-time plan, BwdConfig.blocks)
-            load dO, Q (and O) of the block; previous dQ partial sums           _load_block
+            load dO, scaled Q (and O) of the block; previous dQ partial sums    _load_block
             member's first section: D = rowsum(O * dO)                          _rowsum_o_dy
             for each group of the block: Q^T, dO^T of its members              _transpose_members
                 for each visible 512-key tile of the group
                     for each member that sees it                                _visit
-                        S = Q^T K; P = exp(scale*S - LSE) (ONE activation); mask  _recompute_p
+                        S = (scale*Q)^T K; P = exp(S - LSE) (ONE activation); mask  _recompute_p
                         dP = dO V^T;  dS = (dP - D) * P           (ONE fused op)  _softmax_bwd
-                        dV += P^T dO;  dK += Q^T dS     (group's PSUM, one bank)  _dv_dk
+                        dV += P^T dO;  dK += (scale*Q)^T dS  (group's PSUM)       _dv_dk
                         dQ += dS K                      (member's PSUM columns)   _dq
-                    add the group's dV, scale*dK into the section accumulators     _evict_dv_dk
+                    add the group's dV, dK into the section accumulators        _evict_dv_dk
                 dQ = scale * PSUM (+ previous partial)                          _evict_dq
             store the block's dQ (one DMA)
         write dK, dV of the section
@@ -58,12 +58,17 @@ SECTION_BUDGET_BYTES = 112 * 1024
 GROUP_MAX = 4
 # Members per block (one DMA per tensor per block) and the block buffers' SBUF budget per partition.
 BLOCK_MEMBERS_MAX = 8
-BLOCK_BUDGET_BYTES = 20 * 1024
+BLOCK_BUDGET_BYTES = 16 * 1024
 # softmax_scale is folded into Q at load, rounded to the input dtype, exactly as attention_fwd does: the backward
 # then recomputes the forward's own P (the LSE it gets came from those scores). False applies the scale in fp32
 # inside the exp activation and the dK eviction instead (more accurate against an exact LSE, but inconsistent with
 # a forward that rounds the scaled Q); it must follow attention_fwd.
 FOLD_SCALE_INTO_Q = True
+# Engine choices from trn2 on (``BwdConfig``): the P cast on GpSimdE, and dS transposed by DMA where
+# ``_use_dma_transpose`` finds it pays. Both are the design; False gives the alternative (the cast on ScalarE,
+# every dS transpose on TensorE) for measurement (scripts/bwd_ablation.py).
+P_CAST_ON_GPSIMD = True
+DS_DMA_TRANSPOSE = True
 
 
 def _itemsize(dtype):
@@ -152,22 +157,24 @@ def sbuf_usage(d_head, d_tiles, itemsize, section_len, group, seqlen_q, mixed_pr
 
 # PSUM tiles of the kernel (each <= 2 KiB per partition, so one bank each) and when they are live.
 PSUM_TILES = {
-    "dV": "P^T dO of a group for one key tile and head-dim tile, [d_tile, <=512] fp32 (group lifetime x key tile)",
-    "dK": "Q^T dS of a group for one key tile and head-dim tile, [d_tile, <=512] fp32 (group lifetime x key tile)",
-    "dQ": "dS K of the group's members, [d_tile, members x d_tiles x 128] fp32 (group lifetime)",
+    "dV": "P^T dO of a group for one key tile, [d_tile, <=512] fp32 per V head-dim tile (key tile of a group)",
+    "dK": "Q^T dS of a group for one key tile, [d_tile, <=512] fp32 per Q/K head-dim tile (key tile of a group)",
+    "dQ": "dS K of the group's members, [d_tile, members x d_tiles x 128 <= 512] fp32 (whole group)",
     "S": "S = Q^T K, [128, <=512] fp32 (one visit)",
     "dP": "dP = dO V^T, [128, <=512] fp32 (one visit)",
     "dS^T": "TensorE transposes of dS, [128, <=512] input dtype (one visit; none when DMA transposes)",
-    "T": "transposes of Q, dO (group start), K (section start), D sums (block start), input dtype / fp32",
+    "T": "transposes of Q, dO (group start) and K (section start), D sums (block start): never with dV/dK",
 }
-PSUM_PEAK_BANKS = 7  # d_head <= 128: dV, dK, dQ, S, dP, dS^T, T = 7 of 8 even if all were live at once
 
 
 def psum_banks(d_tiles):
-    """PSUM banks if every kind of PSUM tile were live at once: dV and dK per head-dim tile, dQ, S, dP, dS^T,
-    and T. With d_head 256 that is 9: T (group, section and block starts) is never live together with dV/dK
-    (allocated per key tile inside the group), so at most 8 are."""
-    return 2 * d_tiles + 5
+    """PSUM banks that can be live at once: a visit's S, dP, dS^T with its group's dV and dK (one per head-dim
+    tile) and dQ: 2 * d_tiles + 4 (6 for d_head <= 128, 8 for d_head 256). The transposes at group, block and
+    section start (T) are never live together with dV/dK, which are allocated per key tile inside the group."""
+    return 2 * d_tiles + 4
+
+
+PSUM_PEAK_BANKS = psum_banks(2)  # the largest over the supported head dims (d_head 256): 8 of the 8 banks
 
 
 def _visible_tiles(c, q0, k_lo, k_len):
@@ -387,7 +394,7 @@ class BwdConfig(nl.NKIObject):
         # and GpSimdE cannot use SBUF at the same time: the P cast goes to ScalarE there, to GpSimdE (idle
         # otherwise) from trn2 on. dS is transposed by DMA (trn2+, 2-byte types, whole 512-key tiles) when
         # TensorE would otherwise be the busiest engine (``_use_dma_transpose``).
-        self.cast_on_gpsimd = not trn1
+        self.cast_on_gpsimd = P_CAST_ON_GPSIMD and not trn1
         self.section_len = section_len
         self.sections = []
         for lo in range(0, a.seqlen_k, section_len):
@@ -432,7 +439,7 @@ def _use_dma_transpose(c, trn1):
     transfer, worth it only for whole tiles and only when TensorE, not the DMA queues, is the busier: counted at
     trace time from the plan (TensorE cycles of the matmuls and transposes of a whole tile against the DMA time
     of its transpose)."""
-    if trn1 or c.itemsize != 2:
+    if trn1 or c.itemsize != 2 or not DS_DMA_TRANSPOSE:
         return False
     full = 0
     chunks = 0
@@ -625,7 +632,7 @@ def _rowsum_o_dy(c, o_ref, b, blk, h_abs0, dy_b, ones, dsum):
         for dt in range(len(c.v_rows)):
             rn = c.v_rows[dt][1]
             nisa.nc_matmul(dst=d_ps[:, j:j + 1], stationary=prods[dt][:, j * PMAX:(j + 1) * PMAX],
-                           moving=ones[0:rn, :], accumulate=dt > 0)
+                           moving=ones[0:rn, :], is_moving_onezero=True, accumulate=dt > 0)
     # block column j = h*nt + t -> dsum[:, h0+h, i0+t]
     nisa.tensor_copy(dst=dsum[:, blk.h0:blk.h0 + blk.nh, blk.i0:blk.i0 + blk.nt], src=d_ps)
 
@@ -659,8 +666,10 @@ def _transpose_members(c, grp, q_b, dy_b):
     return out
 
 
-# Element masks, selected at trace time (``_mask_steps``) and passed to ``_recompute_p`` as functions: one runs on
-# the scores before the exp (packing: runtime bounds), one on P after it (causal and window: trace-time shapes).
+# Tile steps: small functions selected at trace time (``_tile_steps``) and passed down to ``_recompute_p`` as
+# arguments (NKI inlines them), so an attention variant is one more step, not a branch in the inner loop. A
+# score step maps S (PSUM) to the exp's input (packing: runtime bounds); a P step edits P after the exp (causal
+# and window: trace-time shapes). docs/kernel-bwd.md lists where the variants of issue #14 plug in.
 def _scores_unmasked(c, s_ps, q0, v, bcols):
     """No element mask before the exp: exp reads S straight from PSUM."""
     return s_ps
@@ -712,8 +721,8 @@ def _scores_packed_trn1(c, s_ps, q0, v, bcols):
     return s_sb
 
 
-def _mask_steps(c):
-    """The (before exp, after exp) element-mask steps of this call."""
+def _tile_steps(c):
+    """``(score_step, p_step)`` of this call: the element masks before the exp (on S) and after it (on P)."""
     if c.packing:
         if c.trn1:
             return _scores_packed_trn1, _p_unmasked
@@ -723,17 +732,18 @@ def _mask_steps(c):
     return _scores_unmasked, _p_unmasked
 
 
-def _recompute_p(c, q_m, ks, kk, q0, v, nlse_col, bcols, mask_s, mask_p):
-    """Step 2: S = Q^T K (contracting head_dim on the partitions), then P = exp(scale*S - LSE) as ONE activation
-    (softmax_scale in its scale, -LSE in its bias): no max subtraction, no division (LSE = max + log(sum)); the
-    element masks are the steps ``mask_s`` (on S) and ``mask_p`` (on P)."""
+def _recompute_p(c, q_m, ks, kk, q0, v, nlse_col, bcols, score_step, p_step):
+    """Step 2: S = Q^T K (contracting head_dim on the partitions; softmax_scale is in Q, or in the activation's
+    scale when FOLD_SCALE_INTO_Q is off), then P = exp(S - LSE) as ONE activation with bias -LSE, reading S from
+    PSUM: no max subtraction, no division (LSE = max + log(sum)). The element masks are the tile steps
+    ``score_step`` (on S) and ``p_step`` (on P)."""
     s_ps = nl.ndarray((PMAX, v.kw), dtype=nl.float32, buffer=nl.psum)
     for dt in range(len(c.qk_rows)):
         nisa.nc_matmul(dst=s_ps, stationary=q_m[dt], moving=ks[dt][:, kk:kk + v.kw], accumulate=dt > 0)
-    src = mask_s(c, s_ps, q0, v, bcols)
+    src = score_step(c, s_ps, q0, v, bcols)
     p = nl.ndarray((PMAX, v.kw), dtype=c.p_dtype, buffer=nl.sbuf)
     nisa.activation(dst=p, op=nl.exp, data=src, bias=nlse_col, scale=c.exp_scale)
-    return mask_p(c, p, q0, v)
+    return p_step(c, p, q0, v)
 
 
 def _softmax_bwd(c, dy_m, vs, kk, kw, p, d_col):
@@ -750,8 +760,8 @@ def _softmax_bwd(c, dy_m, vs, kk, kw, p, d_col):
 def _dv_dk(c, v, dyT, qT, p_mm, ds, dv_ps, dk_ps):
     """Steps 3.1 + 5.2: dV += P^T dO and dK += Q^T dS (contracting the 128 query rows) into the group's PSUM
     tiles of this key tile: the group's members (query tiles, or the query heads of a kv head) accumulate there,
-    each matmul overwriting the columns no earlier member wrote (``v.segs``). softmax_scale is applied to dK when
-    it leaves PSUM (``_evict_dv_dk``)."""
+    each matmul overwriting the columns no earlier member wrote (``v.segs``). dK carries softmax_scale through the
+    scaled Q (or gets it when it leaves PSUM, ``_evict_dv_dk``, with FOLD_SCALE_INTO_Q off)."""
     for seg in v.segs:
         a, e, acc = seg
         cols = slice(a - v.off, e - v.off)
@@ -795,13 +805,13 @@ def _dq(c, v, ds, kts, kk, dq_ps):
                            moving=dsT[:, 0, ch, :], accumulate=not (v.dq_first and ch == 0))
 
 
-def _visit(c, v, s_mem, t_mem, ks, vs, kts, k_lo, nlse_col, d_col, bcols, dv_ps, dk_ps, dq_ps, mask_s, mask_p):
+def _visit(c, v, s_mem, t_mem, ks, vs, kts, k_lo, nlse_col, d_col, bcols, dv_ps, dk_ps, dq_ps, score_step, p_step):
     """One member's visit of one key tile: the seed's steps 2-5 on a [128 queries x <= 512 keys] tile. ``s_mem``:
     the member's (Q tiles, dO tiles) with head dim on the partitions, ``t_mem``: its (Q^T, dO^T)."""
     q_m, dy_m, q0 = s_mem
     qT, dyT = t_mem
     kk = v.k0 - k_lo
-    p = _recompute_p(c, q_m, ks, kk, q0, v, nlse_col, bcols, mask_s, mask_p)
+    p = _recompute_p(c, q_m, ks, kk, q0, v, nlse_col, bcols, score_step, p_step)
     p_mm = _cast_p(c, p)
     ds = _softmax_bwd(c, dy_m, vs, kk, v.kw, p, d_col)
     _dv_dk(c, v, dyT, qT, p_mm, ds, dv_ps, dk_ps)
@@ -809,8 +819,8 @@ def _visit(c, v, s_mem, t_mem, ks, vs, kts, k_lo, nlse_col, d_col, bcols, dv_ps,
 
 
 def _evict_dv_dk(c, kt, k_lo, dv_ps, dk_ps, dv_acc, dk_acc):
-    """Add the group's dV and softmax_scale * dK of one key tile into the section's fp32 SBUF accumulators (one
-    VectorE instruction per head-dim tile and group, not per member)."""
+    """Add the group's dV and dK of one key tile into the section's fp32 SBUF accumulators: one VectorE
+    instruction per head-dim tile and group, not per member (the PSUM adds of the group's matmuls are free)."""
     a = kt.u0 - k_lo
     e = a + kt.uw
     for dt in range(len(c.v_rows)):
@@ -841,7 +851,7 @@ def _evict_dq(c, grp, blk, dq_ps, dq_stage, dq_prev):
 
 
 def _group(c, grp, blk, q_b, dy_b, ks, vs, kts, k_lo, neg_lse, dsum, bounds, dv_acc, dk_acc, dq_stage, dq_prev,
-           mask_s, mask_p):
+           score_step, p_step):
     """All visits of one group: dV/dK of each key tile and the members' dQ accumulate in PSUM."""
     tr = _transpose_members(c, grp, q_b, dy_b)
     dq_ps = nl.ndarray((PMAX, len(c.qk_rows) * c.group_size * PMAX), dtype=nl.float32, buffer=nl.psum)
@@ -868,13 +878,13 @@ def _group(c, grp, blk, q_b, dy_b, ks, vs, kts, k_lo, neg_lse, dsum, bounds, dv_
             if c.packing:
                 bcols = (bounds[0][:, i:i + 1], bounds[1][:, i:i + 1])
             _visit(c, v, s_mem[v.m], tr[v.m], ks, vs, kts, k_lo, neg_lse[:, g, i:i + 1], dsum[:, g, i:i + 1],
-                   bcols, dv_ps, dk_ps, dq_ps, mask_s, mask_p)
+                   bcols, dv_ps, dk_ps, dq_ps, score_step, p_step)
         _evict_dv_dk(c, kt, k_lo, dv_ps, dk_ps, dv_acc, dk_acc)
     _evict_dq(c, grp, blk, dq_ps, dq_stage, dq_prev)
 
 
 def _block(c, s, blk, b, hk, q_ref, o_ref, dy_ref, ks, vs, kts, neg_lse, dsum, ones, bounds, dv_acc, dk_acc,
-           out_dq, dq_scratch, mask_s, mask_p):
+           out_dq, dq_scratch, score_step, p_step):
     """One block of members in section s: batched loads, D (first section), the groups, one dQ store per
     head-dim tile."""
     k_lo = c.sections[s][0]
@@ -911,7 +921,7 @@ def _block(c, s, blk, b, hk, q_ref, o_ref, dy_ref, ks, vs, kts, neg_lse, dsum, o
             dq_stage.append(nl.ndarray((rt[1], blk.nh * ncols), dtype=c.mm_dtype, buffer=nl.sbuf))
     for grp in blk.groups:
         _group(c, grp, blk, q_b, dy_b, ks, vs, kts, k_lo, neg_lse, dsum, bounds, dv_acc, dk_acc, dq_stage, dq_prev,
-               mask_s, mask_p)
+               score_step, p_step)
     for dt in range(len(c.qk_rows)):
         r0, rn = c.qk_rows[dt]
         if to_scratch:
@@ -956,7 +966,7 @@ def _dsinks(c, sinks_ref, out_dsinks, b, hk, neg_lse, dsum):
 def _work_item(c, b, hk, q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref, bounds, ones, out_dq, out_dk,
                out_dv, out_dsinks, dq_scratch):
     """All gradients of one (batch, kv head): KV sections outer, blocks and groups of members inner."""
-    mask_s, mask_p = _mask_steps(c)
+    score_step, p_step = _tile_steps(c)
     neg_lse = _load_neg_lse(c, lse_ref, b, hk)
     dsum = nl.ndarray((PMAX, c.group, c.nq), dtype=nl.float32, buffer=nl.sbuf)  # D, same layout as -LSE
     if c.no_key_tiles:
@@ -984,7 +994,7 @@ def _work_item(c, b, hk, q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref,
             dv_acc.append(a_v)
         for blk in c.blocks[s]:
             _block(c, s, blk, b, hk, q_ref, o_ref, dy_ref, ks, vs, kts, neg_lse, dsum, ones, bounds, dv_acc,
-                   dk_acc, out_dq, dq_scratch, mask_s, mask_p)
+                   dk_acc, out_dq, dq_scratch, score_step, p_step)
         for dt in range(len(c.qk_rows)):
             r0, rn = c.qk_rows[dt]
             nisa.dma_copy(dst=out_dk[b, hk, r0:r0 + rn, k_lo:k_lo + k_len], src=dk_acc[dt])
