@@ -37,15 +37,19 @@ def _bwd_forced_sections(*args, k_section_len=None, **kwargs):
     return kb.attention_bwd_core(*args, k_section_len=k_section_len, **kwargs)
 
 
-def run_bwd(args, kwargs, k_section_len=None):
-    """attention_bwd(*args, **kwargs), with K/V sections of ``k_section_len`` keys (a multiple of 128) when given.
+def run_bwd(args, kwargs, k_section_len=None, lnc=None):
+    """attention_bwd(*args, **kwargs), with K/V sections of ``k_section_len`` keys (a multiple of 128) when given,
+    launched on ``lnc`` cores when given.
 
     The ONLY place this module forces sections: today through ``attention_bwd_core(k_section_len=)`` in a jit
     wrapper; once ``attention_bwd`` takes ``k_section_len`` itself this becomes
-    ``kb.attention_bwd(*args, k_section_len=k_section_len, **kwargs)``."""
+    ``kern(*args, k_section_len=k_section_len, **kwargs)`` with ``kern = kb.attention_bwd`` (or ``[lnc]``)."""
+    kern = kb.attention_bwd if k_section_len is None else _bwd_forced_sections
+    if lnc is not None:
+        kern = kern[lnc]
     if k_section_len is None:
-        return kb.attention_bwd(*args, **kwargs)
-    return _bwd_forced_sections(*args, k_section_len=k_section_len, **kwargs)
+        return kern(*args, **kwargs)
+    return kern(*args, k_section_len=k_section_len, **kwargs)
 
 
 def hbm_round_trips(rec):
@@ -110,8 +114,8 @@ class Case:
         if bmin is not None:
             self.kwargs["bound_min"], self.kwargs["bound_max"] = to_np(bmin), to_np(bmax)
 
-    def run(self, k_section_len=None):
-        return run_bwd(self.args, self.kwargs, k_section_len)
+    def run(self, k_section_len=None, lnc=None):
+        return run_bwd(self.args, self.kwargs, k_section_len, lnc)
 
     def check(self, out):
         assert len(out) == (4 if "sinks_ref" in self.kwargs else 3)
@@ -175,6 +179,18 @@ def test_mixed_precision_dq_sections_on_key_tile_boundaries_are_exact():
     c.check(two)
     for name, a, b in zip(NAMES, one, two):
         assert np.array_equal(np.asarray(a).view(np.uint16), np.asarray(b).view(np.uint16)), name
+
+
+def test_lnc2_with_dq_parked_between_sections(monkeypatch):
+    # two cores, 3 work items, each parking dQ partial sums in float32 HBM between 3 sections: each core's
+    # parked sums are its own (bit-identical to one core)
+    monkeypatch.setenv("NEURON_PLATFORM_TARGET_OVERRIDE", "trn2")
+    c = Case(bs=3, h=4, hk=1, sq=384, window=130, sinks=1, dtype="bfloat16", mixed=True, seed=7)
+    one = c.run(k_section_len=128)
+    c.check(one)
+    two = c.run(k_section_len=128, lnc=2)
+    for name, a, b in zip(NAMES, one, two):
+        assert np.array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8)), name
 
 
 # ----------------------------------------------------------------------------------------------- sinks, sections, GQA
