@@ -172,7 +172,9 @@ def test_mixed_precision_dq_crosses_sections_in_fp32(n_sections, dtype):
 
 def test_mixed_precision_dq_sections_on_key_tile_boundaries_are_exact():
     # Sections that coincide with the 512-key tiles change nothing but where the running dQ waits between
-    # tiles: with a float32 wait the result is bit-identical to one section (a 16-bit wait rounds it).
+    # tiles: with a float32 wait the result is bit-identical to one section (a 16-bit wait rounds it). Assumes
+    # a query tile's dQ is summed over key tiles in key order whatever the sectioning (true of the kernel's
+    # FlashAttention-2 loop); drop this test if a rewrite changes that order on purpose.
     c = Case(sq=1024, causal=True, dtype="bfloat16", mixed=True, h=2, hk=1, seed=5)
     one = c.run(k_section_len=1024)
     two = c.run(k_section_len=512)
