@@ -23,7 +23,6 @@ import _compare  # noqa: E402
 
 from golden.attention_bwd_torch import attention_bwd_torch_ref  # noqa: E402
 from golden.attention_fwd_torch import compute_o_lse, packing_bounds  # noqa: E402
-from nki_attn.backend import nki  # noqa: E402
 from nki_attn.kernels import attention_bwd as kb  # noqa: E402
 from nki_attn.sim import trace  # noqa: E402
 
@@ -32,23 +31,10 @@ NAMES = ("dq", "dk", "dv", "dsinks")
 
 
 # ----------------------------------------------------------------------------------------------- kernel access
-@nki.jit
-def _bwd_forced_sections(*args, k_section_len=None, **kwargs):
-    return kb.attention_bwd_core(*args, k_section_len=k_section_len, **kwargs)
-
-
 def run_bwd(args, kwargs, k_section_len=None, lnc=None):
     """attention_bwd(*args, **kwargs), with K/V sections of ``k_section_len`` keys (a multiple of 128) when given,
-    launched on ``lnc`` cores when given.
-
-    The ONLY place this module forces sections: today through ``attention_bwd_core(k_section_len=)`` in a jit
-    wrapper; once ``attention_bwd`` takes ``k_section_len`` itself this becomes
-    ``kern(*args, k_section_len=k_section_len, **kwargs)`` with ``kern = kb.attention_bwd`` (or ``[lnc]``)."""
-    kern = kb.attention_bwd if k_section_len is None else _bwd_forced_sections
-    if lnc is not None:
-        kern = kern[lnc]
-    if k_section_len is None:
-        return kern(*args, **kwargs)
+    launched on ``lnc`` cores when given. The only place this module forces sections."""
+    kern = kb.attention_bwd if lnc is None else kb.attention_bwd[lnc]
     return kern(*args, k_section_len=k_section_len, **kwargs)
 
 

@@ -93,8 +93,8 @@ def bwd_plan(sq, sk, causal, window, section_len):
     shape-only stand-ins (planning runs before any instruction)."""
     def t(*shape):
         return types.SimpleNamespace(shape=shape, dtype="float32")
-    q, kv, lse = t(1, 1, 64, sq), t(1, 1, 64, sk), t(1, 1, P, sq // P)
-    cfg = kb._configure(q, kv, kv, q, q, lse, None, None, None, causal, False, None, window or None, section_len)
+    q, kv = t(1, 1, 64, sq), t(1, 1, 64, sk)
+    cfg = kb._configure(q, kv, None, None, causal, False, None, window or None, section_len)
     planned = []
     for s in range(cfg.n_sections):
         for i in range(cfg.nq):
