@@ -136,7 +136,8 @@ def sbuf_usage(d_head, d_tiles, itemsize, section_len, group, seqlen_q, mixed_pr
     nq = seqlen_q // PMAX
     pe = 4 if mixed_precision else e
     section = int(section_len * section_bytes_per_key(d_head, d_tiles, itemsize))
-    persistent = 2 * group * nq * 4 + 4                    # -LSE and D of every member; the ones column (D)
+    # -LSE and D of every member; the ones column (D); the identity of the dQ reload (several sections)
+    persistent = 2 * group * nq * 4 + 4 + PMAX * 4
     if packing:
         persistent += 3 * nq * 4                           # bound_min, bound_max (+ query index for clamping)
     if num_sinks:
@@ -425,6 +426,7 @@ class BwdConfig(nl.NKIObject):
                 self.no_key_tiles.append(i)
         # dQ partial sums between sections: fp32 scratch in HBM with mixed precision, else out_dq itself.
         self.dq_scratch = mixed and str(dtype) != str(nl.float32) and self.n_sections > 1
+        self.dq_park_dtype = nl.float32 if self.dq_scratch else dtype
         self.group_size = group_size(a.d_tiles)
         self.block_members = block_members(a.d_tiles, self.itemsize, self.dq_scratch)
         self.dsT_dma = _use_dma_transpose(self, trn1)
@@ -791,9 +793,10 @@ def _transpose_ds(c, v, ds):
     return dsT
 
 
-def _dq(c, v, ds, kts, kk, dq_ps):
+def _dq(c, v, ds, kts, kk, dq_ps, dq_fresh):
     """Step 5.1: dQ += dS K, contracting keys on the partitions (dS^T against the section's K^T), into the
-    member's columns of the group's dQ PSUM tile, accumulated over all the key tiles of the section."""
+    member's columns of the group's dQ PSUM tile, accumulated over all the key tiles of the section (onto the
+    earlier sections' partial sum, which ``_reload_dq`` put there, unless ``dq_fresh``)."""
     dsT = _transpose_ds(c, v, ds)
     n_ch = v.kw // PMAX
     ch0 = kk // PMAX
@@ -802,10 +805,11 @@ def _dq(c, v, ds, kts, kk, dq_ps):
         col = (dt * c.group_size + v.m) * PMAX
         for ch in range(n_ch):
             nisa.nc_matmul(dst=dq_ps[0:rn, col:col + PMAX], stationary=kts[dt][:, (ch0 + ch) * rn:(ch0 + ch + 1) * rn],
-                           moving=dsT[:, 0, ch, :], accumulate=not (v.dq_first and ch == 0))
+                           moving=dsT[:, 0, ch, :], accumulate=not (dq_fresh and v.dq_first and ch == 0))
 
 
-def _visit(c, v, s_mem, t_mem, ks, vs, kts, k_lo, nlse_col, d_col, bcols, dv_ps, dk_ps, dq_ps, score_step, p_step):
+def _visit(c, v, s_mem, t_mem, ks, vs, kts, k_lo, nlse_col, d_col, bcols, dv_ps, dk_ps, dq_ps, dq_fresh, score_step,
+           p_step):
     """One member's visit of one key tile: the seed's steps 2-5 on a [128 queries x <= 512 keys] tile. ``s_mem``:
     the member's (Q tiles, dO tiles) with head dim on the partitions, ``t_mem``: its (Q^T, dO^T)."""
     q_m, dy_m, q0 = s_mem
@@ -815,7 +819,7 @@ def _visit(c, v, s_mem, t_mem, ks, vs, kts, k_lo, nlse_col, d_col, bcols, dv_ps,
     p_mm = _cast_p(c, p)
     ds = _softmax_bwd(c, dy_m, vs, kk, v.kw, p, d_col)
     _dv_dk(c, v, dyT, qT, p_mm, ds, dv_ps, dk_ps)
-    _dq(c, v, ds, kts, kk, dq_ps)
+    _dq(c, v, ds, kts, kk, dq_ps, dq_fresh)
 
 
 def _evict_dv_dk(c, kt, k_lo, dv_ps, dk_ps, dv_acc, dk_acc):
@@ -833,28 +837,42 @@ def _evict_dv_dk(c, kt, k_lo, dv_ps, dk_ps, dv_acc, dk_acc):
                                       operand0=c.dk_scale, op1=nl.add, operand1=dk_acc[dt][:, a:e])
 
 
-def _evict_dq(c, grp, blk, dq_ps, dq_stage, dq_prev):
-    """dQ = softmax_scale * (dS K) of each member, out of PSUM into the block's staging tile: ONE ScalarE
-    activation in the member's first section, else ONE VectorE scalar_tensor_tensor adding the previous
-    sections' partial sums (``dq_prev``)."""
+def _reload_dq(c, grp, dq_ps, dq_prev, ident):
+    """Later sections: put each member's earlier partial sum (unscaled, fp32 scratch or out_dq) back into its dQ
+    PSUM columns with ONE matmul against the identity, so this section's matmuls accumulate onto it in the same
+    order as without sections (the result does not depend on where the sections end, when they end on 512-key
+    tiles) and the scale is applied once, at the end."""
     for mi in range(len(grp.members)):
         col = grp.members[mi][2]
         for dt in range(len(c.qk_rows)):
             rn = c.qk_rows[dt][1]
             pc = (dt * c.group_size + mi) * PMAX
-            dst = dq_stage[dt][:, col:col + PMAX]
-            if blk.first:
-                _copy_on_scalar(c, dst, dq_ps[0:rn, pc:pc + PMAX], c.scale)
-            else:
-                nisa.scalar_tensor_tensor(dst=dst, data=dq_ps[0:rn, pc:pc + PMAX], op0=nl.multiply,
-                                          operand0=c.scale, op1=nl.add, operand1=dq_prev[dt][:, col:col + PMAX])
+            nisa.nc_matmul(dst=dq_ps[0:rn, pc:pc + PMAX], stationary=ident[0:rn, 0:rn],
+                           moving=dq_prev[dt][:, col:col + PMAX], accumulate=False)
+
+
+def _evict_dq(c, grp, blk, dq_ps, dq_stage):
+    """dQ of each member out of PSUM into the block's staging tile, ONE ScalarE instruction per member and
+    head-dim tile: times softmax_scale, rounded to the output dtype, in the member's last section; unscaled (to
+    the fp32 scratch, or out_dq) before it."""
+    scale = 1.0
+    if blk.last:
+        scale = c.scale
+    for mi in range(len(grp.members)):
+        col = grp.members[mi][2]
+        for dt in range(len(c.qk_rows)):
+            rn = c.qk_rows[dt][1]
+            pc = (dt * c.group_size + mi) * PMAX
+            _copy_on_scalar(c, dq_stage[dt][:, col:col + PMAX], dq_ps[0:rn, pc:pc + PMAX], scale)
 
 
 def _group(c, grp, blk, q_b, dy_b, ks, vs, kts, k_lo, neg_lse, dsum, bounds, dv_acc, dk_acc, dq_stage, dq_prev,
-           score_step, p_step):
+           ident, score_step, p_step):
     """All visits of one group: dV/dK of each key tile and the members' dQ accumulate in PSUM."""
     tr = _transpose_members(c, grp, q_b, dy_b)
     dq_ps = nl.ndarray((PMAX, len(c.qk_rows) * c.group_size * PMAX), dtype=nl.float32, buffer=nl.psum)
+    if not blk.first:
+        _reload_dq(c, grp, dq_ps, dq_prev, ident)
     s_mem = []
     for mem in grp.members:
         col = mem[2]
@@ -878,13 +896,13 @@ def _group(c, grp, blk, q_b, dy_b, ks, vs, kts, k_lo, neg_lse, dsum, bounds, dv_
             if c.packing:
                 bcols = (bounds[0][:, i:i + 1], bounds[1][:, i:i + 1])
             _visit(c, v, s_mem[v.m], tr[v.m], ks, vs, kts, k_lo, neg_lse[:, g, i:i + 1], dsum[:, g, i:i + 1],
-                   bcols, dv_ps, dk_ps, dq_ps, score_step, p_step)
+                   bcols, dv_ps, dk_ps, dq_ps, blk.first, score_step, p_step)
         _evict_dv_dk(c, kt, k_lo, dv_ps, dk_ps, dv_acc, dk_acc)
-    _evict_dq(c, grp, blk, dq_ps, dq_stage, dq_prev)
+    _evict_dq(c, grp, blk, dq_ps, dq_stage)
 
 
-def _block(c, s, blk, b, hk, q_ref, o_ref, dy_ref, ks, vs, kts, neg_lse, dsum, ones, bounds, dv_acc, dk_acc,
-           out_dq, dq_scratch, score_step, p_step):
+def _block(c, s, blk, b, hk, q_ref, o_ref, dy_ref, ks, vs, kts, neg_lse, dsum, ones, ident, bounds, dv_acc,
+           dk_acc, out_dq, dq_scratch, score_step, p_step):
     """One block of members in section s: batched loads, D (first section), the groups, one dQ store per
     head-dim tile."""
     k_lo = c.sections[s][0]
@@ -901,7 +919,7 @@ def _block(c, s, blk, b, hk, q_ref, o_ref, dy_ref, ks, vs, kts, neg_lse, dsum, o
     to_scratch = c.dq_scratch and not blk.last
     dq_prev = None
     if not blk.first:
-        # the earlier sections' partial sums: fp32 scratch (mixed precision) or out_dq itself
+        # the earlier sections' unscaled partial sums: fp32 scratch (mixed precision) or out_dq itself
         dq_prev = []
         for rt in c.qk_rows:
             r0, rn = rt
@@ -921,7 +939,7 @@ def _block(c, s, blk, b, hk, q_ref, o_ref, dy_ref, ks, vs, kts, neg_lse, dsum, o
             dq_stage.append(nl.ndarray((rt[1], blk.nh * ncols), dtype=c.mm_dtype, buffer=nl.sbuf))
     for grp in blk.groups:
         _group(c, grp, blk, q_b, dy_b, ks, vs, kts, k_lo, neg_lse, dsum, bounds, dv_acc, dk_acc, dq_stage, dq_prev,
-               score_step, p_step)
+               ident, score_step, p_step)
     for dt in range(len(c.qk_rows)):
         r0, rn = c.qk_rows[dt]
         if to_scratch:
@@ -963,8 +981,18 @@ def _dsinks(c, sinks_ref, out_dsinks, b, hk, neg_lse, dsum):
 
 
 # ----------------------------------------------------------------------------------------------- driver
-def _work_item(c, b, hk, q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref, bounds, ones, out_dq, out_dk,
-               out_dv, out_dsinks, dq_scratch):
+def _identity(c):
+    """[128, 128] identity in the dtype of the parked dQ partial sums (fp32 scratch, or the input dtype of
+    out_dq): the stationary operand of ``_reload_dq``. One memset and one GpSimdE affine_select (keep p == j)."""
+    ident = nl.ndarray((PMAX, PMAX), dtype=c.dq_park_dtype, buffer=nl.sbuf)
+    nisa.memset(dst=ident, value=1.0)
+    nisa.affine_select(dst=ident, pattern=[[-1, PMAX]], channel_multiplier=1, on_true_tile=ident,
+                       on_false_value=0.0, cmp_op=nl.equal, offset=0)
+    return ident
+
+
+def _work_item(c, b, hk, q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref, bounds, ones, ident, out_dq,
+               out_dk, out_dv, out_dsinks, dq_scratch):
     """All gradients of one (batch, kv head): KV sections outer, blocks and groups of members inner."""
     score_step, p_step = _tile_steps(c)
     neg_lse = _load_neg_lse(c, lse_ref, b, hk)
@@ -993,7 +1021,7 @@ def _work_item(c, b, hk, q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref,
             nisa.memset(dst=a_v, value=0.0, engine=nisa.engine.gpsimd)
             dv_acc.append(a_v)
         for blk in c.blocks[s]:
-            _block(c, s, blk, b, hk, q_ref, o_ref, dy_ref, ks, vs, kts, neg_lse, dsum, ones, bounds, dv_acc,
+            _block(c, s, blk, b, hk, q_ref, o_ref, dy_ref, ks, vs, kts, neg_lse, dsum, ones, ident, bounds, dv_acc,
                    dk_acc, out_dq, dq_scratch, score_step, p_step)
         for dt in range(len(c.qk_rows)):
             r0, rn = c.qk_rows[dt]
@@ -1041,9 +1069,12 @@ def attention_bwd_core(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref=No
     # the ones column of the D matmul (sums the head dim over the partitions)
     ones = nl.ndarray((PMAX, 1), dtype=nl.float32, buffer=nl.sbuf)
     nisa.memset(dst=ones, value=1.0)
+    ident = None
+    if c.n_sections > 1:
+        ident = _identity(c)
     for item in range(start, end):
         _work_item(c, item // c.nheads_kv, item % c.nheads_kv, q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref,
-                   sinks_ref, bounds, ones, out_dq, out_dk, out_dv, out_dsinks, dq_scratch)
+                   sinks_ref, bounds, ones, ident, out_dq, out_dk, out_dv, out_dsinks, dq_scratch)
     if c.num_sinks:
         return out_dq, out_dk, out_dv, out_dsinks
     return out_dq, out_dk, out_dv
