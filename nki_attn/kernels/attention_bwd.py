@@ -451,9 +451,9 @@ def _use_dma_transpose(c, trn1):
                 chunks += tile[1] // PMAX
                 if tile[1] == K_TILE:
                     full += 1
-    # per 128-key chunk TensorE streams 5 matmuls x 128 columns (S, dP, dV, dK, dQ) + one 128-column transpose
-    # per head-dim tile of Q/K: ~ (5 + 1) * 128 cycles at 2.4 GHz; a whole-tile DMA transpose ~850 ns of queue
-    # time. Move the transposes to DMA when TensorE time without them stays above the DMA time they add.
+    # Per 128-key chunk and head-dim tile TensorE streams 5 matmuls x 128 columns (S, dP, dV, dK, dQ) at 2.4 GHz:
+    # its time without the dS transposes. A whole-tile DMA transpose occupies the queues ~850 ns. Move the
+    # transposes to DMA when TensorE's time without them still exceeds the DMA time they add.
     tensor_ns = chunks * 5 * PMAX * c.d_tiles / 2.4
     dma_ns = full * 850.0
     return full > 0 and tensor_ns > dma_ns
@@ -546,7 +546,7 @@ def _hbm_block(ref, b, h0, nh, r0, rn, c0, ncols):
     return ref[b, h0:h0 + nh, r0:r0 + rn, c0:c0 + ncols].permute((1, 0, 2))
 
 
-def _load_block(c, ref, b, blk, h_abs0, rows, d):
+def _load_block(c, ref, b, blk, h_abs0, rows):
     """One SBUF tile ``[rn, nh*nt*128]`` per head-dim tile ``rows`` of the block's members of ``ref`` (q, o or
     dy): one DMA per tile, head-major columns."""
     ncols = blk.nt * PMAX
@@ -621,7 +621,7 @@ def _rowsum_o_dy(c, o_ref, b, blk, h_abs0, dy_b, ones, dsum):
     their HBM layout (head dim on the partitions: no transpose), one fp32 ``tensor_tensor`` per head-dim tile for
     the whole block; a ones-vector matmul per member sums the head dim over the partitions into one PSUM column.
     Run in each member's first section only; D stays in SBUF for the later sections."""
-    o_b = _load_block(c, o_ref, b, blk, h_abs0, c.v_rows, c.d_v)
+    o_b = _load_block(c, o_ref, b, blk, h_abs0, c.v_rows)
     n = blk.nh * blk.nt
     d_ps = nl.ndarray((PMAX, n), dtype=nl.float32, buffer=nl.psum)
     prods = []
@@ -908,8 +908,8 @@ def _block(c, s, blk, b, hk, q_ref, o_ref, dy_ref, ks, vs, kts, neg_lse, dsum, o
     k_lo = c.sections[s][0]
     h_abs0 = hk * c.group + blk.h0
     ncols = blk.nt * PMAX
-    dy_b = _load_block(c, dy_ref, b, blk, h_abs0, c.v_rows, c.d_v)
-    q_b = _load_block(c, q_ref, b, blk, h_abs0, c.qk_rows, c.d_qk)
+    dy_b = _load_block(c, dy_ref, b, blk, h_abs0, c.v_rows)
+    q_b = _load_block(c, q_ref, b, blk, h_abs0, c.qk_rows)
     if c.scale_q:
         # softmax_scale folded into Q (FOLD_SCALE_INTO_Q), one instruction per head-dim tile for the whole block
         for t in q_b:
