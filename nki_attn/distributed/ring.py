@@ -99,27 +99,31 @@ def _schedule(shards, left, right):
 
 
 class _Ring:
-    """Everything one call needs besides tensors: communicator, layout, schedule, scale."""
+    """Everything one call needs besides tensors: communicator, layout, schedule, scale.
 
-    def __init__(self, fn, layout, q, k, v, sinks, softmax_scale, causal, window_size, group):
-        b, n, hq, d = q.shape
-        bk, nk, hk, dk = k.shape
-        if bk != b or nk != n:
-            _fail(fn, "k.shape", tuple(k.shape), f"batch and local seqlen must equal q's {(b, n)}: every rank "
-                                                 f"holds the keys of its own queries")
-        if dk != d:
-            _fail(fn, "k.shape[3]", dk, f"head_dim must equal q.shape[3] = {d}")
-        _check_heads(fn, hq, hk, "k.shape[2]")
-        _check_head_dim(fn, d, "q.shape[3]")
-        for name, x in (("batch", b), ("heads", hq), ("head_dim", d)):
-            if x == 0:
-                _fail(fn, f"q {name}", 0, "must be >= 1 for ring attention")
-        _check_sinks(fn, sinks, hq, q)
-        self.left, self.right = _window(fn, window_size, causal)
-        self.scale = ops.resolve_scale(fn, softmax_scale, d)
+    Arguments are checked locally first, then every rank learns every rank's verdict with the one collective of
+    the setup (the all_gather of the local lengths), so misuse on any rank raises on every rank instead of
+    leaving the others waiting in a transfer.
+    """
+
+    def __init__(self, fn, layout, q, k, v, sinks, softmax_scale, causal, window_size, group, check_flags):
         self.comm = RingComm(group)
         R = self.comm.size
-        lengths = self.comm.all_lengths(n, q.device)
+        error = None
+        try:
+            check_flags()
+            self._check_local(fn, q, k, v, sinks, softmax_scale, causal, window_size)
+        except (TypeError, ValueError, NotImplementedError) as e:
+            error = e
+        device = q.device if isinstance(q, torch.Tensor) else torch.device("cpu")
+        n = int(q.shape[1]) if error is None else -1
+        lengths = self.comm.all_lengths(n, device)
+        if error is not None:
+            raise error
+        bad = [r for r, x in enumerate(lengths) if x < 0]
+        if bad:
+            raise ValueError(f"{fn}: group ranks {bad} rejected their arguments (their error says why); this rank's "
+                             f"were valid")
         if min(lengths) < 1:
             _fail(fn, "local seqlens", lengths, "every rank must hold at least one token")
         total = sum(lengths)
@@ -136,8 +140,26 @@ class _Ring:
         self.sched = _schedule(shards, self.left, self.right)
         if self.sched.kv_pad > MAX_EXACT_KEY:
             _fail(fn, "local seqlen", max(lengths), f"must be at most {MAX_EXACT_KEY} (the key bounds are float32)")
-        self.n, self.hq, self.hk = n, hq, hk
+        self.n = n
         self.q_pad = self.sched.q_pad[self.comm.rank]
+
+    def _check_local(self, fn, q, k, v, sinks, softmax_scale, causal, window_size):
+        _check_qkv(fn, q, k, v, 4)
+        b, n, hq, d = q.shape
+        bk, nk, hk, dk = k.shape
+        if bk != b or nk != n:
+            _fail(fn, "k.shape", tuple(k.shape), f"batch and local seqlen must equal q's {(b, n)}: every rank "
+                                                 f"holds the keys of its own queries")
+        if dk != d:
+            _fail(fn, "k.shape[3]", dk, f"head_dim must equal q.shape[3] = {d}")
+        _check_heads(fn, hq, hk, "k.shape[2]")
+        _check_head_dim(fn, d, "q.shape[3]")
+        for name, x in (("batch", b), ("heads", hq), ("head_dim", d)):
+            if x == 0:
+                _fail(fn, f"q {name}", 0, "must be >= 1 for ring attention")
+        _check_sinks(fn, sinks, hq, q)
+        self.left, self.right = _window(fn, window_size, causal)
+        self.scale = ops.resolve_scale(fn, softmax_scale, d)
 
     def plans(self, src):
         return self.sched.blocks[self.comm.rank][src]
@@ -351,12 +373,12 @@ class _RingAttention(torch.autograd.Function):
 # ----------------------------------------------------------------------------------------------------- public
 def _ring_attention(fn, layout, q, k, v, dropout_p, softmax_scale, causal, window_size, alibi_slopes,
                     deterministic, return_attn_probs, group, sinks, return_lse):
-    _check_dropout(fn, dropout_p)
-    _check_fa_extras(fn, 0.0, alibi_slopes, deterministic, return_attn_probs)
-    _check_bool(fn, "return_lse", return_lse)
-    causal = _check_bool(fn, "causal", causal)
-    _check_qkv(fn, q, k, v, 4)
-    ring = _Ring(fn, layout, q, k, v, sinks, softmax_scale, causal, window_size, group)
+    def check_flags():
+        _check_dropout(fn, dropout_p)
+        _check_fa_extras(fn, 0.0, alibi_slopes, deterministic, return_attn_probs)
+        _check_bool(fn, "return_lse", return_lse)
+        _check_bool(fn, "causal", causal)
+    ring = _Ring(fn, layout, q, k, v, sinks, softmax_scale, causal, window_size, group, check_flags)
     out, lse = _RingAttention.apply(q, k, v, sinks, ring)
     if return_attn_probs:
         return out, lse, None

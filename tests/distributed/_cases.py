@@ -111,6 +111,8 @@ def bad_inputs(rank, world_size):
         "window": _raises(lambda: ring_flash_attn_func(qq, qq, qq, window_size=(3,))),
         "heads": _raises(lambda: ring_flash_attn_func(qq, torch.randn(1, n, 3, 32), torch.randn(1, n, 3, 32))),
         "sinks": _raises(lambda: ring_flash_attn_func(qq, qq, qq, sinks=torch.zeros(3))),
+        # misuse on rank 0 only: rank 0 raises its own error, the others learn of it in the setup's gather
+        "one_rank": _raises(lambda: ring_flash_attn_func(qq, qq, qq, dropout_p=0.5 if rank == 0 else 0.0)),
     }
 
 

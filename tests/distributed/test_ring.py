@@ -82,6 +82,9 @@ def test_two_ranks():
         assert r["api"]["same"], "packed / return_attn_probs variants differ from the plain call"
         assert r["api"]["probs"] == (3, (1, 2, 256), True)
     assert results[0]["bad"]["zigzag_uneven"] == results[1]["bad"]["zigzag_uneven"]
+    one = [r["bad"]["one_rank"] for r in results]
+    assert one[0][0] == "NotImplementedError" and "dropout_p" in one[0][1]
+    assert one[1][0] == "ValueError" and "ranks [0] rejected" in one[1][1]
 
 
 SUB_CASES = [case("sub-ring-causal-gqa"), case("sub-zigzag-window-sinks", layout="zigzag", window=(150, 0), sinks=1)]
