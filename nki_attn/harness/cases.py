@@ -10,6 +10,7 @@ Rows whose lengths are not multiples of 128 (or with ``api=True``) run through t
 compared with the golden on the unpadded problem.
 """
 import dataclasses
+import json
 
 DTYPES = ("float32", "bfloat16", "float16")
 # Every spelling the command lines accept, mapped to the canonical name used in rows and reports.
@@ -72,10 +73,32 @@ class Case:
         return f or ["plain"]
 
     def as_dict(self):
+        """JSON-ready fields plus the derived ``features`` list (the report's ``case``)."""
         d = dataclasses.asdict(self)
         d["cu_seqlens"] = list(self.cu_seqlens)
         d["features"] = self.features
         return d
+
+    @classmethod
+    def from_dict(cls, d):
+        """The inverse of ``as_dict`` (derived keys ignored): re-run a report's row, or a property-test example.
+        Raises ValueError naming unknown or missing fields."""
+        fields = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(d) - fields - {"features"}
+        if unknown:
+            raise ValueError(f"unknown case fields {sorted(unknown)}; known: {sorted(fields)}")
+        kw = {k: v for k, v in d.items() if k in fields}
+        kw["cu_seqlens"] = tuple(kw.get("cu_seqlens", ()))
+        try:
+            return cls(**kw)
+        except TypeError as exc:
+            raise ValueError(f"case {d!r}: {exc}") from None
+
+    def to_json(self):
+        """One-line JSON of the case, as ``nki-attn check --case`` takes it."""
+        d = self.as_dict()
+        d.pop("features")
+        return json.dumps(d, separators=(",", ":"))
 
 
 def feature_case(feature, seqlen, d_head, dtype, heads=2, batch=1):
@@ -192,6 +215,17 @@ def canonical_dtype(name):
         return DTYPE_ALIASES[str(name).lower()]
     except KeyError:
         raise ValueError(f"dtype {name!r} is not supported; choose from {sorted(DTYPE_ALIASES)}") from None
+
+
+def case_from_json(text):
+    """A ``Case`` from its JSON (``Case.to_json`` or a report row's ``case``); ValueError when malformed."""
+    try:
+        d = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"case {text!r} is not JSON: {exc}") from None
+    if not isinstance(d, dict):
+        raise ValueError(f"case {text!r} must be a JSON object")
+    return Case.from_dict(d)
 
 
 def select(preset=None, shapes=None, dtypes=None, features=None):

@@ -86,6 +86,14 @@ def writable_dir_problem(path):
     return writable_file_problem(os.path.join(path, ".nki-attn-write-probe"))
 
 
+def case_arg(text):
+    """argparse type: one row as JSON (a report row's ``case``, or what a failing property test prints)."""
+    try:
+        return _cases.case_from_json(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 # ----------------------------------------------------------------------------------------------------- parser
 PRESET_HELP = ("row set: quick (every feature at small sizes, about 30 s with -j 2), full (realistic sizes up to "
                "16K tokens, minutes), models (real models' head shapes, minutes); docs/harness.md lists them")
@@ -102,6 +110,9 @@ def add_parser(sub):
     p.add_argument("--shapes", nargs="+", type=shape_arg, metavar="SxD[xH]",
                    help="build rows from shapes instead of a preset: seqlen (any length >= "
                         f"{_cases.MIN_SEQLEN}) x d_head [x heads, default 2], e.g. 1024x128 300x64x4")
+    p.add_argument("--case", nargs="+", type=case_arg, metavar="JSON",
+                   help="run exactly these rows, each the JSON of a report row's \"case\" (how a failing "
+                        "property-test example is reproduced)")
     p.add_argument("--dtypes", nargs="+", type=dtype_arg, metavar="DTYPE",
                    help="only these dtypes (float32|fp32, bfloat16|bf16, float16|fp16); with --shapes the default "
                         "is bfloat16")
@@ -136,8 +147,11 @@ def validate(args, parser):
             parser.error(f"--drift-dir: {problem}")
     if args.lnc == 2 and (args.target or os.environ.get("NEURON_PLATFORM_TARGET_OVERRIDE")) == "trn1":
         parser.error("--lnc 2 needs trn2 or trn3 (trn1 has no LNC2)")
+    if args.case and args.shapes:
+        parser.error("--case and --shapes are alternatives: give one")
     try:
-        rows = _cases.select(None if args.shapes else args.preset, args.shapes, args.dtypes, args.features)
+        rows = list(args.case) if args.case else \
+            _cases.select(None if args.shapes else args.preset, args.shapes, args.dtypes, args.features)
     except ValueError as exc:
         parser.error(str(exc))
     if not rows:
@@ -238,7 +252,7 @@ def main(args):
         prog = Progress(2 * len(progress_steps(args.drift)), label="drift")
         drift = check_drift(args.drift, args.drift_dir, progress=prog.finished)
     meta = {"backend": BACKEND, "target": os.environ.get("NEURON_PLATFORM_TARGET_OVERRIDE", "trn2"),
-            "preset": None if args.shapes else args.preset, "lnc": args.lnc, "jobs": args.jobs,
+            "preset": None if (args.shapes or args.case) else args.preset, "lnc": args.lnc, "jobs": args.jobs,
             "candidate": "nki-kernels", "notes": sorted({c.note for c in rows_in if c.note}),
             "wall_seconds": round(time.perf_counter() - t0, 1),
             "load_average": {"start": load_start, "end": _report.load_average()}}
