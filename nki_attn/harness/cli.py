@@ -94,6 +94,15 @@ def case_arg(text):
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """--help shows every default, except None (the option is simply off) which the help text explains."""
+
+    def _get_help_string(self, action):
+        if action.default is None or action.default is argparse.SUPPRESS or isinstance(action.default, bool):
+            return action.help
+        return super()._get_help_string(action)
+
+
 # ----------------------------------------------------------------------------------------------------- parser
 PRESET_HELP = ("row set: quick (every feature at small sizes, about 30 s with -j 2), full (realistic sizes up to "
                "16K tokens, minutes), models (real models' head shapes, minutes); docs/harness.md lists them")
@@ -105,7 +114,7 @@ def add_parser(sub):
                        description="Run harness rows: forward + backward kernels against a float64 golden with "
                                    "derived tolerances (docs/harness.md, docs/tolerances.md). Exit status 0 only "
                                    "when every row (and determinism/drift when asked) passes; 2 for usage errors.",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                       formatter_class=HelpFormatter)
     p.add_argument("--preset", default="quick", choices=sorted(_cases.PRESETS), help=PRESET_HELP)
     p.add_argument("--shapes", nargs="+", type=shape_arg, metavar="SxD[xH]",
                    help="build rows from shapes instead of a preset: seqlen (any length >= "

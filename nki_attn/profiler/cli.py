@@ -13,7 +13,7 @@ import os
 import sys
 import time
 
-from ..harness.cli import non_negative_int, positive_int, writable_file_problem
+from ..harness.cli import HelpFormatter, non_negative_int, positive_int, writable_file_problem
 
 KERNELS = ("fwd", "bwd", "demo")
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
@@ -36,18 +36,18 @@ def add_parser(sub):
         description="Run a kernel once on the simulator with the instruction trace on and print its modeled "
                     "time per engine on a Trainium generation. Times are modeled, not measured. Exit status 2 "
                     "for usage errors.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        formatter_class=HelpFormatter)
     p.add_argument("--kernel", choices=KERNELS, default="fwd",
                    help="attention_fwd, attention_bwd, or demo (matmul_exp: lhsT [D,128], rhs [D,S])")
     p.add_argument("--batch", type=positive_int, default=1, help="batch size")
     p.add_argument("--heads", type=positive_int, default=1, help="query heads")
-    p.add_argument("--kv-heads", type=positive_int, default=None, help="kv heads; None means as many as --heads")
+    p.add_argument("--kv-heads", type=positive_int, default=None, help="kv heads (default: as many as --heads)")
     p.add_argument("--seqlen", type=positive_int, default=512, help="seqlen_q = seqlen_k (a multiple of 128)")
     p.add_argument("--head-dim", type=positive_int, default=128, help="head dimension")
     p.add_argument("--dtype", type=dtype_arg, default="bf16", metavar="DTYPE",
                    help="input dtype: bf16|bfloat16, fp16|float16, fp32|float32")
     p.add_argument("--causal", action="store_true", help="causal mask")
-    p.add_argument("--window", type=positive_int, default=None, help="sliding window W (implies --causal)")
+    p.add_argument("--window", type=positive_int, default=None, help="sliding window W (implies --causal; default: no window)")
     p.add_argument("--sinks", type=non_negative_int, default=0, help="sink logits per head (0: none)")
     p.add_argument("--target", choices=("trn1", "trn2", "trn3"), default="trn2", help="Trainium generation")
     p.add_argument("--lnc", type=int, choices=(1, 2), default=1, help="logical NeuronCore degree (2: trn2/trn3)")
