@@ -2,7 +2,7 @@
 validation method asks for: what was validated, on what, and what was not).
 
     nki-attn check --preset full -j 2 --out docs/harness_report_full.json
-    nki-attn check --preset models -j 2 --determinism 10 --out docs/harness_report_models.json
+    nki-attn check --preset models -j 2 --out docs/harness_report_models.json
     python scripts/make_validation_note.py docs/harness_report_full.json docs/harness_report_models.json
 """
 import json

@@ -21,16 +21,16 @@ def check_determinism(case, runs=10, candidate=None, compare_lnc=True, progress=
     first = run_candidate(cand, ins, case)
     same = 1
     if progress:
-        progress(f"determinism {case.name}: run 1/{runs}")
+        progress(f"{case.name}: run 1/{runs}")
     for i in range(runs - 1):
         equal = _equal(first, run_candidate(cand, ins, case))
         same += equal
         if progress:
-            progress(f"determinism {case.name}: run {i + 2}/{runs} {'identical' if equal else 'DIFFERS'}")
+            progress(f"{case.name}: run {i + 2}/{runs} {'identical' if equal else 'DIFFERS'}")
     lnc2 = None
     if compare_lnc:
         lnc2 = _equal(first, run_candidate(KernelCandidate(lnc=2), ins, case))
         if progress:
-            progress(f"determinism {case.name}: LNC2 {'equal' if lnc2 else 'DIFFERS'}")
+            progress(f"{case.name}: LNC2 {'equal' if lnc2 else 'DIFFERS'}")
     ok = same == runs and lnc2 is not False
     return {"case": case.name, "runs": runs, "identical_runs": same, "lnc2_equal": lnc2, "pass": ok}

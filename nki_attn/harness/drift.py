@@ -74,7 +74,7 @@ def train(attn, steps, seed=0, batch=8, n=16, vocab=12, lr=3e-3, progress=None, 
         opt.step()
         losses.append(loss.item())
         if len(losses) in marks:
-            progress(f"drift {label}: step {len(losses)}/{steps} loss {losses[-1]:.4f}")
+            progress(f"{label} run: step {len(losses)}/{steps} loss {losses[-1]:.4f}")
     return losses
 
 

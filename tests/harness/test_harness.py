@@ -206,6 +206,25 @@ def test_floor_follows_the_reduction_length():
     assert tolerance.floor_rel("bfloat16", 16384) < 1.1 * 2.0 ** -9
 
 
+def test_dsinks_input_floor_and_the_band_it_lifts():
+    # terms t[i, d] = P_sink[i] * O[d, i] * dO[d, i]: P_sink = exp(0 - [0, log 2]) = [1, 0.5], O * dO = [3, 2]
+    import math
+    import numpy as np
+    o, dy = np.array([[[[1.0, 2.0]]]]), np.array([[[[3.0, 1.0]]]])
+    lse = np.array([[[0.0, math.log(2.0)]]])
+    scale = tolerance.dsinks_input_scale(o, lse, np.zeros((1, 1)), dy)
+    assert scale == pytest.approx(math.sqrt(3.0 ** 2 + 1.0 ** 2))
+    # a batch of two identical problems whose dsinks sums over the batch (the API's shared sinks): sqrt(2) x
+    two = tolerance.dsinks_input_scale(np.concatenate([o, o]), np.concatenate([lse, lse]), np.zeros((2, 1)),
+                                       np.concatenate([dy, dy]), over_batch=True)
+    assert two == pytest.approx(math.sqrt(2) * scale)
+    # the bfloat16 1000-token sinks row: dsinks cancelled to 0.0028, terms of 2-norm 5.06; the baseline's error
+    # (1.1e-4) meets the band, but the derived floor (4 u 5.06 = 0.079) does not fit in it: band not required
+    c = tolerance.compare("dsinks", [-0.0185], [-0.0028], [-0.0029], "bfloat16", n=1000, input_scale=5.06)
+    assert c["input_floor"] == pytest.approx(4 * 2.0 ** -8 * 5.06) and not c["band_required"] and c["ok"]
+    assert not tolerance.compare("dsinks", [-0.0185], [-0.0028], [-0.0029], "bfloat16", n=1000)["ok"]
+
+
 def test_reduction_lengths():
     n = tolerance.reduction_lengths(cases.feature_case("gqa", 1024, 64, "bfloat16", heads=2))  # 8 q heads, 2 kv
     assert (n["o"], n["dq"], n["dk"], n["dv"]) == (1024, 1024, 4 * 1024, 4 * 1024)
