@@ -10,7 +10,7 @@ The default run keeps a small, derandomized example budget (8 examples, under a 
 ``-m slow`` runs 150 fresh random examples up to 700 tokens.
 """
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from nki_attn.harness import cases, runner
@@ -32,12 +32,16 @@ def attention_cases(draw, max_seqlen=400):
     # aligned, the API's bottom-right: they agree when seqlen_q == seqlen_k)
     sk = sq if (causal or packed) else draw(st.integers(cases.MIN_SEQLEN, max_seqlen))
     batch = 1 if packed else draw(st.integers(1, 2))
-    window = draw(st.integers(1, sq)) if causal and draw(st.booleans()) else 0
+    # Windows of one key are left out, and so are packings whose every sequence has one token: there every
+    # query sees a single key, dS = P * (dP - D) is 0 by cancellation, the reference dq and dk are exactly 0
+    # and the relative rule has no scale to judge the kernels' rounding noise by (docs/tolerances.md, "Limits").
+    window = draw(st.integers(2, sq)) if causal and draw(st.booleans()) else 0
     cu = ()
     if packed:
         cuts = draw(st.lists(st.integers(0, sq), min_size=1, max_size=4))
         end = draw(st.sampled_from((sq, max(0, sq - draw(st.integers(1, sq))))))  # trailing rows may see no key
         cu = tuple([0] + sorted(min(c, end) for c in cuts) + [end])
+        assume(max(b - a for a, b in zip(cu[:-1], cu[1:])) >= 2)
     sinks = draw(st.sampled_from((0, 0, 1, 2)))
     scale = draw(st.sampled_from((0.0, 0.0, 0.25, 1.0)))
     # lengths that are multiples of 128 may also take the kernels' direct path
