@@ -138,6 +138,50 @@ def reference(ins, case, as_dtype):
     return cut(_golden(pad, case, as_dtype))
 
 
+def inputs_baseline(ins, ref, case):
+    """The backward's LSE-based formula in float32, reading the reference O rounded to the row's dtype and the
+    reference LSE rounded to float32 (the inputs a backward kernel is handed): D = rowsum(O * dO),
+    P = exp(S - LSE), dS = P * (dP - D), dV = P^T dO, dQ = scale dS K, dK = scale dS^T Q, dsinks =
+    -sum_rows P_sink D. Its error is what any implementation of that formula gets from those inputs, which
+    the golden baseline (it normalises its own P and never reads O) does not make (docs/tolerances.md).
+
+    Works on the unpadded problem for every row; returns dq, dk, dv (and dsinks) in ``reference``'s layouts.
+    """
+    from golden.attention_fwd_torch import visibility_mask
+
+    f32, dt = torch.float32, _TORCH[case.dtype]
+    lse = ref["lse"]
+    if lse.dim() == 4:  # kernel layout [b, h, 128, sq // 128]: row t * 128 + p at [p, t]
+        lse = lse.permute(0, 1, 3, 2).reshape(lse.shape[0], lse.shape[1], -1)
+    lse = lse.to(f32)
+    o = ref["o"].to(dt).to(f32)
+    q, k, v, dy = (ins[n].to(f32) for n in ("q", "k", "v", "dy"))
+    scale = case.scale or case.d_head ** -0.5
+    vis = visibility_mask(case.seqlen_q, case.seqlen_k, case.causal, case.window or None,
+                          ins["bound_min"] if case.cu_seqlens else None, ins["bound_max"] if case.cu_seqlens else None)
+    group = case.heads // case.kv_heads
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    dd = (o * dy).sum(2)                                                              # D [b, h, sq]
+    for g in range(case.kv_heads):
+        hq = slice(g * group, (g + 1) * group)
+        s = torch.einsum("bhdq,bdk->bhqk", q[:, hq], k[:, g]) * scale
+        p = torch.exp(s.masked_fill(~vis, float("-inf")) - lse[:, hq, :, None])
+        p = torch.nan_to_num(p, nan=0.0)                                             # rows with no key: 0
+        dp = torch.einsum("bhdq,bdk->bhqk", dy[:, hq], v[:, g])
+        ds = p * (dp - dd[:, hq, :, None])
+        dq[:, hq] = torch.einsum("bhqk,bdk->bhdq", ds, k[:, g]) * scale
+        dk[:, g] = torch.einsum("bhqk,bhdq->bdk", ds, q[:, hq]) * scale
+        dv[:, g] = torch.einsum("bhqk,bhdq->bdk", p, dy[:, hq])
+    out = {"dq": dq, "dk": dk, "dv": dv}
+    if ins["sinks"] is not None:
+        sinks = ins["sinks"].to(f32)
+        sinks = sinks[..., None] if sinks.dim() == 2 else sinks                      # [b, h, n]
+        psink = torch.nan_to_num(torch.exp(sinks[:, :, None, :] - lse[..., None]), nan=0.0)
+        ds = -(psink * dd[..., None]).sum(2).reshape(ins["sinks"].shape)
+        out["dsinks"] = ds.sum(0) if case.via_api else ds
+    return out
+
+
 def _golden(ins, case, as_dtype):
     """Golden forward + backward with inputs converted to ``as_dtype`` (float64: the reference).
 
@@ -235,13 +279,15 @@ def run_case(case, candidate):
         ref = reference(ins, case, torch.float64)
         base = reference(ins, case, None)
         got = run_candidate(candidate, ins, case)
+        from_inputs = inputs_baseline(ins, ref, case)
         lengths = tolerance.reduction_lengths(case)
         checks = {}
         for name in ref:
             # lse and dsinks are float32 but carry the row dtype's input rounding: judged by the row dtype.
             scale = _dsinks_input_scale(ref, ins, case) if name == "dsinks" else 0.0
             checks[name] = tolerance.compare(name, _np(got[name]), _np(ref[name]), _np(base[name]), case.dtype,
-                                             n=lengths[name], input_scale=scale)
+                                             n=lengths[name], input_scale=scale,
+                                             inputs=_np(from_inputs[name]) if name in from_inputs else None)
         row["outputs"] = checks
         row["pass"] = all(c["ok"] for c in checks.values())
         row["worst_ratio"] = max((c["max_abs"] / c["bound"] if c.get("bound") else 0.0) for c in checks.values())

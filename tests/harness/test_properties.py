@@ -10,7 +10,7 @@ The default run keeps a small, derandomized example budget (8 examples, under a 
 ``-m slow`` runs 150 fresh random examples up to 700 tokens.
 """
 import pytest
-from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from nki_attn.harness import cases, runner
@@ -32,16 +32,12 @@ def attention_cases(draw, max_seqlen=400):
     # aligned, the API's bottom-right: they agree when seqlen_q == seqlen_k)
     sk = sq if (causal or packed) else draw(st.integers(cases.MIN_SEQLEN, max_seqlen))
     batch = 1 if packed else draw(st.integers(1, 2))
-    # Windows of one key are left out, and so are packings whose every sequence has one token: there every
-    # query sees a single key, dS = P * (dP - D) is 0 by cancellation, the reference dq and dk are exactly 0
-    # and the relative rule has no scale to judge the kernels' rounding noise by (docs/tolerances.md, "Limits").
-    window = draw(st.integers(2, sq)) if causal and draw(st.booleans()) else 0
+    window = draw(st.integers(1, sq)) if causal and draw(st.booleans()) else 0
     cu = ()
     if packed:
         cuts = draw(st.lists(st.integers(0, sq), min_size=1, max_size=4))
         end = draw(st.sampled_from((sq, max(0, sq - draw(st.integers(1, sq))))))  # trailing rows may see no key
         cu = tuple([0] + sorted(min(c, end) for c in cuts) + [end])
-        assume(max(b - a for a, b in zip(cu[:-1], cu[1:])) >= 2)
     sinks = draw(st.sampled_from((0, 0, 1, 2)))
     scale = draw(st.sampled_from((0.0, 0.0, 0.25, 1.0)))
     # lengths that are multiples of 128 may also take the kernels' direct path
@@ -82,6 +78,22 @@ def test_kernels_match_golden_on_random_problems(case):
 @settings(max_examples=150, **_COMMON)
 @given(attention_cases(max_seqlen=700))
 def test_kernels_match_golden_on_random_problems_large_budget(case):
+    check_case(case)
+
+
+# Examples the random budget found, kept as regressions of the tolerance rule: a single-key window (dq, dk are
+# exactly 0 by cancellation; the kernels return rounding noise) and bfloat16 with softmax_scale 1.0 on a tiny
+# problem (the error the handed O and LSE bring exceeds twice the golden baseline's).
+FOUND = [
+    cases.Case(name="found-window1", batch=1, heads=1, kv_heads=1, seqlen_q=16, seqlen_k=16, d_head=32,
+               dtype="float32", causal=True, window=1, cu_seqlens=(0, 0, 16), api=True),
+    cases.Case(name="found-scale1-bf16", batch=1, heads=1, kv_heads=1, seqlen_q=25, seqlen_k=16, d_head=32,
+               dtype="bfloat16", scale=1.0, api=True),
+]
+
+
+@pytest.mark.parametrize("case", FOUND, ids=lambda c: c.name)
+def test_examples_found_by_the_random_budget(case):
     check_case(case)
 
 
