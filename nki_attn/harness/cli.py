@@ -104,8 +104,9 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 
 # ----------------------------------------------------------------------------------------------------- parser
-PRESET_HELP = ("row set: quick (every feature at small sizes, about 30 s with -j 2), full (realistic sizes up to "
-               "16K tokens, minutes), models (real models' head shapes, minutes); docs/harness.md lists them")
+PRESET_HELP = ("row set: quick (every feature at small sizes; with -j 2 on 2 cores, 16 s idle to 50 s under load), "
+               "full (realistic sizes up to 16K tokens; 8 min under load), models (real models' head shapes; "
+               "longer); README.md has the measured times, docs/harness.md the rows")
 
 
 def add_parser(sub):

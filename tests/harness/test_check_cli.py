@@ -86,7 +86,7 @@ def test_help_shows_defaults(sub, defaults, capsys):
     for d in defaults:
         assert d in out, d
     if sub == "check":
-        assert "quick (every feature at small sizes, about" in out  # a measured time, not "minutes"
+        assert "quick (every feature at small sizes; with -j 2 on 2 cores, 16 s" in out  # measured, not "minutes"
 
 
 class _Stream(io.StringIO):
