@@ -105,8 +105,8 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 # ----------------------------------------------------------------------------------------------------- parser
 PRESET_HELP = ("row set: quick (every feature at small sizes; with -j 2 on 2 cores, 16 s idle to 50 s under load), "
-               "full (realistic sizes up to 16K tokens; 8 min under load), models (real models' head shapes; "
-               "longer); README.md has the measured times, docs/harness.md the rows")
+               "full (realistic sizes up to 16K tokens; 10 min under load), models (real models' head shapes; "
+               "29 min under load); README.md has the measured times, docs/harness.md the rows")
 
 
 def add_parser(sub):
