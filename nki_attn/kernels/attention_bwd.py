@@ -991,6 +991,33 @@ def _identity(c):
     return ident
 
 
+def _section(c, s, b, hk, q_ref, k_ref, v_ref, o_ref, dy_ref, neg_lse, dsum, ones, ident, bounds, out_dq, out_dk,
+             out_dv, dq_scratch, score_step, p_step):
+    """One K/V section of a work item: load K, V, K^T, zero the fp32 dK, dV accumulators, run the section's
+    blocks, write dK, dV. The section's tiles live in this function only, so one section's buffers are released
+    before the next section's are allocated."""
+    k_lo, k_len = c.sections[s]
+    ks, vs, kts = _load_kv_section(c, k_ref, v_ref, b, hk, k_lo, k_len)
+    dk_acc, dv_acc = [], []
+    for rt in c.qk_rows:
+        a_k = nl.ndarray((rt[1], k_len), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.memset(dst=a_k, value=0.0, engine=nisa.engine.gpsimd)
+        dk_acc.append(a_k)
+    for rt in c.v_rows:
+        a_v = nl.ndarray((rt[1], k_len), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.memset(dst=a_v, value=0.0, engine=nisa.engine.gpsimd)
+        dv_acc.append(a_v)
+    for blk in c.blocks[s]:
+        _block(c, s, blk, b, hk, q_ref, o_ref, dy_ref, ks, vs, kts, neg_lse, dsum, ones, ident, bounds, dv_acc,
+               dk_acc, out_dq, dq_scratch, score_step, p_step)
+    for dt in range(len(c.qk_rows)):
+        r0, rn = c.qk_rows[dt]
+        nisa.dma_copy(dst=out_dk[b, hk, r0:r0 + rn, k_lo:k_lo + k_len], src=dk_acc[dt])
+    for dt in range(len(c.v_rows)):
+        r0, rn = c.v_rows[dt]
+        nisa.dma_copy(dst=out_dv[b, hk, r0:r0 + rn, k_lo:k_lo + k_len], src=dv_acc[dt])
+
+
 def _work_item(c, b, hk, q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref, bounds, ones, ident, out_dq,
                out_dk, out_dv, out_dsinks, dq_scratch):
     """All gradients of one (batch, kv head): KV sections outer, blocks and groups of members inner."""
@@ -1009,26 +1036,8 @@ def _work_item(c, b, hk, q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref,
                     nisa.dma_copy(dst=out_dq[b, hk * c.group + g, r0:r0 + rn, i * PMAX:(i + 1) * PMAX],
                                   src=zero[0:rn, :])
     for s in range(c.n_sections):
-        k_lo, k_len = c.sections[s]
-        ks, vs, kts = _load_kv_section(c, k_ref, v_ref, b, hk, k_lo, k_len)
-        dk_acc, dv_acc = [], []
-        for rt in c.qk_rows:
-            a_k = nl.ndarray((rt[1], k_len), dtype=nl.float32, buffer=nl.sbuf)
-            nisa.memset(dst=a_k, value=0.0, engine=nisa.engine.gpsimd)
-            dk_acc.append(a_k)
-        for rt in c.v_rows:
-            a_v = nl.ndarray((rt[1], k_len), dtype=nl.float32, buffer=nl.sbuf)
-            nisa.memset(dst=a_v, value=0.0, engine=nisa.engine.gpsimd)
-            dv_acc.append(a_v)
-        for blk in c.blocks[s]:
-            _block(c, s, blk, b, hk, q_ref, o_ref, dy_ref, ks, vs, kts, neg_lse, dsum, ones, ident, bounds, dv_acc,
-                   dk_acc, out_dq, dq_scratch, score_step, p_step)
-        for dt in range(len(c.qk_rows)):
-            r0, rn = c.qk_rows[dt]
-            nisa.dma_copy(dst=out_dk[b, hk, r0:r0 + rn, k_lo:k_lo + k_len], src=dk_acc[dt])
-        for dt in range(len(c.v_rows)):
-            r0, rn = c.v_rows[dt]
-            nisa.dma_copy(dst=out_dv[b, hk, r0:r0 + rn, k_lo:k_lo + k_len], src=dv_acc[dt])
+        _section(c, s, b, hk, q_ref, k_ref, v_ref, o_ref, dy_ref, neg_lse, dsum, ones, ident, bounds, out_dq, out_dk,
+                 out_dv, dq_scratch, score_step, p_step)
     if c.num_sinks:
         _dsinks(c, sinks_ref, out_dsinks, b, hk, neg_lse, dsum)
 
