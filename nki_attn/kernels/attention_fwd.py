@@ -27,6 +27,8 @@ and per block at the end ``o = O / l``, ``lse = s m + log(l)``; rows whose max i
 key, no sink) are forced to ``o = 0``, ``lse = +inf`` by selects on a keep flag. The statistics of all units of a
 block live in the columns of ``[128, units]`` tiles, so each statistics instruction serves the whole block.
 """
+import math
+
 from ..backend import nisa, nki, nl
 from .tiling import tile_fully_visible, tile_visible
 from .validation import attention_problem, attention_shape, sbuf_bytes_per_partition
@@ -85,7 +87,7 @@ class _FwdConfig(nl.NKIObject):
     bounds, trn2+), "predicate" (trn1 packing: key index compared with the bounds, select_reduce) or "affine"
     (trn1 causal / window: affine_select). group: query heads per kv head; units: units per block (whole query
     tiles of the group when the group fits); kb_tiles: score tiles per key block; sec_tiles: query tiles per
-    section.
+    section; p_dma_transpose: half of the full P tiles are transposed by DMA (``_transpose_p``).
     """
 
     def __init__(self, shp, io_dtype, acc_dtype, range_select_ok):
@@ -94,8 +96,11 @@ class _FwdConfig(nl.NKIObject):
         self.v_tiles = _partition_tiles(shp.d_head)
         self.d_v = shp.d_head
         self.group = shp.group
-        self.exp_scale = shp.scale if SCALE_IN_EXP else 1.0
-        self.q_scale = 1.0 if SCALE_IN_EXP else shp.scale
+        # a power-of-two scale commutes exactly with every rounding: applied by the exponent it gives the same bits
+        # as folded into Q, without the pass over Q
+        in_exp = SCALE_IN_EXP or _power_of_two(shp.scale)
+        self.exp_scale = shp.scale if in_exp else 1.0
+        self.q_scale = 1.0 if in_exp else shp.scale
         self.io_dtype = io_dtype
         self.acc_dtype = acc_dtype
         self.n_qt = shp.seqlen_q // PMAX
@@ -112,7 +117,14 @@ class _FwdConfig(nl.NKIObject):
         else:
             self.units = MAX_UNITS  # a block holds some heads of one query tile
         self.kb_tiles = KB_TILES
+        # dma_transpose: trn2+ (the range_select generations), 2-byte dtypes only
+        self.p_dma_transpose = range_select_ok and _itemsize(io_dtype) == 2
         self.sec_tiles = _section_tiles(self, _itemsize(io_dtype), _itemsize(acc_dtype))
+
+
+def _power_of_two(x):
+    """True when the positive number ``x`` is an exact power of two."""
+    return 2.0 ** math.floor(math.log2(x)) == x
 
 
 def _itemsize(dtype):
@@ -223,15 +235,35 @@ def _mask_affine(cfg, t, ks, src, dst, max_col, bounds, idx):
     nisa.tensor_reduce(dst=max_col, op=nl.maximum, data=dst, axis=1)
 
 
-def _mask_step(cfg):
-    """The masking step of partially visible score tiles, chosen once per launch (None: nothing is masked)."""
-    if not cfg.masked:
-        return None
+class _TileSteps(nl.NKIObject):
+    """The per-tile steps of the inner loop, chosen once per launch (docs/kernel-fwd.md, "Tile steps"); NKI
+    inlines them. ``pos = (b, head, q0, ks)``: batch, query head, first query row and first key of the tile.
+
+    score: steps applied in order to a score tile between the QK matmul and the mask, each
+        ``step(cfg, pos, src) -> tile`` returning float32 scores of the same shape in SBUF (soft-capping, a
+        position bias, ...); none today.
+    mask_full / mask_partial: the masking step of a tile whose every (query, key) pair is visible / of any other
+        tile, ``step(cfg, t, ks, src, dst, max_col, bounds, idx)``: masked float32 scores into ``dst``, their row
+        max into ``max_col``.
+    prob: steps applied in order to P after the exponent took its row sum, ``step(cfg, pos, p) -> p`` (dropout,
+        ...); none today.
+    """
+
+    def __init__(self, score, mask_full, mask_partial, prob):
+        self.score = score
+        self.mask_full = mask_full
+        self.mask_partial = mask_partial
+        self.prob = prob
+
+
+def _tile_steps(cfg):
+    """The launch's tile steps: the masking step by generation and mask kind, no score or probability step."""
+    partial = _mask_affine
     if cfg.mask == "bounds":
-        return _mask_bounds
-    if cfg.mask == "predicate":
-        return _mask_predicate
-    return _mask_affine
+        partial = _mask_bounds
+    elif cfg.mask == "predicate":
+        partial = _mask_predicate
+    return _TileSteps([], _evict_max, partial, [])
 
 
 def _load_bounds(cfg, bound_min, bound_max):
@@ -329,7 +361,7 @@ def _transpose_v(cfg, v_tiles, n_ch):
     return vt
 
 
-def _scores(cfg, q_sec, k_tiles, t0, heads, tiles, kb, pm, bounds, idx, mask_step):
+def _scores(cfg, q_sec, k_tiles, b, kvh, t0, heads, tiles, kb, pm, bounds, idx, steps):
     """Phase 1 (scoring and masking): S = Q^T K of every visible (unit, score tile) of key block ``kb``, masked
     and copied to SBUF (float32, raw units), its row max into ``pm[:, u, i]``. Returns ``s[u][i]`` (None where
     the unit sees nothing of score tile i)."""
@@ -351,13 +383,16 @@ def _scores(cfg, q_sec, k_tiles, t0, heads, tiles, kb, pm, bounds, idx, mask_ste
                 for qi in range(len(cfg.qk_tiles)):
                     nisa.nc_matmul(dst=s_ps, stationary=q_sec[heads[u]][qi][:, qcol:qcol + PMAX],
                                    moving=k_tiles[qi][:, col:col + w])
+                src = s_ps
+                for f in steps.score:
+                    src = f(cfg, (b, kvh * cfg.group + heads[u], q0, ks), src)
                 s_sb = nl.ndarray((PMAX, w), dtype=nl.float32, buffer=nl.sbuf)
                 full = not shp.packing and tile_fully_visible(q0, q0 + PMAX, ks, ks + w, shp.causal, shp.window)
-                step = _evict_max if full else mask_step
+                mask = steps.mask_full if full else steps.mask_partial
                 j = None
                 if idx is not None:
                     j = idx[:, col:col + w]
-                step(cfg, tiles[u], ks, s_ps, s_sb, pm[:, u, i], bounds, j)
+                mask(cfg, tiles[u], ks, src, s_sb, pm[:, u, i], bounds, j)
                 row.append(s_sb)
             else:
                 row.append(None)
@@ -382,10 +417,36 @@ def _update_max(cfg, pm, pm_next):
     return alpha, bias
 
 
-def _exp_pv(cfg, s, kb, vt, bias, alpha, rs, o_acc, started):
+def _rescale_o(o_acc, u, alpha, o_ps, first):
+    """Online-softmax update of unit ``u``'s O with a key block's PV (float32 PSUM): ``O = O * alpha + PV``, or
+    ``O = PV`` at the unit's first key block (O is not initialised; sinks add to l only)."""
+    if first:
+        nisa.tensor_copy(dst=o_acc[:, u, :], src=o_ps)
+    else:
+        nisa.scalar_tensor_tensor(dst=o_acc[:, u, :], data=o_acc[:, u, :], op0=nl.multiply,
+                                  operand0=alpha[:, u:u + 1], op1=nl.add, operand1=o_ps)
+
+
+def _transpose_p(cfg, p_sb, n_ch, dma_turn):
+    """P^T ``[128 keys, n_ch, 128 queries]`` (SBUF) for the PV matmul. TensorE transposes (PSUM) and one eviction
+    by default; on trn2+ with 16-bit P, every other full score tile (``dma_turn``) goes by one SBUF -> SBUF
+    dma_transpose instead (bit-exact too), which balances TensorE and VectorE against the otherwise idle DMA
+    queues (docs/kernel-fwd.md, "Engine balance")."""
+    pt_sb = nl.ndarray((PMAX, n_ch, PMAX), dtype=cfg.io_dtype, buffer=nl.sbuf)
+    if cfg.p_dma_transpose and dma_turn and n_ch == K_TILE // PMAX:
+        nisa.dma_transpose(dst=pt_sb, src=p_sb.ap(pattern=[[n_ch * PMAX, PMAX], [PMAX, n_ch], [1, PMAX]], offset=0))
+    else:
+        pt_ps = nl.ndarray((PMAX, n_ch, PMAX), dtype=cfg.io_dtype, buffer=nl.psum)
+        for c in range(n_ch):
+            nisa.nc_transpose(dst=pt_ps[:, c, :], data=p_sb[:, c * PMAX:(c + 1) * PMAX])
+        nisa.tensor_copy(dst=pt_sb, src=pt_ps)
+    return pt_sb
+
+
+def _exp_pv(cfg, s, b, kvh, heads, tiles, kb, vt, bias, alpha, rs, o_acc, started, steps):
     """Phase 3 (exponent and PV): per visible (unit, score tile) ``P = exp(s S + bias)`` with its row sum into
     ``rs[:, u, i]`` in ONE activation, P^T by TensorE transposes, PV accumulated over the whole key block in one
-    PSUM tile; then per unit ``O = O * alpha + PV`` (the unit's first key block copies)."""
+    PSUM tile; then per unit the O update."""
     kt0, kt_n, vis, c_lo, c_hi, gaps = kb
     ch = K_TILE // PMAX
     for u in range(len(s)):
@@ -397,23 +458,17 @@ def _exp_pv(cfg, s, kb, vt, bias, alpha, rs, o_acc, started):
                 p_sb = nl.ndarray((PMAX, w), dtype=cfg.io_dtype, buffer=nl.sbuf)
                 nisa.activation(dst=p_sb, op=nl.exp, data=s[u][i], bias=bias[:, u:u + 1], scale=cfg.exp_scale,
                                 reduce_op=nl.add, reduce_res=rs[:, u, i], reduce_cmd=nisa.reduce_cmd.reset_reduce)
-                n_ch = hi - lo
-                pt_ps = nl.ndarray((PMAX, n_ch, PMAX), dtype=cfg.io_dtype, buffer=nl.psum)
-                for c in range(n_ch):
-                    nisa.nc_transpose(dst=pt_ps[:, c, :], data=p_sb[:, c * PMAX:(c + 1) * PMAX])
-                pt_sb = nl.ndarray((PMAX, n_ch, PMAX), dtype=cfg.io_dtype, buffer=nl.sbuf)
-                nisa.tensor_copy(dst=pt_sb, src=pt_ps)
+                for f in steps.prob:
+                    p_sb = f(cfg, (b, kvh * cfg.group + heads[u], tiles[u] * PMAX, (kt0 + i) * K_TILE + lo * PMAX),
+                             p_sb)
+                pt_sb = _transpose_p(cfg, p_sb, hi - lo, (u + kt0 + i) % 2 == 0)
                 if o_ps is None:
                     o_ps = nl.ndarray((PMAX, cfg.d_v), dtype=nl.float32, buffer=nl.psum)
-                for c in range(n_ch):
+                for c in range(hi - lo):
                     nisa.nc_matmul(dst=o_ps, stationary=pt_sb[:, c, :], moving=vt[:, i * ch + lo + c - c_lo, :])
         if o_ps is not None:
-            if started[u]:
-                nisa.scalar_tensor_tensor(dst=o_acc[:, u, :], data=o_acc[:, u, :], op0=nl.multiply,
-                                          operand0=alpha[:, u:u + 1], op1=nl.add, operand1=o_ps)
-            else:
-                nisa.tensor_copy(dst=o_acc[:, u, :], src=o_ps)
-                started[u] = True
+            _rescale_o(o_acc, u, alpha, o_ps, not started[u])
+            started[u] = True
 
 
 def _update_sum(cfg, l_sum, alpha, rs):
@@ -426,7 +481,7 @@ def _update_sum(cfg, l_sum, alpha, rs):
 
 
 def _key_block(cfg, k_ref, v_ref, b, kvh, q_sec, t0, heads, tiles, kb, gaps_next, pm, l_sum, o_acc, started,
-               bounds, mask_step):
+               bounds, steps):
     """One key block of a block of units: load K and V (the union of the units' visible chunks), V^T, then the
     four phases. Returns the statistics after it: ``(pm_next, l, bias)``."""
     kt0, kt_n, vis, c_lo, c_hi, gaps = kb
@@ -450,7 +505,7 @@ def _key_block(cfg, k_ref, v_ref, b, kvh, q_sec, t0, heads, tiles, kb, gaps_next
         idx = nl.ndarray((PMAX, width), dtype=nl.float32, buffer=nl.sbuf)
         nisa.iota(dst=idx, pattern=[[1, width]], offset=key0, channel_multiplier=0)  # key index per column
 
-    s = _scores(cfg, q_sec, k_tiles, t0, heads, tiles, kb, pm, bounds, idx, mask_step)
+    s = _scores(cfg, q_sec, k_tiles, b, kvh, t0, heads, tiles, kb, pm, bounds, idx, steps)
     n = len(heads)
     pm_next = nl.ndarray((PMAX, n, cfg.kb_tiles + 1), dtype=nl.float32, buffer=nl.sbuf)
     if gaps_next:
@@ -459,7 +514,7 @@ def _key_block(cfg, k_ref, v_ref, b, kvh, q_sec, t0, heads, tiles, kb, gaps_next
     rs = nl.ndarray((PMAX, n, cfg.kb_tiles + 1), dtype=nl.float32, buffer=nl.sbuf)
     if gaps:
         nisa.memset(dst=rs, value=0.0, engine=nisa.engine.gpsimd)
-    _exp_pv(cfg, s, kb, vt, bias, alpha, rs, o_acc, started)
+    _exp_pv(cfg, s, b, kvh, heads, tiles, kb, vt, bias, alpha, rs, o_acc, started, steps)
     l_new = _update_sum(cfg, l_sum, alpha, rs)
     return pm_next, l_new, bias
 
@@ -495,7 +550,7 @@ def _finish_block(cfg, pm, l_sum, bias, o_acc, j0, o_sec, lse_sec):
             nisa.activation(dst=o_sec[vi][:, col:col + PMAX], op=nl.copy, data=ot_ps)
 
 
-def _attend_block(cfg, k_ref, v_ref, b, kvh, q_sec, t0, j0, j1, bounds, sink_stats, mask_step, o_sec, lse_sec):
+def _attend_block(cfg, k_ref, v_ref, b, kvh, q_sec, t0, j0, j1, bounds, sink_stats, steps, o_sec, lse_sec):
     """Units ``j0 .. j1 - 1`` of the section starting at query tile ``t0`` (unit j: query tile ``t0 + j // group``,
     head ``j % group``) against every key block one of them sees."""
     g = cfg.group
@@ -527,11 +582,11 @@ def _attend_block(cfg, k_ref, v_ref, b, kvh, q_sec, t0, j0, j1, bounds, sink_sta
     for k in range(len(plan)):
         gaps_next = k + 1 < len(plan) and plan[k + 1][5]
         pm, l_sum, bias = _key_block(cfg, k_ref, v_ref, b, kvh, q_sec, t0, heads, tiles, plan[k], gaps_next, pm,
-                                     l_sum, o_acc, started, bounds, mask_step)
+                                     l_sum, o_acc, started, bounds, steps)
     _finish_block(cfg, pm, l_sum, bias, o_acc, j0, o_sec, lse_sec)
 
 
-def _attend_section(cfg, q_ref, k_ref, v_ref, o_ref, lse_ref, b, kvh, t0, t1, bounds, sink_stats, mask_step):
+def _attend_section(cfg, q_ref, k_ref, v_ref, o_ref, lse_ref, b, kvh, t0, t1, bounds, sink_stats, steps):
     """Query tiles ``[t0, t1)`` of every query head of kv head ``kvh``: Q loaded and O, LSE stored once per head."""
     g = cfg.group
     n = t1 - t0
@@ -542,7 +597,7 @@ def _attend_section(cfg, q_ref, k_ref, v_ref, o_ref, lse_ref, b, kvh, t0, t1, bo
             d0, dsz = cfg.qk_tiles[qi]
             qt = nl.ndarray((dsz, n * PMAX), dtype=cfg.io_dtype, buffer=nl.sbuf)
             nisa.dma_copy(dst=qt, src=q_ref[b, kvh * g + h, d0:d0 + dsz, t0 * PMAX:t1 * PMAX])
-            if not SCALE_IN_EXP:
+            if cfg.q_scale != 1.0:
                 # s Q rounded to the input dtype, as attention_bwd computes it (ScalarE has room, VectorE not)
                 nisa.activation(dst=qt, op=nl.copy, data=qt, scale=cfg.q_scale)
             row.append(qt)
@@ -556,7 +611,7 @@ def _attend_section(cfg, q_ref, k_ref, v_ref, o_ref, lse_ref, b, kvh, t0, t1, bo
     blocks = _blocks(cfg, n)
     for i in range(len(blocks)):
         j0, j1 = blocks[i]
-        _attend_block(cfg, k_ref, v_ref, b, kvh, q_sec, t0, j0, j1, bounds, sink_stats, mask_step, o_sec, lse_sec)
+        _attend_block(cfg, k_ref, v_ref, b, kvh, q_sec, t0, j0, j1, bounds, sink_stats, steps, o_sec, lse_sec)
     for h in range(g):
         hq = kvh * g + h
         for vi in range(len(cfg.v_tiles)):
@@ -609,7 +664,7 @@ def attention_fwd(q_ref, k_ref, v_ref, sinks_ref=None, bound_min=None, bound_max
     range_select_ok = nisa.get_nc_version() >= nisa.nc_version.gen3  # range_select exists on trn2+
     acc_dtype = nl.float32 if mixed_precision else q_ref.dtype
     cfg = _FwdConfig(shp, q_ref.dtype, acc_dtype, range_select_ok)
-    mask_step = _mask_step(cfg)
+    steps = _tile_steps(cfg)
 
     o_ref = nl.ndarray((shp.bs, shp.nheads, shp.d_head, shp.seqlen_q), dtype=q_ref.dtype, buffer=nl.shared_hbm)
     lse_ref = nl.ndarray((shp.bs, shp.nheads, PMAX, cfg.n_qt), dtype=nl.float32, buffer=nl.shared_hbm)
@@ -640,6 +695,5 @@ def attention_fwd(q_ref, k_ref, v_ref, sinks_ref=None, bound_min=None, bound_max
             sink_stats = _sink_stats(cfg, sinks_ref, b, kvh)
         for i in range(len(sections)):
             t0, t1 = sections[i]
-            _attend_section(cfg, q_ref, k_ref, v_ref, o_ref, lse_ref, b, kvh, t0, t1, bounds, sink_stats,
-                            mask_step)
+            _attend_section(cfg, q_ref, k_ref, v_ref, o_ref, lse_ref, b, kvh, t0, t1, bounds, sink_stats, steps)
     return o_ref, lse_ref

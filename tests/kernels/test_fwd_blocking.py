@@ -288,3 +288,35 @@ def test_scale_in_exponent_variant(monkeypatch, scale):
                       bound_max=bmax, causal=True, window=150, scale=scale)
         run_and_check(*make_qkv(nheads=2, nheads_kv=1, sq=384, dtype=torch.bfloat16, seed=48), causal=True,
                       scale=scale)
+
+
+@pytest.mark.parametrize("target,dtype,want_dma", [("trn2", torch.bfloat16, True), ("trn3", torch.float16, True),
+                                                   ("trn2", torch.float32, False), ("trn1", torch.bfloat16, False)])
+def test_p_transposes_split_between_tensor_engine_and_dma(monkeypatch, target, dtype, want_dma):
+    # 2 heads x 8 query tiles, 1024 keys non-causal: every (unit, score tile) is a full 512-key tile; on trn2+
+    # with 16-bit P every other one is transposed by dma_transpose, the rest by 4 TensorE transposes
+    monkeypatch.setenv("NEURON_PLATFORM_TARGET_OVERRIDE", target)
+    q, k, v = make_qkv(nheads=2, nheads_kv=1, d=64, sq=1024, dtype=dtype, seed=50)
+    _, rec = traced(q, k, v)
+    n_tiles = 16 * 2
+    by_dma = [r for r in rec if r.instr == "dma_transpose"]
+    p_transposes = [r for r in rec if r.instr == "nc_transpose" and r.dst.shape == (128, 128) and
+                    r.srcs[0].shape == (128, 128) and r.dst.dtype == str(dtype).split(".")[1]]
+    if want_dma:
+        assert len(by_dma) == n_tiles // 2
+        assert all(r.srcs[0].buffer == "sbuf" and r.dst.shape == (128, 4, 128) for r in by_dma)
+    else:
+        assert not by_dma
+    assert len(p_transposes) == 4 * (n_tiles - len(by_dma))
+
+
+def test_power_of_two_scale_in_the_exponent_is_bit_identical_to_folding_it_into_q(monkeypatch):
+    # d_head 64: scale 1/8 is applied by the exponent; folding it into Q (the general path) gives the same bits
+    q, k, v = make_qkv(nheads=2, nheads_kv=1, d=64, sq=640, dtype=torch.bfloat16, seed=51)
+    sinks = torch.randn(1, 2, 2, generator=torch.Generator().manual_seed(52))
+    kw = dict(sinks_ref=sinks, use_causal_mask=True, sliding_window=300)
+    o_exp, l_exp = attention_fwd(q, k, v, **kw)
+    monkeypatch.setattr(fwd, "_power_of_two", lambda x: False)
+    with sim.checking(frontend=False):  # the monkeypatched helper is not NKI code
+        o_q, l_q = attention_fwd(q, k, v, **kw)
+    assert torch.equal(o_exp, o_q) and torch.equal(l_exp, l_q)
