@@ -15,15 +15,16 @@ For one (batch, kv head) the query tiles are processed in *sections* (as many 12
 holds for every query head of the GQA group): Q is loaded, O and the LSE are stored, once per (head, section).
 A section's *units* (query tile, query head) are processed in *blocks* of up to ``MAX_UNITS``; a block streams
 the keys in *key blocks* of ``KB_TILES`` score tiles of 512 keys, loading K and V and transposing V once for all
-its units. Per key block, with S kept in raw (unscaled) units and ``s`` = softmax_scale::
+its units. Per key block, with ``c`` the factor the exponent applies (1 when the softmax scale is folded into Q,
+the scale itself when it is a power of two)::
 
     phase 1, per unit and score tile:  S = Q^T K (TensorE, fp32 PSUM);  S -> SBUF, masked, tile row max
-    phase 2, all units at once:        m' = max(m, tile maxima);  alpha = exp(s (m - m'));  bias = -s m'
-    phase 3, per unit and score tile:  P = exp(s S + bias), row sums (ONE activation);  O_psum += P V
+    phase 2, all units at once:        m' = max(m, tile maxima);  alpha = exp(c (m - m'));  bias = -c m'
+    phase 3, per unit and score tile:  P = exp(c S + bias), row sums (ONE activation);  P^T;  O_psum += P V
              per unit:                 O = O * alpha + O_psum  (PV accumulated over the key block in PSUM)
     phase 4, all units at once:        l = l * alpha + row sums
 
-and per block at the end ``o = O / l``, ``lse = s m + log(l)``; rows whose max is still the mask value (no visible
+and per block at the end ``o = O / l``, ``lse = c m + log(l)``; rows whose max is still the mask value (no visible
 key, no sink) are forced to ``o = 0``, ``lse = +inf`` by selects on a keep flag. The statistics of all units of a
 block live in the columns of ``[128, units]`` tiles, so each statistics instruction serves the whole block.
 """
@@ -39,7 +40,7 @@ KB_TILES = 4  # score tiles per key block: the online-softmax statistics are upd
 MAX_UNITS = 8  # (query tile, query head) units per block: they share one K/V load and one set of statistics ops
 FP32_MIN = -3.4028235e38  # the mask value (range_select accepts nothing else)
 FP32_MAX = 3.4028235e38
-# A row's running (raw) max stays at FP32_MIN while every score it saw was masked; any real score is many orders of
+# A row's running max stays at FP32_MIN while every score it saw was masked; any real score is many orders of
 # magnitude larger, so "max below -1e38" means "the row saw no key".
 EMPTY_MAX = -1.0e38
 L_FLOOR = 0.5  # a row that saw a key has l >= 1 (its max contributes exp(0)); keeps log/reciprocal in range
@@ -81,13 +82,13 @@ class _FwdConfig(nl.NKIObject):
     """Trace-time facts of one launch: shapes, tilings, dtypes, the masking method and the blocking.
 
     qk_tiles / v_tiles: ``[(start, size)]`` partition tiles of the Q/K head dim (the QK contraction) and of the
-    V/O head dim (V^T and O columns); d_v: V/O head dim. exp_scale: what the exponent multiplies the stored scores
-    by (1 when the softmax scale is folded into Q, see SCALE_IN_EXP); q_scale: the factor Q is multiplied by at
-    load. mask: "bounds" (range_select on per-query-tile key
-    bounds, trn2+), "predicate" (trn1 packing: key index compared with the bounds, select_reduce) or "affine"
-    (trn1 causal / window: affine_select). group: query heads per kv head; units: units per block (whole query
-    tiles of the group when the group fits); kb_tiles: score tiles per key block; sec_tiles: query tiles per
-    section; p_dma_transpose: half of the full P tiles are transposed by DMA (``_transpose_p``).
+    V/O head dim (V^T and O columns); d_v: V/O head dim. exp_scale: the factor the exponent applies to the stored
+    scores (1 when the softmax scale is folded into Q, see SCALE_IN_EXP); q_scale: the factor Q is multiplied by
+    at load. mask: "bounds" (range_select on per-query-tile key bounds, trn2+), "predicate" (trn1 packing: key
+    index compared with the bounds, select_reduce) or "affine" (trn1 causal / window: affine_select). group:
+    query heads per kv head; units: units per block (whole query tiles of the group when the group fits);
+    kb_tiles: score tiles per key block; sec_tiles: query tiles per section; p_dma_transpose: half of the full P
+    tiles are transposed by DMA (``_transpose_p``).
     """
 
     def __init__(self, shp, io_dtype, acc_dtype, range_select_ok):
@@ -128,6 +129,7 @@ def _power_of_two(x):
 
 
 def _itemsize(dtype):
+    """Bytes per element of the kernel's dtypes (float32, or a 16-bit type)."""
     if str(dtype) == str(nl.float32):
         return 4
     return 2
@@ -294,7 +296,7 @@ def _load_bounds(cfg, bound_min, bound_max):
 
 def _sink_stats(cfg, sinks_ref, b, kvh):
     """Starting statistics of the kv head's query heads from their sinks: ``m0`` ``[128, group]`` the sinks' max
-    in raw score units (max / softmax_scale, at least FP32_MIN) and ``l0`` the sum of exp(sink - max). All sinks
+    in stored-score units (max / exp_scale, at least FP32_MIN) and ``l0`` the sum of exp(sink - max). All sinks
     -inf (no sink) give exactly the no-sink start: FP32_MIN and 0."""
     shp = cfg.shp
     g = cfg.group
@@ -354,16 +356,17 @@ def _transpose_v(cfg, v_tiles, n_ch):
         g = min(per, n_ch - c0)
         vt_ps = nl.ndarray((PMAX, g, cfg.d_v), dtype=cfg.io_dtype, buffer=nl.psum)
         for c in range(g):
+            k0 = (c0 + c) * PMAX
             for vi in range(len(cfg.v_tiles)):
                 v0, vsz = cfg.v_tiles[vi]
-                nisa.nc_transpose(dst=vt_ps[:, c, v0:v0 + vsz], data=v_tiles[vi][:, (c0 + c) * PMAX:(c0 + c + 1) * PMAX])
+                nisa.nc_transpose(dst=vt_ps[:, c, v0:v0 + vsz], data=v_tiles[vi][:, k0:k0 + PMAX])
         nisa.tensor_copy(dst=vt[:, c0:c0 + g, :], src=vt_ps)
     return vt
 
 
 def _scores(cfg, q_sec, k_tiles, b, kvh, t0, heads, tiles, kb, pm, bounds, idx, steps):
-    """Phase 1 (scoring and masking): S = Q^T K of every visible (unit, score tile) of key block ``kb``, masked
-    and copied to SBUF (float32, raw units), its row max into ``pm[:, u, i]``. Returns ``s[u][i]`` (None where
+    """Phase 1 (scoring and masking): S = Q^T K of every visible (unit, score tile) of key block ``kb``, through
+    the score steps, masked and copied to SBUF (float32), its row max into ``pm[:, u, i]``. Returns ``s[u][i]`` (None where
     the unit sees nothing of score tile i)."""
     shp = cfg.shp
     kt0, kt_n, vis, c_lo, c_hi, gaps = kb
@@ -402,8 +405,8 @@ def _scores(cfg, q_sec, k_tiles, b, kvh, t0, heads, tiles, kb, pm, bounds, idx, 
 
 def _update_max(cfg, pm, pm_next):
     """Phase 2 (online-softmax max, all units at once): ``m' = max(m, tile maxima)`` into ``pm_next[:, :, KB]``
-    (``pm[:, :, KB]`` holds m), ``alpha = exp(s (m - m'))`` and the exponent bias ``-s m'``, capped at FP32_MAX
-    (with s > 1 a row that saw only masked scores would give -inf + inf in the exponent)."""
+    (``pm[:, :, KB]`` holds m), ``alpha = exp(c (m - m'))`` and the exponent bias ``-c m'`` (c = exp_scale),
+    capped at FP32_MAX (with c > 1 a row that saw only masked scores would give -inf + inf in the exponent)."""
     kb = cfg.kb_tiles
     n = pm.shape[1]
     nisa.tensor_reduce(dst=pm_next[:, :, kb], op=nl.maximum, data=pm, axis=2)
@@ -444,8 +447,8 @@ def _transpose_p(cfg, p_sb, n_ch, dma_turn):
 
 
 def _exp_pv(cfg, s, b, kvh, heads, tiles, kb, vt, bias, alpha, rs, o_acc, started, steps):
-    """Phase 3 (exponent and PV): per visible (unit, score tile) ``P = exp(s S + bias)`` with its row sum into
-    ``rs[:, u, i]`` in ONE activation, P^T by TensorE transposes, PV accumulated over the whole key block in one
+    """Phase 3 (exponent and PV): per visible (unit, score tile) ``P = exp(c S + bias)`` with its row sum into
+    ``rs[:, u, i]`` in ONE activation, the probability steps, P^T, PV accumulated over the whole key block in one
     PSUM tile; then per unit the O update."""
     kt0, kt_n, vis, c_lo, c_hi, gaps = kb
     ch = K_TILE // PMAX
@@ -521,7 +524,7 @@ def _key_block(cfg, k_ref, v_ref, b, kvh, q_sec, t0, heads, tiles, kb, gaps_next
 
 # ----------------------------------------------------------------------------------------------------- blocks, sections
 def _finish_block(cfg, pm, l_sum, bias, o_acc, j0, o_sec, lse_sec):
-    """Finishing, all units at once: ``o = O / l`` and ``lse = s m + log(l)`` (= log(l) - bias); rows that saw no
+    """Finishing, all units at once: ``o = O / l`` and ``lse = c m + log(l)`` (= log(l) - bias); rows that saw no
     key (and have no sink) get 0 and +inf. O is normalised per unit, transposed back to ``[d, q]`` into the
     section's O staging, the LSE columns go to the section's LSE staging."""
     n = pm.shape[1]

@@ -141,8 +141,8 @@ def test_key_block_plan_matches_brute_force(sk, causal, window, tiles):
 
 @pytest.mark.parametrize("target", ["trn1", "trn2", "trn3"])
 @pytest.mark.parametrize("dtype,d,group,s", [("float32", 256, 8, 32768), ("bfloat16", 128, 4, 32768),
-                                             ("bfloat16", 64, 8, 4096), ("bfloat16", 128, 4, 4096), ("float32", 96, 1, 16384),
-                                             ("bfloat16", 256, 16, 8192)])
+                                             ("bfloat16", 64, 8, 4096), ("bfloat16", 128, 4, 4096),
+                                             ("float32", 96, 1, 16384), ("bfloat16", 256, 16, 8192)])
 def test_sections_are_balanced_and_sized_by_the_budget(monkeypatch, target, dtype, d, group, s):
     monkeypatch.setenv("NEURON_PLATFORM_TARGET_OVERRIDE", target)
     dt = nl.float32 if dtype == "float32" else nl.bfloat16
