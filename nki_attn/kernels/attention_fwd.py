@@ -609,7 +609,8 @@ def _attend_section(cfg, q_ref, k_ref, v_ref, o_ref, lse_ref, b, kvh, t0, t1, bo
     o_sec = []
     for vi in range(len(cfg.v_tiles)):
         v0, vsz = cfg.v_tiles[vi]
-        o_sec.append(nl.ndarray((vsz, n * g * PMAX), dtype=cfg.io_dtype, buffer=nl.sbuf))
+        o_stage = nl.ndarray((vsz, n * g * PMAX), dtype=cfg.io_dtype, buffer=nl.sbuf)
+        o_sec.append(o_stage)
     lse_sec = nl.ndarray((PMAX, n * g), dtype=nl.float32, buffer=nl.sbuf)
     blocks = _blocks(cfg, n)
     for i in range(len(blocks)):
