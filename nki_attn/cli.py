@@ -21,8 +21,11 @@ def _demo(args):
     return 0 if ok else 1
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(prog="nki-attn", description="nki-attn tools")
+def build_parser():
+    """The ``nki-attn`` argument parser with its subcommands (demo, check, profile)."""
+    parser = argparse.ArgumentParser(prog="nki-attn", description="nki-attn tools: check the kernels against the "
+                                     "golden, profile them on a modeled Trainium, run a demo kernel. Usage errors "
+                                     "exit with status 2.")
     sub = parser.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("demo", help="run a demo kernel and check it against numpy")
     p.set_defaults(func=_demo)
@@ -30,7 +33,12 @@ def main(argv=None):
     _add_check(sub)
     from .profiler.cli import add_parser as _add_profile
     _add_profile(sub)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv=None):
+    """Parse ``argv`` (default sys.argv) and run the subcommand; returns its exit status."""
+    args = build_parser().parse_args(argv)
     return args.func(args)
 
 

@@ -1,4 +1,11 @@
-"""``nki-attn check``: run harness rows (in parallel processes with -j), determinism and drift checks."""
+"""``nki-attn check``: run harness rows (in parallel processes with -j), determinism and drift checks.
+
+Usage errors (malformed --shapes, an unknown dtype, an output path that cannot be written) are reported by
+argparse before any work, with exit status 2 and no traceback. Progress goes to stderr: a bar redrawn in place
+on a terminal, one line per finished row (or determinism run, or drift stage) otherwise, so CI logs stay
+readable. The table and the verdict go to stdout; the exit status is 0 only when everything asked passed.
+"""
+import argparse
 import concurrent.futures
 import multiprocessing
 import os
@@ -9,25 +16,188 @@ from . import cases as _cases
 from . import report as _report
 
 
+# ----------------------------------------------------------------------------------------------------- argument types
+def positive_int(text):
+    """argparse type: an int >= 1."""
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"{v} must be >= 1")
+    return v
+
+
+def non_negative_int(text):
+    """argparse type: an int >= 0."""
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"{v} must be >= 0")
+    return v
+
+
+def dtype_arg(text):
+    """argparse type: either spelling of a dtype (bf16 / bfloat16, fp16 / float16, fp32 / float32) -> the long
+    name."""
+    try:
+        return _cases.canonical_dtype(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def shape_arg(text):
+    """argparse type: one --shapes entry -> (seqlen, d_head, heads)."""
+    try:
+        return _cases.parse_shape(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def writable_file_problem(path):
+    """Why ``path`` cannot be written as a file (a sentence), or None when it can. Probes by opening it: an
+    existing file is opened for appending (its content is untouched), a new one is created and removed."""
+    if os.path.isdir(path):
+        return f"{path} is a directory"
+    parent = os.path.dirname(path) or "."
+    if not os.path.isdir(parent):
+        return f"directory {parent} of {path} does not exist"
+    existed = os.path.exists(path)
+    try:
+        with open(path, "a"):
+            pass
+    except OSError as exc:
+        return f"{path} cannot be written ({exc.strerror or exc})"
+    if not existed:
+        os.remove(path)
+    return None
+
+
+def writable_dir_problem(path):
+    """Why ``path`` cannot be used as an output directory, or None when it can (it is created if missing)."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        return f"{path} exists and is not a directory"
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as exc:
+        return f"{path} cannot be created ({exc.strerror or exc})"
+    return writable_file_problem(os.path.join(path, ".nki-attn-write-probe"))
+
+
+def case_arg(text):
+    """argparse type: one row as JSON (a report row's ``case``, or what a failing property test prints)."""
+    try:
+        return _cases.case_from_json(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """--help shows every default, except None (the option is simply off) which the help text explains."""
+
+    def _get_help_string(self, action):
+        if action.default is None or action.default is argparse.SUPPRESS or isinstance(action.default, bool):
+            return action.help
+        return super()._get_help_string(action)
+
+
+# ----------------------------------------------------------------------------------------------------- parser
+PRESET_HELP = ("row set: quick (every feature at small sizes; with -j 2 on 2 cores, 16 s idle to 50 s under load), "
+               "full (realistic sizes up to 16K tokens; 10 min under load), models (real models' head shapes; "
+               "29 min under load); README.md has the measured times, docs/harness.md the rows")
+
+
 def add_parser(sub):
+    """Register ``check`` on an argparse subparsers object."""
     p = sub.add_parser("check", help="check forward + backward kernels against the float64 golden",
-                       description="Exit code 0 only when every row (and determinism/drift when asked) passes.")
-    p.add_argument("--preset", default="quick", choices=sorted(_cases.PRESETS),
-                   help="row set: quick (minutes), full (realistic sizes), models (real model shapes)")
-    p.add_argument("--shapes", nargs="+", metavar="SxD[xH]", help="build rows from shapes instead of a preset")
-    p.add_argument("--dtypes", nargs="+", choices=_cases.DTYPES, help="only these dtypes")
-    p.add_argument("--features", nargs="+", choices=_cases.FEATURES, help="only these features")
-    p.add_argument("-j", "--jobs", type=int, default=1, help="rows in parallel processes")
+                       description="Run harness rows: forward + backward kernels against a float64 golden with "
+                                   "derived tolerances (docs/harness.md, docs/tolerances.md). Exit status 0 only "
+                                   "when every row (and determinism/drift when asked) passes; 2 for usage errors.",
+                       formatter_class=HelpFormatter)
+    p.add_argument("--preset", default="quick", choices=sorted(_cases.PRESETS), help=PRESET_HELP)
+    p.add_argument("--shapes", nargs="+", type=shape_arg, metavar="SxD[xH]",
+                   help="build rows from shapes instead of a preset: seqlen (any length >= "
+                        f"{_cases.MIN_SEQLEN}) x d_head [x heads, default 2], e.g. 1024x128 300x64x4")
+    p.add_argument("--case", nargs="+", type=case_arg, metavar="JSON",
+                   help="run exactly these rows, each the JSON of a report row's \"case\" (how a failing "
+                        "property-test example is reproduced)")
+    p.add_argument("--dtypes", nargs="+", type=dtype_arg, metavar="DTYPE",
+                   help="only these dtypes (float32|fp32, bfloat16|bf16, float16|fp16); with --shapes the default "
+                        "is bfloat16")
+    p.add_argument("--features", nargs="+", choices=_cases.FEATURES, metavar="FEATURE",
+                   help="only these features (with --shapes the default is plain causal); one of: "
+                        + ", ".join(_cases.FEATURES))
+    p.add_argument("-j", "--jobs", type=positive_int, default=1, help="rows in parallel processes")
     p.add_argument("--lnc", type=int, default=1, choices=(1, 2), help="launch the kernels on 1 or 2 cores")
-    p.add_argument("--determinism", type=int, nargs="?", const=10, default=0, metavar="N",
-                   help="also require N (default 10) bit-identical runs and LNC1 == LNC2")
-    p.add_argument("--drift", type=int, nargs="?", const=1000, default=0, metavar="STEPS",
-                   help="also run the training-drift check for STEPS (default 1000) steps")
+    p.add_argument("--determinism", type=non_negative_int, nargs="?", const=10, default=0, metavar="N",
+                   help="also require N bit-identical runs (N defaults to 10 when the flag has no value) and "
+                        "LNC1 == LNC2; 0 skips the check")
+    p.add_argument("--drift", type=non_negative_int, nargs="?", const=1000, default=0, metavar="STEPS",
+                   help="also run the training-drift check for STEPS steps (1000 when the flag has no value); "
+                        "0 skips it")
     p.add_argument("--out", default="harness_report.json", help="JSON report path")
     p.add_argument("--drift-dir", default=".", help="where drift.json and drift.png go")
-    p.add_argument("--target", choices=("trn1", "trn2", "trn3"), help="simulated generation")
-    p.set_defaults(func=main)
+    p.add_argument("--target", choices=("trn1", "trn2", "trn3"),
+                   help="simulated generation (default: NEURON_PLATFORM_TARGET_OVERRIDE, else trn2)")
+    p.set_defaults(func=main, _parser=p)
     return p
+
+
+def validate(args, parser):
+    """Usage checks that need more than one argument or the file system; parser.error (exit 2) on failure.
+    Returns the selected rows."""
+    problem = writable_file_problem(args.out)
+    if problem:
+        parser.error(f"--out: {problem}")
+    if args.drift:
+        problem = writable_dir_problem(args.drift_dir)
+        if problem:
+            parser.error(f"--drift-dir: {problem}")
+    if args.lnc == 2 and (args.target or os.environ.get("NEURON_PLATFORM_TARGET_OVERRIDE")) == "trn1":
+        parser.error("--lnc 2 needs trn2 or trn3 (trn1 has no LNC2)")
+    if args.case and args.shapes:
+        parser.error("--case and --shapes are alternatives: give one")
+    try:
+        rows = list(args.case) if args.case else \
+            _cases.select(None if args.shapes else args.preset, args.shapes, args.dtypes, args.features)
+    except ValueError as exc:
+        parser.error(str(exc))
+    if not rows:
+        parser.error("the options select no rows (check --dtypes / --features against the preset)")
+    return rows
+
+
+# ----------------------------------------------------------------------------------------------------- progress
+class Progress:
+    """Progress on ``stream``: a bar redrawn with \\r on a terminal; otherwise one line per finished item."""
+
+    def __init__(self, total, stream=None, label="rows"):
+        self.total, self.done, self.label = total, 0, label
+        self.stream = stream or sys.stderr
+        self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
+        self.t0 = time.perf_counter()
+
+    def finished(self, text):
+        """One item finished: ``text`` says which and how it went."""
+        self.done += 1
+        elapsed = time.perf_counter() - self.t0
+        if self.tty:
+            width = 24
+            filled = int(width * self.done / self.total) if self.total else width
+            self.stream.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total} "
+                              f"{elapsed:6.1f}s {text[:60]:60s}")
+            if self.done == self.total:
+                self.stream.write("\n")
+        else:
+            self.stream.write(f"[{self.label} {self.done}/{self.total} {elapsed:.1f}s] {text}\n")
+        self.stream.flush()
+
+    def note(self, text):
+        """A message that is not an item (e.g. a stage starting): its own line in both modes."""
+        self.stream.write(("\n" if self.tty and 0 < self.done < self.total else "") + text + "\n")
+        self.stream.flush()
 
 
 def _run_row(args):
@@ -36,56 +206,66 @@ def _run_row(args):
     return run_case(case, KernelCandidate(lnc=lnc))
 
 
-def _progress(i, n, t0, text):
-    width = 24
-    done = int(width * i / n) if n else width
-    sys.stderr.write(f"\r[{'#' * done}{'.' * (width - done)}] {i}/{n} {time.perf_counter() - t0:6.1f}s {text[:60]:60s}")
-    sys.stderr.flush()
+def _row_text(row):
+    verdict = "PASS" if row["pass"] else ("ERROR" if "error" in row else "FAIL")
+    secs = f" {row['seconds']:.1f}s" if row.get("seconds") is not None else ""
+    ratio = f" worst err/bound {row['worst_ratio']:.3f}" if "worst_ratio" in row else ""
+    return f"{row['case']['name']} {verdict}{ratio}{secs}"
 
 
-def main(args):
-    if args.target:
-        os.environ["NEURON_PLATFORM_TARGET_OVERRIDE"] = args.target
-    from ..backend import BACKEND
-    rows_in = _cases.select(None if args.shapes else args.preset, args.shapes, args.dtypes, args.features)
-    if not rows_in:
-        print("no rows selected", file=sys.stderr)
-        return 2
-    t0 = time.perf_counter()
+def run_rows(rows_in, jobs, lnc, progress):
+    """Run the rows (in ``jobs`` processes when > 1); report rows in the order given."""
     rows = [None] * len(rows_in)
-    work = [(c, args.lnc) for c in rows_in]
-    if args.jobs > 1:
+    work = [(c, lnc) for c in rows_in]
+    if jobs > 1:
         ctx = multiprocessing.get_context("fork")
-        with concurrent.futures.ProcessPoolExecutor(args.jobs, mp_context=ctx) as ex:
+        with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=ctx) as ex:
             futs = {ex.submit(_run_row, w): i for i, w in enumerate(work)}
-            for n, fut in enumerate(concurrent.futures.as_completed(futs), 1):
+            for fut in concurrent.futures.as_completed(futs):
                 i = futs[fut]
                 try:
                     rows[i] = fut.result()
                 except Exception as exc:  # noqa: BLE001 - e.g. a worker killed for lack of memory
                     rows[i] = {"case": work[i][0].as_dict(), "pass": False, "seconds": None,
                                "error": f"worker process failed: {type(exc).__name__}: {exc}"}
-                _progress(n, len(work), t0, f"{rows[i]['case']['name']} {'ok' if rows[i]['pass'] else 'FAIL'}")
+                progress.finished(_row_text(rows[i]))
     else:
         for i, w in enumerate(work):
-            _progress(i, len(work), t0, w[0].name)
             rows[i] = _run_row(w)
-        _progress(len(work), len(work), t0, "rows done")
-    sys.stderr.write("\n")
+            progress.finished(_row_text(rows[i]))
+    return rows
+
+
+def main(args):
+    """Entry point of ``nki-attn check``; returns the exit status (usage errors exit 2 through argparse)."""
+    parser = getattr(args, "_parser", None) or argparse.ArgumentParser(prog="nki-attn check")
+    rows_in = validate(args, parser)
+    if args.target:
+        os.environ["NEURON_PLATFORM_TARGET_OVERRIDE"] = args.target
+    from ..backend import BACKEND
+    load_start = _report.load_average()
+    t0 = time.perf_counter()
+    rows = run_rows(rows_in, args.jobs, args.lnc, Progress(len(rows_in)))
     determinism = None
     if args.determinism:
         from .determinism import check_determinism
         target = os.environ.get("NEURON_PLATFORM_TARGET_OVERRIDE", "trn2")
         picks = [c for c in rows_in if c.causal][:1] + [c for c in rows_in if c.num_sinks][:1]
-        determinism = [check_determinism(c, runs=args.determinism, compare_lnc=target != "trn1")
-                       for c in (picks or rows_in[:1])]
+        picks = picks or rows_in[:1]
+        lnc_cmp = target != "trn1"
+        prog = Progress(len(picks) * (args.determinism + lnc_cmp), label="determinism")
+        determinism = [check_determinism(c, runs=args.determinism, compare_lnc=lnc_cmp, progress=prog.finished)
+                       for c in picks]
     drift = None
     if args.drift:
-        from .drift import check_drift
-        drift = check_drift(args.drift, args.drift_dir, progress=lambda s: sys.stderr.write(s + "\n"))
+        from .drift import check_drift, progress_steps
+        prog = Progress(2 * len(progress_steps(args.drift)), label="drift")
+        drift = check_drift(args.drift, args.drift_dir, progress=prog.finished)
     meta = {"backend": BACKEND, "target": os.environ.get("NEURON_PLATFORM_TARGET_OVERRIDE", "trn2"),
-            "preset": None if args.shapes else args.preset, "lnc": args.lnc, "candidate": "nki-kernels",
-            "notes": sorted({c.note for c in rows_in if c.note}), "wall_seconds": round(time.perf_counter() - t0, 1)}
+            "preset": None if (args.shapes or args.case) else args.preset, "lnc": args.lnc, "jobs": args.jobs,
+            "candidate": "nki-kernels", "notes": sorted({c.note for c in rows_in if c.note}),
+            "wall_seconds": round(time.perf_counter() - t0, 1),
+            "load_average": {"start": load_start, "end": _report.load_average()}}
     rep = _report.build(rows, meta, determinism, drift)
     _report.write(rep, args.out)
     print(_report.table(rep))

@@ -52,8 +52,14 @@ def sorting_batch(g, batch, n, vocab):
     return torch.cat([digits, digits.sort(dim=1).values], dim=1)
 
 
-def train(attn, steps, seed=0, batch=8, n=16, vocab=12, lr=3e-3):
-    """Loss per step of one training run with ``attn``."""
+def progress_steps(steps):
+    """The steps after which a training run reports progress: about every 10% (at most 10 per run)."""
+    return sorted({max(1, round(steps * k / 10)) for k in range(1, 11)})
+
+
+def train(attn, steps, seed=0, batch=8, n=16, vocab=12, lr=3e-3, progress=None, label="run"):
+    """Loss per step of one training run with ``attn``; ``progress(text)`` after each of ``progress_steps``."""
+    marks = set(progress_steps(steps)) if progress else set()
     torch.manual_seed(seed)
     model = ToyTransformer(attn, vocab=vocab, seqlen=2 * n)
     opt = torch.optim.Adam(model.parameters(), lr=lr)
@@ -67,6 +73,8 @@ def train(attn, steps, seed=0, batch=8, n=16, vocab=12, lr=3e-3):
         loss.backward()
         opt.step()
         losses.append(loss.item())
+        if len(losses) in marks:
+            progress(f"{label} run: step {len(losses)}/{steps} loss {losses[-1]:.4f}")
     return losses
 
 
@@ -80,13 +88,12 @@ def compare_curves(cand, ref):
 
 def check_drift(steps=1000, out_dir=".", attn=None, progress=None):
     """Train with the kernels (``attn``, default nki_attn.flash_attn_func causal) and with the reference;
-    write drift.json and drift.png into ``out_dir``; return the verdict dict."""
+    write drift.json and drift.png into ``out_dir``; return the verdict dict. ``progress(text)`` is called
+    ``2 * len(progress_steps(steps))`` times."""
     from ..attention import flash_attn_func
     cand_attn = attn or (lambda q, k, v: flash_attn_func(q, k, v, causal=True))
-    cand = train(cand_attn, steps)
-    if progress:
-        progress("drift: candidate run done")
-    ref = train(reference_attention, steps)
+    cand = train(cand_attn, steps, progress=progress, label="kernels")
+    ref = train(reference_attention, steps, progress=progress, label="reference")
     res = compare_curves(cand, ref)
     res.update({"steps": steps, "final_loss_candidate": cand[-1], "final_loss_reference": ref[-1]})
     os.makedirs(out_dir, exist_ok=True)

@@ -3,8 +3,65 @@ import datetime
 import json
 import os
 import platform
+import re
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+# Environment variables that change which BLAS kernels run (and so the summation order behind every error).
+_BLAS_ENV = ("OPENBLAS_CORETYPE", "OPENBLAS_NUM_THREADS", "MKL_ENABLE_INSTRUCTIONS", "MKL_CBWR", "MKL_NUM_THREADS",
+             "OMP_NUM_THREADS", "ATEN_CPU_CAPABILITY")
+
+
+def load_average():
+    """1-minute load average (None where the OS does not report one): the machine is shared, so every time in a
+    report comes with the load it was measured under."""
+    try:
+        return round(os.getloadavg()[0], 2)
+    except (AttributeError, OSError):
+        return None
+
+
+def cpu_model():
+    """The CPU's model name (from /proc/cpuinfo on Linux, else the platform module)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def blas_info():
+    """Which BLAS computed what: numpy's (the simulator's matmuls, so the kernels') and torch's (the golden's),
+    with the CPU kernels each picked and the environment overrides in force."""
+    info = {}
+    try:
+        import threadpoolctl
+        pools = threadpoolctl.threadpool_info()
+        info["numpy"] = [{k: p.get(k) for k in ("internal_api", "version", "architecture", "num_threads")}
+                         for p in pools if p.get("user_api") == "blas"]
+    except Exception as exc:  # noqa: BLE001 - informational only
+        info["numpy"] = f"unknown ({type(exc).__name__})"
+    try:
+        import torch
+        cfg = torch.__config__.show()
+        found = re.search(r"BLAS_INFO=([\w.-]+)", cfg)
+        blas = found.group(1) if found else None
+        mkl = next((line.strip(" -") for line in cfg.splitlines() if "Math Kernel Library" in line), None)
+        info["torch"] = {"version": torch.__version__, "blas": blas, "mkl": mkl,
+                         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+                         "threads": torch.get_num_threads()}
+    except Exception as exc:  # noqa: BLE001 - informational only
+        info["torch"] = f"unknown ({type(exc).__name__})"
+    info["env"] = {k: os.environ[k] for k in _BLAS_ENV if k in os.environ}
+    return info
+
+
+def machine_info():
+    """The machine facts a report records: Python, platform, CPU model and count, BLAS libraries."""
+    return {"python": platform.python_version(), "platform": platform.platform(), "cpu_model": cpu_model(),
+            "cpus": os.cpu_count(), "blas": blas_info()}
 
 
 def build(rows, meta, determinism=None, drift=None):
@@ -17,8 +74,7 @@ def build(rows, meta, determinism=None, drift=None):
         "schema_version": SCHEMA_VERSION,
         "tool": "nki-attn check",
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": {"python": platform.python_version(), "platform": platform.platform(),
-                    "cpus": os.cpu_count()},
+        "machine": machine_info(),
         **meta,
         "rows": rows,
         "determinism": determinism,
@@ -30,6 +86,7 @@ def build(rows, meta, determinism=None, drift=None):
 
 
 def write(report, path):
+    """Write the report as JSON (NaN/inf kept as JSON extensions, as Python's json reads them)."""
     with open(path, "w") as f:
         json.dump(report, f, indent=1, allow_nan=True)
 

@@ -4,7 +4,14 @@ A *candidate* is anything with the kernels' two signatures (``fwd(q, k, v, sinks
 use_causal_mask=, mixed_precision=, softmax_scale=, sliding_window=) -> (o, lse)`` and ``bwd(q, k, v, o, dy,
 lse, sinks, bound_min, bound_max, ...) -> (dq, dk, dv[, dsinks])``). ``KernelCandidate`` is the NKI kernels;
 the harness's own tests pass deliberately broken ones.
+
+Rows whose lengths are not multiples of 128 (``case.via_api``) run through the public PyTorch API
+(``nki_attn.flash_attn_func``, or ``flash_attn_varlen_func`` for packed rows), which pads for the kernels; the
+reference is the golden on the same problem padded the golden's own way (zero rows, padded keys outside the
+packing bounds of ``golden.packing_bounds``), cut back to the unpadded rows and keys.
 """
+import contextlib
+import os
 import time
 import zlib
 
@@ -15,6 +22,7 @@ import golden
 from . import tolerance
 
 _TORCH = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_TILE = 128
 
 
 class KernelCandidate:
@@ -33,6 +41,25 @@ class KernelCandidate:
 
     def bwd(self, *args, **kwargs):
         return self._bwd(*args, **kwargs)
+
+    def run_api(self, ins, case):
+        """Forward + backward of a row through the public PyTorch API (any length); outputs as ``run_api``."""
+        with _lnc_env(self.lnc):
+            return run_api(ins, case)
+
+
+@contextlib.contextmanager
+def _lnc_env(lnc):
+    """The API reads NKI_ATTN_LNC at call time: set it for the duration of one row."""
+    prev = os.environ.get("NKI_ATTN_LNC")
+    os.environ["NKI_ATTN_LNC"] = str(lnc)
+    try:
+        yield
+    finally:
+        if prev is None:
+            os.environ.pop("NKI_ATTN_LNC", None)
+        else:
+            os.environ["NKI_ATTN_LNC"] = prev
 
 
 def case_seed(case):
@@ -56,8 +83,10 @@ def make_inputs(case, seed=None):
     ins = {"q": draw(b, h, d, case.seqlen_q), "k": draw(b, hk, d, case.seqlen_k), "v": draw(b, hk, d, case.seqlen_k),
            "dy": draw(b, h, d, case.seqlen_q), "sinks": None, "bound_min": None, "bound_max": None}
     if case.num_sinks:
-        shape = (b, h) if case.num_sinks == 1 else (b, h, case.num_sinks)
-        ins["sinks"] = torch.randn(*shape, generator=g, dtype=torch.float64).to(torch.float32)
+        # the API shares sinks across the batch, so API rows draw one set and repeat it
+        shape = (1 if case.via_api else b, h) + (() if case.num_sinks == 1 else (case.num_sinks,))
+        sinks = torch.randn(*shape, generator=g, dtype=torch.float64).to(torch.float32)
+        ins["sinks"] = sinks.expand(b, *shape[1:]).contiguous()
     if case.cu_seqlens:
         cu = torch.tensor(case.cu_seqlens, dtype=torch.int64)
         ins["bound_min"], ins["bound_max"] = golden.packing_bounds(cu, seqlen_q=case.seqlen_q)
@@ -66,6 +95,90 @@ def make_inputs(case, seed=None):
 
 def _kwargs(case):
     return dict(use_causal_mask=case.causal, softmax_scale=case.scale or None, sliding_window=case.window or None)
+
+
+def _pad_to_tiles(ins, case):
+    """The row's problem padded for the golden (which needs multiples of 128): q, dy with zero query rows, k, v
+    with zero keys that the packing bounds hide from every query; padded query rows see no key. Returns
+    (padded inputs, cut) with ``cut(outputs)`` restoring the unpadded problem's outputs."""
+    sq, sk = case.seqlen_q, case.seqlen_k
+    sq_p, sk_p = -(-sq // _TILE) * _TILE, -(-sk // _TILE) * _TILE
+    pad = dict(ins)
+    for n, s_p in (("q", sq_p), ("dy", sq_p), ("k", sk_p), ("v", sk_p)):
+        pad[n] = torch.nn.functional.pad(ins[n], (0, s_p - ins[n].shape[-1]))
+    if case.cu_seqlens:
+        pad["bound_min"], pad["bound_max"] = golden.packing_bounds(torch.tensor(case.cu_seqlens), seqlen_q=sq_p)
+    else:
+        pad["bound_min"], pad["bound_max"] = golden.packing_bounds(torch.tensor([0, sq]), torch.tensor([0, sk]),
+                                                                   seqlen_q=sq_p)
+
+    def cut(out):
+        res = dict(out)
+        b, h = out["o"].shape[:2]
+        res["o"], res["dq"] = out["o"][..., :sq], out["dq"][..., :sq]
+        res["dk"], res["dv"] = out["dk"][..., :sk], out["dv"][..., :sk]
+        res["lse"] = out["lse"].permute(0, 1, 3, 2).reshape(b, h, sq_p)[..., :sq]  # row t * 128 + p at [p, t]
+        if "dsinks" in out:
+            res["dsinks"] = out["dsinks"].sum(dim=0)  # the API's sinks are shared by the batch
+        return res
+
+    return pad, cut
+
+
+def reference(ins, case, as_dtype):
+    """Golden outputs of a row: ``as_dtype=torch.float64`` gives the reference, ``None`` the dtype baseline.
+
+    Kernel rows: o, dq [b, h, d, sq], dk, dv [b, hk, d, sk], lse [b, h, 128, sq // 128], dsinks [b, h(, n)].
+    API rows: the same for the unpadded problem, except lse [b, h, sq] and dsinks [h(, n)] (the API's layouts).
+    """
+    if not case.via_api:
+        return _golden(ins, case, as_dtype)
+    pad, cut = _pad_to_tiles(ins, case)
+    return cut(_golden(pad, case, as_dtype))
+
+
+def inputs_baseline(ins, ref, case):
+    """The backward's LSE-based formula in float32, reading the reference O rounded to the row's dtype and the
+    reference LSE rounded to float32 (the inputs a backward kernel is handed): D = rowsum(O * dO),
+    P = exp(S - LSE), dS = P * (dP - D), dV = P^T dO, dQ = scale dS K, dK = scale dS^T Q, dsinks =
+    -sum_rows P_sink D. Its error is what any implementation of that formula gets from those inputs, which
+    the golden baseline (it normalises its own P and never reads O) does not make (docs/tolerances.md).
+
+    Works on the unpadded problem for every row; returns dq, dk, dv (and dsinks) in ``reference``'s layouts.
+    """
+    from golden.attention_fwd_torch import visibility_mask
+
+    f32, dt = torch.float32, _TORCH[case.dtype]
+    lse = ref["lse"]
+    if lse.dim() == 4:  # kernel layout [b, h, 128, sq // 128]: row t * 128 + p at [p, t]
+        lse = lse.permute(0, 1, 3, 2).reshape(lse.shape[0], lse.shape[1], -1)
+    lse = lse.to(f32)
+    o = ref["o"].to(dt).to(f32)
+    q, k, v, dy = (ins[n].to(f32) for n in ("q", "k", "v", "dy"))
+    scale = case.scale or case.d_head ** -0.5
+    vis = visibility_mask(case.seqlen_q, case.seqlen_k, case.causal, case.window or None,
+                          ins["bound_min"] if case.cu_seqlens else None, ins["bound_max"] if case.cu_seqlens else None)
+    group = case.heads // case.kv_heads
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    dd = (o * dy).sum(2)                                                              # D [b, h, sq]
+    for g in range(case.kv_heads):
+        hq = slice(g * group, (g + 1) * group)
+        s = torch.einsum("bhdq,bdk->bhqk", q[:, hq], k[:, g]) * scale
+        p = torch.exp(s.masked_fill(~vis, float("-inf")) - lse[:, hq, :, None])
+        p = torch.nan_to_num(p, nan=0.0)                                             # rows with no key: 0
+        dp = torch.einsum("bhdq,bdk->bhqk", dy[:, hq], v[:, g])
+        ds = p * (dp - dd[:, hq, :, None])
+        dq[:, hq] = torch.einsum("bhqk,bdk->bhdq", ds, k[:, g]) * scale
+        dk[:, g] = torch.einsum("bhqk,bhdq->bdk", ds, q[:, hq]) * scale
+        dv[:, g] = torch.einsum("bhqk,bhdq->bdk", p, dy[:, hq])
+    out = {"dq": dq, "dk": dk, "dv": dv}
+    if ins["sinks"] is not None:
+        sinks = ins["sinks"].to(f32)
+        sinks = sinks[..., None] if sinks.dim() == 2 else sinks                      # [b, h, n]
+        psink = torch.nan_to_num(torch.exp(sinks[:, :, None, :] - lse[..., None]), nan=0.0)
+        ds = -(psink * dd[..., None]).sum(2).reshape(ins["sinks"].shape)
+        out["dsinks"] = ds.sum(0) if case.via_api else ds
+    return out
 
 
 def _golden(ins, case, as_dtype):
@@ -96,7 +209,15 @@ def _golden(ins, case, as_dtype):
 
 
 def run_candidate(candidate, ins, case):
-    """Candidate forward then backward on the candidate's own o and lse; dict of outputs."""
+    """Candidate forward then backward on the candidate's own o and lse; dict of outputs.
+
+    API rows (``case.via_api``) call ``candidate.run_api(ins, case)``; a candidate without it cannot run them.
+    """
+    if case.via_api:
+        if not hasattr(candidate, "run_api"):
+            raise ValueError(f"row {case.name}: seqlen_q={case.seqlen_q}, seqlen_k={case.seqlen_k} need the API "
+                             f"path, which candidate {type(candidate).__name__} does not provide")
+        return candidate.run_api(ins, case)
     o, lse = candidate.fwd(ins["q"], ins["k"], ins["v"], ins["sinks"], ins["bound_min"], ins["bound_max"],
                            mixed_precision=True, **_kwargs(case))
     res = candidate.bwd(ins["q"], ins["k"], ins["v"], o, ins["dy"], lse, ins["sinks"], ins["bound_min"],
@@ -107,19 +228,65 @@ def run_candidate(candidate, ins, case):
     return out
 
 
+def run_api(ins, case):
+    """Forward + backward of a row through ``nki_attn.flash_attn_func`` (``flash_attn_varlen_func`` for packed
+    rows) with ``return_lse=True``; o.backward(dy). Inputs in the kernels' layout (``make_inputs``); outputs
+    o, dq [b, h, d, sq], dk, dv [b, hk, d, sk], lse [b, h, sq], dsinks [h(, n)] (the gradient of the shared
+    sinks)."""
+    from ..attention import flash_attn_func, flash_attn_varlen_func
+
+    def api_layout(t):  # [b, h, d, s] -> [b, s, h, d]
+        return t.permute(0, 3, 1, 2).contiguous()
+
+    def kernel_layout(t):  # [b, s, h, d] -> [b, h, d, s]
+        return t.permute(0, 2, 3, 1)
+
+    q, k, v = (api_layout(ins[n]).requires_grad_() for n in ("q", "k", "v"))
+    sinks = ins["sinks"][0].clone().requires_grad_() if ins["sinks"] is not None else None
+    window = (case.window - 1, 0) if case.window else (-1, -1)
+    common = dict(softmax_scale=case.scale or None, causal=case.causal, window_size=window, sinks=sinks,
+                  return_lse=True)
+    if case.cu_seqlens:
+        if case.batch != 1 or case.seqlen_q != case.seqlen_k:
+            raise ValueError(f"row {case.name}: packed rows need batch 1 and seqlen_q == seqlen_k")
+        cu = list(case.cu_seqlens)
+        cu_q, cu_k = cu, cu
+        if cu[-1] < case.seqlen_q:  # trailing query rows that see no key: one more sequence without keys
+            cu_q, cu_k = cu + [case.seqlen_q], cu + [cu[-1]]
+        lens_q = [b - a for a, b in zip(cu_q[:-1], cu_q[1:])]
+        lens_k = [b - a for a, b in zip(cu_k[:-1], cu_k[1:])]
+        kk, vk = k[0, :cu_k[-1]], v[0, :cu_k[-1]]
+        o, lse = flash_attn_varlen_func(q[0], kk, vk, torch.tensor(cu_q), torch.tensor(cu_k), max(lens_q),
+                                        max(lens_k), **common)
+        o, lse = o.unsqueeze(0), lse.unsqueeze(0)
+    else:
+        o, lse = flash_attn_func(q, k, v, **common)
+    o.backward(api_layout(ins["dy"]))
+    out = {"o": kernel_layout(o.detach()), "lse": lse.detach(), "dq": kernel_layout(q.grad),
+           "dk": kernel_layout(k.grad), "dv": kernel_layout(v.grad)}
+    if sinks is not None:
+        out["dsinks"] = sinks.grad
+    return out
+
+
 def run_case(case, candidate):
     """Check one row. Returns the report row: case facts, per-output errors and verdicts, ``pass``, seconds."""
     t0 = time.perf_counter()
     row = {"case": case.as_dict()}
     try:
         ins = make_inputs(case)
-        ref = _golden(ins, case, torch.float64)
-        base = _golden(ins, case, None)
+        ref = reference(ins, case, torch.float64)
+        base = reference(ins, case, None)
         got = run_candidate(candidate, ins, case)
+        from_inputs = inputs_baseline(ins, ref, case)
+        lengths = tolerance.reduction_lengths(case)
         checks = {}
         for name in ref:
             # lse and dsinks are float32 but carry the row dtype's input rounding: judged by the row dtype.
-            checks[name] = tolerance.compare(name, _np(got[name]), _np(ref[name]), _np(base[name]), case.dtype)
+            scale = _dsinks_input_scale(ref, ins, case) if name == "dsinks" else 0.0
+            checks[name] = tolerance.compare(name, _np(got[name]), _np(ref[name]), _np(base[name]), case.dtype,
+                                             n=lengths[name], input_scale=scale,
+                                             inputs=_np(from_inputs[name]) if name in from_inputs else None)
         row["outputs"] = checks
         row["pass"] = all(c["ok"] for c in checks.values())
         row["worst_ratio"] = max((c["max_abs"] / c["bound"] if c.get("bound") else 0.0) for c in checks.values())
@@ -128,6 +295,16 @@ def run_case(case, candidate):
         row["error"] = f"{type(exc).__name__}: {exc}"
     row["seconds"] = round(time.perf_counter() - t0, 3)
     return row
+
+
+def _dsinks_input_scale(ref, ins, case):
+    """``tolerance.dsinks_input_scale`` of a row, from its float64 reference and inputs."""
+    lse = ref["lse"]
+    if lse.dim() == 4:  # kernel layout [b, h, 128, sq // 128]: row t * 128 + p at [p, t]
+        b, h = lse.shape[:2]
+        lse = lse.permute(0, 1, 3, 2).reshape(b, h, -1)
+    return tolerance.dsinks_input_scale(_np(ref["o"]), _np(lse), _np(ins["sinks"]), _np(ins["dy"]),
+                                        over_batch=case.via_api)
 
 
 def _np(t):

@@ -3,14 +3,30 @@ per-engine time on a Trainium generation, optionally write JSON and a PNG bar ch
 
 Device times printed here are MODELED from the public architecture numbers (nki_attn/profiler/params.py), not
 measured on hardware.
+
+Usage errors (a bad number, an unwritable --json / --plot path, --lnc 2 on trn1) are reported by argparse before
+the kernel runs, with exit status 2 and no traceback.
 """
+import argparse
 import json
 import os
 import sys
 import time
 
+from ..harness.cli import HelpFormatter, non_negative_int, positive_int, writable_file_problem
+
 KERNELS = ("fwd", "bwd", "demo")
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+_SHORT = {"bf16": "bf16", "bfloat16": "bf16", "fp16": "fp16", "float16": "fp16", "fp32": "fp32", "float32": "fp32"}
+
+
+def dtype_arg(text):
+    """argparse type: either spelling of a dtype (bf16 / bfloat16, fp16 / float16, fp32 / float32) -> the short
+    name the profile prints."""
+    try:
+        return _SHORT[str(text).lower()]
+    except KeyError:
+        raise argparse.ArgumentTypeError(f"dtype {text!r} is not supported; choose from {sorted(_SHORT)}") from None
 
 
 def add_parser(sub):
@@ -18,25 +34,43 @@ def add_parser(sub):
     p = sub.add_parser(
         "profile", help="modeled per-engine profile of one kernel run (simulator trace + cost model)",
         description="Run a kernel once on the simulator with the instruction trace on and print its modeled "
-                    "time per engine on a Trainium generation. Times are modeled, not measured.")
+                    "time per engine on a Trainium generation. Times are modeled, not measured. Exit status 2 "
+                    "for usage errors.",
+        formatter_class=HelpFormatter)
     p.add_argument("--kernel", choices=KERNELS, default="fwd",
                    help="attention_fwd, attention_bwd, or demo (matmul_exp: lhsT [D,128], rhs [D,S])")
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--heads", type=int, default=1, help="query heads")
-    p.add_argument("--kv-heads", type=int, default=None, help="kv heads (default: --heads)")
-    p.add_argument("--seqlen", type=int, default=512, help="seqlen_q = seqlen_k (a multiple of 128)")
-    p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
-    p.add_argument("--causal", action="store_true")
-    p.add_argument("--window", type=int, default=None, help="sliding window W (implies --causal)")
-    p.add_argument("--sinks", type=int, default=0, help="sink logits per head (0: none)")
-    p.add_argument("--target", choices=("trn1", "trn2", "trn3"), default="trn2")
+    p.add_argument("--batch", type=positive_int, default=1, help="batch size")
+    p.add_argument("--heads", type=positive_int, default=1, help="query heads")
+    p.add_argument("--kv-heads", type=positive_int, default=None, help="kv heads (default: as many as --heads)")
+    p.add_argument("--seqlen", type=positive_int, default=512, help="seqlen_q = seqlen_k (a multiple of 128)")
+    p.add_argument("--head-dim", type=positive_int, default=128, help="head dimension")
+    p.add_argument("--dtype", type=dtype_arg, default="bf16", metavar="DTYPE",
+                   help="input dtype: bf16|bfloat16, fp16|float16, fp32|float32")
+    p.add_argument("--causal", action="store_true", help="causal mask")
+    p.add_argument("--window", type=positive_int, default=None, help="sliding window W (implies --causal; default: no window)")
+    p.add_argument("--sinks", type=non_negative_int, default=0, help="sink logits per head (0: none)")
+    p.add_argument("--target", choices=("trn1", "trn2", "trn3"), default="trn2", help="Trainium generation")
     p.add_argument("--lnc", type=int, choices=(1, 2), default=1, help="logical NeuronCore degree (2: trn2/trn3)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
     p.add_argument("--json", metavar="F", help="write the profile as JSON to F")
     p.add_argument("--plot", metavar="F.png", help="write a bar chart of engine busy time to F.png (matplotlib)")
-    p.set_defaults(func=run)
+    p.set_defaults(func=run, _parser=p)
     return p
+
+
+def validate(args, parser):
+    """Usage checks before any work; parser.error (exit 2, no traceback) on failure."""
+    for flag in ("json", "plot"):
+        path = getattr(args, flag)
+        problem = writable_file_problem(path) if path else None
+        if problem:
+            parser.error(f"--{flag}: {problem}")
+    if args.lnc == 2 and args.target == "trn1":
+        parser.error("--lnc 2 needs trn2 or trn3 (trn1 has no LNC2)")
+    if args.lnc == 2 and args.kernel == "demo":
+        parser.error("--lnc 2: the demo kernel does not split its work between LNC2 cores")
+    if args.kv_heads is not None and args.heads % args.kv_heads:
+        parser.error(f"--heads {args.heads} must be a multiple of --kv-heads {args.kv_heads}")
 
 
 # ----------------------------------------------------------------------------------------------------- inputs
@@ -223,6 +257,8 @@ def write_plot(prof, path, title):
 
 def run(args):
     """Entry point of ``nki-attn profile``; returns the exit status."""
+    parser = getattr(args, "_parser", None) or argparse.ArgumentParser(prog="nki-attn profile")
+    validate(args, parser)
     from .model import profile
     from .params import generation
 
@@ -232,10 +268,7 @@ def run(args):
         print("nki-attn profile: --window implies --causal (sliding windows are causal, docs/semantics.md)",
               file=sys.stderr)
         args.causal = True
-    if args.lnc == 2 and args.target == "trn1":
-        raise SystemExit("nki-attn profile: --lnc 2 needs trn2 or trn3")
-    if args.lnc == 2 and args.kernel == "demo":
-        raise SystemExit("nki-attn profile: the demo kernel does not split its work between LNC2 cores")
+    print(f"nki-attn profile: running {describe(args)} on the simulator ...", file=sys.stderr, flush=True)
     from ..sim.errors import NkiValidationError
     prev = os.environ.get("NEURON_PLATFORM_TARGET_OVERRIDE")
     os.environ["NEURON_PLATFORM_TARGET_OVERRIDE"] = args.target
@@ -256,7 +289,7 @@ def run(args):
     if args.json:
         out = prof.to_dict()
         out.update(description=title, sim_wall_seconds=wall,
-                   args={k: v for k, v in vars(args).items() if k != "func"})
+                   args={k: v for k, v in vars(args).items() if k not in ("func", "_parser")})
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)
         print(f"wrote {args.json}")

@@ -64,3 +64,31 @@ def test_bad_shape_is_reported_without_a_traceback(capsys):
     status, cap = run_cli(["--kernel", "fwd", "--seqlen", "200"], capsys)
     assert status == 2
     assert "nki-attn profile:" in cap.err and "200" in cap.err
+
+
+@pytest.mark.parametrize("argv,flag", [
+    (["--plot", "/nonexistent-dir-of-nki-attn/x.png"], "--plot"),
+    (["--json", "/nonexistent-dir-of-nki-attn/x.json"], "--json"),
+    (["--lnc", "2", "--target", "trn1"], "--lnc"),
+    (["--kernel", "demo", "--lnc", "2"], "--lnc"),
+    (["--dtype", "int8"], "--dtype"),
+    (["--seqlen", "0"], "--seqlen"),
+    (["--heads", "3", "--kv-heads", "2"], "--heads"),
+])
+def test_usage_errors_exit_2_before_the_kernel_runs(argv, flag, capsys, monkeypatch):
+    from nki_attn.profiler import cli as prof_cli
+
+    def boom(*a, **k):
+        raise AssertionError("the kernel ran before the usage error was reported")
+    monkeypatch.setattr(prof_cli, "run_kernel", boom)
+    with pytest.raises(SystemExit) as exc:
+        main(["profile"] + argv)
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and flag in err and "Traceback" not in err
+
+
+def test_long_dtype_spelling_runs(tmp_path, capsys):
+    out = tmp_path / "p.json"
+    status, cap = run_cli(["--kernel", "fwd", "--dtype", "bfloat16", "--json", str(out)] + TINY, capsys)
+    assert status == 0 and " bf16" in cap.out
+    assert json.loads(out.read_text())["args"]["dtype"] == "bf16"

@@ -42,7 +42,7 @@ def _h_try(a):
 
 
 def _h_with(a):
-    with open("/dev/null") as f:  # <- with
+    with open(__file__) as f:  # <- with
         return f
 
 

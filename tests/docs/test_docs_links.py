@@ -1,0 +1,82 @@
+"""The docs stand alone: every relative link in README.md and docs/ resolves to a file inside the repository
+(and every #anchor to a heading), no absolute filesystem path and no path leading out of the repository
+appears in them, and the README lists every document under docs/."""
+import pathlib
+import re
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+DOCS = sorted([ROOT / "README.md"] + list((ROOT / "docs").glob("*.md")))
+LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
+# an absolute path: "/" starting a token (not inside a URL or a word like o/dq) followed by a path component
+# and a further "/" (/work/..., /tmp/x/..., /home/...), or a home-relative or Windows drive path
+ABS_PATH = re.compile(r"(?<![\w.:/\]\)>*-])/(?:[A-Za-z0-9_.+-]+/)+[A-Za-z0-9_.+-]*|~/[A-Za-z0-9_.-]+|"
+                      r"\b[A-Z]:\\\\[A-Za-z]")
+PARENT_PATH = re.compile(r"(?:^|[\s`(\"'])((?:\.\./)+[^\s`)\"']*)")
+CODE_SPAN = re.compile(r"```.*?```", re.S)
+
+
+def _slug(heading):
+    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces to hyphens."""
+    text = re.sub(r"[`*]", "", heading.strip().lower())
+    text = re.sub(r"[^\w\- ]", "", text)
+    return text.replace(" ", "-")
+
+
+def _anchors(path):
+    text = CODE_SPAN.sub("", path.read_text())
+    return {_slug(m.group(1)) for m in re.finditer(r"^#+\s+(.*)$", text, re.M)}
+
+
+def _links(path):
+    text = CODE_SPAN.sub("", path.read_text())
+    return [m.group(1) for m in LINK.finditer(text)]
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_relative_links_resolve_inside_the_repository(doc):
+    bad = []
+    for target in _links(doc):
+        if re.match(r"^[a-z][a-z0-9+.-]*:", target):  # https:, mailto: ... : not a file
+            continue
+        file_part, _, anchor = target.partition("#")
+        dest = (doc.parent / file_part).resolve() if file_part else doc
+        if ROOT not in dest.parents and dest != ROOT:
+            bad.append(f"{target}: leads outside the repository")
+        elif not dest.exists():
+            bad.append(f"{target}: {dest.relative_to(ROOT)} does not exist")
+        elif anchor and dest.suffix == ".md" and anchor not in _anchors(dest):
+            bad.append(f"{target}: no heading #{anchor} in {dest.relative_to(ROOT)}")
+    assert not bad, f"{doc.relative_to(ROOT)}: " + "; ".join(bad)
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_no_absolute_or_outside_paths(doc):
+    text = doc.read_text()
+    found = [m.group(0) for m in ABS_PATH.finditer(text)]
+    for m in PARENT_PATH.finditer(text):
+        dest = (doc.parent / m.group(1)).resolve()
+        if ROOT not in dest.parents or not dest.exists():
+            found.append(m.group(1))
+    assert not found, f"{doc.relative_to(ROOT)} names paths outside the repository: {found}"
+
+
+def test_readme_lists_every_doc():
+    readme = (ROOT / "README.md").read_text()
+    # the "## Documents" section, one line per document (a link elsewhere in README does not count)
+    section = readme.split("\n## Documents\n", 1)[1].split("\n## ", 1)[0]
+    linked = {(ROOT / m.group(1).partition("#")[0]).resolve() for m in LINK.finditer(section)}
+    missing = [p.name for p in (ROOT / "docs").glob("*.md") if p.resolve() not in linked]
+    assert not missing, f"README.md does not link {missing}"
+    assert "docs/" in readme
+
+
+def test_the_checks_catch_what_they_are_for(tmp_path):
+    # the patterns themselves: an absolute path is caught, URLs, fractions and shapes are not
+    assert ABS_PATH.search("see /work/shared/docs/notes.md") and ABS_PATH.search("mkdir -p /tmp/conf/sdk")
+    assert not ABS_PATH.search("https://github.com/aws-neuron/nki-library and o/dq, dk/dv, [b, h, d/2]")
+    assert PARENT_PATH.search("the method of `../shared/seeds/x.txt`")
+    assert PARENT_PATH.search("(../README.md)").group(1) == "../README.md"
+    assert _slug("What the model leaves out") == "what-the-model-leaves-out"
+    assert _slug("## `harness_report.json` (schema version 2)".lstrip("# ")) == "harness_reportjson-schema-version-2"
