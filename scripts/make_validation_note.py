@@ -6,6 +6,7 @@ validation method asks for: what was validated, on what, and what was not).
     python scripts/make_validation_note.py docs/harness_report_full.json docs/harness_report_models.json
 """
 import json
+import os
 import subprocess
 import sys
 from collections import defaultdict
@@ -58,6 +59,21 @@ def update_tolerances(table, path="docs/tolerances.md"):
     _, tail = rest.split(end, 1)
     with open(path, "w") as f:
         f.write(head + begin + "\n" + table + "\n" + end + tail)
+
+
+KEPT = ("<!-- mutation-testing:begin -->", "<!-- mutation-testing:end -->")
+
+
+def kept_sections(path):
+    """The hand-maintained part of an existing note (the mutation-testing section between the KEPT markers,
+    written from scripts/mutation_check.py's output), as lines to append after the generated note."""
+    if not os.path.exists(path):
+        return []
+    text = open(path).read()
+    if KEPT[0] not in text or KEPT[1] not in text:
+        return []
+    body = text.split(KEPT[0], 1)[1].split(KEPT[1], 1)[0]
+    return ["", KEPT[0] + body + KEPT[1]]
 
 
 def main(paths, out="docs/validation.md"):
@@ -118,6 +134,7 @@ def main(paths, out="docs/validation.md"):
               "## Not validated, and why", ""]
     lines += [f"- {what}: {why}" for what, why in SKIPPED]
     lines += ["", f"Code at commit `{commit}` (the commit before the one adding this note and the reports)."]
+    lines += kept_sections(out)
     with open(out, "w") as f:
         f.write("\n".join(lines) + "\n")
     update_tolerances(tolerance_table(reports, paths))
