@@ -360,8 +360,8 @@ def run_tests(root, tests, timeout, stop_first=True, workers=0):
     """Run pytest on ``tests`` in ``root``: ``(status, killer, seconds, returncode, output tail)``."""
     t0 = time.perf_counter()
     try:
-        r = subprocess.run(pytest_command(tests, stop_first, workers), cwd=root, env=scratch_env(root), capture_output=True, text=True,
-                           timeout=timeout)
+        r = subprocess.run(pytest_command(tests, stop_first, workers), cwd=root, env=scratch_env(root),
+                           capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired as e:
         out = (e.stdout or b"")
         out = out.decode(errors="replace") if isinstance(out, bytes) else out
