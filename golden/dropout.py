@@ -127,6 +127,9 @@ def hash_values(dropout_seed, bs: int, nheads: int, seqlen_q: int, seqlen_k: int
     z0, z1 = seed_state(dropout_seed)
     qi = torch.arange(seqlen_q, dtype=torch.int64) if q_range is None else _t(list(q_range))
     kj = torch.arange(seqlen_k, dtype=torch.int64) if k_range is None else _t(list(k_range))
+    for name, idx, n in (("q_range", qi, seqlen_q), ("k_range", kj, seqlen_k)):
+        if idx.numel() and not (0 <= int(idx.min()) and int(idx.max()) < n):
+            raise ValueError(f"hash_values: {name} must lie in [0, {n})")
     out = torch.empty((bs, nheads, qi.numel(), kj.numel()), dtype=torch.int64)
     i = qi[:, None]
     jbs = kj >> 16
