@@ -15,7 +15,6 @@ import argparse
 import math
 import time
 
-import torch
 
 from golden import dropout as D
 
