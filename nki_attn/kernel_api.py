@@ -62,6 +62,9 @@ def variant_problem(q, k, v, o=None, dy=None, lse=None, sinks=None, bound_min=No
         window_size, dropout_p, _host(dropout_seed), supports=_validation.FEATURES)
 
 
+_SPEC_PARAMS = tuple(inspect.signature(variant_problem).parameters)
+
+
 class CheckedKernel:
     """A kernel whose call first evaluates ``problem`` (the kernel's own check, same parameters) on the host and
     raises ``ValueError`` with its message; ``kernel[lnc]`` selects the LNC degree as on the kernel itself."""
@@ -96,7 +99,23 @@ class CheckedKernel:
 
     def check(self, *args, **kwargs):
         """Raise ``ValueError`` (or ``TypeError`` for a call that does not fit the signature) without launching."""
+        self._spec_check(args, kwargs)
         self._check(args, self._kernel_kwargs(kwargs))
+
+    def _spec_check(self, args, kwargs):
+        # the rules of docs/semantics.md first (variant_problem), so that an invalid value is reported as such
+        # even for a variant this kernel does not implement; then the kernel's own check
+        named = dict(zip(self.signature.parameters, args))
+        named.update(kwargs)
+        spec = {}
+        for name, value in named.items():
+            key = name[:-4] if name.endswith("_ref") else name
+            if key in _SPEC_PARAMS:
+                spec[key] = value
+        if "q" in spec and "k" in spec and "v" in spec:
+            message = variant_problem(**spec)
+            if message is not None:
+                raise ValueError(message)
 
     def _check(self, args, kwargs):
         bound = self.signature.bind(*args, **kwargs)
@@ -110,6 +129,7 @@ class CheckedKernel:
             raise ValueError(message)
 
     def __call__(self, *args, **kwargs):
+        self._spec_check(args, kwargs)
         kwargs = self._kernel_kwargs(kwargs)
         self._check(args, kwargs)
         kernel = self.kernel if self.lnc is None else self.kernel[self.lnc]
