@@ -183,16 +183,9 @@ def _probe_args(feature, d_qk=64, d_v=64, sq=256, sk=256):
     return q, k, v, o, lse, kw
 
 
-def _dropout_seed_format():
-    # the dropout helper's seed layout when its tile step exists (kernels/dropout.py), else one int32 word
-    try:
-        from .kernels import dropout as _dropout  # noqa: PLC0415 - optional until the dropout step lands
-    except ImportError:
-        return (1,), "int32"
-    return tuple(getattr(_dropout, "SEED_SHAPE", (1,))), str(getattr(_dropout, "SEED_DTYPE", "int32")).split(".")[-1]
-
-
-DROPOUT_SEED_SHAPE, DROPOUT_SEED_DTYPE = _dropout_seed_format()
+# the kernels' dropout seed: int32 (or uint32) [2] = (seed, offset), docs/semantics.md "Dropout"
+DROPOUT_SEED_SHAPE = _validation.DROPOUT_SEED_SHAPE
+DROPOUT_SEED_DTYPE = "int32"
 _SUPPORT_CACHE = {}
 
 

@@ -44,7 +44,7 @@ SEED = _t(2, dtype=torch.int32)
     dict(softcap=7),
     dict(alibi_slopes="alibi"),
     dict(dropout_p=0.1, dropout_seed=SEED),
-    dict(dropout_p=0.5, dropout_seed=_t(1, 2, dtype=torch.uint32)),
+    dict(dropout_p=0.5, dropout_seed=_t(2, dtype=torch.uint32)),
 ], ids=str)
 def test_spec_arguments_accepted(change, kw):
     a = _args(**change)
@@ -82,6 +82,7 @@ def _problem(**kw):
     (dict(dropout_p=0.1, dropout_seed=7), r"dropout_seed=7 must be an int32 or uint32 HBM tensor"),
     (dict(dropout_p=0.1, dropout_seed=_t(2)), r"dropout_seed dtype float32 must be int32 or uint32"),
     (dict(dropout_seed=SEED), r"dropout_seed was given with dropout_p=0.0"),
+    (dict(dropout_p=0.1, dropout_seed=_t(1, 2, dtype=torch.int32)), r"dropout_seed shape \(1, 2\) must be \(2,\)"),
     (dict(v=_t(1, 1, 64, 384)), r"v shape \(1, 1, 64, 384\) must be \[bs, nheads_kv, d_v, seqlen_k\]"),
     (dict(d_qk=192, d_v=128, o=_t(1, 2, 192, 256)), r"o shape \(1, 2, 192, 256\) must be \[bs, nheads, d_v, "
                                                    r"seqlen_q\] = \(1, 2, 128, 256\)"),
@@ -212,8 +213,9 @@ def test_supports_probe_follows_the_kernels_checks(monkeypatch):
         assert not kernel_api.supports(f), f
 
 
-def _legacy_problem(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, softcap=0.0, alibi_slopes=None, window_size=None,
-                    dropout_p=0.0, dropout_seed=None):
-    return V.attention_problem(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, softcap=softcap,
+def _legacy_problem(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, use_causal_mask=False, softcap=0.0,
+                    alibi_slopes=None, window_size=None, dropout_p=0.0, dropout_seed=None):
+    return V.attention_problem(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, use_causal_mask=use_causal_mask,
+                               softcap=softcap,
                                alibi_slopes=alibi_slopes, window_size=window_size, dropout_p=dropout_p,
                                dropout_seed=dropout_seed)
