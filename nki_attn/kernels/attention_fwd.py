@@ -1,10 +1,11 @@
 """Flash-attention forward (training): ``o`` and the log-sum-exp ``lse`` the backward kernel consumes.
 
     attention_fwd(q_ref, k_ref, v_ref, sinks_ref=None, bound_min=None, bound_max=None, use_causal_mask=False,
-                  mixed_precision=True, softmax_scale=None, sliding_window=None) -> (o, lse)
+                  mixed_precision=True, softmax_scale=None, sliding_window=None, softcap=0.0, alibi_slopes=None,
+                  window_size=None, dropout_p=0.0, dropout_seed=None) -> (o, lse)
 
-Layouts (head_dim on the partition axis): q/o ``[bs, nheads, d_head, seqlen_q]``, k/v
-``[bs, nheads_kv, d_head, seqlen_k]``, lse float32 ``[bs, nheads, 128, seqlen_q // 128]`` with
+Layouts (head_dim on the partition axis): q ``[bs, nheads, d_qk, seqlen_q]``, k ``[bs, nheads_kv, d_qk,
+seqlen_k]``, v ``[bs, nheads_kv, d_v, seqlen_k]``, o ``[bs, nheads, d_v, seqlen_q]``, lse float32 ``[bs, nheads, 128, seqlen_q // 128]`` with
 ``lse[b, h, p, t]`` the log-sum-exp of query row ``t * 128 + p`` (``+inf`` for a row that sees no key and has no
 sink; its ``o`` is 0). Semantics follow ``golden/attention_fwd_torch.py``; docs/kernel-fwd.md explains the design.
 Kernel code stays in NKI's compile-time subset (checked by the simulator's frontend check): invalid arguments fail
@@ -27,6 +28,9 @@ the scale itself when it is a power of two)::
 and per block at the end ``o = O / l``, ``lse = c m + log(l)``; rows whose max is still the mask value (no visible
 key, no sink) are forced to ``o = 0``, ``lse = +inf`` by selects on a keep flag. The statistics of all units of a
 block live in the columns of ``[128, units]`` tiles, so each statistics instruction serves the whole block.
+
+Variants (soft-capping, ALiBi, bands, dropout) are tile steps chosen once per launch (``_tile_steps``,
+docs/kernel-fwd.md "Variants"); the default launch runs none of them.
 """
 import math
 
@@ -85,9 +89,11 @@ class _FwdConfig(nl.NKIObject):
     """Trace-time facts of one launch: shapes, tilings, dtypes, the masking method and the blocking.
 
     qk_tiles / v_tiles: ``[(start, size)]`` partition tiles of the Q/K head dim (the QK contraction) and of the
-    V/O head dim (V^T and O columns); d_v: V/O head dim. exp_scale: the factor the exponent applies to the stored
-    scores (1 when the softmax scale is folded into Q, see SCALE_IN_EXP); q_scale: the factor Q is multiplied by
-    at load. mask: "bounds" (range_select on per-query-tile key bounds, trn2+), "predicate" (trn1 packing: key
+    V/O head dim (V^T and O columns); d_qk / d_v: the head dims. exp_scale: the factor the exponent applies to
+    the stored scores (1 when the softmax scale is folded into Q, see SCALE_IN_EXP; the cap with soft-capping);
+    q_scale: the factor Q is multiplied by at load; cap_scale: the tanh's factor (soft-capping). off, lo_rel,
+    hi_rel: the band (``tiling.attention_band``), band_lo / band_hi: that side masks something. alibi /
+    alibi_mm: ALiBi given / taken by ``_alibi_matmul``; dropout_p, o_factor = 1 / (1 - p). mask: "bounds" (range_select on per-query-tile key bounds, trn2+), "predicate" (trn1 packing: key
     index compared with the bounds, select_reduce) or "affine" (trn1 causal / window: affine_select). group:
     query heads per kv head; units: units per block (whole query tiles of the group when the group fits);
     kb_tiles: score tiles per key block; sec_tiles: query tiles per section; p_dma_transpose: half of the full P
@@ -946,21 +952,29 @@ def attention_fwd(q_ref, k_ref, v_ref, sinks_ref=None, bound_min=None, bound_max
     """Flash-attention forward; returns ``(o, lse)`` in shared HBM.
 
     Args:
-        q_ref: ``[bs, nheads, d_head, seqlen_q]`` float32 / bfloat16 / float16.
-        k_ref, v_ref: ``[bs, nheads_kv, d_head, seqlen_k]``, q's dtype; query head h reads kv head
+        q_ref: ``[bs, nheads, d_qk, seqlen_q]`` float32 / bfloat16 / float16 (d_qk 1..256).
+        k_ref: ``[bs, nheads_kv, d_qk, seqlen_k]``, v_ref: ``[bs, nheads_kv, d_v, seqlen_k]`` (d_v 1..256), q's
+            dtype; query head h reads kv head
             ``h // (nheads // nheads_kv)``.
         sinks_ref: optional ``[bs, nheads]`` or ``[bs, nheads, num_sinks]`` logits (not scaled) that join the
             softmax denominator and produce no output.
         bound_min, bound_max: optional float32 ``[seqlen_q]`` packing bounds: key j is visible to query i iff
             ``bound_min[i] <= j < bound_max[i]``.
-        use_causal_mask: mask key j > query i (needs seqlen_q == seqlen_k).
+        use_causal_mask: mask key j > query i + seqlen_k - seqlen_q (bottom-right aligned).
         mixed_precision: True keeps the O accumulator in float32; False keeps it in the input dtype. The
             softmax statistics (max, sum, LSE) are float32 either way; P is the input dtype for the PV matmul.
         softmax_scale: multiplies q.k; default ``1 / sqrt(d_head)``.
-        sliding_window: W >= 1 (causal only): query i sees keys ``i - W + 1 .. i``.
+        sliding_window: W >= 1 (causal only): query i sees keys ``i + off - W + 1 .. i + off``.
+        softcap: c > 0 caps the scaled logits to ``c tanh(S / c)`` (0 = off).
+        alibi_slopes: optional float32 ``[bs, nheads]``: adds ``-slope |i + off - j|`` after the cap.
+        window_size: None or ``(left, right)`` (-1 = unbounded): keys ``i + off - left .. i + off + right``,
+            causal or not; not with sliding_window.
+        dropout_p: drop probability in [0, 1) (trace-time); dropout_seed: int32/uint32 ``[2]`` HBM
+            ``(seed, offset)``, given iff dropout_p > 0; the keep mask is ``golden.dropout.keep_mask``'s, the LSE
+            stays pre-dropout.
 
     Returns:
-        o: like q; lse: float32 ``[bs, nheads, 128, seqlen_q // 128]``.
+        o: ``[bs, nheads, d_v, seqlen_q]`` in q's dtype; lse: float32 ``[bs, nheads, 128, seqlen_q // 128]``.
     """
     problem = fwd_problem(q_ref, k_ref, v_ref, sinks_ref, bound_min, bound_max, use_causal_mask, mixed_precision,
                           softmax_scale, sliding_window, softcap, alibi_slopes, window_size, dropout_p, dropout_seed)
