@@ -1,15 +1,17 @@
 """Flash-attention backward pass (training) for Trainium, in NKI.
 
 ``attention_bwd(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref=None, bound_min=None, bound_max=None,
-use_causal_mask=False, mixed_precision=False, softmax_scale=None, sliding_window=None, k_section_len=None)``
-returns ``(dq, dk, dv)`` or, with sinks, ``(dq, dk, dv, dsinks)``: the layouts and semantics of
+use_causal_mask=False, mixed_precision=False, softmax_scale=None, sliding_window=None, softcap=0.0,
+alibi_slopes=None, window_size=None, dropout_p=0.0, dropout_seed=None, k_section_len=None)`` returns ``(dq, dk, dv)`` or, with sinks, ``(dq, dk, dv, dsinks)``: the layouts and semantics of
 ``golden.attention_bwd_torch.attention_bwd_torch_ref`` (see docs/semantics.md). docs/kernel-bwd.md explains the
 design; each step below is named there after the function that implements it. Kernel code stays in NKI's
 compile-time subset (checked by the simulator's frontend check): invalid arguments fail an ``assert`` on
 ``bwd_problem``'s message; ``nki_attn.kernel_api.attention_bwd`` raises it as ``ValueError`` before launching.
 
-Layouts (head_dim on the partition axis in HBM): q, o, dy, dq ``[bs, nheads, d_head, seqlen_q]``; k, v, dk, dv
-``[bs, nheads_kv, d_head, seqlen_k]``; lse float32 ``[bs, nheads, 128, seqlen_q // 128]`` (``lse[b, h, p, t]`` is
+Layouts (head_dim on the partition axis in HBM): q, dq ``[bs, nheads, d_qk, seqlen_q]``; o, dy ``[bs, nheads,
+d_v, seqlen_q]``; k, dk ``[bs, nheads_kv, d_qk, seqlen_k]``; v, dv ``[bs, nheads_kv, d_v, seqlen_k]`` (d_qk, d_v
+in 1..256, tiled as 128 + remainder partition rows); alibi_slopes float32 ``[bs, nheads]``; dropout_seed int32 /
+uint32 ``[2]`` (``nki_attn.kernels.dropout``); lse float32 ``[bs, nheads, 128, seqlen_q // 128]`` (``lse[b, h, p, t]`` is
 the log-sum-exp of query row ``t * 128 + p``, ``+inf`` for a row that sees no key); dsinks float32 shaped like
 sinks.
 
@@ -216,7 +218,7 @@ class BwdVisit(nl.NKIObject):
     """One member's visit of one key tile of its group (trace-time plan).
 
     m: the member's index in the group; k0, kw: the visible keys [k0, k0+kw) (128-aligned); cmask, wmask: the
-    causal / window element masks are needed; off: k0 - u0, the visit's first column in the group's dV/dK PSUM
+    upper (causal, window_size right) / lower (sliding window, window_size left) band masks are needed; off: k0 - u0, the visit's first column in the group's dV/dK PSUM
     tiles of this key tile; segs: ``[(a, b, acc)]`` column ranges [a, b) of those PSUM tiles (relative to u0)
     the dV/dK matmuls write, ``acc`` False where no earlier member of the group wrote (a matmul must overwrite
     first, then accumulate); dq_first: the member's first visit in the group (its first dQ matmul overwrites);

@@ -150,3 +150,18 @@ def test_independent_across_seeds_and_offsets(other):
     m = D.keep_mask(D.make_seed(*other), 0.5, 1, 2, 256, 1024)
     ok, info = _agreement_ok(base, m, q)
     assert ok, (other, info)
+
+
+@pytest.mark.parametrize("seed", [(0, 0), (99, 1), (42, 42), (2**31, 0), (-1, 2**32 - 1)])
+def test_small_and_structured_seeds_are_as_good(seed):
+    # seeds with few set bits once left the row words small (a mixing round that never reached the high half)
+    v = D.hash_values(D.make_seed(*seed), 1, 2, 256, 512)
+    n = v.numel()
+    for bit in range(16):
+        ok, info = _binomial_ok(int(((v >> bit) & 1).sum()), n, 0.5)
+        assert ok, (bit, info)
+    m = v < 32768
+    for name, (a, b) in {"columns +1": (m[..., :-1], m[..., 1:]), "rows +1": (m[:, :, :-1], m[:, :, 1:]),
+                         "heads": (m[:, 0], m[:, 1])}.items():
+        ok, info = _agreement_ok(a, b, 0.5)
+        assert ok, (name, info)
