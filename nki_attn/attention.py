@@ -103,9 +103,22 @@ def _check_alibi(fn, alibi_slopes, batch, hq, q):
     return alibi_slopes
 
 
-def _check_fa_extras(fn, deterministic, return_attn_probs):
+def _check_flags(fn, deterministic, return_attn_probs):
     _check_bool(fn, "deterministic", deterministic)  # always honoured: the kernels are deterministic
     _check_bool(fn, "return_attn_probs", return_attn_probs)
+
+
+def _check_fa_extras(fn, softcap, alibi_slopes, deterministic, return_attn_probs):
+    """For entry points that implement none of the variants (ring attention): soft-capping and ALiBi accepted at
+    their neutral values (0.0 / None) only, NotImplementedError otherwise."""
+    cap = _check_real(fn, "softcap", softcap)
+    if cap != 0.0:
+        _fail(fn, "softcap", cap, "logit soft-capping is not implemented here; only 0.0 (deactivated)",
+              NotImplementedError)
+    if alibi_slopes is not None:
+        shape = tuple(alibi_slopes.shape) if isinstance(alibi_slopes, torch.Tensor) else type(alibi_slopes).__name__
+        _fail(fn, "alibi_slopes", shape, "ALiBi is not implemented here; only None", NotImplementedError)
+    _check_flags(fn, deterministic, return_attn_probs)
 
 
 SEED_MAX = (1 << 32) - 1
@@ -592,7 +605,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     fn = "flash_attn_func"
     p = _check_dropout(fn, dropout_p)
     cap = _check_softcap(fn, softcap)
-    _check_fa_extras(fn, deterministic, return_attn_probs)
+    _check_flags(fn, deterministic, return_attn_probs)
     _check_bool(fn, "return_lse", return_lse)
     causal = _check_bool(fn, "causal", causal)
     _check_qkv(fn, q, k, v, 4)
@@ -726,7 +739,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     fn = "flash_attn_varlen_func"
     p = _check_dropout(fn, dropout_p)
     cap = _check_softcap(fn, softcap)
-    _check_fa_extras(fn, deterministic, return_attn_probs)
+    _check_flags(fn, deterministic, return_attn_probs)
     _check_bool(fn, "return_lse", return_lse)
     if block_table is not None:
         _fail(fn, "block_table", type(block_table).__name__, "a paged KV cache is not supported; only None",
