@@ -37,8 +37,10 @@ __all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_qkvpacked_fu
 
 
 # ----------------------------------------------------------------------------------------------------- arguments
+@torch.compiler.assume_constant_result
 def _supports(feature):
-    """kernel_api.supports: whether both kernels implement a variant (imported late: it loads the kernels)."""
+    """kernel_api.supports: whether both kernels implement a variant (imported late: it loads the kernels). A
+    constant of the process, so ``torch.compile`` evaluates it once at trace time instead of tracing it."""
     from . import kernel_api  # noqa: PLC0415
     return kernel_api.supports(feature)
 
