@@ -146,8 +146,9 @@ class _FwdConfig(nl.NKIObject):
         # ALiBi by TensorE (``_alibi_matmul``) when every visible key is left of the diagonal (causal), the inputs
         # are bfloat16, no soft-cap (the bias follows the tanh) and no sinks (they would need the row shift);
         # otherwise the exact VectorE step (``_alibi_scores``)
+        # (positions up to 65536: 256 floor(j / 256) stays an exact bfloat16 integer)
         self.alibi_mm = (var.alibi and self.hi_rel <= self.off and shp.num_sinks == 0 and var.softcap == 0.0
-                         and str(io_dtype) == str(nl.bfloat16))
+                         and str(io_dtype) == str(nl.bfloat16) and shp.seqlen_k <= 65536)
         if range_select_ok:
             self.mask = "bounds"
         elif shp.packing:
