@@ -285,6 +285,43 @@ def test_variants_add_their_steps_only():
     assert i2["nc_matmul"] == i0["nc_matmul"]
 
 
+@pytest.mark.parametrize("kw", [
+    dict(sq=1024, window_size=(64, 64)),
+    dict(sq=640, sk=1152, window_size=(300, 100), section=256),
+    dict(sq=1152, sk=640, causal=True, window_size=(200, -1)),
+    dict(sq=768, sk=512, causal=True, window=130, section=384),
+    dict(sq=512, sk=896, window_size=(-1, 0)),
+    dict(sq=384, sk=128, causal=True),                                   # query tiles that see no key
+], ids=_ids)
+def test_plan_follows_the_band(kw):
+    """The trace-time plan visits exactly the 128-key chunks holding a visible (query, key) pair of the golden's
+    visibility matrix, and flags an element mask exactly where a visited chunk run holds an invisible pair on
+    that side of the band (brute force, no error bound)."""
+    sq, sk = kw["sq"], kw.get("sk", kw["sq"])
+    cfg = kb._configure(np.zeros((1, 1, 64, sq), np.float32), np.zeros((1, 1, 64, sk), np.float32), None, None,
+                        kw.get("causal", False), False, None, kw.get("window"), kw.get("section"),
+                        window_size=kw.get("window_size"))
+    vis = visibility_mask(sq, sk, kw.get("causal", False), kw.get("window"), None, None,
+                          kw.get("window_size")).numpy()
+    i = np.arange(sq)[:, None]
+    j = np.arange(sk)[None, :]
+    above = j > i + cfg.hi_rel   # invisible by the band's upper side
+    below = j < i + cfg.lo_rel   # invisible by its lower side
+    assert np.array_equal(vis, ~(above | below))
+    for s, (k_lo, k_len) in enumerate(cfg.sections):
+        for qt in range(cfg.nq):
+            rows = slice(qt * 128, (qt + 1) * 128)
+            want = [c for c in range(k_lo, k_lo + k_len, 128) if vis[rows, c:c + 128].any()]
+            got = [c for tile in cfg.tiles[s][qt] for c in range(tile[0], tile[0] + tile[1], 128)]
+            assert got == want, (s, qt)
+            for k0, kw_, cmask, wmask in cfg.tiles[s][qt]:
+                assert cmask == bool(above[rows, k0:k0 + kw_].any())
+                assert wmask == bool(below[rows, k0:k0 + kw_].any())
+    for qt in range(cfg.nq):
+        sees = bool(vis[qt * 128:(qt + 1) * 128].any())
+        assert (qt in cfg.no_key_tiles) == (not sees)
+
+
 def test_window_cost_is_linear_in_seqlen():
     counts = []
     for sq in (1024, 2048):
