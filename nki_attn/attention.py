@@ -142,9 +142,9 @@ def _dropout_seed(fn, p, dropout_seed, generator, device):
     if dropout_seed is not None and generator is not None:
         _fail(fn, "dropout_seed", repr(dropout_seed), "give dropout_seed or generator, not both")
     if isinstance(dropout_seed, torch.Tensor):
-        if tuple(dropout_seed.shape) != (2,) or dropout_seed.dtype not in (torch.int32, torch.uint32):
+        if tuple(dropout_seed.shape) not in ((2,), (1,)) or dropout_seed.dtype not in (torch.int32, torch.uint32):
             _fail(fn, "dropout_seed", f"{dropout_seed.dtype} {tuple(dropout_seed.shape)}",
-                  "a seed tensor must be int32 or uint32 [2] = (seed, offset) (or pass an int)")
+                  "a seed tensor must be int32 or uint32 [2] = (seed, offset) or [1] = (seed,) (or pass an int)")
         seed = dropout_seed.to(device)
     elif dropout_seed is not None:
         if not _is_int(dropout_seed) or not 0 <= dropout_seed <= SEED_MAX:
