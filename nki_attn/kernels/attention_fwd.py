@@ -35,7 +35,7 @@ docs/kernel-fwd.md "Variants"); the default launch runs none of them.
 import math
 
 from ..backend import nisa, nki, nl
-from .dropout import (M16, ROW_A4, ROW_A5, ROW_A6, dropout_row_keys, dropout_values, keep_threshold,
+from .dropout import (dropout_row_keys, dropout_row_keys_units, dropout_values, keep_threshold,
                       load_dropout_seed)
 from .tiling import attention_band, band_needs_hi_mask, band_needs_lo_mask, band_tile_fully_visible, band_tile_visible
 from .validation import attention_problem, attention_shape, sbuf_bytes_per_partition
@@ -380,54 +380,18 @@ def _alibi_lse(cfg, t0, j0, lse_real, rt):
     nisa.tensor_tensor(dst=lse_real, data1=lse_real, data2=qpos, op=nl.add)
 
 
-def _mix_cols(y, n):
-    """``dropout``'s mixing function ``g(y) = p ^ (p >> 16)``, ``p = lo(y) * (hi(y) + 1)``, on a uint32
-    ``[128, n]`` tile (every column at once; the same instructions and engines as ``dropout._mix``)."""
-    a = nl.ndarray((PMAX, n), dtype=nl.uint32, buffer=nl.sbuf)
-    nisa.tensor_scalar(dst=a, data=y, op0=nl.bitwise_and, operand0=M16)
-    hb = nl.ndarray((PMAX, n), dtype=nl.uint32, buffer=nl.sbuf)
-    nisa.tensor_scalar(dst=hb, data=y, op0=nl.right_shift, operand0=16)
-    nisa.tensor_scalar(dst=hb, data=hb, op0=nl.add, operand0=1.0)  # below 2**16 + 1: exact in float32
-    p = nl.ndarray((PMAX, n), dtype=nl.uint32, buffer=nl.sbuf)
-    nisa.tensor_tensor(dst=p, data1=a, data2=hb, op=nl.multiply, engine=nisa.engine.gpsimd)
-    t = nl.ndarray((PMAX, n), dtype=nl.uint32, buffer=nl.sbuf)
-    nisa.tensor_scalar(dst=t, data=p, op0=nl.right_shift, operand0=16)
-    out = nl.ndarray((PMAX, n), dtype=nl.uint32, buffer=nl.sbuf)
-    nisa.tensor_tensor(dst=out, data1=p, data2=t, op=nl.bitwise_xor, engine=nisa.engine.vector)
-    return out
-
-
 def _dropout_section(cfg, b, kvh, t0, n_tiles, rt):
-    """Section step of dropout: the hash's row words (``dropout.dropout_row_keys``, keys below 65536) of every
-    unit of the section at once, as uint32 ``[128, units, 4]`` (unit j: query tile ``t0 + j // group``, head
-    ``j % group``): ~25 instructions per section instead of per unit (they are [128, 1] each, so their fixed
-    cost would dominate). Bit-identical to ``dropout_row_keys`` (tested through the golden keep mask)."""
+    """Section step of dropout: the hash's row words (``dropout.dropout_row_keys_units``, keys below 65536) of
+    every unit of the section at once, as uint32 ``[128, units, 4]`` (unit j: query tile ``t0 + j // group``,
+    head ``j % group``): one set of instructions per section instead of per unit (they are [128, 1] each, so
+    their fixed cost would dominate)."""
     g = cfg.group
     n = n_tiles * g
-    z0 = rt.seed[:, 0:1]
-    z1 = rt.seed[:, 1:2]
     ii = nl.ndarray((PMAX, n), dtype=nl.uint32, buffer=nl.sbuf)
     nisa.iota(dst=ii, pattern=[[PMAX, n_tiles], [0, g]], offset=t0 * PMAX, channel_multiplier=1)  # query row
     hh = nl.ndarray((PMAX, n), dtype=nl.uint32, buffer=nl.sbuf)
     nisa.iota(dst=hh, pattern=[[0, n_tiles], [1, g]], offset=kvh * g, channel_multiplier=0)  # query head
-    y = nl.ndarray((PMAX, n), dtype=nl.uint32, buffer=nl.sbuf)
-    nisa.tensor_tensor(dst=y, data1=ii, data2=hh, op=nl.bitwise_xor, engine=nisa.engine.vector)
-    nisa.tensor_scalar(dst=y, data=y, op0=nl.bitwise_xor, operand0=z0, op1=nl.bitwise_xor, operand1=ROW_A4)
-    x1 = _mix_cols(y, n)
-    y2 = nl.ndarray((PMAX, n), dtype=nl.uint32, buffer=nl.sbuf)
-    nisa.tensor_tensor(dst=y2, data1=x1, data2=ii, op=nl.bitwise_xor, engine=nisa.engine.vector)
-    nisa.tensor_scalar(dst=y2, data=y2, op0=nl.bitwise_xor, operand0=z1, op1=nl.bitwise_xor, operand1=b ^ ROW_A5)
-    k1 = _mix_cols(y2, n)
-    y3 = nl.ndarray((PMAX, n), dtype=nl.uint32, buffer=nl.sbuf)
-    nisa.tensor_tensor(dst=y3, data1=k1, data2=ii, op=nl.bitwise_xor, engine=nisa.engine.vector)
-    nisa.tensor_scalar(dst=y3, data=y3, op0=nl.bitwise_xor, operand0=z0, op1=nl.bitwise_xor, operand1=ROW_A6)
-    k2 = _mix_cols(y3, n)
-    keys = nl.ndarray((PMAX, n, 4), dtype=nl.uint32, buffer=nl.sbuf)
-    nisa.tensor_copy(dst=keys[:, :, 0], src=k1)
-    nisa.tensor_scalar(dst=keys[:, :, 1], data=k1, op0=nl.right_shift, operand0=16, op1=nl.bitwise_or, operand1=1)
-    nisa.tensor_copy(dst=keys[:, :, 2], src=k2)
-    nisa.tensor_scalar(dst=keys[:, :, 3], data=k2, op0=nl.right_shift, operand0=16)
-    return keys
+    return dropout_row_keys_units(rt.seed, b, ii, hh, n, 0)
 
 
 def _dropout_probs(cfg, pos, p, rt, keys):

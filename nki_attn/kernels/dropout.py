@@ -50,21 +50,22 @@ def keep_threshold(dropout_p):
     return int((1.0 - dropout_p) * THRESHOLD_ONE + 0.5)
 
 
-def _mix(y, rows):
-    """``g(y) = p ^ (p << 16)`` (32-bit), ``p = lo(y) * (hi(y) + 1)``: a new uint32 ``[rows, 1]`` tile. ``hi + 1``
-    keeps every bit of ``y`` and never multiplies by 0; the product is below 2**32 (exact on GpSimdE); the shift
-    puts the well-mixed low half of the product into the high half, so a small input does not stay small."""
-    a = nl.ndarray((rows, 1), dtype=nl.uint32, buffer=nl.sbuf)
+def _mix(y, rows, n=1):
+    """``g(y) = p ^ (p << 16)`` (32-bit), ``p = lo(y) * (hi(y) + 1)``, on a uint32 ``[rows, n]`` tile: a new tile.
+    ``hi + 1`` keeps every bit of ``y`` and never multiplies by 0; the product is below 2**32 (exact on GpSimdE);
+    the shift puts the well-mixed low half of the product into the high half, so a small input does not stay
+    small."""
+    a = nl.ndarray((rows, n), dtype=nl.uint32, buffer=nl.sbuf)
     nisa.tensor_scalar(dst=a, data=y, op0=nl.bitwise_and, operand0=M16)
-    hb = nl.ndarray((rows, 1), dtype=nl.uint32, buffer=nl.sbuf)
+    hb = nl.ndarray((rows, n), dtype=nl.uint32, buffer=nl.sbuf)
     nisa.tensor_scalar(dst=hb, data=y, op0=nl.right_shift, operand0=16)
     # float32 arithmetic on a value below 2**16: exact
     nisa.tensor_scalar(dst=hb, data=hb, op0=nl.add, operand0=1.0)
-    p = nl.ndarray((rows, 1), dtype=nl.uint32, buffer=nl.sbuf)
+    p = nl.ndarray((rows, n), dtype=nl.uint32, buffer=nl.sbuf)
     nisa.tensor_tensor(dst=p, data1=a, data2=hb, op=nl.multiply, engine=nisa.engine.gpsimd)
-    t = nl.ndarray((rows, 1), dtype=nl.uint32, buffer=nl.sbuf)
+    t = nl.ndarray((rows, n), dtype=nl.uint32, buffer=nl.sbuf)
     nisa.tensor_scalar(dst=t, data=p, op0=nl.left_shift, operand0=16)
-    out = nl.ndarray((rows, 1), dtype=nl.uint32, buffer=nl.sbuf)
+    out = nl.ndarray((rows, n), dtype=nl.uint32, buffer=nl.sbuf)
     nisa.tensor_tensor(dst=out, data1=p, data2=t, op=nl.bitwise_xor, engine=nisa.engine.vector)
     return out
 
@@ -135,31 +136,60 @@ def dropout_row_keys(seed_sb, b, h, q0, rows, key_block=0):
     assert 0 <= b < MAX_INDEX_IMM and 0 <= h < MAX_INDEX_IMM, "dropout: batch and head indices must be < 2**20"
     assert 0 <= key_block < MAX_INDEX_IMM, "dropout: key block index out of range"
     assert 0 <= q0 and q0 + rows <= (1 << 31), "dropout: query rows must lie in [0, 2**31)"
-    z0 = seed_sb[0:rows, 0:1]
-    z1 = seed_sb[0:rows, 1:2]
     ii = nl.ndarray((rows, 1), dtype=nl.uint32, buffer=nl.sbuf)
     nisa.iota(dst=ii, pattern=[[0, 1]], offset=q0, channel_multiplier=1)
     y = nl.ndarray((rows, 1), dtype=nl.uint32, buffer=nl.sbuf)
-    nisa.tensor_scalar(dst=y, data=ii, op0=nl.bitwise_xor, operand0=z0, op1=nl.bitwise_xor, operand1=h ^ ROW_A4)
-    x1 = _mix(y, rows)
-    y2 = nl.ndarray((rows, 1), dtype=nl.uint32, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=y, data=ii, op0=nl.bitwise_xor, operand0=seed_sb[0:rows, 0:1], op1=nl.bitwise_xor,
+                       operand1=h ^ ROW_A4)
+    keys = _row_rounds(seed_sb, y, ii, b, key_block, rows, 1)
+    return keys[:, 0, :]
+
+
+def dropout_row_keys_units(seed_sb, b, ii, hh, n, key_block=0):
+    """``dropout_row_keys`` for ``n`` (query row base, query head) units at once, on 128 rows.
+
+    Args:
+        seed_sb: ``load_dropout_seed``'s tile.
+        b, key_block: trace-time ints, as in ``dropout_row_keys``.
+        ii: uint32 SBUF tile ``[128, n]``: column u holds the absolute query row of each partition for unit u.
+        hh: uint32 SBUF tile ``[128, n]``: column u holds unit u's query head (below 2**20).
+        n: the number of units.
+    Returns:
+        uint32 SBUF tile ``[128, n, 4]``; ``keys[:, u, :]`` equals ``dropout_row_keys`` of unit u (same
+        instructions on ``[128, n]`` tiles: their fixed cost is paid once, not n times).
+    """
+    y = nl.ndarray((PMAX, n), dtype=nl.uint32, buffer=nl.sbuf)
+    nisa.tensor_tensor(dst=y, data1=ii, data2=hh, op=nl.bitwise_xor, engine=nisa.engine.vector)
+    nisa.tensor_scalar(dst=y, data=y, op0=nl.bitwise_xor, operand0=seed_sb[:, 0:1], op1=nl.bitwise_xor,
+                       operand1=ROW_A4)
+    return _row_rounds(seed_sb, y, ii, b, key_block, PMAX, n)
+
+
+def _row_rounds(seed_sb, y, ii, b, key_block, rows, n):
+    """Rounds of the row words from ``y = i ^ Z0 ^ h ^ A4`` (uint32 ``[rows, n]``; ``ii`` the query rows):
+    ``x1 = g(y)``, ``x2 = g(x1 ^ i ^ Z1 ^ b ^ A5)``, ``K1 = g(x2 ^ i ^ Z0 ^ key_block ^ A6)``,
+    ``K2 = g(K1 ^ i ^ Z1 ^ A7)``; returns uint32 ``[rows, n, 4]`` = ``(K1, hi(K1) | 1, K2, hi(K2))``."""
+    z0 = seed_sb[0:rows, 0:1]
+    z1 = seed_sb[0:rows, 1:2]
+    x1 = _mix(y, rows, n)
+    y2 = nl.ndarray((rows, n), dtype=nl.uint32, buffer=nl.sbuf)
     nisa.tensor_tensor(dst=y2, data1=x1, data2=ii, op=nl.bitwise_xor, engine=nisa.engine.vector)
     nisa.tensor_scalar(dst=y2, data=y2, op0=nl.bitwise_xor, operand0=z1, op1=nl.bitwise_xor, operand1=b ^ ROW_A5)
-    x2 = _mix(y2, rows)
-    y3 = nl.ndarray((rows, 1), dtype=nl.uint32, buffer=nl.sbuf)
+    x2 = _mix(y2, rows, n)
+    y3 = nl.ndarray((rows, n), dtype=nl.uint32, buffer=nl.sbuf)
     nisa.tensor_tensor(dst=y3, data1=x2, data2=ii, op=nl.bitwise_xor, engine=nisa.engine.vector)
     nisa.tensor_scalar(dst=y3, data=y3, op0=nl.bitwise_xor, operand0=z0, op1=nl.bitwise_xor,
                        operand1=key_block ^ ROW_A6)
-    k1 = _mix(y3, rows)
-    y4 = nl.ndarray((rows, 1), dtype=nl.uint32, buffer=nl.sbuf)
+    k1 = _mix(y3, rows, n)
+    y4 = nl.ndarray((rows, n), dtype=nl.uint32, buffer=nl.sbuf)
     nisa.tensor_tensor(dst=y4, data1=k1, data2=ii, op=nl.bitwise_xor, engine=nisa.engine.vector)
     nisa.tensor_scalar(dst=y4, data=y4, op0=nl.bitwise_xor, operand0=z1, op1=nl.bitwise_xor, operand1=ROW_A7)
-    k2 = _mix(y4, rows)
-    keys = nl.ndarray((rows, 4), dtype=nl.uint32, buffer=nl.sbuf)
-    nisa.tensor_copy(dst=keys[:, 0:1], src=k1)
-    nisa.tensor_scalar(dst=keys[:, 1:2], data=k1, op0=nl.right_shift, operand0=16, op1=nl.bitwise_or, operand1=1)
-    nisa.tensor_copy(dst=keys[:, 2:3], src=k2)
-    nisa.tensor_scalar(dst=keys[:, 3:4], data=k2, op0=nl.right_shift, operand0=16)
+    k2 = _mix(y4, rows, n)
+    keys = nl.ndarray((rows, n, 4), dtype=nl.uint32, buffer=nl.sbuf)
+    nisa.tensor_copy(dst=keys[:, :, 0], src=k1)
+    nisa.tensor_scalar(dst=keys[:, :, 1], data=k1, op0=nl.right_shift, operand0=16, op1=nl.bitwise_or, operand1=1)
+    nisa.tensor_copy(dst=keys[:, :, 2], src=k2)
+    nisa.tensor_scalar(dst=keys[:, :, 3], data=k2, op0=nl.right_shift, operand0=16)
     return keys
 
 
