@@ -37,8 +37,10 @@ __all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_qkvpacked_fu
 
 
 # ----------------------------------------------------------------------------------------------------- arguments
+@torch.compiler.assume_constant_result
 def _supports(feature):
-    """kernel_api.supports: whether both kernels implement a variant (imported late: it loads the kernels)."""
+    """kernel_api.supports: whether both kernels implement a variant (imported late: it loads the kernels). A
+    constant of the process, so ``torch.compile`` evaluates it once at trace time instead of tracing it."""
     from . import kernel_api  # noqa: PLC0415
     return kernel_api.supports(feature)
 
@@ -103,46 +105,56 @@ def _check_alibi(fn, alibi_slopes, batch, hq, q):
     return alibi_slopes
 
 
-def _check_fa_extras(fn, deterministic, return_attn_probs):
+def _check_flags(fn, deterministic, return_attn_probs):
     _check_bool(fn, "deterministic", deterministic)  # always honoured: the kernels are deterministic
     _check_bool(fn, "return_attn_probs", return_attn_probs)
 
 
-SEED_MAX = (1 << 31) - 1
+def _check_fa_extras(fn, softcap, alibi_slopes, deterministic, return_attn_probs):
+    """For entry points that implement none of the variants (ring attention): soft-capping and ALiBi accepted at
+    their neutral values (0.0 / None) only, NotImplementedError otherwise."""
+    cap = _check_real(fn, "softcap", softcap)
+    if cap != 0.0:
+        _fail(fn, "softcap", cap, "logit soft-capping is not implemented here; only 0.0 (deactivated)",
+              NotImplementedError)
+    if alibi_slopes is not None:
+        shape = tuple(alibi_slopes.shape) if isinstance(alibi_slopes, torch.Tensor) else type(alibi_slopes).__name__
+        _fail(fn, "alibi_slopes", shape, "ALiBi is not implemented here; only None", NotImplementedError)
+    _check_flags(fn, deterministic, return_attn_probs)
 
 
-def dropout_seed_tensor(seed, device="cpu"):
-    """The kernels' dropout seed tensor for an int ``seed`` in ``[0, 2**31 - 1]``: dtype and shape
-    ``kernel_api.DROPOUT_SEED_DTYPE`` / ``DROPOUT_SEED_SHAPE`` (docs/semantics.md), every word set to ``seed``."""
-    from . import kernel_api  # noqa: PLC0415
-    dtype = getattr(torch, kernel_api.DROPOUT_SEED_DTYPE)
-    return torch.full(kernel_api.DROPOUT_SEED_SHAPE, int(seed), dtype=dtype, device=device)
+SEED_MAX = (1 << 32) - 1
+
+
+def dropout_seed_tensor(seed, offset=0, device="cpu"):
+    """The kernels' dropout seed for ints ``seed`` and ``offset`` in ``[0, 2**32)``: int32 ``[2]`` =
+    ``(seed, offset)`` (``nki_attn.dropout.make_seed``; docs/semantics.md, "Dropout")."""
+    from .dropout import make_seed  # noqa: PLC0415
+    return make_seed(int(seed), int(offset)).to(device)
 
 
 def _dropout_seed(fn, p, dropout_seed, generator, device):
-    """The seed tensor of a call with dropout ``p`` (None when p == 0): from ``dropout_seed`` (an int, or a
-    tensor already in the kernels' format), else drawn from ``generator`` (default: torch's global generator,
+    """The seed tensor of a call with dropout ``p`` (None when p == 0): from ``dropout_seed`` (an int, or an
+    int32/uint32 ``[2]`` (seed, offset) tensor), else drawn from ``generator`` (default: torch's global generator,
     so ``torch.manual_seed`` makes the call reproducible, as FlashAttention's CUDA generator state does)."""
     if generator is not None and not isinstance(generator, torch.Generator):
         _fail(fn, "generator", type(generator).__name__, "must be a torch.Generator or None", TypeError)
     if dropout_seed is not None and generator is not None:
         _fail(fn, "dropout_seed", repr(dropout_seed), "give dropout_seed or generator, not both")
     if isinstance(dropout_seed, torch.Tensor):
-        from . import kernel_api  # noqa: PLC0415
-        want = (tuple(kernel_api.DROPOUT_SEED_SHAPE), kernel_api.DROPOUT_SEED_DTYPE)
-        if (tuple(dropout_seed.shape), str(dropout_seed.dtype).split(".")[-1]) != want:
+        if tuple(dropout_seed.shape) not in ((2,), (1,)) or dropout_seed.dtype not in (torch.int32, torch.uint32):
             _fail(fn, "dropout_seed", f"{dropout_seed.dtype} {tuple(dropout_seed.shape)}",
-                  f"a seed tensor must be the kernels' format {want[1]} {list(want[0])} (or pass an int)")
+                  "a seed tensor must be int32 or uint32 [2] = (seed, offset) or [1] = (seed,) (or pass an int)")
         seed = dropout_seed.to(device)
     elif dropout_seed is not None:
         if not _is_int(dropout_seed) or not 0 <= dropout_seed <= SEED_MAX:
             _fail(fn, "dropout_seed", repr(dropout_seed), f"must be an int in [0, {SEED_MAX}], a seed tensor or None")
-        seed = None if p == 0.0 else dropout_seed_tensor(dropout_seed, device)
+        seed = dropout_seed_tensor(dropout_seed, 0, device)
     elif p == 0.0:
         seed = None
     else:
-        drawn = int(torch.randint(0, SEED_MAX, (), generator=generator))
-        seed = dropout_seed_tensor(drawn, device)
+        from .dropout import seed_from_generator  # noqa: PLC0415
+        seed = seed_from_generator(torch.default_generator if generator is None else generator).to(device)
     return seed if p != 0.0 else None
 
 
@@ -576,8 +588,9 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
             softmax denominator (not scaled, capped, biased or dropped; no value; -inf means no sink); shared by
             the batch; get a gradient.
         return_lse: keyword only; return ``(out, lse)``.
-        dropout_seed: keyword only; an int in ``[0, 2**31 - 1]`` (or a seed tensor in the kernels' format,
-            ``dropout_seed_tensor``): the dropout mask is a pure function of it. generator: keyword only; a
+        dropout_seed: keyword only; an int in ``[0, 2**32 - 1]`` (= seed tensor ``(seed, 0)``) or an int32 /
+            uint32 tensor ``[2]`` = ``(seed, offset)`` (``nki_attn.dropout.make_seed``; step the offset for a new
+            mask per training step): the dropout mask is a pure function of it. generator: keyword only; a
             ``torch.Generator`` the seed is drawn from instead. With neither, the seed is drawn from torch's
             global generator (``torch.manual_seed`` makes runs reproducible). The backward pass regenerates the
             same mask from the same seed.
@@ -594,7 +607,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     fn = "flash_attn_func"
     p = _check_dropout(fn, dropout_p)
     cap = _check_softcap(fn, softcap)
-    _check_fa_extras(fn, deterministic, return_attn_probs)
+    _check_flags(fn, deterministic, return_attn_probs)
     _check_bool(fn, "return_lse", return_lse)
     causal = _check_bool(fn, "causal", causal)
     _check_qkv(fn, q, k, v, 4)
@@ -728,7 +741,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     fn = "flash_attn_varlen_func"
     p = _check_dropout(fn, dropout_p)
     cap = _check_softcap(fn, softcap)
-    _check_fa_extras(fn, deterministic, return_attn_probs)
+    _check_flags(fn, deterministic, return_attn_probs)
     _check_bool(fn, "return_lse", return_lse)
     if block_table is not None:
         _fail(fn, "block_table", type(block_table).__name__, "a paged KV cache is not supported; only None",
@@ -790,7 +803,10 @@ def _varlen_per_sequence(fn, q, k, v, cu_q, cu_k, left, right, scale, sinks, wan
         qs, ks, vs = q[cq[s]:cq[s + 1]], k[ck[s]:ck[s + 1]], v[ck[s]:ck[s + 1]]
         sq, sk = qs.shape[0], ks.shape[0]
         slopes = variants.alibi if variants.alibi.dim() == 1 else variants.alibi[s]
-        seed = None if variants.seed is None else variants.seed + s  # one mask per sequence, still seed-determined
+        seed = None
+        if variants.seed is not None:  # one mask per sequence: offset word + s, still determined by the seed
+            seed = variants.seed.clone()
+            seed[1] += s
         mask = _Mask(sq, sk, left, right, shift=sk - sq)
         o, lse, pr = _attention(fn, qs.unsqueeze(0), ks.unsqueeze(0), vs.unsqueeze(0), mask, scale, sinks,
                                 want_probs, variants=_Variants(variants.softcap, slopes, variants.dropout_p, seed))

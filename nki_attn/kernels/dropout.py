@@ -79,19 +79,23 @@ def load_dropout_seed(dropout_seed):
     """Seed state for the dropout steps.
 
     Args:
-        dropout_seed: int32 or uint32 HBM tensor ``[2]`` = ``(seed, offset)`` (runtime data; both words are
-            used as 32-bit patterns).
+        dropout_seed: int32 or uint32 HBM tensor ``[2]`` = ``(seed, offset)``, or ``[1]`` = ``(seed,)`` with
+            offset 0 (runtime data; the words are used as 32-bit patterns).
     Returns:
         uint32 SBUF tile ``[128, 2]``: the mixed seed words ``(Z0, Z1)``, the same in every partition
         (``Z0 = g(g(s0 ^ C0) ^ s1 ^ C1)``, ``Z1 = g(g(s1 ^ C2) ^ s0 ^ C3)``). Call once per kernel call.
     """
-    assert tuple(dropout_seed.shape) == (2,), "dropout_seed must have shape (2,): (seed, offset)"
-    raw = nl.ndarray((PMAX, 2), dtype=dropout_seed.dtype, buffer=nl.sbuf)
-    # every partition reads the same two words (stride-0 partition walk of the HBM tensor)
-    nisa.dma_copy(dst=raw, src=dropout_seed.ap([[0, PMAX], [1, 2]]))
+    n = dropout_seed.shape[0]
+    assert len(dropout_seed.shape) == 1 and (n == 1 or n == 2), \
+        "dropout_seed must have shape (2,) (seed, offset) or (1,) (seed)"
+    raw = nl.ndarray((PMAX, n), dtype=dropout_seed.dtype, buffer=nl.sbuf)
+    # every partition reads the same words (stride-0 partition walk of the HBM tensor)
+    nisa.dma_copy(dst=raw, src=dropout_seed.ap([[0, PMAX], [1, n]]))
     words = nl.ndarray((PMAX, 2), dtype=nl.uint32, buffer=nl.sbuf)
+    if n == 1:
+        nisa.memset(dst=words[:, 1:2], value=0)
     # bit-vector op: raw bits, so an int32 seed becomes the same 32-bit pattern in uint32
-    nisa.tensor_scalar(dst=words, data=raw, op0=nl.bitwise_or, operand0=0)
+    nisa.tensor_scalar(dst=words[:, 0:n], data=raw, op0=nl.bitwise_or, operand0=0)
     s0 = words[:, 0:1]
     s1 = words[:, 1:2]
     y = nl.ndarray((PMAX, 1), dtype=nl.uint32, buffer=nl.sbuf)
@@ -232,7 +236,7 @@ def dropout_mask_kernel(dropout_seed, dropout_p, bs, nheads, seqlen_q, seqlen_k,
     """Debug kernel: the dropout multiplier of a whole problem, written through ``dropout_scale_tile``.
 
     Args:
-        dropout_seed: int32/uint32 HBM ``[2]``.
+        dropout_seed: int32/uint32 HBM ``[2]`` (or ``[1]``).
         dropout_p: float in ``[0, 1)``; bs, nheads, seqlen_q, seqlen_k: problem sizes (ints).
         q_tile (<= 128), k_tile (<= 512): the tile decomposition to use (any sizes; the result does not depend on
             them); k_start: absolute key column of output column 0 (to reach key blocks beyond 65536 cheaply).
