@@ -253,6 +253,26 @@ def test_dropout_sections_and_seed():
     assert not np.array_equal(np.asarray(other.run()[2]), np.asarray(out[2]))
 
 
+@pytest.mark.parametrize("kw", [
+    dict(alibi=True, causal=True, h=2, hk=1, dtype="bfloat16", mixed=True),   # the forward's ALiBi matmul path
+    dict(softcap=2.0, causal=True, window_size=(100, 0), dtype="bfloat16", mixed=True),
+    dict(alibi=True, window_size=(60, 60), sq=384, h=2, hk=1),
+    dict(d=192, dv=128, causal=True, sq=256, sk=384),
+], ids=_ids)
+def test_after_the_forward_kernel(kw):
+    """attention_fwd's own O and LSE (same variants) into attention_bwd: the backward recomputes
+    the forward's P from its LSE, so a forward and backward that form the logits differently would show here.
+    The inputs baseline is the kernel formula from exactly these O and LSE."""
+    c = VCase(**kw)
+    fkw = {k: v for k, v in c.kwargs.items() if k != "mixed_precision"}
+    o, lse = kernel_api.attention_fwd(*c.args[:3], mixed_precision=bool(kw.get("mixed", False)), **fkw)
+    c.args[3] = o
+    c.args[5] = lse
+    c.fs32 = bwd_from_stats(*[_compare.as_t64(x) for x in c.args[:5]], _compare.as_t64(lse), c.opts,
+                            sinks=c.kwargs.get("sinks_ref"))
+    c.check(c.run())
+
+
 # --------------------------------------------------------------------------------------------- trace
 def _instrs(rec):
     out = {}
