@@ -56,8 +56,10 @@ def check_tensor(fn: str, name: str, x) -> torch.Tensor:
 def check_qkv(fn: str, q, k, v, names=("q", "k", "v")) -> dict:
     """Check the three attention operands and return their dimensions.
 
-    Layouts: q ``[bs, nheads, d_head, seqlen_q]``; k, v
-    ``[bs, nheads_kv, d_head, seqlen_k]``.
+    Layouts: q ``[bs, nheads, d_qk, seqlen_q]``; k ``[bs, nheads_kv, d_qk, seqlen_k]``;
+    v ``[bs, nheads_kv, d_v, seqlen_k]``.  ``d_v`` may differ from ``d_qk``
+    (e.g. DeepSeek's MLA, 192 / 128).  The returned dict has ``d_head`` =
+    ``d_qk`` (the dimension the default softmax scale uses) and ``d_v``.
     """
     qn, kn, vn = names
     for name, x in zip(names, (q, k, v)):
@@ -78,14 +80,13 @@ def check_qkv(fn: str, q, k, v, names=("q", "k", "v")) -> dict:
         fail(fn, f"{kn}.shape[0]", bs_k, f"batch size must equal {qn}.shape[0] = {bs}")
     if d_head_k != d_head:
         fail(fn, f"{kn}.shape[2]", d_head_k, f"d_head must equal {qn}.shape[2] = {d_head}")
-    if tuple(v.shape) != tuple(k.shape):
-        # Name the first disagreeing dimension so the message is specific.
-        labels = ("batch size", "nheads_kv", "d_head", "seqlen_k")
-        for dim, label in enumerate(labels):
-            if v.shape[dim] != k.shape[dim]:
-                fail(fn, f"{vn}.shape[{dim}]", v.shape[dim],
-                     f"{label} must equal {kn}.shape[{dim}] = {k.shape[dim]} "
-                     f"({vn}.shape {_shape(v)} vs {kn}.shape {_shape(k)})")
+    # v shares k's batch, heads and keys; its head_dim (dim 2) is d_v, free.
+    labels = ("batch size", "nheads_kv", None, "seqlen_k")
+    for dim, label in enumerate(labels):
+        if label is not None and v.shape[dim] != k.shape[dim]:
+            fail(fn, f"{vn}.shape[{dim}]", v.shape[dim],
+                 f"{label} must equal {kn}.shape[{dim}] = {k.shape[dim]} "
+                 f"({vn}.shape {_shape(v)} vs {kn}.shape {_shape(k)})")
     if nheads_kv == 0 or nheads % nheads_kv != 0:
         fail(fn, f"nheads_kv ({kn}.shape[1])", nheads_kv,
              f"nheads ({qn}.shape[1]) = {nheads} must be divisible by nheads_kv (GQA/MQA rule: nheads % nheads_kv == 0)")
@@ -94,7 +95,7 @@ def check_qkv(fn: str, q, k, v, names=("q", "k", "v")) -> dict:
              f"must be a positive multiple of {PARTITIONS} (LSE layout [bs, nheads, 128, seqlen_q // 128])")
     if seqlen_k == 0:
         fail(fn, f"seqlen_k ({kn}.shape[3])", seqlen_k, "must be positive")
-    return dict(bs=bs, nheads=nheads, nheads_kv=nheads_kv, d_head=d_head,
+    return dict(bs=bs, nheads=nheads, nheads_kv=nheads_kv, d_head=d_head, d_v=v.shape[2],
                 seqlen_q=seqlen_q, seqlen_k=seqlen_k, group=nheads // max(nheads_kv, 1))
 
 
@@ -109,27 +110,42 @@ def check_scale(fn: str, softmax_scale, d_head: int) -> float:
     return float(softmax_scale)
 
 
-def check_masking(fn: str, dims: dict, use_causal_mask, sliding_window,
-                  bound_min, bound_max):
-    """Check causal / sliding-window / packing-bound arguments.
+def _is_int(x) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
-    Returns ``(causal: bool, window: int | None)``.
+
+def check_masking(fn: str, dims: dict, use_causal_mask, sliding_window,
+                  bound_min, bound_max, window_size=None):
+    """Check causal / sliding-window / window_size / packing-bound arguments.
+
+    Causal and windows are bottom-right aligned (offset ``seqlen_k - seqlen_q``),
+    so any pair of lengths is accepted.  Returns ``(causal: bool,
+    window: int | None, window_size: (left, right) | None)``.
     """
     causal = check_flag(fn, "use_causal_mask", use_causal_mask)
-    sq, sk = dims["seqlen_q"], dims["seqlen_k"]
-    if causal and sq != sk:
-        fail(fn, "use_causal_mask", True,
-             f"causal masking needs seqlen_q == seqlen_k, got seqlen_q = {sq}, seqlen_k = {sk}")
+    sq = dims["seqlen_q"]
     window = None
     if sliding_window is not None:
-        if isinstance(sliding_window, bool) or not isinstance(sliding_window, numbers.Integral):
+        if not _is_int(sliding_window):
             fail(fn, "sliding_window", repr(sliding_window), "must be an integer >= 1 or None")
         window = int(sliding_window)
         if window < 1:
-            fail(fn, "sliding_window", window, "must be >= 1 (query i sees keys i-W+1 .. i)")
+            fail(fn, "sliding_window", window, "must be >= 1 (query i sees keys i+off-W+1 .. i+off)")
         if not causal:
             fail(fn, "sliding_window", window,
                  "a sliding window requires use_causal_mask=True")
+    pair = None
+    if window_size is not None:
+        if window is not None:
+            fail(fn, "window_size", repr(window_size),
+                 f"give either sliding_window (= {window}) or window_size, not both")
+        ok = isinstance(window_size, (tuple, list)) and len(window_size) == 2
+        if not ok or not all(_is_int(x) for x in window_size):
+            fail(fn, "window_size", repr(window_size),
+                 "must be a pair (left, right) of ints, -1 meaning unbounded, or None")
+        pair = (int(window_size[0]), int(window_size[1]))
+        if min(pair) < -1:
+            fail(fn, "window_size", pair, "entries must be >= -1 (-1 means unbounded on that side)")
     if (bound_min is None) != (bound_max is None):
         missing = "bound_max" if bound_max is None else "bound_min"
         given = "bound_min" if bound_max is None else "bound_max"
@@ -144,7 +160,64 @@ def check_masking(fn: str, dims: dict, use_causal_mask, sliding_window,
                 fail(fn, f"{name}.dtype", b.dtype, "packing bounds must be float32")
             if torch.isnan(b).any():
                 fail(fn, name, "tensor with NaN", "packing bounds must not be NaN")
-    return causal, window
+    return causal, window, pair
+
+
+def check_softcap(fn: str, softcap) -> float:
+    """``softcap`` as a float: a finite number >= 0 (0 = off, FlashAttention's convention)."""
+    if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
+        fail(fn, "softcap", repr(softcap), "must be a real number >= 0 (0 disables soft-capping)")
+    cap = float(softcap)
+    if not (math.isfinite(cap) and cap >= 0.0):
+        fail(fn, "softcap", cap, "must be finite and >= 0 (0 disables soft-capping)")
+    return cap
+
+
+def check_alibi(fn: str, alibi_slopes, dims: dict):
+    """ALiBi slopes: float32 ``[bs, nheads]``, finite (None = no ALiBi)."""
+    if alibi_slopes is None:
+        return None
+    check_tensor(fn, "alibi_slopes", alibi_slopes)
+    want = (dims["bs"], dims["nheads"])
+    if tuple(alibi_slopes.shape) != want:
+        fail(fn, "alibi_slopes.shape", _shape(alibi_slopes),
+             f"must be [bs, nheads] = {list(want)} (broadcast FlashAttention's [nheads] first)")
+    if alibi_slopes.dtype != torch.float32:
+        fail(fn, "alibi_slopes.dtype", alibi_slopes.dtype, "must be float32 (FlashAttention's convention)")
+    if not bool(torch.isfinite(alibi_slopes).all()):
+        fail(fn, "alibi_slopes", "tensor with inf/NaN", "slopes must be finite")
+    return alibi_slopes
+
+
+def check_dropout(fn: str, dropout_p, dropout_seed, dropout_mask, dims: dict) -> float:
+    """Dropout: ``dropout_p`` in [0, 1); when > 0, exactly one of ``dropout_seed``
+    (the keep mask comes from ``golden.dropout``) or ``dropout_mask`` (bool
+    ``[bs, nheads, seqlen_q, seqlen_k]``, True = keep) must be given; when 0,
+    neither.  Returns ``p``."""
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real):
+        fail(fn, "dropout_p", repr(dropout_p), "must be a real number in [0, 1)")
+    p = float(dropout_p)
+    if not 0.0 <= p < 1.0:
+        fail(fn, "dropout_p", p, "must be in [0, 1) (the kept probabilities are scaled by 1/(1-p))")
+    if p == 0.0:
+        if dropout_seed is not None:
+            fail(fn, "dropout_seed", repr(dropout_seed), "must be None when dropout_p = 0")
+        if dropout_mask is not None:
+            fail(fn, "dropout_mask", "a tensor", "must be None when dropout_p = 0")
+        return p
+    if dropout_seed is None and dropout_mask is None:
+        fail(fn, "dropout_seed", None, f"dropout_p = {p} needs dropout_seed (or, golden only, dropout_mask)")
+    if dropout_seed is not None and dropout_mask is not None:
+        fail(fn, "dropout_mask", "a tensor", "give dropout_seed or dropout_mask, not both")
+    if dropout_mask is not None:
+        check_tensor(fn, "dropout_mask", dropout_mask)
+        full = (dims["bs"], dims["nheads"], dims["seqlen_q"], dims["seqlen_k"])
+        if tuple(dropout_mask.shape) != full:
+            fail(fn, "dropout_mask.shape", _shape(dropout_mask),
+                 f"must be [bs, nheads, seqlen_q, seqlen_k] = {list(full)}")
+        if dropout_mask.dtype != torch.bool:
+            fail(fn, "dropout_mask.dtype", dropout_mask.dtype, "must be bool (True = keep)")
+    return p
 
 
 def check_sinks(fn: str, name: str, sinks, dims: dict) -> int:
@@ -163,10 +236,13 @@ def check_sinks(fn: str, name: str, sinks, dims: dict) -> int:
     return 1 if sinks.dim() == 2 else int(sinks.shape[2])
 
 
-def check_same_as(fn: str, name: str, x, ref_name: str, ref: torch.Tensor):
-    """Require ``x`` to have the shape and dtype of ``ref`` (used for o and dy vs q)."""
+def check_same_as(fn: str, name: str, x, ref_name: str, ref: torch.Tensor, shape=None):
+    """Require ``x`` to have the dtype of ``ref`` and the shape ``shape`` (default:
+    ``ref``'s; o and dy are ``[bs, nheads, d_v, seqlen_q]``)."""
     check_tensor(fn, name, x)
-    if tuple(x.shape) != tuple(ref.shape):
-        fail(fn, f"{name}.shape", _shape(x), f"must equal {ref_name}.shape = {_shape(ref)}")
+    want = tuple(ref.shape) if shape is None else tuple(shape)
+    if tuple(x.shape) != want:
+        what = f"{ref_name}.shape = {_shape(ref)}" if shape is None else f"{ref_name} = {want}"
+        fail(fn, f"{name}.shape", _shape(x), f"must equal {what}")
     if x.dtype != ref.dtype:
         fail(fn, f"{name}.dtype", x.dtype, f"must equal {ref_name}.dtype = {ref.dtype}")

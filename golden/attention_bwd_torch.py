@@ -1,14 +1,17 @@
 """Torch golden model of the flash-attention backward pass (Trainium layout).
 
 Every backward kernel result in this project is judged against this module.
-It imports nothing from ``nki_attn``.  Semantics (scale, causal, window,
-packing bounds, GQA/MQA, sinks, empty rows) are exactly those of
-:mod:`golden.attention_fwd_torch`; see also ``docs/semantics.md``.
+It imports nothing from ``nki_attn``.  Semantics (scale, soft-capping, ALiBi,
+causal, windows, packing bounds, GQA/MQA, sinks, empty rows, dropout, d_qk !=
+d_v) are exactly those of :mod:`golden.attention_fwd_torch`; see also
+``docs/semantics.md``.
 
 Layouts
 -------
-* ``q_ref``, ``o_ref``, ``dy_ref``, ``out_dq_ref``: ``[bs, nheads, d_head, seqlen_q]``
-* ``k_ref``, ``v_ref``, ``out_dk_ref``, ``out_dv_ref``: ``[bs, nheads_kv, d_head, seqlen_k]``
+* ``q_ref``, ``out_dq_ref``: ``[bs, nheads, d_qk, seqlen_q]``
+* ``o_ref``, ``dy_ref``: ``[bs, nheads, d_v, seqlen_q]``
+* ``k_ref``, ``out_dk_ref``: ``[bs, nheads_kv, d_qk, seqlen_k]``
+* ``v_ref``, ``out_dv_ref``: ``[bs, nheads_kv, d_v, seqlen_k]``
 * ``lse_ref``: ``[bs, nheads, 128, seqlen_q // 128]``
 * ``sinks_ref``, ``out_dsinks_ref``: ``[bs, nheads]`` or ``[bs, nheads, num_sinks]``
 
@@ -23,13 +26,19 @@ inconsistent ``o``/``lse`` handed to a kernel shows up as a mismatch.
 
 Formulas (``P`` includes the sink columns, last)
 ------------------------------------------------
-* ``dP = dO . V^T``, padded with zero columns for the sinks (sinks produce no
+* ``dP = dO . V^T``, times the dropout multiplier ``M / (1 - p)`` when
+  dropout is on, padded with zero columns for the sinks (sinks produce no
   output, so nothing flows back into them through ``o``);
 * ``dS = softmax_dx(dP, P)`` = ``P * (dP - rowsum(dP * P))`` — the textbook
   Jacobian-vector product, deliberately NOT the ``rowsum(O * dO)`` shortcut
-  the kernels use, so the shortcut is checked against the long way;
-* ``dV = P_keys^T . dO``; ``dQ = scale * dS_keys . K``;
-  ``dK = scale * dS_keys^T . Q`` (i.e. ``dS^T . (Q * scale)``);
+  the kernels use, so the shortcut is checked against the long way (with
+  dropout ``rowsum(dP * P)`` equals ``rowsum(dO * O)`` of the dropped ``O``);
+* soft-capping: ``dS_keys *= 1 - tanh^2(S / c)`` (``S`` the scaled, uncapped
+  score), the chain rule through ``c * tanh(S / c)``; ALiBi and masks are
+  additive constants and change nothing here;
+* ``dV = P_drop^T . dO`` (``P_drop = P_keys * M / (1 - p)``, or ``P_keys``);
+  ``dQ = scale * dS_keys . K``; ``dK = scale * dS_keys^T . Q`` (i.e.
+  ``dS^T . (Q * scale)``);
 * ``dK``/``dV`` of a kv head sum over all query heads that read it (GQA/MQA);
 * ``dsinks[b, h, n] = sum_i dS[b, h, i, seqlen_k + n]`` (sinks are not
   scaled, so no scale factor), which equals ``-sum_i P_sink[i] * D_i`` with
@@ -49,21 +58,22 @@ Let ``dt`` be the common dtype of the inputs and ``sdt`` the statistics dtype
   ``dt`` and round their result to ``dt``.  For GQA the head-group sum of
   ``dK``/``dV`` is folded into the matmul's contraction (one rounding, like a
   kernel accumulating in PSUM).
-* ``softmax_dx`` (products and row sums) and the ``dsinks`` column sum run in
+* ``softmax_dx`` (products and row sums), the dropout multiplier, the
+  soft-cap factor ``1 - tanh^2`` and the ``dsinks`` column sum run in
   ``sdt``; ``scale`` is applied to ``dS`` in ``sdt`` before its rounding to
-  ``dt``.
+  ``dt``; ``P_drop`` is rounded to ``dt`` as the operand of ``dV``'s matmul.
 * Outputs: ``dq``, ``dk``, ``dv`` in ``dt``; ``dsinks`` in float32 (float64
   for float64 inputs), whatever the dtype of ``sinks_ref``.
 """
 
 from __future__ import annotations
 
-from typing import Dict, Optional
+from typing import Dict, Optional, Tuple
 
 import torch
 
 from . import _validate as _v
-from .attention_fwd_torch import _forward, _validate_fwd, acc_dtype, stats_dtype
+from .attention_fwd_torch import _forward, _validate_fwd, acc_dtype, dropout_multiplier, stats_dtype
 
 __all__ = ["attention_bwd_torch_ref", "softmax_dx"]
 
@@ -93,7 +103,8 @@ def softmax_dx(dy: torch.Tensor, y: torch.Tensor, dim: int,
 
 
 def _validate_bwd(q, k, v, o, dy, lse, sinks, bound_min, bound_max, use_causal_mask,
-                  mixed_precision, softmax_scale, sliding_window) -> dict:
+                  mixed_precision, softmax_scale, sliding_window, softcap=0.0, alibi_slopes=None,
+                  window_size=None, dropout_p=0.0, dropout_seed=None, dropout_mask=None) -> dict:
     """The single validation entry point of this module."""
     fn = "attention_bwd_torch_ref"
     # The q/k/v/mask/sink rules are the forward's; only the names differ.
@@ -101,9 +112,16 @@ def _validate_bwd(q, k, v, o, dy, lse, sinks, bound_min, bound_max, use_causal_m
                       sinks=sinks, sinks_name="sinks_ref",
                       bound_min=bound_min, bound_max=bound_max,
                       use_causal_mask=use_causal_mask, mixed_precision=mixed_precision,
-                      softmax_scale=softmax_scale, sliding_window=sliding_window)
-    _v.check_same_as(fn, "o_ref", o, "q_ref", q)
-    _v.check_same_as(fn, "dy_ref", dy, "q_ref", q)
+                      softmax_scale=softmax_scale, sliding_window=sliding_window,
+                      softcap=softcap, alibi_slopes=alibi_slopes, window_size=window_size,
+                      dropout_p=dropout_p, dropout_seed=dropout_seed, dropout_mask=dropout_mask)
+    # o and dy are [bs, nheads, d_v, seqlen_q]: q's shape unless d_v != d_qk.
+    o_shape = None
+    if a["d_v"] != a["d_head"]:
+        o_shape = (a["bs"], a["nheads"], a["d_v"], a["seqlen_q"])
+    ref_name = "q_ref" if o_shape is None else "[bs, nheads, d_v, seqlen_q]"
+    _v.check_same_as(fn, "o_ref", o, ref_name, q, o_shape)
+    _v.check_same_as(fn, "dy_ref", dy, ref_name, q, o_shape)
     _v.check_tensor(fn, "lse_ref", lse)
     lse_shape = (a["bs"], a["nheads"], _v.PARTITIONS, a["seqlen_q"] // _v.PARTITIONS)
     if tuple(lse.shape) != lse_shape:
@@ -122,53 +140,73 @@ def attention_bwd_torch_ref(q_ref: torch.Tensor, k_ref: torch.Tensor, v_ref: tor
                             use_causal_mask: bool = False,
                             mixed_precision: bool = False,
                             softmax_scale: Optional[float] = None,
-                            sliding_window: Optional[int] = None) -> Dict[str, torch.Tensor]:
+                            sliding_window: Optional[int] = None,
+                            softcap: float = 0.0,
+                            alibi_slopes: Optional[torch.Tensor] = None,
+                            window_size: Optional[Tuple[int, int]] = None,
+                            dropout_p: float = 0.0,
+                            dropout_seed=None,
+                            dropout_mask: Optional[torch.Tensor] = None) -> Dict[str, torch.Tensor]:
     """Reference with the backward kernel's signature.
 
     Args:
-        q_ref: ``[bs, nheads, d_head, seqlen_q]`` (seqlen_q a multiple of 128).
-        k_ref, v_ref: ``[bs, nheads_kv, d_head, seqlen_k]``.
-        o_ref: like q_ref; shape/dtype checked, value unused (recomputed).
-        dy_ref: dL/do, like q_ref.
+        q_ref: ``[bs, nheads, d_qk, seqlen_q]`` (seqlen_q a multiple of 128).
+        k_ref: ``[bs, nheads_kv, d_qk, seqlen_k]``; v_ref: ``[bs, nheads_kv, d_v, seqlen_k]``.
+        o_ref: ``[bs, nheads, d_v, seqlen_q]``; shape/dtype checked, value unused
+            (recomputed).
+        dy_ref: dL/do, like o_ref.
         lse_ref: ``[bs, nheads, 128, seqlen_q // 128]``; shape checked, value
             unused (recomputed).
         sinks_ref: optional ``[bs, nheads]`` or ``[bs, nheads, num_sinks]``.
         bound_min, bound_max: optional float32 ``[seqlen_q]`` packing bounds.
-        use_causal_mask, mixed_precision, softmax_scale, sliding_window: as in
-            the forward (defaults are the backward kernel's).
+        use_causal_mask, mixed_precision, softmax_scale, sliding_window, softcap,
+            alibi_slopes, window_size, dropout_p, dropout_seed, dropout_mask: as
+            in the forward (defaults are the backward kernel's); the dropout
+            keep mask is the forward's (same seed, same mask).
 
     Returns:
-        dict with ``out_dq_ref`` ``[bs, nheads, d_head, seqlen_q]``,
-        ``out_dk_ref`` and ``out_dv_ref`` ``[bs, nheads_kv, d_head, seqlen_k]``
-        (in the input dtype), and, only when sinks are given,
-        ``out_dsinks_ref`` shaped like ``sinks_ref`` (float32; float64 for
-        float64 inputs).
+        dict with ``out_dq_ref`` ``[bs, nheads, d_qk, seqlen_q]``,
+        ``out_dk_ref`` ``[bs, nheads_kv, d_qk, seqlen_k]`` and ``out_dv_ref``
+        ``[bs, nheads_kv, d_v, seqlen_k]`` (in the input dtype), and, only when
+        sinks are given, ``out_dsinks_ref`` shaped like ``sinks_ref`` (float32;
+        float64 for float64 inputs).
 
     Raises:
         ValueError: naming the offending argument, its value and the rule.
     """
     a = _validate_bwd(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref, bound_min,
                       bound_max, use_causal_mask, mixed_precision, softmax_scale,
-                      sliding_window)
+                      sliding_window, softcap, alibi_slopes, window_size, dropout_p,
+                      dropout_seed, dropout_mask)
     bs, nheads, nheads_kv = a["bs"], a["nheads"], a["nheads_kv"]
     seqlen_q, seqlen_k, group = a["seqlen_q"], a["seqlen_k"], a["group"]
     dt = q_ref.dtype
     sdt = stats_dtype(dt, a["mixed"])
 
-    _, _, probs = _forward(q_ref, k_ref, v_ref, a, None, None, sinks_ref, bound_min, bound_max)
+    drop = dropout_multiplier(a, dropout_seed, dropout_mask, sdt)
+    f = _forward(q_ref, k_ref, v_ref, a, None, drop, sinks_ref, bound_min, bound_max, alibi_slopes)
+    probs = f["probs"]
 
-    qt = q_ref.transpose(-1, -2)                                   # [b, h, sq, d]
-    do = dy_ref.transpose(-1, -2)                                  # [b, h, sq, d]
-    kt = k_ref.transpose(-1, -2).repeat_interleave(group, dim=1)   # [b, h, sk, d]
-    vt = v_ref.transpose(-1, -2).repeat_interleave(group, dim=1)   # [b, h, sk, d]
+    qt = q_ref.transpose(-1, -2)                                   # [b, h, sq, d_qk]
+    do = dy_ref.transpose(-1, -2)                                  # [b, h, sq, d_v]
+    kt = k_ref.transpose(-1, -2).repeat_interleave(group, dim=1)   # [b, h, sk, d_qk]
+    vt = v_ref.transpose(-1, -2).repeat_interleave(group, dim=1)   # [b, h, sk, d_v]
 
     dp = torch.matmul(do, vt.transpose(-1, -2)).to(sdt)
+    if drop is not None:
+        dp = dp * drop                 # o = (P * drop) V, so dL/dP = dP * drop
     if a["num_sinks"]:
         dp = torch.cat([dp, dp.new_zeros(bs, nheads, seqlen_q, a["num_sinks"])], dim=-1)
     ds = softmax_dx(dp, probs, dim=-1, mixed_precision=a["mixed"])
 
-    ds_keys = (ds[..., :seqlen_k] * a["scale"]).to(dt)             # scale * dS, [b, h, sq, sk]
-    p_keys = probs[..., :seqlen_k].to(dt)
+    ds_keys = ds[..., :seqlen_k]                                   # dL/d(logit) of the keys
+    if f["cap_grad"] is not None:
+        ds_keys = ds_keys * f["cap_grad"]                          # through c * tanh(S / c)
+    ds_keys = (ds_keys * a["scale"]).to(dt)                        # scale * dS, [b, h, sq, sk]
+    p_keys = probs[..., :seqlen_k]
+    if drop is not None:
+        p_keys = p_keys * drop
+    p_keys = p_keys.to(dt)
     dq = torch.matmul(ds_keys, kt)
 
     # Query head h = hk * group + g, so viewing [b, h, sq, .] as
@@ -177,8 +215,8 @@ def attention_bwd_torch_ref(q_ref: torch.Tensor, k_ref: torch.Tensor, v_ref: tor
     def stack(x: torch.Tensor) -> torch.Tensor:
         return x.reshape(bs, nheads_kv, group * seqlen_q, x.shape[-1])
 
-    dv = torch.matmul(stack(p_keys).transpose(-1, -2), stack(do))   # [b, hk, sk, d]
-    dk = torch.matmul(stack(ds_keys).transpose(-1, -2), stack(qt))  # [b, hk, sk, d]
+    dv = torch.matmul(stack(p_keys).transpose(-1, -2), stack(do))   # [b, hk, sk, d_v]
+    dk = torch.matmul(stack(ds_keys).transpose(-1, -2), stack(qt))  # [b, hk, sk, d_qk]
 
     out = {
         "out_dq_ref": dq.transpose(-1, -2).contiguous(),

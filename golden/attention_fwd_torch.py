@@ -7,35 +7,41 @@ examples, in ``docs/semantics.md``.
 
 Layouts (head_dim BEFORE sequence, as the kernels use them)
 -----------------------------------------------------------
-* ``q``    ``[bs, nheads,    d_head, seqlen_q]``
-* ``k, v`` ``[bs, nheads_kv, d_head, seqlen_k]``
-* ``o``    like ``q``
+* ``q``    ``[bs, nheads,    d_qk, seqlen_q]``
+* ``k``    ``[bs, nheads_kv, d_qk, seqlen_k]``
+* ``v``    ``[bs, nheads_kv, d_v,  seqlen_k]`` (``d_v`` may differ from ``d_qk``)
+* ``o``    ``[bs, nheads,    d_v,  seqlen_q]``
 * ``lse``  ``[bs, nheads, 128, seqlen_q // 128]``; ``lse[b, h, p, t]`` is the
   log-sum-exp of query row ``t * 128 + p``.  ``seqlen_q`` must therefore be a
   multiple of 128.
 * ``probs`` ``[bs, nheads, seqlen_q, seqlen_k + num_sinks]`` (sink columns last)
 
-Semantics
----------
+Semantics (in this order; ``off = seqlen_k - seqlen_q``)
+--------------------------------------------------------
 * scale: ``S = softmax_scale * (q_i . k_j)`` with ``softmax_scale`` defaulting
-  to ``1 / sqrt(d_head)``; ``logit_bias`` (if any) is added after scaling.
-* causal: key ``j`` is masked for query ``i`` when ``j > i`` (top-left
-  aligned); requires ``seqlen_q == seqlen_k``.
-* sliding window ``W`` (integer >= 1, causal only): query ``i`` sees keys
-  ``i - W + 1 .. i``.
-* packing: float32 vectors ``bound_min``, ``bound_max`` of length
-  ``seqlen_q``; key ``j`` is visible to query ``i`` iff
-  ``bound_min[i] <= j < bound_max[i]``.  Combines (logical AND) with causal
-  and window.  Build them from FlashAttention ``cu_seqlens`` with
-  :func:`packing_bounds`.
+  to ``1 / sqrt(d_qk)``.
+* soft-capping ``softcap = c > 0``: ``S = c * tanh(S / c)``.
+* ALiBi ``alibi_slopes`` ``[bs, nheads]`` float32: ``S += -slope * |i + off - j|``;
+  ``logit_bias`` (``compute_o_lse`` only) is added after it.
+* masks, all ANDed (bottom-right aligned, so any ``seqlen_q``/``seqlen_k``):
+  causal ``j <= i + off``; sliding window ``W`` (integer >= 1, causal only)
+  ``j >= i + off - W + 1``; ``window_size = (left, right)`` (-1 = unbounded,
+  causal or not, not with ``sliding_window``)
+  ``i + off - left <= j <= i + off + right``; packing: float32 vectors
+  ``bound_min``, ``bound_max`` of length ``seqlen_q`` with
+  ``bound_min[i] <= j < bound_max[i]`` (build them from FlashAttention
+  ``cu_seqlens`` with :func:`packing_bounds`).
 * GQA / MQA: ``nheads % nheads_kv == 0``; query head ``h`` reads kv head
   ``h // (nheads // nheads_kv)``.
 * sinks ``[bs, nheads]`` or ``[bs, nheads, num_sinks]``: extra logits per
-  head, NOT multiplied by ``softmax_scale``, that join the softmax
-  denominator (and the LSE) but contribute nothing to ``o``.
+  head, NOT scaled, capped or biased, that join the softmax denominator (and
+  the LSE) but contribute nothing to ``o``.
 * empty rows: a query row that sees no key and has no sink gets ``o = 0``,
   ``lse = +inf`` and all-zero probs (FlashAttention's convention: a backward
   pass computing ``exp(S - lse)`` then gets 0, never NaN).
+* dropout ``dropout_p = p``: ``o = (P * M / (1 - p)) V`` with the bool keep
+  mask ``M`` (from ``dropout_seed`` through ``golden.dropout``, or given as
+  ``dropout_mask``); ``lse`` and ``probs`` stay the pre-dropout softmax.
 
 Precision model
 ---------------
@@ -44,8 +50,10 @@ The golden is dtype-generic; let ``dt`` be the common dtype of q, k, v.
 * Matmuls (``q.k`` and ``P.v``) take operands in ``dt`` and their results are
   rounded to ``dt`` (torch's CPU matmul accumulates internally at higher
   precision and rounds once).
-* The softmax (scale, bias, mask, row max, exp, row sum, normalisation, LSE)
-  runs in the *statistics dtype* ``sdt``:
+* The softmax (scale, soft-cap, bias, mask, row max, exp, row sum,
+  normalisation, LSE, the dropout multiplier) runs in the *statistics dtype*
+  ``sdt``; the ALiBi bias is formed in the accumulator dtype (float32, or
+  float64 for float64 inputs) and then rounded to ``sdt``:
 
   ======================  ======================  ===================
   dt                      mixed_precision=True    mixed_precision=False
@@ -64,13 +72,14 @@ The golden is dtype-generic; let ``dt`` be the common dtype of q, k, v.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence, Union
+import importlib
+from typing import Optional, Sequence, Tuple, Union
 
 import torch
 
 from . import _validate as _v
 
-__all__ = ["compute_o_lse", "attention_fwd_torch_ref", "packing_bounds"]
+__all__ = ["compute_o_lse", "attention_fwd_torch_ref", "packing_bounds", "visibility_mask", "alibi_bias"]
 
 
 def stats_dtype(dtype: torch.dtype, mixed_precision: bool) -> torch.dtype:
@@ -89,18 +98,25 @@ def acc_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def _validate_fwd(fn: str, q, k, v, *, sinks, sinks_name: str, bound_min, bound_max,
                   use_causal_mask, mixed_precision, softmax_scale, sliding_window,
-                  logit_bias=None, dropout_mask=None, qkv_names=("q", "k", "v")) -> dict:
+                  logit_bias=None, dropout_mask=None, qkv_names=("q", "k", "v"),
+                  softcap=0.0, alibi_slopes=None, window_size=None, dropout_p=None,
+                  dropout_seed=None) -> dict:
     """The single validation entry point of this module; returns the resolved arguments.
 
     ``sinks_name``/``qkv_names`` are the caller's parameter names, so that
-    messages name the argument the user actually passed.
+    messages name the argument the user actually passed.  ``dropout_p=None``
+    selects ``compute_o_lse``'s raw-mask dropout (any bool/floating mask, no
+    rescale); a number selects the kernels' dropout (``dropout_p`` with a seed
+    or a bool keep mask, scaled by ``1/(1-p)``).
     """
     dims = _v.check_qkv(fn, q, k, v, names=qkv_names)
-    causal, window = _v.check_masking(fn, dims, use_causal_mask, sliding_window,
-                                      bound_min, bound_max)
+    causal, window, pair = _v.check_masking(fn, dims, use_causal_mask, sliding_window,
+                                            bound_min, bound_max, window_size)
     mixed = _v.check_flag(fn, "mixed_precision", mixed_precision)
     scale = _v.check_scale(fn, softmax_scale, dims["d_head"])
     num_sinks = _v.check_sinks(fn, sinks_name, sinks, dims)
+    cap = _v.check_softcap(fn, softcap)
+    _v.check_alibi(fn, alibi_slopes, dims)
     full = (dims["bs"], dims["nheads"], dims["seqlen_q"], dims["seqlen_k"])
     if logit_bias is not None:
         _v.check_tensor(fn, "logit_bias", logit_bias)
@@ -113,34 +129,57 @@ def _validate_fwd(fn: str, q, k, v, *, sinks, sinks_name: str, bound_min, bound_
         if not ok:
             _v.fail(fn, "logit_bias.shape", tuple(logit_bias.shape),
                     f"must broadcast to [bs, nheads, seqlen_q, seqlen_k] = {list(full)}")
-    if dropout_mask is not None:
-        _v.check_tensor(fn, "dropout_mask", dropout_mask)
-        if tuple(dropout_mask.shape) != full:
-            _v.fail(fn, "dropout_mask.shape", tuple(dropout_mask.shape),
-                    f"must be [bs, nheads, seqlen_q, seqlen_k] = {list(full)}")
-        if not (dropout_mask.dtype == torch.bool or dropout_mask.is_floating_point()):
-            _v.fail(fn, "dropout_mask.dtype", dropout_mask.dtype, "must be bool or floating")
-    return dict(dims, causal=causal, window=window, mixed=mixed, scale=scale,
-                num_sinks=num_sinks)
+    p = 0.0
+    if dropout_p is None:
+        if dropout_mask is not None:
+            _v.check_tensor(fn, "dropout_mask", dropout_mask)
+            if tuple(dropout_mask.shape) != full:
+                _v.fail(fn, "dropout_mask.shape", tuple(dropout_mask.shape),
+                        f"must be [bs, nheads, seqlen_q, seqlen_k] = {list(full)}")
+            if not (dropout_mask.dtype == torch.bool or dropout_mask.is_floating_point()):
+                _v.fail(fn, "dropout_mask.dtype", dropout_mask.dtype, "must be bool or floating")
+    else:
+        p = _v.check_dropout(fn, dropout_p, dropout_seed, dropout_mask, dims)
+    return dict(dims, causal=causal, window=window, window_size=pair, mixed=mixed, scale=scale,
+                num_sinks=num_sinks, softcap=cap, dropout_p=p)
+
+
+def band_offset(seqlen_q: int, seqlen_k: int) -> int:
+    """The diagonal offset ``seqlen_k - seqlen_q``: query i's "own" key is ``i + off``.
+
+    Causal masks, windows and ALiBi are bottom-right aligned (FlashAttention >= 2.1):
+    the last query lines up with the last key.
+    """
+    return seqlen_k - seqlen_q
 
 
 def visibility_mask(seqlen_q: int, seqlen_k: int, causal: bool = False,
                     window: Optional[int] = None,
                     bound_min: Optional[torch.Tensor] = None,
-                    bound_max: Optional[torch.Tensor] = None) -> torch.Tensor:
+                    bound_max: Optional[torch.Tensor] = None,
+                    window_size: Optional[Tuple[int, int]] = None) -> torch.Tensor:
     """Boolean ``[seqlen_q, seqlen_k]`` matrix, True where query i may see key j.
 
-    All rules are ANDed: causal (``j <= i``), window (``j >= i - W + 1``),
-    packing (``bound_min[i] <= j < bound_max[i]``).  No argument checking:
-    callers validate first.
+    With ``off = seqlen_k - seqlen_q`` all rules are ANDed: causal
+    (``j <= i + off``), sliding window W (``j >= i + off - W + 1``),
+    ``window_size = (left, right)`` (``i + off - left <= j <= i + off + right``,
+    a side of -1 unbounded), packing (``bound_min[i] <= j < bound_max[i]``).
+    No argument checking: callers validate first.
     """
+    off = band_offset(seqlen_q, seqlen_k)
     i = torch.arange(seqlen_q).unsqueeze(1)
     j = torch.arange(seqlen_k).unsqueeze(0)
     vis = torch.ones(seqlen_q, seqlen_k, dtype=torch.bool)
     if causal:
-        vis &= j <= i
+        vis &= j <= i + off
     if window is not None:
-        vis &= j >= i - window + 1
+        vis &= j >= i + off - window + 1
+    if window_size is not None:
+        left, right = window_size
+        if left >= 0:
+            vis &= j >= i + off - left
+        if right >= 0:
+            vis &= j <= i + off + right
     if bound_min is not None:
         # float64 holds every key index and every float32 bound exactly, so
         # the comparison is the mathematical one.
@@ -148,6 +187,42 @@ def visibility_mask(seqlen_q: int, seqlen_k: int, causal: bool = False,
         vis &= (bound_min.detach().cpu().to(torch.float64).unsqueeze(1) <= jf)
         vis &= (jf < bound_max.detach().cpu().to(torch.float64).unsqueeze(1))
     return vis
+
+
+def alibi_bias(alibi_slopes: torch.Tensor, seqlen_q: int, seqlen_k: int,
+               dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """ALiBi bias ``[bs, nheads, seqlen_q, seqlen_k]``: ``-slope[b, h] * |i + off - j|``.
+
+    ``alibi_slopes`` is ``[bs, nheads]``; ``off = seqlen_k - seqlen_q`` (bottom-right
+    alignment, FlashAttention's).  The distance is an exact integer; the product
+    is formed in ``dtype`` (one rounding).  Causal and non-causal use the same
+    formula (see docs/semantics.md on FlashAttention's causal variant, which
+    differs by a per-row constant).
+    """
+    off = band_offset(seqlen_q, seqlen_k)
+    i = torch.arange(seqlen_q, dtype=torch.int64).unsqueeze(1)
+    j = torch.arange(seqlen_k, dtype=torch.int64).unsqueeze(0)
+    dist = (i + off - j).abs().to(dtype)
+    slopes = alibi_slopes.detach().to(dtype).reshape(*alibi_slopes.shape, 1, 1)
+    return -(slopes * dist)
+
+
+def _keep_mask_from_seed(a: dict, dropout_seed) -> torch.Tensor:
+    """The bool keep mask ``[bs, nheads, seqlen_q, seqlen_k]`` of ``dropout_seed``.
+
+    The one call into ``golden.dropout`` (written with the kernels' dropout
+    tile step): ``keep_mask(seed, dropout_p, bs, nheads, seqlen_q, seqlen_k)``,
+    a pure function of (seed, b, h, i, j) with h the query head.
+    """
+    try:
+        _dropout = importlib.import_module(f"{__package__}.dropout")
+    except ModuleNotFoundError as exc:
+        if exc.name != f"{__package__}.dropout":
+            raise
+        _v.fail("golden", "dropout_seed", repr(dropout_seed),
+                "golden.dropout (the keep-mask generator) is not available; pass dropout_mask instead")
+    return _dropout.keep_mask(dropout_seed, a["dropout_p"], a["bs"], a["nheads"],
+                              a["seqlen_q"], a["seqlen_k"])
 
 
 def compute_o_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -158,30 +233,41 @@ def compute_o_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   dropout_mask: Optional[torch.Tensor] = None,
                   sinks: Optional[torch.Tensor] = None,
                   bound_min: Optional[torch.Tensor] = None,
-                  bound_max: Optional[torch.Tensor] = None):
+                  bound_max: Optional[torch.Tensor] = None,
+                  softcap: float = 0.0,
+                  alibi_slopes: Optional[torch.Tensor] = None,
+                  window_size: Optional[Tuple[int, int]] = None):
     """Attention forward by the definition; returns ``(o, lse, probs)``.
 
     Args:
-        q: ``[bs, nheads, d_head, seqlen_q]``, seqlen_q a multiple of 128.
-        k, v: ``[bs, nheads_kv, d_head, seqlen_k]``, same dtype as q.
-        use_causal_mask: mask key j for query i when ``j > i``.
+        q: ``[bs, nheads, d_qk, seqlen_q]``, seqlen_q a multiple of 128.
+        k: ``[bs, nheads_kv, d_qk, seqlen_k]``; v: ``[bs, nheads_kv, d_v, seqlen_k]``;
+            same dtype as q.
+        use_causal_mask: mask key j for query i when ``j > i + seqlen_k - seqlen_q``
+            (bottom-right aligned; top-left when the lengths are equal).
         mixed_precision: softmax statistics in float32 for 16-bit inputs
             (see the module's precision model).
-        softmax_scale: multiplies ``q.k``; default ``1 / sqrt(d_head)``.
+        softmax_scale: multiplies ``q.k``; default ``1 / sqrt(d_qk)``.
         logit_bias: optional floating tensor broadcastable to
-            ``[bs, nheads, seqlen_q, seqlen_k]``, added to the scaled scores.
-        sliding_window: W >= 1 (causal only): query i sees keys ``i-W+1 .. i``.
+            ``[bs, nheads, seqlen_q, seqlen_k]``, added to the scaled (and capped) scores.
+        sliding_window: W >= 1 (causal only): query i sees keys ``i+off-W+1 .. i+off``.
         dropout_mask: optional bool/floating ``[bs, nheads, seqlen_q, seqlen_k]``;
-            ``o = (probs[..., :seqlen_k] * dropout_mask) @ v``.  The golden
-            applies NO ``1/(1-p)`` rescale: put it in the mask values if wanted.
+            ``o = (probs[..., :seqlen_k] * dropout_mask) @ v``.  No
+            ``1/(1-p)`` rescale here: put it in the mask values if wanted (the
+            kernel-signature functions take ``dropout_p`` and do it).
             ``probs`` and ``lse`` are the pre-dropout softmax.
         sinks: optional ``[bs, nheads]`` or ``[bs, nheads, num_sinks]`` logits
-            (not scaled) appended as the last softmax columns.
+            (not scaled, capped or biased) appended as the last softmax columns.
         bound_min, bound_max: optional float32 ``[seqlen_q]`` packing bounds
             (both or neither); key j visible iff ``bound_min[i] <= j < bound_max[i]``.
+        softcap: c >= 0; c > 0 replaces the scaled score S by ``c * tanh(S / c)``.
+        alibi_slopes: optional float32 ``[bs, nheads]``; adds
+            ``-slope * |i + off - j|`` after soft-capping.
+        window_size: optional ``(left, right)``, -1 = unbounded: query i sees keys
+            ``i + off - left .. i + off + right``; not with ``sliding_window``.
 
     Returns:
-        o: ``[bs, nheads, d_head, seqlen_q]`` in q's dtype (0 for empty rows).
+        o: ``[bs, nheads, d_v, seqlen_q]`` in q's dtype (0 for empty rows).
         lse: ``[bs, nheads, 128, seqlen_q // 128]``, float32 (float64 for
             float64 inputs); ``lse[b, h, p, t]`` belongs to query row
             ``t * 128 + p``; ``+inf`` for empty rows.
@@ -195,12 +281,23 @@ def compute_o_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       bound_min=bound_min, bound_max=bound_max,
                       use_causal_mask=use_causal_mask, mixed_precision=mixed_precision,
                       softmax_scale=softmax_scale, sliding_window=sliding_window,
-                      logit_bias=logit_bias, dropout_mask=dropout_mask)
-    return _forward(q, k, v, a, logit_bias, dropout_mask, sinks, bound_min, bound_max)
+                      logit_bias=logit_bias, dropout_mask=dropout_mask, softcap=softcap,
+                      alibi_slopes=alibi_slopes, window_size=window_size)
+    f = _forward(q, k, v, a, logit_bias, dropout_mask, sinks, bound_min, bound_max, alibi_slopes)
+    return f["o"], f["lse"], f["probs"]
 
 
-def _forward(q, k, v, a, logit_bias, dropout_mask, sinks, bound_min, bound_max):
-    """Forward on validated arguments ``a`` (the dict from ``_validate_fwd``)."""
+def _forward(q, k, v, a, logit_bias, dropout_mask, sinks, bound_min, bound_max,
+             alibi_slopes=None) -> dict:
+    """Forward on validated arguments ``a`` (the dict from ``_validate_fwd``).
+
+    ``dropout_mask`` here is the multiplier of the probabilities as given
+    (bool, or floating values already holding any ``1/(1-p)``).  Returns a dict:
+    ``o``, ``lse``, ``probs`` (as :func:`compute_o_lse`) and, for the backward,
+    ``cap_grad`` (``1 - tanh^2(S / c)`` in ``sdt``, ``[bs, nheads, seqlen_q,
+    seqlen_k]``, or None without soft-capping) and ``drop`` (the dropout
+    multiplier in ``sdt``, or None).
+    """
     bs, nheads, seqlen_q, seqlen_k = a["bs"], a["nheads"], a["seqlen_q"], a["seqlen_k"]
     dt = q.dtype
     sdt = stats_dtype(dt, a["mixed"])
@@ -213,9 +310,17 @@ def _forward(q, k, v, a, logit_bias, dropout_mask, sinks, bound_min, bound_max):
 
     # Matmul rounded to dt, everything softmax-related in sdt.
     s = torch.matmul(qt, kt.transpose(-1, -2)).to(sdt) * a["scale"]
+    cap_grad = None
+    if a["softcap"] > 0.0:
+        th = torch.tanh(s / a["softcap"])
+        s = a["softcap"] * th
+        cap_grad = 1.0 - th * th     # d(c tanh(x / c)) / dx
+    if alibi_slopes is not None:
+        s = s + alibi_bias(alibi_slopes, seqlen_q, seqlen_k, adt).to(device=s.device, dtype=sdt)
     if logit_bias is not None:
         s = s + logit_bias.to(device=s.device, dtype=sdt)
-    vis = visibility_mask(seqlen_q, seqlen_k, a["causal"], a["window"], bound_min, bound_max)
+    vis = visibility_mask(seqlen_q, seqlen_k, a["causal"], a["window"], bound_min, bound_max,
+                          a["window_size"])
     s = s.masked_fill(~vis.to(s.device), float("-inf"))
     if sinks is not None:
         sink_cols = sinks.to(device=s.device, dtype=sdt).reshape(bs, nheads, 1, a["num_sinks"])
@@ -234,8 +339,10 @@ def _forward(q, k, v, a, logit_bias, dropout_mask, sinks, bound_min, bound_max):
                            m_safe + torch.log(row_sum)).squeeze(-1)
 
     p_keys = probs[..., :seqlen_k]
+    drop = None
     if dropout_mask is not None:
-        p_keys = p_keys * dropout_mask.to(device=p_keys.device, dtype=sdt)
+        drop = dropout_mask.to(device=p_keys.device, dtype=sdt)
+        p_keys = p_keys * drop
     o = torch.matmul(p_keys.to(dt), vt).transpose(-1, -2).contiguous()
 
     # Row r = t * 128 + p goes to [p, t]: split rows into tiles of 128, then
@@ -243,7 +350,17 @@ def _forward(q, k, v, a, logit_bias, dropout_mask, sinks, bound_min, bound_max):
     lse = (lse_rows.to(adt)
            .reshape(bs, nheads, seqlen_q // _v.PARTITIONS, _v.PARTITIONS)
            .transpose(-1, -2).contiguous())
-    return o, lse, probs
+    return dict(o=o, lse=lse, probs=probs, cap_grad=cap_grad, drop=drop)
+
+
+def dropout_multiplier(a: dict, dropout_seed, dropout_mask, dtype: torch.dtype):
+    """The kernels' dropout as a probability multiplier: ``M / (1 - p)`` in ``dtype``
+    (``M`` the bool keep mask, from ``dropout_mask`` or regenerated from
+    ``dropout_seed``), or None when ``dropout_p == 0``."""
+    if a["dropout_p"] == 0.0:
+        return None
+    keep = dropout_mask if dropout_mask is not None else _keep_mask_from_seed(a, dropout_seed)
+    return keep.to(dtype) * (1.0 / (1.0 - a["dropout_p"]))
 
 
 def attention_fwd_torch_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -253,29 +370,44 @@ def attention_fwd_torch_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                             use_causal_mask: bool = False,
                             mixed_precision: bool = True,
                             softmax_scale: Optional[float] = None,
-                            sliding_window: Optional[int] = None):
+                            sliding_window: Optional[int] = None,
+                            softcap: float = 0.0,
+                            alibi_slopes: Optional[torch.Tensor] = None,
+                            window_size: Optional[Tuple[int, int]] = None,
+                            dropout_p: float = 0.0,
+                            dropout_seed=None,
+                            dropout_mask: Optional[torch.Tensor] = None):
     """Reference with the forward kernel's signature; returns ``(o, lse)``.
 
     Args:
-        q: ``[bs, nheads, d_head, seqlen_q]`` (seqlen_q a multiple of 128).
-        k, v: ``[bs, nheads_kv, d_head, seqlen_k]``.
+        q: ``[bs, nheads, d_qk, seqlen_q]`` (seqlen_q a multiple of 128).
+        k: ``[bs, nheads_kv, d_qk, seqlen_k]``; v: ``[bs, nheads_kv, d_v, seqlen_k]``.
         sinks_ref: optional ``[bs, nheads]`` or ``[bs, nheads, num_sinks]``.
         bound_min, bound_max: optional float32 ``[seqlen_q]`` packing bounds.
-        use_causal_mask, mixed_precision, softmax_scale, sliding_window: as
-            in :func:`compute_o_lse` (note the causal default here is False,
-            as in the kernel).
+        use_causal_mask, mixed_precision, softmax_scale, sliding_window, softcap,
+            alibi_slopes, window_size: as in :func:`compute_o_lse` (note the
+            causal default here is False, as in the kernel).
+        dropout_p: in [0, 1); the kept probabilities are scaled by ``1/(1-p)``;
+            ``lse`` stays the pre-dropout one.
+        dropout_seed: the kernel's seed (given iff ``dropout_p > 0``); the keep
+            mask is regenerated with ``golden.dropout.keep_mask``.
+        dropout_mask: golden only, instead of ``dropout_seed``: the bool keep
+            mask ``[bs, nheads, seqlen_q, seqlen_k]`` (True = keep).
 
     Returns:
-        o: ``[bs, nheads, d_head, seqlen_q]`` in q's dtype.
+        o: ``[bs, nheads, d_v, seqlen_q]`` in q's dtype.
         lse: ``[bs, nheads, 128, seqlen_q // 128]``, float32 (float64 for
             float64 inputs), ``lse[b, h, p, t]`` for query row ``t * 128 + p``.
     """
     a = _validate_fwd("attention_fwd_torch_ref", q, k, v, sinks=sinks_ref,
                       sinks_name="sinks_ref", bound_min=bound_min, bound_max=bound_max,
                       use_causal_mask=use_causal_mask, mixed_precision=mixed_precision,
-                      softmax_scale=softmax_scale, sliding_window=sliding_window)
-    o, lse, _ = _forward(q, k, v, a, None, None, sinks_ref, bound_min, bound_max)
-    return o, lse
+                      softmax_scale=softmax_scale, sliding_window=sliding_window,
+                      softcap=softcap, alibi_slopes=alibi_slopes, window_size=window_size,
+                      dropout_p=dropout_p, dropout_seed=dropout_seed, dropout_mask=dropout_mask)
+    drop = dropout_multiplier(a, dropout_seed, dropout_mask, stats_dtype(q.dtype, a["mixed"]))
+    f = _forward(q, k, v, a, None, drop, sinks_ref, bound_min, bound_max, alibi_slopes)
+    return f["o"], f["lse"]
 
 
 def _as_cu(name: str, cu) -> torch.Tensor:

@@ -8,7 +8,8 @@
 3. On-chip budget: peak live SBUF bytes per partition and PSUM banks per core, as accounted by the simulator
    from the kernel's own allocations (nki_attn.sim.checks: a tensor is live from its allocation until its last
    Python reference dies), for d_head 64/128/256 on trn1 and trn2, in the heaviest configuration (float32,
-   a full block of 8 (head, query tile) units, causal + packing + 2 sinks), plus the allocation sites.
+   GQA 8:1 so a block holds 8 (query tile, head) units, packing so no key tile is skipped and key blocks are
+   full, causal + 2 sinks), with the sections the kernel chose (from its Q loads), plus the allocation sites.
 
 Instruction counts come from nki_attn.sim.trace.recording(): one record per executed instruction.
 """
@@ -91,7 +92,7 @@ def site_hook(sites):
     return on_alloc
 
 
-def budget(d, target, s=1024, group=8, dtype=torch.float32):
+def budget(d, target, s=2048, group=8, dtype=torch.float32):
     os.environ["NEURON_PLATFORM_TARGET_OVERRIDE"] = target
     q, k, v = qkv(1, group, 1, d, s, dtype=dtype)
     bmin, bmax = packing_bounds([0, 300, 700, s])
@@ -101,7 +102,11 @@ def budget(d, target, s=1024, group=8, dtype=torch.float32):
         rec.on_alloc = site_hook(sites)
         attention_fwd(q, k, v, sinks_ref=sinks, bound_min=bmin, bound_max=bmax, use_causal_mask=True)
     st = checks.last_launch_stats()
-    return st.peak_sbuf_bytes, st.peak_psum_banks, sites
+    # query tiles per section: Q is loaded once per (head, d tile, section)
+    q_loads = sum(1 for r in rec.records if r.instr == "dma_copy" and r.srcs[0].name == "arg0")
+    d_tiles = (d + 127) // 128
+    sections = q_loads // (group * d_tiles)
+    return st.peak_sbuf_bytes, st.peak_psum_banks, sites, sections
 
 
 def render():
@@ -134,18 +139,19 @@ def render():
     all_sites = {}
     for d in (64, 128, 256):
         for target in ("trn1", "trn2"):
-            sb, ps, sites = budget(d, target)
+            sb, ps, sites, sec = budget(d, target)
             cap = SBUF_BYTES_PER_PARTITION[{"trn1": 2, "trn2": 3}[target]]
-            rows.append(f"| {d} | {target} | {sb} | {cap} | {100.0 * sb / cap:.1f}% | {ps} / {PSUM_BANKS} |")
+            rows.append(f"| {d} | {target} | {sb} | {cap} | {100.0 * sb / cap:.1f}% | {ps} / {PSUM_BANKS} | "
+                        f"{sec} ({-(-16 // sec)} query tiles) |")
             if target == "trn1":
                 all_sites[d] = sites
     lines += [
         "**On-chip budget** (peak per core, simulator accounting of the kernel's allocations; float32 inputs, "
-        "GQA 8:1 so a block holds 8 units, seqlen 1024, causal + packing + 2 sinks; trn1 adds the packing "
-        "fallback's index/predicate tiles):",
+        "GQA 8:1 so a block holds 8 units, seqlen 2048, causal + packing (no key tile skipped, full key blocks) "
+        "+ 2 sinks; trn1 adds the packing fallback's index/predicate tiles):",
         "",
-        "| d_head | target | peak SBUF B/partition | usable | share | peak PSUM banks |",
-        "|---:|---|---:|---:|---:|---:|",
+        "| d_head | target | peak SBUF B/partition | usable | share | peak PSUM banks | sections of the 16 query tiles |",
+        "|---:|---|---:|---:|---:|---:|---:|",
     ] + rows + [""]
     keys = sorted(set().union(*[set(s) for s in all_sites.values()]))
     lines += [

@@ -13,21 +13,28 @@ Layouts (head_dim on the partition axis in HBM): q, o, dy, dq ``[bs, nheads, d_h
 the log-sum-exp of query row ``t * 128 + p``, ``+inf`` for a row that sees no key); dsinks float32 shaped like
 sinks.
 
-The FlashAttention-2 recipe, per (batch, kv head) work item:
+The FlashAttention-2 recipe, per (batch, kv head) work item. A *member* is one (query head, 128-row query tile)
+of the kv head; members are loaded in *blocks* (one DMA per tensor) and computed in *groups* of up to 4 whose
+dV, dK and dQ partial sums stay in PSUM:
 
+    load -LSE of every member (one DMA)                                         _load_neg_lse
     for each K/V section (<= K_SECTION_MAX keys so SBUF holds it, or k_section_len)  KV-outer
-        load K, V (+ K^T for dQ); zero the fp32 dK, dV section accumulators
-        for each query head of the kv head (GQA/MQA), for each 128-row query tile   Q-inner
-            first section only: D = rowsum(O * dO)                              _rowsum_o_dy
-            reload dQ (from HBM) unless this is the tile's first section
-            for each 512-key tile the masks leave visible (decided at trace time)
-                S = (scale*Q)^T K;  mask;  P = exp(S - LSE)   (ONE activation)  _recompute_p
-                dP = dO V^T;  dS = (dP - D) * P               (ONE fused op)   _softmax_bwd
-                dV += P^T dO;  dK += (scale*Q)^T dS                             _dv_dk
-                dQ += (dS K) * scale                          (ONE fused op)   _dq
-            write dQ to HBM
+        load K, V (+ K^T for dQ); zero the fp32 dK, dV section accumulators     _load_kv_section
+        for each block of members with a visible key in the section (trace-time plan, BwdConfig.blocks)
+            load dO, scaled Q (and O) of the block; previous dQ partial sums    _load_block
+            member's first section: D = rowsum(O * dO)                          _rowsum_o_dy
+            for each group of the block: Q^T, dO^T of its members              _transpose_members
+                for each visible 512-key tile of the group
+                    for each member that sees it                                _visit
+                        S = (scale*Q)^T K; P = exp(S - LSE) (ONE activation); mask  _recompute_p
+                        dP = dO V^T;  dS = (dP - D) * P           (ONE fused op)  _softmax_bwd
+                        dV += P^T dO;  dK += (scale*Q)^T dS  (group's PSUM)       _dv_dk
+                        dQ += dS K                      (member's PSUM columns)   _dq
+                    add the group's dV, dK into the section accumulators        _evict_dv_dk
+                dQ = scale * PSUM (+ previous partial)                          _evict_dq
+            store the block's dQ (one DMA)
         write dK, dV of the section
-        first section only, with sinks: dsinks = -sum_rows exp(sink - LSE) * D   _dsinks
+    with sinks: dsinks = -sum_rows exp(sink - LSE) * D, all heads at once       _dsinks
 """
 
 from ..backend import nisa, nki, nl
@@ -41,10 +48,27 @@ FP32_MIN = -3.4028235e38
 K_TILE = 512
 # Longest K/V section. The section length is the largest multiple of K_TILE whose section buffers fit
 # SECTION_BUDGET_BYTES per partition, capped by K_SECTION_MAX; the kernel argument k_section_len (a multiple of
-# 128) overrides it per call (tests use it to force several sections at small seqlen). Both are constants:
+# 128) overrides it per call (tests use it to force several sections at small seqlen). All are constants:
 # a kernel must be a pure function of its arguments (NKI caches compiled kernels by argument).
 K_SECTION_MAX = 8192
 SECTION_BUDGET_BYTES = 112 * 1024
+# Members per group: the group's dQ stays in ONE PSUM bank across the key tiles of a section, members x
+# Q/K head-dim tiles x 128 fp32 <= 512 (so 4 for d_head <= 128, 2 for d_head 256). dV and dK of a key tile add
+# into the SBUF accumulators once per group instead of once per member.
+GROUP_MAX = 4
+# Members per block (one DMA per tensor per block) and the block buffers' SBUF budget per partition.
+BLOCK_MEMBERS_MAX = 8
+BLOCK_BUDGET_BYTES = 16 * 1024
+# softmax_scale is folded into Q at load, rounded to the input dtype, exactly as attention_fwd does: the backward
+# then recomputes the forward's own P (the LSE it gets came from those scores). False applies the scale in fp32
+# inside the exp activation and the dK eviction instead (more accurate against an exact LSE, but inconsistent with
+# a forward that rounds the scaled Q); it must follow attention_fwd.
+FOLD_SCALE_INTO_Q = True
+# Engine choices from trn2 on (``BwdConfig``): the P cast on GpSimdE, and dS transposed by DMA where
+# ``_use_dma_transpose`` finds it pays. Both are the design; False gives the alternative (the cast on ScalarE,
+# every dS transpose on TensorE) for measurement (scripts/bwd_ablation.py).
+P_CAST_ON_GPSIMD = True
+DS_DMA_TRANSPOSE = True
 
 
 def _itemsize(dtype):
@@ -52,6 +76,16 @@ def _itemsize(dtype):
     if str(dtype) == str(nl.float32):
         return 4
     return 2
+
+
+def _head_dim_tiles(d, n_tiles):
+    """Partition tiles of a head dim split into ``n_tiles`` equal tiles: ``[(first row, rows), ...]``. Kept as a
+    list so that a later split into 128 + remainder rows only changes this function."""
+    rows = d // n_tiles
+    out = []
+    for t in range(n_tiles):
+        out.append((t * rows, rows))
+    return out
 
 
 # ----------------------------------------------------------------------------------------------- planning
@@ -69,46 +103,79 @@ def default_section_len(d_head, d_tiles, itemsize, seqlen_k, cap=K_SECTION_MAX):
     return max(n, PMAX)
 
 
+def group_size(d_tiles):
+    """Members per group: their dQ columns (d_tiles x 128 fp32 each) share one 2 KiB PSUM bank."""
+    return max(1, GROUP_MAX // d_tiles)
+
+
+def block_member_bytes(d_tiles, itemsize, dq_fp32):
+    """SBUF bytes per partition one member costs in its block: dO, Q, O (input dtype), the fp32 O*dO product
+    (first section) or previous dQ partial (later sections, at most fp32), and the dQ staging tile (fp32 when
+    it goes to the fp32 HBM scratch, else the input dtype)."""
+    stage = 4 if dq_fp32 else itemsize
+    return PMAX * d_tiles * (3 * itemsize + 4 + stage)
+
+
+def block_members(d_tiles, itemsize, dq_fp32):
+    """Members per block: within BLOCK_BUDGET_BYTES and BLOCK_MEMBERS_MAX, a multiple of the group size when it
+    holds at least one group."""
+    n = BLOCK_BUDGET_BYTES // block_member_bytes(d_tiles, itemsize, dq_fp32)
+    n = max(1, min(BLOCK_MEMBERS_MAX, n))
+    g = group_size(d_tiles)
+    if n >= g:
+        n = n // g * g
+    return n
+
+
 def sbuf_usage(d_head, d_tiles, itemsize, section_len, group, seqlen_q, mixed_precision=False, packing=False,
-               num_sinks=0, trn1_packing=False):
-    """SBUF bytes per partition of the kernel's live tensors, by category. The per-tile working set is counted
-    twice in ``total`` (room for the compiler to double-buffer tiles allocated inside loops). Used by the
-    trace-time budget check and docs/kernel-bwd.md."""
+               num_sinks=0, trn1_packing=False, dq_fp32=False):
+    """SBUF bytes per partition of the kernel's live tensors, by category. The block, group and visit working
+    sets are counted twice in ``total`` (room for the compiler to double-buffer tiles allocated inside loops).
+    Used by the trace-time budget check and docs/kernel-bwd.md."""
     e = itemsize
-    d_tile = d_head // d_tiles
     nq = seqlen_q // PMAX
     pe = 4 if mixed_precision else e
     section = int(section_len * section_bytes_per_key(d_head, d_tiles, itemsize))
-    persistent = 2 * group * nq * 4                        # -LSE and D of every query row of the kv head
+    # -LSE and D of every member; the ones column (D); the identity of the dQ reload (several sections)
+    persistent = 2 * group * nq * 4 + 4 + PMAX * 4
     if packing:
         persistent += 3 * nq * 4                           # bound_min, bound_max (+ query index for clamping)
     if num_sinks:
-        persistent += 2 * group * num_sinks * 4 + group * num_sinks * 4   # sink logits, accumulator, sum
-    per_q_tile = (d_tiles * PMAX * e * 3                   # dO, raw Q, scaled Q   (d_tile partitions each)
-                  + 2 * d_head * e                         # dO^T, Q^T             (128 partitions)
-                  + d_tiles * PMAX * e + d_head * 4        # O and the O*dO^T product (first section only)
-                  + d_tiles * PMAX * 4)                    # fp32 dQ accumulator
-    per_k_tile = (K_TILE * 4                               # masked S (fp32)
-                  + K_TILE * pe                            # P
-                  + (K_TILE * e if pe != e else 0)         # P cast for the dV matmul (mixed precision)
-                  + 2 * K_TILE * e                         # dS, dS^T
-                  + (K_TILE * 5 if trn1_packing else 0))   # key index (fp32) and visibility (uint8)
-    total = section + persistent + 2 * (per_q_tile + per_k_tile)
-    return {"section": section, "persistent": persistent, "per_q_tile": per_q_tile, "per_k_tile": per_k_tile,
-            "total": total, "d_tile": d_tile}
+        # sink logits and sums; exp(sink - LSE) and its product with D for every member, at the end
+        persistent += 2 * group * num_sinks * 4 + 2 * group * num_sinks * nq * 4
+    g = group_size(d_tiles)
+    per_block = block_members(d_tiles, e, dq_fp32) * block_member_bytes(d_tiles, e, dq_fp32)
+    per_group = g * 2 * d_head * e                         # Q^T and dO^T of the members (128 partitions)
+    per_visit = (K_TILE * pe                               # P
+                 + (K_TILE * e if pe != e else 0)          # P cast for the dV matmul (mixed precision)
+                 + 2 * K_TILE * e                          # dS, dS^T
+                 + (K_TILE * 4 if packing else 0)          # masked S (fp32)
+                 + (K_TILE * 5 if trn1_packing else 0))    # key index (fp32) and visibility (uint8)
+    total = section + persistent + 2 * (per_block + per_group + per_visit)
+    return {"section": section, "persistent": persistent, "per_block": per_block, "per_group": per_group,
+            "per_visit": per_visit, "total": total, "d_tile": d_head // d_tiles}
 
 
-# PSUM tiles of the kernel (each <= 2 KiB per partition, so one bank each) and which are live at once.
+# PSUM tiles of the kernel (each <= 2 KiB per partition, so one bank each) and when they are live.
 PSUM_TILES = {
-    "S": "S = (scale*Q)^T K, [128, 512] fp32",
-    "dP": "dP = dO V^T, [128, 512] fp32",
-    "dV": "P^T dO for one d tile, [d_tile, 512] fp32",
-    "dK": "(scale*Q)^T dS for one d tile, [d_tile, 512] fp32",
-    "dS^T": "4 TensorE transposes of dS, [128, 512] input dtype",
-    "dQ": "dS K for one d tile, [d_tile, 128] fp32",
-    "T": "TensorE transposes of Q, dO, O, K, [128, <= 512] input dtype",
+    "dV": "P^T dO of a group for one key tile, [d_tile, <=512] fp32 per V head-dim tile (key tile of a group)",
+    "dK": "Q^T dS of a group for one key tile, [d_tile, <=512] fp32 per Q/K head-dim tile (key tile of a group)",
+    "dQ": "dS K of the group's members, [d_tile, members x d_tiles x 128 <= 512] fp32 (whole group)",
+    "S": "S = Q^T K, [128, <=512] fp32 (one visit)",
+    "dP": "dP = dO V^T, [128, <=512] fp32 (one visit)",
+    "dS^T": "TensorE transposes of dS, [128, <=512] input dtype (one visit; none when DMA transposes)",
+    "T": "transposes of Q, dO (group start) and K (section start), D sums (block start): never with dV/dK",
 }
-PSUM_PEAK_BANKS = 7  # 7 kinds of one bank each: they fit the 8 banks even if all were live at once
+
+
+def psum_banks(d_tiles):
+    """PSUM banks that can be live at once: a visit's S, dP, dS^T with its group's dV and dK (one per head-dim
+    tile) and dQ: 2 * d_tiles + 4 (6 for d_head <= 128, 8 for d_head 256). The transposes at group, block and
+    section start (T) are never live together with dV/dK, which are allocated per key tile inside the group."""
+    return 2 * d_tiles + 4
+
+
+PSUM_PEAK_BANKS = psum_banks(2)  # the largest over the supported head dims (d_head 256): 8 of the 8 banks
 
 
 def _visible_tiles(c, q0, k_lo, k_len):
@@ -132,8 +199,163 @@ def _visible_tiles(c, q0, k_lo, k_len):
     return out
 
 
+class BwdVisit(nl.NKIObject):
+    """One member's visit of one key tile of its group (trace-time plan).
+
+    m: the member's index in the group; k0, kw: the visible keys [k0, k0+kw) (128-aligned); cmask, wmask: the
+    causal / window element masks are needed; off: k0 - u0, the visit's first column in the group's dV/dK PSUM
+    tiles of this key tile; segs: ``[(a, b, acc)]`` column ranges [a, b) of those PSUM tiles (relative to u0)
+    the dV/dK matmuls write, ``acc`` False where no earlier member of the group wrote (a matmul must overwrite
+    first, then accumulate); dq_first: the member's first visit in the group (its first dQ matmul overwrites);
+    dsT_dma: dS is transposed by one DMA transpose instead of TensorE."""
+
+    def __init__(self, m, k0, kw, cmask, wmask, off, segs, dq_first, dsT_dma):
+        self.m = m
+        self.k0 = k0
+        self.kw = kw
+        self.cmask = cmask
+        self.wmask = wmask
+        self.off = off
+        self.segs = segs
+        self.dq_first = dq_first
+        self.dsT_dma = dsT_dma
+
+
+class BwdKeyTile(nl.NKIObject):
+    """The keys [u0, u0+uw) a group visits in one 512-key tile (the union of its members' visible keys) and the
+    visits, in member order."""
+
+    def __init__(self, u0, uw, visits):
+        self.u0 = u0
+        self.uw = uw
+        self.visits = visits
+
+
+class BwdGroup(nl.NKIObject):
+    """Up to ``group_size`` members computed together: members ``[(g, i, col)]`` (query head g of the kv head,
+    query tile i, first column of the member in the block tiles) and the key tiles they visit."""
+
+    def __init__(self, members, ktiles):
+        self.members = members
+        self.ktiles = ktiles
+
+
+class BwdBlock(nl.NKIObject):
+    """Members loaded and stored together: query heads [h0, h0+nh) of the kv head x query tiles [i0, i0+nt),
+    block column ``(h*nt + t)*128`` for head h0+h, tile i0+t (head-major, as one DMA reads them). first: the
+    section is every member's first (D is computed here; no earlier dQ partial); last: the section is every
+    member's last (dQ goes to out_dq)."""
+
+    def __init__(self, h0, nh, i0, nt, first, last, groups):
+        self.h0 = h0
+        self.nh = nh
+        self.i0 = i0
+        self.nt = nt
+        self.first = first
+        self.last = last
+        self.groups = groups
+
+
+def _segments(covered, a, b):
+    """Split the 128-key chunks [a, b) into runs that earlier visits did (acc True) or did not (False) write,
+    and mark them written. ``covered``: list of bools per chunk of the key tile's union."""
+    segs = []
+    j = a
+    while j < b:
+        acc = covered[j]
+        e = j
+        while e < b and covered[e] == acc:
+            e += 1
+        segs.append((j * PMAX, e * PMAX, acc))
+        j = e
+    for k in range(a, b):
+        covered[k] = True
+    return segs
+
+
+def _group_plan(c, s, members):
+    """The key tiles and visits of one group (members ``[(g, i, col)]``) in section s."""
+    k_lo, k_len = c.sections[s]
+    n_kt = (k_len + K_TILE - 1) // K_TILE
+    ktiles = []
+    started = []
+    for mi in range(len(members)):
+        started.append(False)
+    for kt in range(n_kt):
+        t0 = k_lo + kt * K_TILE
+        t1 = min(t0 + K_TILE, k_lo + k_len)
+        u0, u1 = -1, -1
+        for mem in members:
+            for tile in c.tiles[s][mem[1]]:
+                if t0 <= tile[0] and tile[0] < t1:
+                    if u0 < 0 or tile[0] < u0:
+                        u0 = tile[0]
+                    if tile[0] + tile[1] > u1:
+                        u1 = tile[0] + tile[1]
+        if u0 < 0:
+            continue
+        covered = []
+        for j in range((u1 - u0) // PMAX):
+            covered.append(False)
+        visits = []
+        for mi in range(len(members)):
+            for tile in c.tiles[s][members[mi][1]]:
+                k0, kw, cmask, wmask = tile
+                if t0 <= k0 and k0 < t1:
+                    off = k0 - u0
+                    segs = _segments(covered, off // PMAX, (off + kw) // PMAX)
+                    dma = c.dsT_dma and kw == K_TILE
+                    visits.append(BwdVisit(mi, k0, kw, cmask, wmask, off, segs, not started[mi], dma))
+                    started[mi] = True
+        ktiles.append(BwdKeyTile(u0, u1 - u0, visits))
+    return BwdGroup(members, ktiles)
+
+
+def _section_runs(c, s):
+    """Maximal runs [i_a, i_b) of consecutive query tiles with a visible key in section s and the same
+    (first, last) flags: ``[(i_a, i_b, first, last)]``."""
+    runs = []
+    i = 0
+    while i < c.nq:
+        if not c.tiles[s][i]:
+            i += 1
+            continue
+        first = c.first_sec[i] == s
+        last = c.last_sec[i] == s
+        j = i + 1
+        while j < c.nq and c.tiles[s][j] and (c.first_sec[j] == s) == first and (c.last_sec[j] == s) == last:
+            j += 1
+        runs.append((i, j, first, last))
+        i = j
+    return runs
+
+
+def _section_blocks(c, s):
+    """The blocks of section s: every member (query head, query tile) with a visible key in the section once,
+    in runs of query tiles; within a block the members are grouped tile-major (GQA: the query heads of one
+    query tile first, which see the same keys)."""
+    blocks = []
+    nh_max = min(c.group, c.block_members)
+    for run in _section_runs(c, s):
+        i_a, i_b, first, last = run
+        for h0 in range(0, c.group, nh_max):
+            nh = min(nh_max, c.group - h0)
+            nt_max = max(1, c.block_members // nh)
+            for i0 in range(i_a, i_b, nt_max):
+                nt = min(nt_max, i_b - i0)
+                order = []
+                for t in range(nt):
+                    for h in range(nh):
+                        order.append((h0 + h, i0 + t, (h * nt + t) * PMAX))
+                groups = []
+                for g0 in range(0, len(order), c.group_size):
+                    groups.append(_group_plan(c, s, order[g0:min(g0 + c.group_size, len(order))]))
+                blocks.append(BwdBlock(h0, nh, i0, nt, first, last, groups))
+    return blocks
+
+
 class BwdConfig(nl.NKIObject):
-    """Trace-time plan of one attention_bwd call (shapes, dtypes, sections, visible tiles)."""
+    """Trace-time plan of one attention_bwd call (shapes, dtypes, engines, sections, blocks, groups, visits)."""
 
     def __init__(self, a, dtype, mixed, section_len, trn1):
         # (NKI binds one target per attribute assignment: no tuple unpacking into attributes)
@@ -144,21 +366,36 @@ class BwdConfig(nl.NKIObject):
         self.d_head = a.d_head
         self.d_tiles = a.d_tiles
         self.d_tile = a.d_tile
+        # Q/K head dim (S, dK, dQ) and V/O head dim (dP, dV, D) are tiled separately; both are d_head today.
+        self.d_qk = a.d_head
+        self.d_v = a.d_head
+        self.qk_rows = _head_dim_tiles(a.d_head, a.d_tiles)
+        self.v_rows = _head_dim_tiles(a.d_head, a.d_tiles)
         self.seqlen_q = a.seqlen_q
         self.seqlen_k = a.seqlen_k
         self.nq = a.seqlen_q // PMAX
         self.scale = a.scale
+        # where softmax_scale is applied (FOLD_SCALE_INTO_Q): to Q at load, or in the exp and the dK eviction
+        self.scale_q = FOLD_SCALE_INTO_Q
+        self.exp_scale = 1.0 if FOLD_SCALE_INTO_Q else a.scale
+        self.dk_scale = 1.0 if FOLD_SCALE_INTO_Q else a.scale
         self.causal = a.causal
         self.window = a.window
         self.packing = a.packing
         self.num_sinks = a.num_sinks
         self.sinks_3d = a.sinks_3d
         self.mm_dtype = dtype
+        self.itemsize = _itemsize(dtype)
         self.mixed = mixed
         # P is kept in fp32 with mixed precision (cast for the dV matmul), else in the input dtype.
         self.p_dtype = nl.float32 if mixed else dtype
         self.p_cast = mixed and str(dtype) != str(nl.float32)
         self.trn1 = trn1
+        # Engines. trn1 has no ScalarE tensor_copy (activation copy instead), no DMA transpose, and its VectorE
+        # and GpSimdE cannot use SBUF at the same time: the P cast goes to ScalarE there, to GpSimdE (idle
+        # otherwise) from trn2 on. dS is transposed by DMA (trn2+, 2-byte types, whole 512-key tiles) when
+        # TensorE would otherwise be the busiest engine (``_use_dma_transpose``).
+        self.cast_on_gpsimd = P_CAST_ON_GPSIMD and not trn1
         self.section_len = section_len
         self.sections = []
         for lo in range(0, a.seqlen_k, section_len):
@@ -175,6 +412,7 @@ class BwdConfig(nl.NKIObject):
             self.tiles.append(row)
         self.first_sec = []
         self.last_sec = []
+        self.no_key_tiles = []
         for i in range(self.nq):
             first, last = -1, -1
             for s in range(self.n_sections):
@@ -184,8 +422,41 @@ class BwdConfig(nl.NKIObject):
                     last = s
             self.first_sec.append(first)
             self.last_sec.append(last)
+            if first < 0:
+                self.no_key_tiles.append(i)
         # dQ partial sums between sections: fp32 scratch in HBM with mixed precision, else out_dq itself.
         self.dq_scratch = mixed and str(dtype) != str(nl.float32) and self.n_sections > 1
+        self.dq_park_dtype = nl.float32 if self.dq_scratch else dtype
+        self.group_size = group_size(a.d_tiles)
+        self.block_members = block_members(a.d_tiles, self.itemsize, self.dq_scratch)
+        self.dsT_dma = _use_dma_transpose(self, trn1)
+        self.blocks = []
+        for s in range(self.n_sections):
+            self.blocks.append(_section_blocks(self, s))
+
+
+def _use_dma_transpose(c, trn1):
+    """Transpose dS by DMA (one ``dma_transpose`` per whole 512-key tile) instead of 4 TensorE transposes and a
+    ScalarE copy. DMA transposes exist from trn2 on, for 2-byte types only; a DMA pays a fixed ~0.85 us per
+    transfer, worth it only for whole tiles and only when TensorE, not the DMA queues, is the busier: counted at
+    trace time from the plan (TensorE cycles of the matmuls and transposes of a whole tile against the DMA time
+    of its transpose)."""
+    if trn1 or c.itemsize != 2 or not DS_DMA_TRANSPOSE:
+        return False
+    full = 0
+    chunks = 0
+    for s in range(c.n_sections):
+        for i in range(c.nq):
+            for tile in c.tiles[s][i]:
+                chunks += tile[1] // PMAX
+                if tile[1] == K_TILE:
+                    full += 1
+    # Per 128-key chunk and head-dim tile TensorE streams 5 matmuls x 128 columns (S, dP, dV, dK, dQ) at 2.4 GHz:
+    # its time without the dS transposes. A whole-tile DMA transpose occupies the queues ~850 ns. Move the
+    # transposes to DMA when TensorE's time without them still exceeds the DMA time they add.
+    tensor_ns = chunks * 5 * PMAX * c.d_tiles / 2.4
+    dma_ns = full * 850.0
+    return full > 0 and tensor_ns > dma_ns
 
 
 def _section_len(d_head, d_tiles, itemsize, seqlen_k, k_section_len):
@@ -222,8 +493,9 @@ def bwd_problem(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref=None, bou
     isz = _itemsize(q_ref.dtype)
     sec = _section_len(a.d_head, a.d_tiles, isz, a.seqlen_k, k_section_len)
     trn1 = _is_trn1()
+    dq_fp32 = mixed_precision and isz != 4 and sec < a.seqlen_k
     use = sbuf_usage(a.d_head, a.d_tiles, isz, sec, a.group, a.seqlen_q, mixed_precision, a.packing,
-                     a.num_sinks, trn1 and a.packing)
+                     a.num_sinks, trn1 and a.packing, dq_fp32)
     cap = sbuf_bytes_per_partition()
     if use["total"] > cap:
         return (f"attention_bwd needs {use['total']} SBUF bytes per partition (section {use['section']}, per-row "
@@ -241,78 +513,87 @@ def _configure(q_ref, k_ref, sinks_ref, bound_min, use_causal_mask, mixed_precis
     return BwdConfig(a, q_ref.dtype, mixed_precision, sec, _is_trn1())
 
 
+# ----------------------------------------------------------------------------------------------- engines
+def _copy_on_scalar(c, dst, src, scale):
+    """ScalarE copy (PSUM or SBUF -> SBUF) times ``scale``, cast on write: ``tensor_copy`` where ScalarE has it
+    and no scale is needed (trn2+; faster for 16-bit types on trn3), else ``activation(copy, scale=)``."""
+    if c.trn1 or scale != 1.0:
+        nisa.activation(dst=dst, op=nl.copy, data=src, scale=scale)
+    else:
+        nisa.tensor_copy(dst=dst, src=src, engine=nisa.engine.scalar)
+
+
+def _cast_p(c, p):
+    """P in the matmul dtype for the dV matmul (mixed precision keeps the fp32 P for dS): GpSimdE (SBUF to
+    SBUF, otherwise idle) from trn2 on; ScalarE on trn1, where GpSimdE would hold VectorE's SBUF port."""
+    if not c.p_cast:
+        return p
+    p_mm = nl.ndarray(p.shape, dtype=c.mm_dtype, buffer=nl.sbuf)
+    if c.cast_on_gpsimd:
+        nisa.tensor_copy(dst=p_mm, src=p, engine=nisa.engine.gpsimd)
+    else:
+        nisa.activation(dst=p_mm, op=nl.copy, data=p)
+    return p_mm
+
+
 # ----------------------------------------------------------------------------------------------- loads
-def _load_d_tiles(c, src4, b, h, q0, dtype):
-    """[d_tile, 128] SBUF tiles (one per head-dim tile) of rows q0..q0+127 of src4[b, h] (head_dim on the
-    partition axis, as in HBM)."""
+def _hbm_block(ref, b, h0, nh, r0, rn, c0, ncols):
+    """View ``[rn, nh, ncols]`` of rows r0..r0+rn (head dim) of heads h0..h0+nh-1 and columns c0..c0+ncols-1 of
+    a ``[bs, nheads, d, seqlen]`` HBM tensor: the head-major layout of a block tile, so ONE DMA moves the block
+    (a permuted view: the head stride d*seqlen does not fit an access pattern's int16 stride field)."""
+    if nh == 1:
+        return ref[b, h0, r0:r0 + rn, c0:c0 + ncols]
+    return ref[b, h0:h0 + nh, r0:r0 + rn, c0:c0 + ncols].permute((1, 0, 2))
+
+
+def _load_block(c, ref, b, blk, h_abs0, rows):
+    """One SBUF tile ``[rn, nh*nt*128]`` per head-dim tile ``rows`` of the block's members of ``ref`` (q, o or
+    dy): one DMA per tile, head-major columns."""
+    ncols = blk.nt * PMAX
     tiles = []
-    for dt in range(c.d_tiles):
-        t = nl.ndarray((c.d_tile, PMAX), dtype=dtype, buffer=nl.sbuf)
-        nisa.dma_copy(dst=t, src=src4[b, h, dt * c.d_tile:(dt + 1) * c.d_tile, q0:q0 + PMAX])
+    for rt in rows:
+        r0, rn = rt
+        t = nl.ndarray((rn, blk.nh * ncols), dtype=c.mm_dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=t, src=_hbm_block(ref, b, h_abs0, blk.nh, r0, rn, blk.i0 * PMAX, ncols))
         tiles.append(t)
     return tiles
 
 
-def _load_q_scaled(c, q_ref, b, h, q0):
-    """Q tiles with softmax_scale folded in at load: S = (scale*Q)^T K needs no scaling op, and dK = (scale*Q)^T dS
-    carries the scale through its Q factor."""
-    raw = _load_d_tiles(c, q_ref, b, h, q0, c.mm_dtype)
-    scaled = []
-    for dt in range(c.d_tiles):
-        t = nl.ndarray((c.d_tile, PMAX), dtype=c.mm_dtype, buffer=nl.sbuf)
-        nisa.tensor_scalar(dst=t, data=raw[dt], op0=nl.multiply, operand0=c.scale)
-        scaled.append(t)
-    return scaled
-
-
-def _transpose_psum(c, tiles):
-    """TensorE transposes of [d_tile, 128] tiles into one [128, d_head] PSUM tile (input dtype)."""
-    ps = nl.ndarray((PMAX, c.d_head), dtype=c.mm_dtype, buffer=nl.psum)
-    for dt in range(c.d_tiles):
-        nisa.nc_transpose(dst=ps[:, dt * c.d_tile:(dt + 1) * c.d_tile], data=tiles[dt])
-    return ps
-
-
-def _transpose_sbuf(c, tiles):
-    """[128, d_head] SBUF copy of the transposes (a matmul stationary operand: rows on the partition axis)."""
-    ps = _transpose_psum(c, tiles)
-    sb = nl.ndarray((PMAX, c.d_head), dtype=c.mm_dtype, buffer=nl.sbuf)
-    nisa.tensor_copy(dst=sb, src=ps)
-    return sb
-
-
 def _load_kv_section(c, k_ref, v_ref, b, hk, k_lo, k_len):
-    """K and V of one section ([d_tile, k_len] per head-dim tile) and K^T ([128, n_chunks * d_tile] per head-dim
-    tile: chunk j of 128 keys at columns j*d_tile) for the dQ matmul, which contracts over keys."""
+    """K ([rn, k_len] per Q/K head-dim tile), V (per V head-dim tile) and K^T ([128, n_chunks * rn] per Q/K
+    head-dim tile: chunk j of 128 keys at columns j*rn) for the dQ matmul, which contracts over keys."""
     ks, vs, kts = [], [], []
     n_ch = k_len // PMAX
-    per = max(1, K_TILE // c.d_tile)  # chunks per PSUM transpose tile (<= 512 elements: one bank)
-    for dt in range(c.d_tiles):
-        kt = nl.ndarray((c.d_tile, k_len), dtype=c.mm_dtype, buffer=nl.sbuf)
-        nisa.dma_copy(dst=kt, src=k_ref[b, hk, dt * c.d_tile:(dt + 1) * c.d_tile, k_lo:k_lo + k_len])
-        vt = nl.ndarray((c.d_tile, k_len), dtype=c.mm_dtype, buffer=nl.sbuf)
-        nisa.dma_copy(dst=vt, src=v_ref[b, hk, dt * c.d_tile:(dt + 1) * c.d_tile, k_lo:k_lo + k_len])
-        ktr = nl.ndarray((PMAX, n_ch * c.d_tile), dtype=c.mm_dtype, buffer=nl.sbuf)
+    for rt in c.qk_rows:
+        r0, rn = rt
+        kt = nl.ndarray((rn, k_len), dtype=c.mm_dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=kt, src=k_ref[b, hk, r0:r0 + rn, k_lo:k_lo + k_len])
+        per = max(1, K_TILE // rn)  # chunks per PSUM transpose tile (<= 512 elements: one bank)
+        ktr = nl.ndarray((PMAX, n_ch * rn), dtype=c.mm_dtype, buffer=nl.sbuf)
         for g0 in range(0, n_ch, per):
             gn = min(per, n_ch - g0)
-            ps = nl.ndarray((PMAX, gn * c.d_tile), dtype=c.mm_dtype, buffer=nl.psum)
+            ps = nl.ndarray((PMAX, gn * rn), dtype=c.mm_dtype, buffer=nl.psum)
             for j in range(gn):
                 ch = g0 + j
-                nisa.nc_transpose(dst=ps[:, j * c.d_tile:(j + 1) * c.d_tile], data=kt[:, ch * PMAX:(ch + 1) * PMAX])
-            nisa.tensor_copy(dst=ktr[:, g0 * c.d_tile:(g0 + gn) * c.d_tile], src=ps)
+                nisa.nc_transpose(dst=ps[:, j * rn:(j + 1) * rn], data=kt[:, ch * PMAX:(ch + 1) * PMAX])
+            nisa.tensor_copy(dst=ktr[:, g0 * rn:(g0 + gn) * rn], src=ps)
         ks.append(kt)
-        vs.append(vt)
         kts.append(ktr)
+    for rt in c.v_rows:
+        r0, rn = rt
+        vt = nl.ndarray((rn, k_len), dtype=c.mm_dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=vt, src=v_ref[b, hk, r0:r0 + rn, k_lo:k_lo + k_len])
+        vs.append(vt)
     return ks, vs, kts
 
 
-def _load_neg_lse(c, lse_ref, b, hk, neg_lse):
-    """-LSE of every query row of the kv head's query heads, [128, group * nq] fp32 (column g*nq + t holds rows
-    t*128 .. t*128+127 of head g): the exp bias of the P recompute. Loaded once per work item."""
-    for g in range(c.group):
-        cols = neg_lse[:, g * c.nq:(g + 1) * c.nq]
-        nisa.dma_copy(dst=cols, src=lse_ref[b, hk * c.group + g])
-        nisa.tensor_scalar(dst=cols, data=cols, op0=nl.multiply, operand0=-1.0)
+def _load_neg_lse(c, lse_ref, b, hk):
+    """-LSE of every member of the kv head, [128, group, nq] fp32 (``[p, g, t]``: row t*128+p of query head g):
+    the exp bias of the P recompute. One DMA and one negation per work item."""
+    neg_lse = nl.ndarray((PMAX, c.group, c.nq), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.dma_copy(dst=neg_lse, src=lse_ref[b, hk * c.group:(hk + 1) * c.group, :, :].permute((1, 0, 2)))
+    nisa.tensor_scalar(dst=neg_lse, data=neg_lse, op0=nl.multiply, operand0=-1.0)
+    return neg_lse
 
 
 def _load_bounds(c, bound_min, bound_max):
@@ -334,126 +615,363 @@ def _load_bounds(c, bound_min, bound_max):
 
 
 # ----------------------------------------------------------------------------------------------- steps
-def _rowsum_o_dy(c, o_ref, b, h, q0, dyT, d_col):
-    """Step 1: D = rowsum(O * dO) for 128 query rows, into the fp32 column ``d_col`` [128, 1]. Equals
-    sum_j P_ij dP_ij (O = P V), so the softmax Jacobian needs no key-axis reduction. Run once per (query head,
-    query tile), on the first K-section only; D stays in SBUF for the later sections."""
-    o_t = _load_d_tiles(c, o_ref, b, h, q0, c.mm_dtype)
-    oT = _transpose_psum(c, o_t)
-    prod = nl.ndarray((PMAX, c.d_head), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.tensor_tensor(dst=prod, data1=dyT, data2=oT, op=nl.multiply)
-    nisa.tensor_reduce(dst=d_col, op=nl.add, data=prod, axis=1)
+def _rowsum_o_dy(c, o_ref, b, blk, h_abs0, dy_b, ones, dsum):
+    """Step 1: D = rowsum(O * dO) of the block's members into ``dsum[:, g, i]`` (fp32). Equals
+    sum_j P_ij dP_ij (O = P V), so the softmax Jacobian needs no key-axis reduction. O and dO are multiplied in
+    their HBM layout (head dim on the partitions: no transpose), one fp32 ``tensor_tensor`` per head-dim tile for
+    the whole block; a ones-vector matmul per member sums the head dim over the partitions into one PSUM column.
+    Run in each member's first section only; D stays in SBUF for the later sections."""
+    o_b = _load_block(c, o_ref, b, blk, h_abs0, c.v_rows)
+    n = blk.nh * blk.nt
+    d_ps = nl.ndarray((PMAX, n), dtype=nl.float32, buffer=nl.psum)
+    prods = []
+    for dt in range(len(c.v_rows)):
+        rn = c.v_rows[dt][1]
+        prod = nl.ndarray((rn, n * PMAX), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_tensor(dst=prod, data1=o_b[dt], data2=dy_b[dt], op=nl.multiply)
+        prods.append(prod)
+    for j in range(n):
+        for dt in range(len(c.v_rows)):
+            rn = c.v_rows[dt][1]
+            nisa.nc_matmul(dst=d_ps[:, j:j + 1], stationary=prods[dt][:, j * PMAX:(j + 1) * PMAX],
+                           moving=ones[0:rn, :], is_moving_onezero=True, accumulate=dt > 0)
+    # block column j = h*nt + t -> dsum[:, h0+h, i0+t]
+    nisa.tensor_copy(dst=dsum[:, blk.h0:blk.h0 + blk.nh, blk.i0:blk.i0 + blk.nt], src=d_ps)
 
 
-def _mask_scores(c, s_ps, q0, k0, kw, cmask, wmask, bcols):
-    """Masked scores in SBUF (fp32), or the PSUM scores themselves when the tile is fully visible. Masked
-    entries become -3.4e38 so exp() gives exactly 0."""
-    if c.packing:
-        bmin_col, bmax_col = bcols
-        s_sb = nl.ndarray((PMAX, kw), dtype=nl.float32, buffer=nl.sbuf)
-        if not c.trn1:
-            # one Vector instruction: copy PSUM -> SBUF keeping bound_min <= key < bound_max
-            nisa.range_select(dst=s_sb, on_true_tile=s_ps, comp_op0=nl.greater_equal, comp_op1=nl.less,
-                              bound0=bmin_col, bound1=bmax_col, range_start=k0, on_false_value=FP32_MIN)
-        else:
-            # trn1 has no range_select: key index (iota), two compares into a 0/1 mask, predicated fill
-            kidx = nl.ndarray((PMAX, kw), dtype=nl.float32, buffer=nl.sbuf)
-            nisa.iota(dst=kidx, pattern=[[1, kw]], offset=k0, channel_multiplier=0)
-            vis = nl.ndarray((PMAX, kw), dtype=nl.uint8, buffer=nl.sbuf)
-            nisa.tensor_scalar(dst=vis, data=kidx, op0=nl.greater_equal, operand0=bmin_col)
-            nisa.scalar_tensor_tensor(dst=vis, data=kidx, op0=nl.less, operand0=bmax_col, op1=nl.multiply,
-                                      operand1=vis)
-            nisa.tensor_copy(dst=s_sb, src=s_ps)
-            nisa.tensor_copy_predicated(dst=s_sb, src=FP32_MIN, predicate=vis, reverse_pred=True)
-        return s_sb
-    if not (cmask or wmask):
-        return s_ps
-    s_sb = nl.ndarray((PMAX, kw), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.tensor_copy(dst=s_sb, src=s_ps)
-    if cmask:  # keep key k0+j <= query q0+p
-        nisa.affine_select(dst=s_sb, pattern=[[-1, kw]], channel_multiplier=1, on_true_tile=s_sb,
-                           on_false_value=FP32_MIN, cmp_op=nl.greater_equal, offset=q0 - k0)
-    if wmask:  # keep key k0+j >= query q0+p - W + 1
-        nisa.affine_select(dst=s_sb, pattern=[[1, kw]], channel_multiplier=-1, on_true_tile=s_sb,
-                           on_false_value=FP32_MIN, cmp_op=nl.greater_equal, offset=k0 + c.window - 1 - q0)
-    return s_sb
+def _transpose_members(c, grp, q_b, dy_b):
+    """Q^T and dO^T of the group's members (query rows on the partitions: the stationary operands of the dV and
+    dK matmuls, which contract the query rows). TensorE transposes, several members per PSUM bank, one copy per
+    bank. Returns ``[(qT, dyT)]`` views ``[128, d_qk]``, ``[128, d_v]`` per member."""
+    width = c.d_qk + c.d_v
+    per = max(1, 2048 // (width * c.itemsize))  # members per 2 KiB PSUM bank
+    out = []
+    n = len(grp.members)
+    for m0 in range(0, n, per):
+        mn = min(per, n - m0)
+        ps = nl.ndarray((PMAX, mn * width), dtype=c.mm_dtype, buffer=nl.psum)
+        for j in range(mn):
+            col = grp.members[m0 + j][2]
+            base = j * width
+            for dt in range(len(c.qk_rows)):
+                r0, rn = c.qk_rows[dt]
+                nisa.nc_transpose(dst=ps[:, base + r0:base + r0 + rn], data=q_b[dt][:, col:col + PMAX])
+            for dt in range(len(c.v_rows)):
+                r0, rn = c.v_rows[dt]
+                nisa.nc_transpose(dst=ps[:, base + c.d_qk + r0:base + c.d_qk + r0 + rn],
+                                  data=dy_b[dt][:, col:col + PMAX])
+        sb = nl.ndarray((PMAX, mn * width), dtype=c.mm_dtype, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=sb, src=ps)
+        for j in range(mn):
+            base = j * width
+            out.append((sb[:, base:base + c.d_qk], sb[:, base + c.d_qk:base + width]))
+    return out
 
 
-def _recompute_p(c, q_s, ks, kk, q0, k0, kw, cmask, wmask, bcols, nlse_col):
-    """Step 2: S = (scale*Q)^T K (contracting head_dim on the partitions), element mask, then P = exp(S - LSE)
-    as ONE activation with bias -LSE: no max subtraction, no division (LSE = max + log(sum))."""
-    s_ps = nl.ndarray((PMAX, kw), dtype=nl.float32, buffer=nl.psum)
-    for dt in range(c.d_tiles):
-        nisa.nc_matmul(dst=s_ps, stationary=q_s[dt], moving=ks[dt][:, kk:kk + kw])
-    src = _mask_scores(c, s_ps, q0, k0, kw, cmask, wmask, bcols)
-    p = nl.ndarray((PMAX, kw), dtype=c.p_dtype, buffer=nl.sbuf)
-    nisa.activation(dst=p, op=nl.exp, data=src, bias=nlse_col, scale=1.0)
+# Tile steps: small functions selected at trace time (``_tile_steps``) and passed down to ``_recompute_p`` as
+# arguments (NKI inlines them), so an attention variant is one more step, not a branch in the inner loop. A
+# score step maps S (PSUM) to the exp's input (packing: runtime bounds); a P step edits P after the exp (causal
+# and window: trace-time shapes). docs/kernel-bwd.md lists where the variants of issue #14 plug in.
+def _scores_unmasked(c, s_ps, q0, v, bcols):
+    """No element mask before the exp: exp reads S straight from PSUM."""
+    return s_ps
+
+
+def _p_unmasked(c, p, q0, v):
+    """No element mask after the exp."""
     return p
 
 
-def _softmax_bwd(c, dy_t, vs, kk, kw, p, d_col):
+def _p_causal_window(c, p, q0, v):
+    """Causal and window masks on P (GpSimdE ``affine_select``, zero outside), only on the columns a mask can
+    touch: causal the 128-key chunk on the diagonal, window the chunks left of q0 + 128 - W. Masking P instead of S
+    lets exp read S from PSUM (no copy): the exp of a masked score may overflow, the select replaces it."""
+    if v.cmask:  # keep key k0+j <= query q0+p
+        a = max(0, q0 - v.k0)
+        nisa.affine_select(dst=p[:, a:v.kw], pattern=[[-1, v.kw - a]], channel_multiplier=1,
+                           on_true_tile=p[:, a:v.kw], on_false_value=0.0, cmp_op=nl.greater_equal,
+                           offset=q0 - v.k0 - a)
+    if v.wmask:  # keep key k0+j >= query q0+p - W + 1
+        e = min(v.kw, q0 + PMAX - c.window - v.k0)
+        e = (e + PMAX - 1) // PMAX * PMAX
+        nisa.affine_select(dst=p[:, 0:e], pattern=[[1, e]], channel_multiplier=-1, on_true_tile=p[:, 0:e],
+                           on_false_value=0.0, cmp_op=nl.greater_equal, offset=v.k0 + c.window - 1 - q0)
+    return p
+
+
+def _scores_packed(c, s_ps, q0, v, bcols):
+    """Packing (trn2+): ONE Vector ``range_select`` copies S from PSUM keeping bound_min <= key < bound_max (causal
+    and window are folded into the bounds), -3.4e38 elsewhere, so exp gives exactly 0."""
+    bmin_col, bmax_col = bcols
+    s_sb = nl.ndarray((PMAX, v.kw), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.range_select(dst=s_sb, on_true_tile=s_ps, comp_op0=nl.greater_equal, comp_op1=nl.less,
+                      bound0=bmin_col, bound1=bmax_col, range_start=v.k0, on_false_value=FP32_MIN)
+    return s_sb
+
+
+def _scores_packed_trn1(c, s_ps, q0, v, bcols):
+    """Packing on trn1 (no range_select): key index (iota), two compares into a 0/1 mask, predicated fill."""
+    bmin_col, bmax_col = bcols
+    s_sb = nl.ndarray((PMAX, v.kw), dtype=nl.float32, buffer=nl.sbuf)
+    kidx = nl.ndarray((PMAX, v.kw), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.iota(dst=kidx, pattern=[[1, v.kw]], offset=v.k0, channel_multiplier=0)
+    vis = nl.ndarray((PMAX, v.kw), dtype=nl.uint8, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=vis, data=kidx, op0=nl.greater_equal, operand0=bmin_col)
+    nisa.scalar_tensor_tensor(dst=vis, data=kidx, op0=nl.less, operand0=bmax_col, op1=nl.multiply, operand1=vis)
+    nisa.tensor_copy(dst=s_sb, src=s_ps)
+    nisa.tensor_copy_predicated(dst=s_sb, src=FP32_MIN, predicate=vis, reverse_pred=True)
+    return s_sb
+
+
+def _tile_steps(c):
+    """``(score_step, p_step)`` of this call: the element masks before the exp (on S) and after it (on P)."""
+    if c.packing:
+        if c.trn1:
+            return _scores_packed_trn1, _p_unmasked
+        return _scores_packed, _p_unmasked
+    if c.causal or c.window:
+        return _scores_unmasked, _p_causal_window
+    return _scores_unmasked, _p_unmasked
+
+
+def _recompute_p(c, q_m, ks, kk, q0, v, nlse_col, bcols, score_step, p_step):
+    """Step 2: S = Q^T K (contracting head_dim on the partitions; softmax_scale is in Q, or in the activation's
+    scale when FOLD_SCALE_INTO_Q is off), then P = exp(S - LSE) as ONE activation with bias -LSE, reading S from
+    PSUM: no max subtraction, no division (LSE = max + log(sum)). The element masks are the tile steps
+    ``score_step`` (on S) and ``p_step`` (on P)."""
+    s_ps = nl.ndarray((PMAX, v.kw), dtype=nl.float32, buffer=nl.psum)
+    for dt in range(len(c.qk_rows)):
+        nisa.nc_matmul(dst=s_ps, stationary=q_m[dt], moving=ks[dt][:, kk:kk + v.kw], accumulate=dt > 0)
+    src = score_step(c, s_ps, q0, v, bcols)
+    p = nl.ndarray((PMAX, v.kw), dtype=c.p_dtype, buffer=nl.sbuf)
+    nisa.activation(dst=p, op=nl.exp, data=src, bias=nlse_col, scale=c.exp_scale)
+    return p_step(c, p, q0, v)
+
+
+def _softmax_bwd(c, dy_m, vs, kk, kw, p, d_col):
     """Steps 3.2 + 4: dP = dO V^T in PSUM, then dS = (dP - D) * P as ONE scalar_tensor_tensor. dS is computed
     in fp32 by the Vector engine and rounded once, on write, to the matmul dtype."""
     dp_ps = nl.ndarray((PMAX, kw), dtype=nl.float32, buffer=nl.psum)
-    for dt in range(c.d_tiles):
-        nisa.nc_matmul(dst=dp_ps, stationary=dy_t[dt], moving=vs[dt][:, kk:kk + kw])
+    for dt in range(len(c.v_rows)):
+        nisa.nc_matmul(dst=dp_ps, stationary=dy_m[dt], moving=vs[dt][:, kk:kk + kw], accumulate=dt > 0)
     ds = nl.ndarray((PMAX, kw), dtype=c.mm_dtype, buffer=nl.sbuf)
     nisa.scalar_tensor_tensor(dst=ds, data=dp_ps, op0=nl.subtract, operand0=d_col, op1=nl.multiply, operand1=p)
     return ds
 
 
-def _dv_dk(c, dyT, qT, p_mm, ds, kk, kw, dv_acc, dk_acc):
-    """Steps 3.1 + 5.2: dV += P^T dO and dK += (scale*Q)^T dS (contracting the 128 query rows), added into the
-    section's fp32 SBUF accumulators, which also sum the query heads of the kv head (GQA/MQA)."""
-    for dt in range(c.d_tiles):
-        cols = slice(dt * c.d_tile, (dt + 1) * c.d_tile)
-        dv_ps = nl.ndarray((c.d_tile, kw), dtype=nl.float32, buffer=nl.psum)
-        nisa.nc_matmul(dst=dv_ps, stationary=dyT[:, cols], moving=p_mm)
-        nisa.tensor_tensor(dst=dv_acc[dt][:, kk:kk + kw], data1=dv_acc[dt][:, kk:kk + kw], data2=dv_ps, op=nl.add)
-        dk_ps = nl.ndarray((c.d_tile, kw), dtype=nl.float32, buffer=nl.psum)
-        nisa.nc_matmul(dst=dk_ps, stationary=qT[:, cols], moving=ds)
-        nisa.tensor_tensor(dst=dk_acc[dt][:, kk:kk + kw], data1=dk_acc[dt][:, kk:kk + kw], data2=dk_ps, op=nl.add)
+def _dv_dk(c, v, dyT, qT, p_mm, ds, dv_ps, dk_ps):
+    """Steps 3.1 + 5.2: dV += P^T dO and dK += Q^T dS (contracting the 128 query rows) into the group's PSUM
+    tiles of this key tile: the group's members (query tiles, or the query heads of a kv head) accumulate there,
+    each matmul overwriting the columns no earlier member wrote (``v.segs``). dK carries softmax_scale through the
+    scaled Q (or gets it when it leaves PSUM, ``_evict_dv_dk``, with FOLD_SCALE_INTO_Q off)."""
+    for seg in v.segs:
+        a, e, acc = seg
+        cols = slice(a - v.off, e - v.off)
+        for dt in range(len(c.v_rows)):
+            r0, rn = c.v_rows[dt]
+            nisa.nc_matmul(dst=dv_ps[dt][:, a:e], stationary=dyT[:, r0:r0 + rn], moving=p_mm[:, cols],
+                           accumulate=acc)
+        for dt in range(len(c.qk_rows)):
+            r0, rn = c.qk_rows[dt]
+            nisa.nc_matmul(dst=dk_ps[dt][:, a:e], stationary=qT[:, r0:r0 + rn], moving=ds[:, cols],
+                           accumulate=acc)
 
 
-def _dq(c, ds, kts, kk, kw, dq_acc):
-    """Step 5.1: dQ += (dS K) * scale. dS is transposed 128 keys at a time (TensorE) so the matmul contracts
-    keys on the partition axis; the scale and the running accumulation are ONE scalar_tensor_tensor."""
-    n_ch = kw // PMAX
-    dsT_ps = nl.ndarray((PMAX, kw), dtype=c.mm_dtype, buffer=nl.psum)
+def _transpose_ds(c, v, ds):
+    """dS^T ``[128 keys, 1, chunks, 128 queries]``: chunk ch at ``[:, 0, ch, :]``. Whole 512-key tiles on trn2+
+    (``v.dsT_dma``): ONE DMA transpose, SBUF to SBUF. Otherwise TensorE transposes of the 128-key chunks into one
+    PSUM tile and one ScalarE copy (VectorE is the busier engine)."""
+    n_ch = v.kw // PMAX
+    dsT = nl.ndarray((PMAX, 1, n_ch, PMAX), dtype=c.mm_dtype, buffer=nl.sbuf)
+    if v.dsT_dma:
+        nisa.dma_transpose(dst=dsT, src=ds.reshape((PMAX, 1, n_ch, PMAX)), axes=(3, 1, 2, 0))
+        return dsT
+    ps = nl.ndarray((PMAX, v.kw), dtype=c.mm_dtype, buffer=nl.psum)
     for ch in range(n_ch):
-        nisa.nc_transpose(dst=dsT_ps[:, ch * PMAX:(ch + 1) * PMAX], data=ds[:, ch * PMAX:(ch + 1) * PMAX])
-    dsT = nl.ndarray((PMAX, kw), dtype=c.mm_dtype, buffer=nl.sbuf)
-    nisa.tensor_copy(dst=dsT, src=dsT_ps)
+        nisa.nc_transpose(dst=ps[:, ch * PMAX:(ch + 1) * PMAX], data=ds[:, ch * PMAX:(ch + 1) * PMAX])
+    _copy_on_scalar(c, dsT, ps, 1.0)
+    return dsT
+
+
+def _dq(c, v, ds, kts, kk, dq_ps, dq_fresh):
+    """Step 5.1: dQ += dS K, contracting keys on the partitions (dS^T against the section's K^T), into the
+    member's columns of the group's dQ PSUM tile, accumulated over all the key tiles of the section (onto the
+    earlier sections' partial sum, which ``_reload_dq`` put there, unless ``dq_fresh``)."""
+    dsT = _transpose_ds(c, v, ds)
+    n_ch = v.kw // PMAX
     ch0 = kk // PMAX
-    for dt in range(c.d_tiles):
-        dq_ps = nl.ndarray((c.d_tile, PMAX), dtype=nl.float32, buffer=nl.psum)
+    for dt in range(len(c.qk_rows)):
+        rn = c.qk_rows[dt][1]
+        col = (dt * c.group_size + v.m) * PMAX
         for ch in range(n_ch):
-            nisa.nc_matmul(dst=dq_ps, stationary=kts[dt][:, (ch0 + ch) * c.d_tile:(ch0 + ch + 1) * c.d_tile],
-                           moving=dsT[:, ch * PMAX:(ch + 1) * PMAX])
-        nisa.scalar_tensor_tensor(dst=dq_acc[dt], data=dq_ps, op0=nl.multiply, operand0=c.scale, op1=nl.add,
-                                  operand1=dq_acc[dt])
+            nisa.nc_matmul(dst=dq_ps[0:rn, col:col + PMAX], stationary=kts[dt][:, (ch0 + ch) * rn:(ch0 + ch + 1) * rn],
+                           moving=dsT[:, 0, ch, :], accumulate=not (dq_fresh and v.dq_first and ch == 0))
+
+
+def _visit(c, v, s_mem, t_mem, ks, vs, kts, k_lo, nlse_col, d_col, bcols, dv_ps, dk_ps, dq_ps, dq_fresh, score_step,
+           p_step):
+    """One member's visit of one key tile: the seed's steps 2-5 on a [128 queries x <= 512 keys] tile. ``s_mem``:
+    the member's (Q tiles, dO tiles) with head dim on the partitions, ``t_mem``: its (Q^T, dO^T)."""
+    q_m, dy_m, q0 = s_mem
+    qT, dyT = t_mem
+    kk = v.k0 - k_lo
+    p = _recompute_p(c, q_m, ks, kk, q0, v, nlse_col, bcols, score_step, p_step)
+    p_mm = _cast_p(c, p)
+    ds = _softmax_bwd(c, dy_m, vs, kk, v.kw, p, d_col)
+    _dv_dk(c, v, dyT, qT, p_mm, ds, dv_ps, dk_ps)
+    _dq(c, v, ds, kts, kk, dq_ps, dq_fresh)
+
+
+def _evict_dv_dk(c, kt, k_lo, dv_ps, dk_ps, dv_acc, dk_acc):
+    """Add the group's dV and dK of one key tile into the section's fp32 SBUF accumulators: one VectorE
+    instruction per head-dim tile and group, not per member (the PSUM adds of the group's matmuls are free)."""
+    a = kt.u0 - k_lo
+    e = a + kt.uw
+    for dt in range(len(c.v_rows)):
+        nisa.tensor_tensor(dst=dv_acc[dt][:, a:e], data1=dv_acc[dt][:, a:e], data2=dv_ps[dt], op=nl.add)
+    for dt in range(len(c.qk_rows)):
+        if c.dk_scale == 1.0:
+            nisa.tensor_tensor(dst=dk_acc[dt][:, a:e], data1=dk_acc[dt][:, a:e], data2=dk_ps[dt], op=nl.add)
+        else:
+            nisa.scalar_tensor_tensor(dst=dk_acc[dt][:, a:e], data=dk_ps[dt], op0=nl.multiply,
+                                      operand0=c.dk_scale, op1=nl.add, operand1=dk_acc[dt][:, a:e])
+
+
+def _reload_dq(c, grp, dq_ps, dq_prev, ident):
+    """Later sections: put each member's earlier partial sum (unscaled, fp32 scratch or out_dq) back into its dQ
+    PSUM columns with ONE matmul against the identity, so this section's matmuls accumulate onto it in the same
+    order as without sections (the result does not depend on where the sections end, when they end on 512-key
+    tiles) and the scale is applied once, at the end."""
+    for mi in range(len(grp.members)):
+        col = grp.members[mi][2]
+        for dt in range(len(c.qk_rows)):
+            rn = c.qk_rows[dt][1]
+            pc = (dt * c.group_size + mi) * PMAX
+            nisa.nc_matmul(dst=dq_ps[0:rn, pc:pc + PMAX], stationary=ident[0:rn, 0:rn],
+                           moving=dq_prev[dt][:, col:col + PMAX], accumulate=False)
+
+
+def _evict_dq(c, grp, blk, dq_ps, dq_stage):
+    """dQ of each member out of PSUM into the block's staging tile, ONE ScalarE instruction per member and
+    head-dim tile: times softmax_scale, rounded to the output dtype, in the member's last section; unscaled (to
+    the fp32 scratch, or out_dq) before it."""
+    scale = 1.0
+    if blk.last:
+        scale = c.scale
+    for mi in range(len(grp.members)):
+        col = grp.members[mi][2]
+        for dt in range(len(c.qk_rows)):
+            rn = c.qk_rows[dt][1]
+            pc = (dt * c.group_size + mi) * PMAX
+            _copy_on_scalar(c, dq_stage[dt][:, col:col + PMAX], dq_ps[0:rn, pc:pc + PMAX], scale)
+
+
+def _group(c, grp, blk, q_b, dy_b, ks, vs, kts, k_lo, neg_lse, dsum, bounds, dv_acc, dk_acc, dq_stage, dq_prev,
+           ident, score_step, p_step):
+    """All visits of one group: dV/dK of each key tile and the members' dQ accumulate in PSUM."""
+    tr = _transpose_members(c, grp, q_b, dy_b)
+    dq_ps = nl.ndarray((PMAX, len(c.qk_rows) * c.group_size * PMAX), dtype=nl.float32, buffer=nl.psum)
+    if not blk.first:
+        _reload_dq(c, grp, dq_ps, dq_prev, ident)
+    s_mem = []
+    for mem in grp.members:
+        col = mem[2]
+        q_m = []
+        for t in q_b:
+            q_m.append(t[:, col:col + PMAX])
+        dy_m = []
+        for t in dy_b:
+            dy_m.append(t[:, col:col + PMAX])
+        s_mem.append((q_m, dy_m, mem[1] * PMAX))
+    for kt in grp.ktiles:
+        dv_ps = []
+        for rt in c.v_rows:
+            dv_ps.append(nl.ndarray((rt[1], kt.uw), dtype=nl.float32, buffer=nl.psum))
+        dk_ps = []
+        for rt in c.qk_rows:
+            dk_ps.append(nl.ndarray((rt[1], kt.uw), dtype=nl.float32, buffer=nl.psum))
+        for v in kt.visits:
+            g, i, col = grp.members[v.m]
+            bcols = None
+            if c.packing:
+                bcols = (bounds[0][:, i:i + 1], bounds[1][:, i:i + 1])
+            _visit(c, v, s_mem[v.m], tr[v.m], ks, vs, kts, k_lo, neg_lse[:, g, i:i + 1], dsum[:, g, i:i + 1],
+                   bcols, dv_ps, dk_ps, dq_ps, blk.first, score_step, p_step)
+        _evict_dv_dk(c, kt, k_lo, dv_ps, dk_ps, dv_acc, dk_acc)
+    _evict_dq(c, grp, blk, dq_ps, dq_stage)
+
+
+def _block(c, s, blk, b, hk, q_ref, o_ref, dy_ref, ks, vs, kts, neg_lse, dsum, ones, ident, bounds, dv_acc,
+           dk_acc, out_dq, dq_scratch, score_step, p_step):
+    """One block of members in section s: batched loads, D (first section), the groups, one dQ store per
+    head-dim tile."""
+    k_lo = c.sections[s][0]
+    h_abs0 = hk * c.group + blk.h0
+    ncols = blk.nt * PMAX
+    dy_b = _load_block(c, dy_ref, b, blk, h_abs0, c.v_rows)
+    q_b = _load_block(c, q_ref, b, blk, h_abs0, c.qk_rows)
+    if c.scale_q:
+        # softmax_scale folded into Q (FOLD_SCALE_INTO_Q), one instruction per head-dim tile for the whole block
+        for t in q_b:
+            nisa.tensor_scalar(dst=t, data=t, op0=nl.multiply, operand0=c.scale)
+    if blk.first:
+        _rowsum_o_dy(c, o_ref, b, blk, h_abs0, dy_b, ones, dsum)
+    to_scratch = c.dq_scratch and not blk.last
+    dq_prev = None
+    if not blk.first:
+        # the earlier sections' unscaled partial sums: fp32 scratch (mixed precision) or out_dq itself
+        dq_prev = []
+        for rt in c.qk_rows:
+            r0, rn = rt
+            if c.dq_scratch:
+                t = nl.ndarray((rn, blk.nh * ncols), dtype=nl.float32, buffer=nl.sbuf)
+                nisa.dma_copy(dst=t, src=_hbm_block(dq_scratch, 0, blk.h0, blk.nh, r0, rn, blk.i0 * PMAX,
+                                                    ncols))
+            else:
+                t = nl.ndarray((rn, blk.nh * ncols), dtype=c.mm_dtype, buffer=nl.sbuf)
+                nisa.dma_copy(dst=t, src=_hbm_block(out_dq, b, h_abs0, blk.nh, r0, rn, blk.i0 * PMAX, ncols))
+            dq_prev.append(t)
+    dq_stage = []
+    for rt in c.qk_rows:
+        if to_scratch:
+            dq_stage.append(nl.ndarray((rt[1], blk.nh * ncols), dtype=nl.float32, buffer=nl.sbuf))
+        else:
+            dq_stage.append(nl.ndarray((rt[1], blk.nh * ncols), dtype=c.mm_dtype, buffer=nl.sbuf))
+    for grp in blk.groups:
+        _group(c, grp, blk, q_b, dy_b, ks, vs, kts, k_lo, neg_lse, dsum, bounds, dv_acc, dk_acc, dq_stage, dq_prev,
+               ident, score_step, p_step)
+    for dt in range(len(c.qk_rows)):
+        r0, rn = c.qk_rows[dt]
+        if to_scratch:
+            dst = _hbm_block(dq_scratch, 0, blk.h0, blk.nh, r0, rn, blk.i0 * PMAX, ncols)
+        else:
+            dst = _hbm_block(out_dq, b, h_abs0, blk.nh, r0, rn, blk.i0 * PMAX, ncols)
+        nisa.dma_copy(dst=dst, src=dq_stage[dt])
 
 
 def _dsinks(c, sinks_ref, out_dsinks, b, hk, neg_lse, dsum):
     """dsinks[b, h, n] = sum over query rows of dS_sink = -exp(sink_n - LSE) * D (a sink gets no dP: it has no
-    value). p_sink is one exp activation with the same -LSE bias as P; the accumulation is one
-    scalar_tensor_tensor with reverse1=True (acc - p_sink*D); the row sum is one tensor_partition_reduce."""
+    value), for all the kv head's query heads at once: per (head, sink) ONE exp activation over every query row
+    (exp(-LSE + sink): -LSE is the data, the sink logit the per-partition bias); then one multiply by D, one
+    row sum with negation, one partition sum and one DMA for all of them."""
     ns, g_n = c.num_sinks, c.group
     width = g_n * ns
     sink_sb = nl.ndarray((PMAX, width), dtype=nl.float32, buffer=nl.sbuf)
     # the group's sink logits, broadcast to every partition (stride-0 partition pattern)
     nisa.dma_copy(dst=sink_sb, src=sinks_ref.ap(pattern=[[0, PMAX], [1, width]],
                                                 offset=(b * c.nheads + hk * g_n) * ns))
-    acc = nl.ndarray((PMAX, width), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.memset(dst=acc, value=0.0)
+    p_sink = nl.ndarray((PMAX, width, c.nq), dtype=nl.float32, buffer=nl.sbuf)
     for g in range(g_n):
-        cols = slice(g * ns, (g + 1) * ns)
-        for i in range(c.nq):
-            col = g * c.nq + i
-            p_sink = nl.ndarray((PMAX, ns), dtype=nl.float32, buffer=nl.sbuf)
-            nisa.activation(dst=p_sink, op=nl.exp, data=sink_sb[:, cols], bias=neg_lse[:, col:col + 1], scale=1.0)
-            nisa.scalar_tensor_tensor(dst=acc[:, cols], data=p_sink, op0=nl.multiply, operand0=dsum[:, col:col + 1],
-                                      op1=nl.subtract, operand1=acc[:, cols], reverse1=True)
+        for n in range(ns):
+            col = g * ns + n
+            nisa.activation(dst=p_sink[:, col, :], op=nl.exp, data=neg_lse[:, g, :], bias=sink_sb[:, col:col + 1],
+                            scale=1.0)
+    prod = nl.ndarray((PMAX, width, c.nq), dtype=nl.float32, buffer=nl.sbuf)
+    # D of head g for every sink n of it: a stride-0 view over the sinks
+    d_bc = dsum.ap(pattern=[[g_n * c.nq, PMAX], [c.nq, g_n], [0, ns], [1, c.nq]], offset=0)
+    nisa.tensor_tensor(dst=prod, data1=p_sink, data2=d_bc, op=nl.multiply)
+    acc = nl.ndarray((PMAX, width), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_reduce(dst=acc, op=nl.add, data=prod, axis=2, negate=True)
     red = nl.ndarray((1, width), dtype=nl.float32, buffer=nl.sbuf)
     nisa.tensor_partition_reduce(dst=red, op=nl.add, data=acc)
     if c.sinks_3d:
@@ -463,83 +981,65 @@ def _dsinks(c, sinks_ref, out_dsinks, b, hk, neg_lse, dsum):
 
 
 # ----------------------------------------------------------------------------------------------- driver
-def _work_item(c, b, hk, q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref, bounds, out_dq, out_dk, out_dv,
-               out_dsinks, dq_scratch):
-    """All gradients of one (batch, kv head): KV sections outer, query heads and query tiles inner."""
-    neg_lse = nl.ndarray((PMAX, c.group * c.nq), dtype=nl.float32, buffer=nl.sbuf)
-    dsum = nl.ndarray((PMAX, c.group * c.nq), dtype=nl.float32, buffer=nl.sbuf)  # D, same layout as -LSE
-    _load_neg_lse(c, lse_ref, b, hk, neg_lse)
-    for s in range(c.n_sections):
-        k_lo, k_len = c.sections[s]
-        ks, vs, kts = _load_kv_section(c, k_ref, v_ref, b, hk, k_lo, k_len)
-        dk_acc, dv_acc = [], []
-        for dt in range(c.d_tiles):
-            a_k = nl.ndarray((c.d_tile, k_len), dtype=nl.float32, buffer=nl.sbuf)
-            nisa.memset(dst=a_k, value=0.0)
-            dk_acc.append(a_k)
-            a_v = nl.ndarray((c.d_tile, k_len), dtype=nl.float32, buffer=nl.sbuf)
-            nisa.memset(dst=a_v, value=0.0)
-            dv_acc.append(a_v)
+def _identity(c):
+    """[128, 128] identity in the dtype of the parked dQ partial sums (fp32 scratch, or the input dtype of
+    out_dq): the stationary operand of ``_reload_dq``. One memset and one GpSimdE affine_select (keep p == j)."""
+    ident = nl.ndarray((PMAX, PMAX), dtype=c.dq_park_dtype, buffer=nl.sbuf)
+    nisa.memset(dst=ident, value=1.0)
+    nisa.affine_select(dst=ident, pattern=[[-1, PMAX]], channel_multiplier=1, on_true_tile=ident,
+                       on_false_value=0.0, cmp_op=nl.equal, offset=0)
+    return ident
+
+
+def _section(c, s, b, hk, q_ref, k_ref, v_ref, o_ref, dy_ref, neg_lse, dsum, ones, ident, bounds, out_dq, out_dk,
+             out_dv, dq_scratch, score_step, p_step):
+    """One K/V section of a work item: load K, V, K^T, zero the fp32 dK, dV accumulators, run the section's
+    blocks, write dK, dV. The section's tiles live in this function only, so one section's buffers are released
+    before the next section's are allocated."""
+    k_lo, k_len = c.sections[s]
+    ks, vs, kts = _load_kv_section(c, k_ref, v_ref, b, hk, k_lo, k_len)
+    dk_acc, dv_acc = [], []
+    for rt in c.qk_rows:
+        a_k = nl.ndarray((rt[1], k_len), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.memset(dst=a_k, value=0.0, engine=nisa.engine.gpsimd)
+        dk_acc.append(a_k)
+    for rt in c.v_rows:
+        a_v = nl.ndarray((rt[1], k_len), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.memset(dst=a_v, value=0.0, engine=nisa.engine.gpsimd)
+        dv_acc.append(a_v)
+    for blk in c.blocks[s]:
+        _block(c, s, blk, b, hk, q_ref, o_ref, dy_ref, ks, vs, kts, neg_lse, dsum, ones, ident, bounds, dv_acc,
+               dk_acc, out_dq, dq_scratch, score_step, p_step)
+    for dt in range(len(c.qk_rows)):
+        r0, rn = c.qk_rows[dt]
+        nisa.dma_copy(dst=out_dk[b, hk, r0:r0 + rn, k_lo:k_lo + k_len], src=dk_acc[dt])
+    for dt in range(len(c.v_rows)):
+        r0, rn = c.v_rows[dt]
+        nisa.dma_copy(dst=out_dv[b, hk, r0:r0 + rn, k_lo:k_lo + k_len], src=dv_acc[dt])
+
+
+def _work_item(c, b, hk, q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref, bounds, ones, ident, out_dq,
+               out_dk, out_dv, out_dsinks, dq_scratch):
+    """All gradients of one (batch, kv head): KV sections outer, blocks and groups of members inner."""
+    score_step, p_step = _tile_steps(c)
+    neg_lse = _load_neg_lse(c, lse_ref, b, hk)
+    dsum = nl.ndarray((PMAX, c.group, c.nq), dtype=nl.float32, buffer=nl.sbuf)  # D, same layout as -LSE
+    if c.no_key_tiles:
+        # query tiles that see no key: D = 0 (their O is 0), dQ = 0
+        nisa.memset(dst=dsum, value=0.0)
+        zero = nl.ndarray((PMAX, PMAX), dtype=c.mm_dtype, buffer=nl.sbuf)
+        nisa.memset(dst=zero, value=0.0)
         for g in range(c.group):
-            h = hk * c.group + g
-            for i in range(c.nq):
-                tiles = c.tiles[s][i]
-                if s != 0 and not tiles:
-                    continue  # nothing of this query tile in this section (trace-time)
-                q0 = i * PMAX
-                col = g * c.nq + i
-                nlse_col = neg_lse[:, col:col + 1]
-                d_col = dsum[:, col:col + 1]
-                dy_t = _load_d_tiles(c, dy_ref, b, h, q0, c.mm_dtype)
-                dyT = _transpose_sbuf(c, dy_t)
-                if s == 0:
-                    _rowsum_o_dy(c, o_ref, b, h, q0, dyT, d_col)
-                dq_acc = []
-                for dt in range(c.d_tiles):
-                    dq_acc.append(nl.ndarray((c.d_tile, PMAX), dtype=nl.float32, buffer=nl.sbuf))
-                if not tiles:
-                    if c.first_sec[i] < 0:  # no key visible to this tile anywhere: dQ = 0
-                        for dt in range(c.d_tiles):
-                            nisa.memset(dst=dq_acc[dt], value=0.0)
-                            nisa.dma_copy(dst=out_dq[b, h, dt * c.d_tile:(dt + 1) * c.d_tile, q0:q0 + PMAX],
-                                          src=dq_acc[dt])
-                    continue
-                q_s = _load_q_scaled(c, q_ref, b, h, q0)
-                qT = _transpose_sbuf(c, q_s)
-                for dt in range(c.d_tiles):
-                    rows = slice(dt * c.d_tile, (dt + 1) * c.d_tile)
-                    if s == c.first_sec[i]:
-                        nisa.memset(dst=dq_acc[dt], value=0.0)
-                    elif c.dq_scratch:
-                        nisa.dma_copy(dst=dq_acc[dt], src=dq_scratch[g, rows, q0:q0 + PMAX])
-                    else:
-                        nisa.dma_copy(dst=dq_acc[dt], src=out_dq[b, h, rows, q0:q0 + PMAX])
-                bcols = None
-                if c.packing:
-                    bcols = (bounds[0][:, i:i + 1], bounds[1][:, i:i + 1])
-                for tile in tiles:
-                    k0, kw, cmask, wmask = tile
-                    kk = k0 - k_lo
-                    p = _recompute_p(c, q_s, ks, kk, q0, k0, kw, cmask, wmask, bcols, nlse_col)
-                    p_mm = p
-                    if c.p_cast:
-                        p_mm = nl.ndarray((PMAX, kw), dtype=c.mm_dtype, buffer=nl.sbuf)
-                        nisa.tensor_copy(dst=p_mm, src=p)
-                    ds = _softmax_bwd(c, dy_t, vs, kk, kw, p, d_col)
-                    _dv_dk(c, dyT, qT, p_mm, ds, kk, kw, dv_acc, dk_acc)
-                    _dq(c, ds, kts, kk, kw, dq_acc)
-                for dt in range(c.d_tiles):
-                    rows = slice(dt * c.d_tile, (dt + 1) * c.d_tile)
-                    if c.dq_scratch and s != c.last_sec[i]:
-                        nisa.dma_copy(dst=dq_scratch[g, rows, q0:q0 + PMAX], src=dq_acc[dt])
-                    else:
-                        nisa.dma_copy(dst=out_dq[b, h, rows, q0:q0 + PMAX], src=dq_acc[dt])
-        for dt in range(c.d_tiles):
-            rows = slice(dt * c.d_tile, (dt + 1) * c.d_tile)
-            nisa.dma_copy(dst=out_dk[b, hk, rows, k_lo:k_lo + k_len], src=dk_acc[dt])
-            nisa.dma_copy(dst=out_dv[b, hk, rows, k_lo:k_lo + k_len], src=dv_acc[dt])
-        if s == 0 and c.num_sinks:
-            _dsinks(c, sinks_ref, out_dsinks, b, hk, neg_lse, dsum)
+            for i in c.no_key_tiles:
+                for rt in c.qk_rows:
+                    r0, rn = rt
+                    nisa.dma_copy(dst=out_dq[b, hk * c.group + g, r0:r0 + rn, i * PMAX:(i + 1) * PMAX],
+                                  src=zero[0:rn, :])
+    for s in range(c.n_sections):
+        _section(c, s, b, hk, q_ref, k_ref, v_ref, o_ref, dy_ref, neg_lse, dsum, ones, ident, bounds, out_dq, out_dk,
+                 out_dv, dq_scratch, score_step, p_step)
+    if c.num_sinks:
+        _dsinks(c, sinks_ref, out_dsinks, b, hk, neg_lse, dsum)
 
 
 def attention_bwd_core(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref=None, bound_min=None,
@@ -560,7 +1060,7 @@ def attention_bwd_core(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref=No
         out_dsinks = nl.ndarray(sinks_ref.shape, dtype=nl.float32, buffer=nl.shared_hbm)
     dq_scratch = None
     if c.dq_scratch:
-        dq_scratch = nl.ndarray((c.group, c.d_head, c.seqlen_q), dtype=nl.float32, buffer=nl.private_hbm)
+        dq_scratch = nl.ndarray((1, c.group, c.d_qk, c.seqlen_q), dtype=nl.float32, buffer=nl.private_hbm)
 
     # SPMD: the bs * nheads_kv work items are split into contiguous blocks over the cores (LNC2).
     if nl.program_ndim() == 0:
@@ -575,9 +1075,15 @@ def attention_bwd_core(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref=No
     bounds = None
     if c.packing:
         bounds = _load_bounds(c, bound_min, bound_max)
+    # the ones column of the D matmul (sums the head dim over the partitions)
+    ones = nl.ndarray((PMAX, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.memset(dst=ones, value=1.0)
+    ident = None
+    if c.n_sections > 1:
+        ident = _identity(c)
     for item in range(start, end):
         _work_item(c, item // c.nheads_kv, item % c.nheads_kv, q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref,
-                   sinks_ref, bounds, out_dq, out_dk, out_dv, out_dsinks, dq_scratch)
+                   sinks_ref, bounds, ones, ident, out_dq, out_dk, out_dv, out_dsinks, dq_scratch)
     if c.num_sinks:
         return out_dq, out_dk, out_dv, out_dsinks
     return out_dq, out_dk, out_dv

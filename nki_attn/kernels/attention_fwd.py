@@ -11,34 +11,58 @@ Kernel code stays in NKI's compile-time subset (checked by the simulator's front
 an ``assert`` on ``fwd_problem``'s message; ``nki_attn.kernel_api.attention_fwd`` raises it as ``ValueError``.
 
 Algorithm (FlashAttention-2, Q outer). The work is sharded over ``bs * nheads_kv`` (LNC2: ``nl.program_id``).
-For one (batch, kv head) the (query head, query tile) pairs of the GQA group are processed in blocks of up to
-``MAX_UNITS``; a block streams the key axis in tiles of 512 keys (one PSUM bank of fp32 scores), loading K and
-V once and transposing V once for all the units of the block. Per unit and key tile::
+For one (batch, kv head) the query tiles are processed in *sections* (as many 128-row tiles as the SBUF budget
+holds for every query head of the GQA group): Q is loaded, O and the LSE are stored, once per (head, section).
+A section's *units* (query tile, query head) are processed in *blocks* of up to ``MAX_UNITS``; a block streams
+the keys in *key blocks* of ``KB_TILES`` score tiles of 512 keys, loading K and V and transposing V once for all
+its units. Per key block, with ``c`` the factor the exponent applies (1 when the softmax scale is folded into Q,
+the scale itself when it is a power of two)::
 
-    S    = (scale*Q)^T K                         TensorE, fp32 PSUM, contraction over the d tiles
-    S    = mask(S)                               range_select (packing) / affine_select (causal, window)
-    nm'  = min(nm, -rowmax(S))                   negated running max, float32
-    a    = exp(nm' - nm)                         rescale factor (0 when the first visible key arrives)
-    P    = exp(S + nm'),  rs = rowsum(P)         ONE activation, bias = negated running max, reduce = add
-    l    = l * a + rs
-    O    = O * a + P V                           P transposed on TensorE, PV accumulated in PSUM over chunks
+    phase 1, per unit and score tile:  S = Q^T K (TensorE, fp32 PSUM);  S -> SBUF, masked, tile row max
+    phase 2, all units at once:        m' = max(m, tile maxima);  alpha = exp(c (m - m'));  bias = -c m'
+    phase 3, per unit and score tile:  P = exp(c S + bias), row sums (ONE activation);  P^T;  O_psum += P V
+             per unit:                 O = O * alpha + O_psum  (PV accumulated over the key block in PSUM)
+    phase 4, all units at once:        l = l * alpha + row sums
 
-and at the end ``o = O / l``, ``lse = -nm + log(l)``; rows whose max is still the mask value (no visible key, no
-sink) are forced to ``o = 0``, ``lse = +inf`` by a multiply with a 0/1 keep flag and a select.
+and per block at the end ``o = O / l``, ``lse = c m + log(l)``; rows whose max is still the mask value (no visible
+key, no sink) are forced to ``o = 0``, ``lse = +inf`` by selects on a keep flag. The statistics of all units of a
+block live in the columns of ``[128, units]`` tiles, so each statistics instruction serves the whole block.
 """
+import math
+
 from ..backend import nisa, nki, nl
 from .tiling import tile_fully_visible, tile_visible
-from .validation import attention_problem, attention_shape
+from .validation import attention_problem, attention_shape, sbuf_bytes_per_partition
 
 PMAX = 128
 K_TILE = 512  # keys per score tile: 128 x 512 fp32 = one 2 KiB PSUM bank per partition
-MAX_UNITS = 8  # (query head, query tile) pairs sharing one K/V load
+KB_TILES = 4  # score tiles per key block: the online-softmax statistics are updated once per 2048 keys
+MAX_UNITS = 8  # (query tile, query head) units per block: they share one K/V load and one set of statistics ops
 FP32_MIN = -3.4028235e38  # the mask value (range_select accepts nothing else)
-# A row's negated running max stays at -FP32_MIN = 3.4e38 while every score it saw was masked; any real score
-# is many orders of magnitude smaller, so "negated max above 1e38" means "the row saw no key".
-EMPTY_NEG_MAX = 1.0e38
+FP32_MAX = 3.4028235e38
+# A row's running max stays at FP32_MIN while every score it saw was masked; any real score is many orders of
+# magnitude larger, so "max below -1e38" means "the row saw no key".
+EMPTY_MAX = -1.0e38
 L_FLOOR = 0.5  # a row that saw a key has l >= 1 (its max contributes exp(0)); keeps log/reciprocal in range
 POS_INF = float("inf")  # lse of a row that sees no key (module level: plain Python, not traced)
+SBUF_MARGIN = 8192  # bytes per partition left free when sizing a section
+# Where the softmax scale s is applied. False: folded into Q at load, rounded to the input dtype, exactly as
+# attention_bwd recomputes S = (s Q)^T K, so the LSE is that of the backward's S (a mismatch costs the gradients
+# accuracy: docs/kernel-fwd.md, "Precision"). True: the exponent applies s to the unrounded float32 S (a more
+# accurate forward, for use with a backward that does the same). Everything downstream reads cfg.exp_scale.
+SCALE_IN_EXP = False
+
+
+# ----------------------------------------------------------------------------------------------------- trace-time plan
+def _partition_tiles(d):
+    """``[(start, size)]`` partition tiles of a head dimension ``d``: equal tiles of at most 128 rows (the shared
+    validation guarantees an even split). The Q/K contraction and the V/O columns each get their own list."""
+    n = (d + PMAX - 1) // PMAX
+    size = d // n
+    tiles = []
+    for i in range(n):
+        tiles.append((i * size, size))
+    return tiles
 
 
 def _chunk_range(q0, k0, kw, causal, window):
@@ -54,258 +78,552 @@ def _chunk_range(q0, k0, kw, causal, window):
     return lo, hi
 
 
-def _load_bounds(bound_min, bound_max, n_qt, causal, window):
-    """Packing bounds as SBUF ``[128, n_qt]`` float32 columns (column t = query tile t), with the causal and
-    window rules folded in: ``bmax = min(bmax, q + 1)``, ``bmin = max(bmin, q - W + 1)``."""
+class _FwdConfig(nl.NKIObject):
+    """Trace-time facts of one launch: shapes, tilings, dtypes, the masking method and the blocking.
+
+    qk_tiles / v_tiles: ``[(start, size)]`` partition tiles of the Q/K head dim (the QK contraction) and of the
+    V/O head dim (V^T and O columns); d_v: V/O head dim. exp_scale: the factor the exponent applies to the stored
+    scores (1 when the softmax scale is folded into Q, see SCALE_IN_EXP); q_scale: the factor Q is multiplied by
+    at load. mask: "bounds" (range_select on per-query-tile key bounds, trn2+), "predicate" (trn1 packing: key
+    index compared with the bounds, select_reduce) or "affine" (trn1 causal / window: affine_select). group:
+    query heads per kv head; units: units per block (whole query tiles of the group when the group fits);
+    kb_tiles: score tiles per key block; sec_tiles: query tiles per section; p_dma_transpose: half of the full P
+    tiles are transposed by DMA (``_transpose_p``).
+    """
+
+    def __init__(self, shp, io_dtype, acc_dtype, range_select_ok):
+        self.shp = shp
+        self.qk_tiles = _partition_tiles(shp.d_head)
+        self.v_tiles = _partition_tiles(shp.d_head)
+        self.d_v = shp.d_head
+        self.group = shp.group
+        # a power-of-two scale commutes exactly with every rounding: applied by the exponent it gives the same bits
+        # as folded into Q, without the pass over Q
+        in_exp = SCALE_IN_EXP or _power_of_two(shp.scale)
+        self.exp_scale = shp.scale if in_exp else 1.0
+        self.q_scale = 1.0 if in_exp else shp.scale
+        self.io_dtype = io_dtype
+        self.acc_dtype = acc_dtype
+        self.n_qt = shp.seqlen_q // PMAX
+        self.n_kt = (shp.seqlen_k + K_TILE - 1) // K_TILE
+        self.masked = shp.packing or shp.causal or shp.window > 0
+        if range_select_ok:
+            self.mask = "bounds"
+        elif shp.packing:
+            self.mask = "predicate"
+        else:
+            self.mask = "affine"
+        if shp.group <= MAX_UNITS:
+            self.units = (MAX_UNITS // shp.group) * shp.group  # whole query tiles: every head of the group
+        else:
+            self.units = MAX_UNITS  # a block holds some heads of one query tile
+        self.kb_tiles = KB_TILES
+        # dma_transpose: trn2+ (the range_select generations), 2-byte dtypes only
+        self.p_dma_transpose = range_select_ok and _itemsize(io_dtype) == 2
+        self.sec_tiles = _section_tiles(self, _itemsize(io_dtype), _itemsize(acc_dtype))
+
+
+def _power_of_two(x):
+    """True when the positive number ``x`` is an exact power of two."""
+    return 2.0 ** math.floor(math.log2(x)) == x
+
+
+def _itemsize(dtype):
+    """Bytes per element of the kernel's dtypes (float32, or a 16-bit type)."""
+    if str(dtype) == str(nl.float32):
+        return 4
+    return 2
+
+
+def _section_tiles(cfg, e, acc_e):
+    """Query tiles per section: the most whose Q, O and LSE staging (every head of the group) fits the SBUF next
+    to the block's working set, sections of balanced length."""
+    shp = cfg.shp
+    kk = cfg.kb_tiles * K_TILE
+    n_qk = len(cfg.qk_tiles)
+    n_v = len(cfg.v_tiles)
+    u = cfg.units
+    fixed = u * kk * 4  # a key block's scores of every unit (float32)
+    fixed += (n_qk + n_v) * kk * e  # K and V of a key block
+    fixed += (kk // PMAX) * cfg.d_v * e  # V^T
+    fixed += u * cfg.d_v * acc_e  # O accumulators
+    fixed += 2 * K_TILE * e + cfg.d_v * e  # P, P^T, normalised O
+    fixed += 4 * u * (cfg.kb_tiles + 1) * 4 + 12 * u * 4  # statistics
+    fixed += 2 * cfg.n_qt * 4  # key bounds per query tile
+    if cfg.mask == "predicate":
+        fixed += kk * 4 + K_TILE  # key index, visibility predicate
+    fixed += 3 * cfg.group * max(shp.num_sinks, 1) * 4  # sink statistics
+    per_tile = cfg.group * (n_qk * PMAX * e + n_v * PMAX * e + 4)  # Q, O staging and LSE of one query tile
+    room = sbuf_bytes_per_partition() - fixed - SBUF_MARGIN
+    fit = max(1, room // per_tile)
+    n_sec = (cfg.n_qt + fit - 1) // fit
+    return (cfg.n_qt + n_sec - 1) // n_sec
+
+
+def _key_blocks(cfg, tiles):
+    """Visibility plan of a block whose units sit at query tiles ``tiles``: one entry per key block some unit sees,
+    ``(kt0, kt_n, vis, c_lo, c_hi, gaps)`` with ``vis[u][i] = (lo, hi)`` the visible 128-key chunks of score tile
+    ``kt0 + i`` for unit ``u`` (``lo == hi``: none), ``[c_lo, c_hi)`` the union in chunks from the key block start,
+    and ``gaps`` True when some (unit, score tile) slot of the key block is not computed."""
+    shp = cfg.shp
+    plan = []
+    for kt0 in range(0, cfg.n_kt, cfg.kb_tiles):
+        kt_n = min(cfg.kb_tiles, cfg.n_kt - kt0)
+        vis = []
+        c_lo = cfg.kb_tiles * (K_TILE // PMAX)
+        c_hi = 0
+        gaps = kt_n < cfg.kb_tiles
+        for u in range(len(tiles)):
+            row = []
+            for i in range(kt_n):
+                k0 = (kt0 + i) * K_TILE
+                kw = min(K_TILE, shp.seqlen_k - k0)
+                lo, hi = _chunk_range(tiles[u] * PMAX, k0, kw, shp.causal, shp.window)
+                row.append((lo, hi))
+                if hi > lo:
+                    c_lo = min(c_lo, i * (K_TILE // PMAX) + lo)
+                    c_hi = max(c_hi, i * (K_TILE // PMAX) + hi)
+                else:
+                    gaps = True
+            vis.append(row)
+        if c_hi > c_lo:
+            plan.append((kt0, kt_n, vis, c_lo, c_hi, gaps))
+    return plan
+
+
+# ----------------------------------------------------------------------------------------------------- masking steps
+def _evict_max(cfg, t, ks, src, dst, max_col, bounds, idx):
+    """A score tile no mask touches: copy to SBUF and take its row max in one VectorE instruction."""
+    nisa.tensor_scalar_reduce(dst=dst, data=src, op0=nl.multiply, operand0=1.0, reduce_op=nl.maximum,
+                              reduce_res=max_col)
+
+
+def _mask_bounds(cfg, t, ks, src, dst, max_col, bounds, idx):
+    """trn2+: keep key j iff ``bmin[q] <= j < bmax[q]`` (the bounds carry causal, window and packing): one
+    range_select copies PSUM -> SBUF, fills the rest with FP32_MIN and yields the row max."""
+    bmin, bmax = bounds
+    nisa.range_select(dst=dst, on_true_tile=src, comp_op0=nl.greater_equal, comp_op1=nl.less,
+                      bound0=bmin[:, t:t + 1], bound1=bmax[:, t:t + 1], reduce_cmd=nisa.reduce_cmd.reset_reduce,
+                      reduce_res=max_col, reduce_op=nl.maximum, range_start=ks, on_false_value=FP32_MIN)
+
+
+def _mask_predicate(cfg, t, ks, src, dst, max_col, bounds, idx):
+    """trn1 packing (no range_select): keep = (j >= bmin) * (j < bmax) from ``idx`` (the key index of each column
+    of the tile), then one select that also takes the row max. Bit-identical to ``_mask_bounds``."""
+    bmin, bmax = bounds
+    keep = nl.ndarray((PMAX, dst.shape[1]), dtype=nl.uint8, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=keep, data=idx, op0=nl.greater_equal, operand0=bmin[:, t:t + 1])
+    nisa.scalar_tensor_tensor(dst=keep, data=idx, op0=nl.less, operand0=bmax[:, t:t + 1], op1=nl.multiply,
+                              operand1=keep)
+    nisa.select_reduce(dst=dst, predicate=keep, on_true=src, on_false=FP32_MIN, reduce_res=max_col,
+                       reduce_cmd=nisa.reduce_cmd.reset_reduce, reduce_op=nl.maximum)
+
+
+def _mask_affine(cfg, t, ks, src, dst, max_col, bounds, idx):
+    """trn1 causal / window: copy to SBUF (affine_select is GpSimd, SBUF only), mask by the affine conditions,
+    then the row max."""
+    shp = cfg.shp
+    q0 = t * PMAX
+    width = dst.shape[1]
+    nisa.tensor_copy(dst=dst, src=src)
+    if shp.causal and not tile_fully_visible(q0, q0 + PMAX, ks, ks + width, True, 0):
+        # keep key ks + j for query q0 + c when (q0 - ks) + c - j >= 0
+        nisa.affine_select(dst=dst, pattern=[[-1, width]], channel_multiplier=1, on_true_tile=dst,
+                           on_false_value=FP32_MIN, cmp_op=nl.greater_equal, offset=q0 - ks)
+    if shp.window > 0 and not tile_fully_visible(q0, q0 + PMAX, ks, ks + width, False, shp.window):
+        # keep when key >= query - W + 1:  (ks + W - 1 - q0) + j - c >= 0
+        nisa.affine_select(dst=dst, pattern=[[1, width]], channel_multiplier=-1, on_true_tile=dst,
+                           on_false_value=FP32_MIN, cmp_op=nl.greater_equal, offset=ks + shp.window - 1 - q0)
+    nisa.tensor_reduce(dst=max_col, op=nl.maximum, data=dst, axis=1)
+
+
+class _TileSteps(nl.NKIObject):
+    """The per-tile steps of the inner loop, chosen once per launch (docs/kernel-fwd.md, "Tile steps"); NKI
+    inlines them. ``pos = (b, head, q0, ks)``: batch, query head, first query row and first key of the tile.
+
+    score: steps applied in order to a score tile between the QK matmul and the mask, each
+        ``step(cfg, pos, src) -> tile`` returning float32 scores of the same shape in SBUF (soft-capping, a
+        position bias, ...); none today.
+    mask_full / mask_partial: the masking step of a tile whose every (query, key) pair is visible / of any other
+        tile, ``step(cfg, t, ks, src, dst, max_col, bounds, idx)``: masked float32 scores into ``dst``, their row
+        max into ``max_col``.
+    prob: steps applied in order to P after the exponent took its row sum, ``step(cfg, pos, p) -> p`` (dropout,
+        ...); none today.
+    """
+
+    def __init__(self, score, mask_full, mask_partial, prob):
+        self.score = score
+        self.mask_full = mask_full
+        self.mask_partial = mask_partial
+        self.prob = prob
+
+
+def _tile_steps(cfg):
+    """The launch's tile steps: the masking step by generation and mask kind, no score or probability step."""
+    partial = _mask_affine
+    if cfg.mask == "bounds":
+        partial = _mask_bounds
+    elif cfg.mask == "predicate":
+        partial = _mask_predicate
+    return _TileSteps([], _evict_max, partial, [])
+
+
+def _load_bounds(cfg, bound_min, bound_max):
+    """Key bounds of every query row as SBUF ``[128, n_qt]`` float32 columns (column t = query tile t): key j is
+    visible to query q iff ``bmin[q] <= j < bmax[q]``. Packing bounds come from HBM; causal (``bmax <= q + 1``)
+    and the window (``bmin >= q - W + 1``) are folded in."""
+    shp = cfg.shp
+    n_qt = cfg.n_qt
     bmin = nl.ndarray((PMAX, n_qt), dtype=nl.float32, buffer=nl.sbuf)
     bmax = nl.ndarray((PMAX, n_qt), dtype=nl.float32, buffer=nl.sbuf)
-    # element (p, t) <- bound[t * 128 + p]
-    nisa.dma_copy(dst=bmin, src=bound_min.ap(pattern=[[1, PMAX], [PMAX, n_qt]], offset=0))
-    nisa.dma_copy(dst=bmax, src=bound_max.ap(pattern=[[1, PMAX], [PMAX, n_qt]], offset=0))
-    if causal:
+    if shp.packing:
+        # element (p, t) <- bound[t * 128 + p]
+        nisa.dma_copy(dst=bmin, src=bound_min.ap(pattern=[[1, PMAX], [PMAX, n_qt]], offset=0))
+        nisa.dma_copy(dst=bmax, src=bound_max.ap(pattern=[[1, PMAX], [PMAX, n_qt]], offset=0))
+    else:
+        nisa.memset(dst=bmin, value=0.0, engine=nisa.engine.gpsimd)
+        nisa.memset(dst=bmax, value=float(shp.seqlen_k), engine=nisa.engine.gpsimd)
+    if shp.causal:
         qpos1 = nl.ndarray((PMAX, n_qt), dtype=nl.float32, buffer=nl.sbuf)
         nisa.iota(dst=qpos1, pattern=[[PMAX, n_qt]], offset=1, channel_multiplier=1)  # q + 1
         nisa.tensor_tensor(dst=bmax, data1=bmax, data2=qpos1, op=nl.minimum)
-    if window:
+    if shp.window:
         qlo = nl.ndarray((PMAX, n_qt), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.iota(dst=qlo, pattern=[[PMAX, n_qt]], offset=1 - window, channel_multiplier=1)  # q - W + 1
+        nisa.iota(dst=qlo, pattern=[[PMAX, n_qt]], offset=1 - shp.window, channel_multiplier=1)  # q - W + 1
         nisa.tensor_tensor(dst=bmin, data1=bmin, data2=qlo, op=nl.maximum)
     return bmin, bmax
 
 
-class _Unit(nl.NKIObject):
-    """Trace-time bookkeeping of one (query head, query tile) pair: its SBUF state and running statistics."""
-
-    def __init__(self, h, t, q_tiles, o_acc, l_sum, neg_max, started):
-        self.h = h
-        self.t = t
-        self.q_tiles = q_tiles  # scaled Q, one [d_tile, 128] tile per d tile
-        self.o_acc = o_acc  # [128, d_head] unnormalised output (float32 when mixed_precision)
-        self.l_sum = l_sum  # [128, 1] float32 running row sum
-        self.neg_max = neg_max  # [128, 1] float32 negated running max (valid once started)
-        self.started = started  # statistics hold something (sinks, or a key tile was processed)
-
-
-def _init_unit(q_ref, sinks_ref, shp, b, h, t, acc_dtype):
-    """Load and scale the unit's Q tiles; start its statistics (from the sinks when there are any)."""
-    q0 = t * PMAX
-    q_tiles = []
-    for dt in range(shp.d_tiles):
-        qt = nl.ndarray((shp.d_tile, PMAX), dtype=q_ref.dtype, buffer=nl.sbuf)
-        nisa.dma_copy(dst=qt, src=q_ref[b, h, dt * shp.d_tile:(dt + 1) * shp.d_tile, q0:q0 + PMAX])
-        # softmax_scale folded into Q at load (as the backward does), rounded to the input dtype
-        nisa.tensor_scalar(dst=qt, data=qt, op0=nl.multiply, operand0=shp.scale)
-        q_tiles.append(qt)
-    o_acc = nl.ndarray((PMAX, shp.d_head), dtype=acc_dtype, buffer=nl.sbuf)
-    l_sum = nl.ndarray((PMAX, 1), dtype=nl.float32, buffer=nl.sbuf)
-    neg_max = nl.ndarray((PMAX, 1), dtype=nl.float32, buffer=nl.sbuf)
-    started = shp.num_sinks > 0
-    if started:
-        ns = shp.num_sinks
-        # the sink logits of (b, h), broadcast to every partition (stride-0 HBM read); NOT scaled
-        sink = nl.ndarray((PMAX, ns), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.dma_copy(dst=sink, src=sinks_ref.ap(pattern=[[0, PMAX], [1, ns]], offset=(b * shp.nheads + h) * ns))
-        nisa.tensor_reduce(dst=neg_max, op=nl.maximum, data=sink, axis=1, negate=True)
-        # Sinks all -inf mean "no sink": cap the negated max at the mask value's, as for a row that has seen only
-        # masked scores, so exp(sink + neg_max) is exactly 0 (not exp(-inf + inf) = NaN) and the result is the
-        # no-sink result bit for bit.
-        nisa.tensor_scalar(dst=neg_max, data=neg_max, op0=nl.minimum, operand0=-FP32_MIN)
-        sink_p = nl.ndarray((PMAX, ns), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.activation(dst=sink_p, op=nl.exp, data=sink, bias=neg_max, scale=1.0, reduce_op=nl.add,
-                        reduce_res=l_sum, reduce_cmd=nisa.reduce_cmd.reset_reduce)
-        nisa.memset(dst=o_acc, value=0.0)
-    return _Unit(h, t, q_tiles, o_acc, l_sum, neg_max, started)
+def _sink_stats(cfg, sinks_ref, b, kvh):
+    """Starting statistics of the kv head's query heads from their sinks: ``m0`` ``[128, group]`` the sinks' max
+    in stored-score units (max / exp_scale, at least FP32_MIN) and ``l0`` the sum of exp(sink - max). All sinks
+    -inf (no sink) give exactly the no-sink start: FP32_MIN and 0."""
+    shp = cfg.shp
+    g = cfg.group
+    ns = shp.num_sinks
+    # the sink logits of the group's heads, broadcast to every partition (stride-0 HBM read); NOT scaled
+    sink = nl.ndarray((PMAX, g, ns), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.dma_copy(dst=sink, src=sinks_ref.ap(pattern=[[0, PMAX], [1, g * ns]],
+                                             offset=(b * shp.nheads + kvh * g) * ns))
+    neg_max = nl.ndarray((PMAX, g), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_reduce(dst=neg_max, op=nl.maximum, data=sink, axis=2, negate=True)
+    # all sinks -inf: cap the negated max so exp(sink + neg_max) is exp(-inf) = 0, not exp(-inf + inf) = NaN
+    nisa.tensor_scalar(dst=neg_max, data=neg_max, op0=nl.minimum, operand0=FP32_MAX)
+    l0 = nl.ndarray((PMAX, g), dtype=nl.float32, buffer=nl.sbuf)
+    sink_p = nl.ndarray((PMAX, g, ns), dtype=nl.float32, buffer=nl.sbuf)
+    for h in range(g):
+        nisa.activation(dst=sink_p[:, h, :], op=nl.exp, data=sink[:, h, :], bias=neg_max[:, h:h + 1], scale=1.0,
+                        reduce_op=nl.add, reduce_res=l0[:, h:h + 1], reduce_cmd=nisa.reduce_cmd.reset_reduce)
+    m0 = nl.ndarray((PMAX, g), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=m0, data=neg_max, op0=nl.multiply, operand0=-1.0 / cfg.exp_scale, op1=nl.maximum,
+                       operand1=FP32_MIN)
+    return m0, l0
 
 
-def _score_tile(u, shp, k_tiles, kc0, lo, hi, k0, bounds, idx, packing_isa):
-    """Scores of unit ``u`` against the visible chunks ``[lo, hi)`` of the key tile at ``k0`` (K tiles loaded
-    from chunk ``kc0``), masked. Returns ``(src, row_max, has_max)``: the tile the exp reads (PSUM when no mask
-    applies, else an SBUF float32 copy) and, when ``has_max``, its row max produced by the mask instruction."""
-    q0 = u.t * PMAX
-    ks = k0 + lo * PMAX
-    width = (hi - lo) * PMAX
-    s_ps = nl.ndarray((PMAX, width), dtype=nl.float32, buffer=nl.psum)
-    for dt in range(shp.d_tiles):
-        nisa.nc_matmul(dst=s_ps, stationary=u.q_tiles[dt],
-                       moving=k_tiles[dt][:, (lo - kc0) * PMAX:(hi - kc0) * PMAX])
-    if shp.packing:
-        # Bounds already carry the causal / window rules: one masking instruction, which also yields the max.
-        bmin, bmax = bounds
-        s_sb = nl.ndarray((PMAX, width), dtype=nl.float32, buffer=nl.sbuf)
-        row_max = nl.ndarray((PMAX, 1), dtype=nl.float32, buffer=nl.sbuf)
-        if packing_isa:
-            nisa.range_select(dst=s_sb, on_true_tile=s_ps, comp_op0=nl.greater_equal, comp_op1=nl.less,
-                              bound0=bmin[:, u.t:u.t + 1], bound1=bmax[:, u.t:u.t + 1],
-                              reduce_cmd=nisa.reduce_cmd.reset_reduce, reduce_res=row_max, reduce_op=nl.maximum,
-                              range_start=ks, on_false_value=FP32_MIN)
-        else:
-            # trn1 has no range_select: keep = (j >= bmin) * (j < bmax), then a select that also takes the max
-            j = idx[:, (lo - kc0) * PMAX:(hi - kc0) * PMAX]
-            keep = nl.ndarray((PMAX, width), dtype=nl.uint8, buffer=nl.sbuf)
-            nisa.tensor_scalar(dst=keep, data=j, op0=nl.greater_equal, operand0=bmin[:, u.t:u.t + 1])
-            nisa.scalar_tensor_tensor(dst=keep, data=j, op0=nl.less, operand0=bmax[:, u.t:u.t + 1],
-                                      op1=nl.multiply, operand1=keep)
-            nisa.select_reduce(dst=s_sb, predicate=keep, on_true=s_ps, on_false=FP32_MIN, reduce_res=row_max,
-                               reduce_cmd=nisa.reduce_cmd.reset_reduce, reduce_op=nl.maximum)
-        return s_sb, row_max, True
-    need_causal = shp.causal and not tile_fully_visible(q0, q0 + PMAX, ks, ks + width, True, 0)
-    need_window = shp.window > 0 and not tile_fully_visible(q0, q0 + PMAX, ks, ks + width, False, shp.window)
-    if not (need_causal or need_window):
-        return s_ps, s_ps, False
-    s_sb = nl.ndarray((PMAX, width), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.tensor_copy(dst=s_sb, src=s_ps)  # affine_select (GpSimd) reads SBUF only
-    if need_causal:
-        # keep key ks + j for query q0 + c when (q0 - ks) + c - j >= 0
-        nisa.affine_select(dst=s_sb, pattern=[[-1, width]], channel_multiplier=1, on_true_tile=s_sb,
-                           on_false_value=FP32_MIN, cmp_op=nl.greater_equal, offset=q0 - ks)
-    if need_window:
-        # keep when key >= query - W + 1:  (ks + W - 1 - q0) + j - c >= 0
-        nisa.affine_select(dst=s_sb, pattern=[[1, width]], channel_multiplier=-1, on_true_tile=s_sb,
-                           on_false_value=FP32_MIN, cmp_op=nl.greater_equal, offset=ks + shp.window - 1 - q0)
-    return s_sb, s_sb, False
+def _per_unit(stat, j0, n_units, group):
+    """View of a per-head ``[128, group]`` statistic in the unit order of the block starting at unit ``j0``
+    (unit j is head ``j % group``): whole query tiles repeat the group (stride-0 pattern), a block inside one
+    query tile is a slice."""
+    if group <= MAX_UNITS:
+        return stat.ap(pattern=[[group, PMAX], [0, n_units // group], [1, group]], offset=0)
+    h0 = j0 % group
+    return stat[:, h0:h0 + n_units]
 
 
-def _online_update(u, shp, src, row_max, has_max, vt, kc0, lo, hi, p_dtype):
-    """One online-softmax step of unit ``u`` with the (masked) scores ``src`` of chunks ``[lo, hi)``."""
-    width = (hi - lo) * PMAX
-    first = not u.started
-    neg_max = nl.ndarray((PMAX, 1), dtype=nl.float32, buffer=nl.sbuf)
-    if first:
-        if has_max:
-            nisa.tensor_scalar(dst=neg_max, data=row_max, op0=nl.multiply, operand0=-1.0)
-        else:
-            nisa.tensor_reduce(dst=neg_max, op=nl.maximum, data=src, axis=1, negate=True)
+def _blocks(cfg, n_tiles):
+    """``[(j0, j1)]`` unit ranges of a section of ``n_tiles`` query tiles: whole query tiles (every head of the
+    group) per block when the group fits a block, else at most MAX_UNITS heads of one query tile."""
+    g = cfg.group
+    out = []
+    if g <= MAX_UNITS:
+        for j0 in range(0, n_tiles * g, cfg.units):
+            out.append((j0, min(j0 + cfg.units, n_tiles * g)))
     else:
-        if has_max:
-            nisa.tensor_scalar(dst=neg_max, data=row_max, op0=nl.multiply, operand0=-1.0, op1=nl.minimum,
-                               operand1=u.neg_max)
-        else:
-            tile_neg_max = nl.ndarray((PMAX, 1), dtype=nl.float32, buffer=nl.sbuf)
-            nisa.tensor_reduce(dst=tile_neg_max, op=nl.maximum, data=src, axis=1, negate=True)
-            nisa.tensor_tensor(dst=neg_max, data1=tile_neg_max, data2=u.neg_max, op=nl.minimum)
-        # alpha = exp(old_max - new_max) = exp(-old_neg_max + new_neg_max)
-        alpha = nl.ndarray((PMAX, 1), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.activation(dst=alpha, op=nl.exp, data=u.neg_max, bias=neg_max, scale=-1.0)
-
-    # P = exp(S - max) with the row sum, in ONE activation
-    p_sb = nl.ndarray((PMAX, width), dtype=p_dtype, buffer=nl.sbuf)
-    if first:
-        row_sum = u.l_sum
-    else:
-        row_sum = nl.ndarray((PMAX, 1), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.activation(dst=p_sb, op=nl.exp, data=src, bias=neg_max, scale=1.0, reduce_op=nl.add,
-                    reduce_res=row_sum, reduce_cmd=nisa.reduce_cmd.reset_reduce)
-    if not first:
-        nisa.scalar_tensor_tensor(dst=u.l_sum, data=u.l_sum, op0=nl.multiply, operand0=alpha, op1=nl.add,
-                                  operand1=row_sum)
-
-    # P^T per 128-key chunk (keys onto partitions), then O_tile[q, :] = sum_chunks P^T(chunk)^T V^T(chunk)
-    n_ch = hi - lo
-    pt_ps = nl.ndarray((PMAX, n_ch, PMAX), dtype=p_dtype, buffer=nl.psum)
-    for c in range(n_ch):
-        nisa.nc_transpose(dst=pt_ps[:, c, :], data=p_sb[:, c * PMAX:(c + 1) * PMAX])
-    pt_sb = nl.ndarray((PMAX, n_ch, PMAX), dtype=p_dtype, buffer=nl.sbuf)
-    nisa.tensor_copy(dst=pt_sb, src=pt_ps)
-    o_ps = nl.ndarray((PMAX, shp.d_head), dtype=nl.float32, buffer=nl.psum)
-    for c in range(n_ch):
-        nisa.nc_matmul(dst=o_ps, stationary=pt_sb[:, c, :], moving=vt[:, lo - kc0 + c, :])
-    if first:
-        nisa.tensor_copy(dst=u.o_acc, src=o_ps)
-    else:
-        nisa.scalar_tensor_tensor(dst=u.o_acc, data=u.o_acc, op0=nl.multiply, operand0=alpha, op1=nl.add,
-                                  operand1=o_ps)
-    u.neg_max = neg_max
-    u.started = True
+        for r in range(n_tiles):
+            for h0 in range(0, g, MAX_UNITS):
+                out.append((r * g + h0, r * g + min(h0 + MAX_UNITS, g)))
+    return out
 
 
-def _finish_unit(u, shp, o_ref, lse_ref, b):
-    """``o = O / l`` and ``lse = max + log(l)``; rows that saw no key (and have no sink) get 0 and +inf."""
-    q0 = u.t * PMAX
-    # keep = 1 for a row that saw a key: its negated max is a real number, not the mask's 3.4e38
-    keep = nl.ndarray((PMAX, 1), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.tensor_scalar(dst=keep, data=u.neg_max, op0=nl.less, operand0=EMPTY_NEG_MAX)
-    keep_u8 = nl.ndarray((PMAX, 1), dtype=nl.uint8, buffer=nl.sbuf)
-    nisa.tensor_copy(dst=keep_u8, src=keep)
-    l_safe = nl.ndarray((PMAX, 1), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.tensor_scalar(dst=l_safe, data=u.l_sum, op0=nl.maximum, operand0=L_FLOOR)
-    recip = nl.ndarray((PMAX, 1), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.reciprocal(dst=recip, data=l_safe)
-    nisa.tensor_tensor(dst=recip, data1=recip, data2=keep, op=nl.multiply)  # 0 for empty rows
-    # lse = log(l) - neg_max, or +inf for empty rows
-    log_l = nl.ndarray((PMAX, 1), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.activation(dst=log_l, op=nl.log, data=l_safe)
-    lse_real = nl.ndarray((PMAX, 1), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.tensor_tensor(dst=lse_real, data1=log_l, data2=u.neg_max, op=nl.subtract)
-    lse_t = nl.ndarray((PMAX, 1), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.select_reduce(dst=lse_t, predicate=keep_u8, on_true=lse_real, on_false=POS_INF)
-    nisa.dma_copy(dst=lse_ref[b, u.h, :, u.t], src=lse_t)
-
-    # normalise in [q, d] (per-partition scale), cast to the output dtype, transpose back to [d, q]
-    o_n = nl.ndarray((PMAX, shp.d_head), dtype=o_ref.dtype, buffer=nl.sbuf)
-    nisa.tensor_scalar(dst=o_n, data=u.o_acc, op0=nl.multiply, operand0=recip)
-    for dt in range(shp.d_tiles):
-        ot_ps = nl.ndarray((shp.d_tile, PMAX), dtype=o_ref.dtype, buffer=nl.psum)
-        nisa.nc_transpose(dst=ot_ps, data=o_n[:, dt * shp.d_tile:(dt + 1) * shp.d_tile])
-        ot_sb = nl.ndarray((shp.d_tile, PMAX), dtype=o_ref.dtype, buffer=nl.sbuf)
-        nisa.tensor_copy(dst=ot_sb, src=ot_ps)
-        nisa.dma_copy(dst=o_ref[b, u.h, dt * shp.d_tile:(dt + 1) * shp.d_tile, q0:q0 + PMAX], src=ot_sb)
+# ----------------------------------------------------------------------------------------------------- key block phases
+def _transpose_v(cfg, v_tiles, n_ch):
+    """V^T ``[128 keys, n_ch, d_v]`` from the loaded V tiles (TensorE transposes, as many chunks per PSUM bank
+    as fit, one eviction per bank)."""
+    e = _itemsize(cfg.io_dtype)
+    vt = nl.ndarray((PMAX, n_ch, cfg.d_v), dtype=cfg.io_dtype, buffer=nl.sbuf)
+    per = max(1, 2048 // (cfg.d_v * e))
+    for c0 in range(0, n_ch, per):
+        g = min(per, n_ch - c0)
+        vt_ps = nl.ndarray((PMAX, g, cfg.d_v), dtype=cfg.io_dtype, buffer=nl.psum)
+        for c in range(g):
+            k0 = (c0 + c) * PMAX
+            for vi in range(len(cfg.v_tiles)):
+                v0, vsz = cfg.v_tiles[vi]
+                nisa.nc_transpose(dst=vt_ps[:, c, v0:v0 + vsz], data=v_tiles[vi][:, k0:k0 + PMAX])
+        nisa.tensor_copy(dst=vt[:, c0:c0 + g, :], src=vt_ps)
+    return vt
 
 
-def _attend_block(q_ref, k_ref, v_ref, sinks_ref, o_ref, lse_ref, shp, b, kvh, block, bounds, packing_isa,
-                  acc_dtype):
-    """All (query head, query tile) pairs of ``block`` (same batch and kv head) against every key tile."""
-    units = []
-    for i in range(len(block)):
-        units.append(_init_unit(q_ref, sinks_ref, shp, b, kvh * shp.group + block[i][0], block[i][1], acc_dtype))
-    n_kt = (shp.seqlen_k + K_TILE - 1) // K_TILE
-    for kt in range(n_kt):
-        k0 = kt * K_TILE
-        kw = min(K_TILE, shp.seqlen_k - k0)
-        ranges = []
-        kc0 = kw // PMAX
-        kc1 = 0
-        for i in range(len(units)):
-            lo, hi = _chunk_range(units[i].t * PMAX, k0, kw, shp.causal, shp.window)
-            ranges.append((lo, hi))
+def _scores(cfg, q_sec, k_tiles, b, kvh, t0, heads, tiles, kb, pm, bounds, idx, steps):
+    """Phase 1 (scoring and masking): S = Q^T K of every visible (unit, score tile) of key block ``kb``, through
+    the score steps, masked and copied to SBUF (float32), its row max into ``pm[:, u, i]``. Returns ``s[u][i]`` (None where
+    the unit sees nothing of score tile i)."""
+    shp = cfg.shp
+    kt0, kt_n, vis, c_lo, c_hi, gaps = kb
+    ch = K_TILE // PMAX
+    s = []
+    for u in range(len(heads)):
+        q0 = tiles[u] * PMAX
+        qcol = (tiles[u] - t0) * PMAX
+        row = []
+        for i in range(kt_n):
+            lo, hi = vis[u][i]
             if hi > lo:
-                kc0 = min(kc0, lo)
-                kc1 = max(kc1, hi)
-        if kc1 <= kc0:
-            continue  # every unit's mask hides this whole key tile (decided at trace time)
-        n_ch = kc1 - kc0
-        kb = k0 + kc0 * PMAX
-        width = n_ch * PMAX
-        k_tiles = []
-        v_tiles = []
-        for dt in range(shp.d_tiles):
-            kt_sb = nl.ndarray((shp.d_tile, width), dtype=k_ref.dtype, buffer=nl.sbuf)
-            nisa.dma_copy(dst=kt_sb, src=k_ref[b, kvh, dt * shp.d_tile:(dt + 1) * shp.d_tile, kb:kb + width])
-            k_tiles.append(kt_sb)
-            vt_in = nl.ndarray((shp.d_tile, width), dtype=v_ref.dtype, buffer=nl.sbuf)
-            nisa.dma_copy(dst=vt_in, src=v_ref[b, kvh, dt * shp.d_tile:(dt + 1) * shp.d_tile, kb:kb + width])
-            v_tiles.append(vt_in)
-        # V^T: keys onto partitions, [128 keys, chunk, d_head], shared by the block's units
-        vt = nl.ndarray((PMAX, n_ch, shp.d_head), dtype=v_ref.dtype, buffer=nl.sbuf)
+                ks = (kt0 + i) * K_TILE + lo * PMAX
+                w = (hi - lo) * PMAX
+                col = (i * ch + lo - c_lo) * PMAX  # first visible key in the loaded K
+                s_ps = nl.ndarray((PMAX, w), dtype=nl.float32, buffer=nl.psum)
+                for qi in range(len(cfg.qk_tiles)):
+                    nisa.nc_matmul(dst=s_ps, stationary=q_sec[heads[u]][qi][:, qcol:qcol + PMAX],
+                                   moving=k_tiles[qi][:, col:col + w])
+                src = s_ps
+                for f in steps.score:
+                    src = f(cfg, (b, kvh * cfg.group + heads[u], q0, ks), src)
+                s_sb = nl.ndarray((PMAX, w), dtype=nl.float32, buffer=nl.sbuf)
+                full = not shp.packing and tile_fully_visible(q0, q0 + PMAX, ks, ks + w, shp.causal, shp.window)
+                mask = steps.mask_full if full else steps.mask_partial
+                j = None
+                if idx is not None:
+                    j = idx[:, col:col + w]
+                mask(cfg, tiles[u], ks, src, s_sb, pm[:, u, i], bounds, j)
+                row.append(s_sb)
+            else:
+                row.append(None)
+        s.append(row)
+    return s
+
+
+def _update_max(cfg, pm, pm_next):
+    """Phase 2 (online-softmax max, all units at once): ``m' = max(m, tile maxima)`` into ``pm_next[:, :, KB]``
+    (``pm[:, :, KB]`` holds m), ``alpha = exp(c (m - m'))`` and the exponent bias ``-c m'`` (c = exp_scale),
+    capped at FP32_MAX (with c > 1 a row that saw only masked scores would give -inf + inf in the exponent)."""
+    kb = cfg.kb_tiles
+    n = pm.shape[1]
+    nisa.tensor_reduce(dst=pm_next[:, :, kb], op=nl.maximum, data=pm, axis=2)
+    diff = nl.ndarray((PMAX, n), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_tensor(dst=diff, data1=pm[:, :, kb], data2=pm_next[:, :, kb], op=nl.subtract)
+    alpha = nl.ndarray((PMAX, n), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.activation(dst=alpha, op=nl.exp, data=diff, scale=cfg.exp_scale)
+    bias = nl.ndarray((PMAX, n), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=bias, data=pm_next[:, :, kb], op0=nl.multiply, operand0=-cfg.exp_scale,
+                       op1=nl.minimum, operand1=FP32_MAX)
+    return alpha, bias
+
+
+def _rescale_o(o_acc, u, alpha, o_ps, first):
+    """Online-softmax update of unit ``u``'s O with a key block's PV (float32 PSUM): ``O = O * alpha + PV``, or
+    ``O = PV`` at the unit's first key block (O is not initialised; sinks add to l only)."""
+    if first:
+        nisa.tensor_copy(dst=o_acc[:, u, :], src=o_ps)
+    else:
+        nisa.scalar_tensor_tensor(dst=o_acc[:, u, :], data=o_acc[:, u, :], op0=nl.multiply,
+                                  operand0=alpha[:, u:u + 1], op1=nl.add, operand1=o_ps)
+
+
+def _transpose_p(cfg, p_sb, n_ch, dma_turn):
+    """P^T ``[128 keys, n_ch, 128 queries]`` (SBUF) for the PV matmul. TensorE transposes (PSUM) and one eviction
+    by default; on trn2+ with 16-bit P, every other full score tile (``dma_turn``) goes by one SBUF -> SBUF
+    dma_transpose instead (bit-exact too), which balances TensorE and VectorE against the otherwise idle DMA
+    queues (docs/kernel-fwd.md, "Engine balance")."""
+    pt_sb = nl.ndarray((PMAX, n_ch, PMAX), dtype=cfg.io_dtype, buffer=nl.sbuf)
+    if cfg.p_dma_transpose and dma_turn and n_ch == K_TILE // PMAX:
+        nisa.dma_transpose(dst=pt_sb, src=p_sb.ap(pattern=[[n_ch * PMAX, PMAX], [PMAX, n_ch], [1, PMAX]], offset=0))
+    else:
+        pt_ps = nl.ndarray((PMAX, n_ch, PMAX), dtype=cfg.io_dtype, buffer=nl.psum)
         for c in range(n_ch):
-            vt_ps = nl.ndarray((PMAX, shp.d_head), dtype=v_ref.dtype, buffer=nl.psum)
-            for dt in range(shp.d_tiles):
-                nisa.nc_transpose(dst=vt_ps[:, dt * shp.d_tile:(dt + 1) * shp.d_tile],
-                                  data=v_tiles[dt][:, c * PMAX:(c + 1) * PMAX])
-            nisa.tensor_copy(dst=vt[:, c, :], src=vt_ps)
-        idx = None
-        if shp.packing and not packing_isa:
-            idx = nl.ndarray((PMAX, width), dtype=nl.float32, buffer=nl.sbuf)
-            nisa.iota(dst=idx, pattern=[[1, width]], offset=kb, channel_multiplier=0)  # key index per column
-        for i in range(len(units)):
-            lo, hi = ranges[i]
+            nisa.nc_transpose(dst=pt_ps[:, c, :], data=p_sb[:, c * PMAX:(c + 1) * PMAX])
+        nisa.tensor_copy(dst=pt_sb, src=pt_ps)
+    return pt_sb
+
+
+def _exp_pv(cfg, s, b, kvh, heads, tiles, kb, vt, bias, alpha, rs, o_acc, started, steps):
+    """Phase 3 (exponent and PV): per visible (unit, score tile) ``P = exp(c S + bias)`` with its row sum into
+    ``rs[:, u, i]`` in ONE activation, the probability steps, P^T, PV accumulated over the whole key block in one
+    PSUM tile; then per unit the O update."""
+    kt0, kt_n, vis, c_lo, c_hi, gaps = kb
+    ch = K_TILE // PMAX
+    for u in range(len(s)):
+        o_ps = None
+        for i in range(kt_n):
+            lo, hi = vis[u][i]
             if hi > lo:
-                src, row_max, has_max = _score_tile(units[i], shp, k_tiles, kc0, lo, hi, k0, bounds, idx,
-                                                    packing_isa)
-                _online_update(units[i], shp, src, row_max, has_max, vt, kc0, lo, hi, q_ref.dtype)
-    # Every unit has seen a key tile: causal/window never hide the diagonal chunk (seqlen_q == seqlen_k there),
-    # and without causal nothing is skipped.
-    for i in range(len(units)):
-        _finish_unit(units[i], shp, o_ref, lse_ref, b)
+                w = (hi - lo) * PMAX
+                p_sb = nl.ndarray((PMAX, w), dtype=cfg.io_dtype, buffer=nl.sbuf)
+                nisa.activation(dst=p_sb, op=nl.exp, data=s[u][i], bias=bias[:, u:u + 1], scale=cfg.exp_scale,
+                                reduce_op=nl.add, reduce_res=rs[:, u, i], reduce_cmd=nisa.reduce_cmd.reset_reduce)
+                for f in steps.prob:
+                    p_sb = f(cfg, (b, kvh * cfg.group + heads[u], tiles[u] * PMAX, (kt0 + i) * K_TILE + lo * PMAX),
+                             p_sb)
+                pt_sb = _transpose_p(cfg, p_sb, hi - lo, (u + kt0 + i) % 2 == 0)
+                if o_ps is None:
+                    o_ps = nl.ndarray((PMAX, cfg.d_v), dtype=nl.float32, buffer=nl.psum)
+                for c in range(hi - lo):
+                    nisa.nc_matmul(dst=o_ps, stationary=pt_sb[:, c, :], moving=vt[:, i * ch + lo + c - c_lo, :])
+        if o_ps is not None:
+            _rescale_o(o_acc, u, alpha, o_ps, not started[u])
+            started[u] = True
+
+
+def _update_sum(cfg, l_sum, alpha, rs):
+    """Phase 4 (online-softmax sum, all units at once): ``l' = l * alpha + sum of the row sums``."""
+    kb = cfg.kb_tiles
+    nisa.tensor_tensor(dst=rs[:, :, kb], data1=l_sum, data2=alpha, op=nl.multiply)
+    l_new = nl.ndarray((PMAX, rs.shape[1]), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_reduce(dst=l_new, op=nl.add, data=rs, axis=2)
+    return l_new
+
+
+def _key_block(cfg, k_ref, v_ref, b, kvh, q_sec, t0, heads, tiles, kb, gaps_next, pm, l_sum, o_acc, started,
+               bounds, steps):
+    """One key block of a block of units: load K and V (the union of the units' visible chunks), V^T, then the
+    four phases. Returns the statistics after it: ``(pm_next, l, bias)``."""
+    kt0, kt_n, vis, c_lo, c_hi, gaps = kb
+    key0 = kt0 * K_TILE + c_lo * PMAX
+    width = (c_hi - c_lo) * PMAX
+    k_tiles = []
+    for qi in range(len(cfg.qk_tiles)):
+        d0, dsz = cfg.qk_tiles[qi]
+        kt_sb = nl.ndarray((dsz, width), dtype=cfg.io_dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=kt_sb, src=k_ref[b, kvh, d0:d0 + dsz, key0:key0 + width])
+        k_tiles.append(kt_sb)
+    v_tiles = []
+    for vi in range(len(cfg.v_tiles)):
+        v0, vsz = cfg.v_tiles[vi]
+        v_sb = nl.ndarray((vsz, width), dtype=cfg.io_dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=v_sb, src=v_ref[b, kvh, v0:v0 + vsz, key0:key0 + width])
+        v_tiles.append(v_sb)
+    vt = _transpose_v(cfg, v_tiles, c_hi - c_lo)
+    idx = None
+    if cfg.mask == "predicate":
+        idx = nl.ndarray((PMAX, width), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.iota(dst=idx, pattern=[[1, width]], offset=key0, channel_multiplier=0)  # key index per column
+
+    s = _scores(cfg, q_sec, k_tiles, b, kvh, t0, heads, tiles, kb, pm, bounds, idx, steps)
+    n = len(heads)
+    pm_next = nl.ndarray((PMAX, n, cfg.kb_tiles + 1), dtype=nl.float32, buffer=nl.sbuf)
+    if gaps_next:
+        nisa.memset(dst=pm_next, value=FP32_MIN, engine=nisa.engine.gpsimd)  # slots no score tile will write
+    alpha, bias = _update_max(cfg, pm, pm_next)
+    rs = nl.ndarray((PMAX, n, cfg.kb_tiles + 1), dtype=nl.float32, buffer=nl.sbuf)
+    if gaps:
+        nisa.memset(dst=rs, value=0.0, engine=nisa.engine.gpsimd)
+    _exp_pv(cfg, s, b, kvh, heads, tiles, kb, vt, bias, alpha, rs, o_acc, started, steps)
+    l_new = _update_sum(cfg, l_sum, alpha, rs)
+    return pm_next, l_new, bias
+
+
+# ----------------------------------------------------------------------------------------------------- blocks, sections
+def _finish_block(cfg, pm, l_sum, bias, o_acc, j0, o_sec, lse_sec):
+    """Finishing, all units at once: ``o = O / l`` and ``lse = c m + log(l)`` (= log(l) - bias); rows that saw no
+    key (and have no sink) get 0 and +inf. O is normalised per unit, transposed back to ``[d, q]`` into the
+    section's O staging, the LSE columns go to the section's LSE staging."""
+    n = pm.shape[1]
+    keep = nl.ndarray((PMAX, n), dtype=nl.uint8, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=keep, data=pm[:, :, cfg.kb_tiles], op0=nl.greater, operand0=EMPTY_MAX)
+    l_safe = nl.ndarray((PMAX, n), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=l_safe, data=l_sum, op0=nl.maximum, operand0=L_FLOOR)
+    recip = nl.ndarray((PMAX, n), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.reciprocal(dst=recip, data=l_safe)
+    nisa.select_reduce(dst=recip, predicate=keep, on_true=recip, on_false=0.0)  # 0 for empty rows
+    log_l = nl.ndarray((PMAX, n), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.activation(dst=log_l, op=nl.log, data=l_safe)
+    lse_real = nl.ndarray((PMAX, n), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_tensor(dst=lse_real, data1=log_l, data2=bias, op=nl.subtract)
+    nisa.select_reduce(dst=lse_sec[:, j0:j0 + n], predicate=keep, on_true=lse_real, on_false=POS_INF)
+    # Per unit on ScalarE (its exponents leave it idle at the end of a block, VectorE is the busier engine):
+    # O * (1/l) into o's dtype, then O^T per V/O partition tile into the staging.
+    for u in range(n):
+        o_n = nl.ndarray((PMAX, cfg.d_v), dtype=cfg.io_dtype, buffer=nl.sbuf)
+        nisa.activation(dst=o_n, op=nl.copy, data=o_acc[:, u, :], scale=recip[:, u:u + 1])
+        col = (j0 + u) * PMAX
+        for vi in range(len(cfg.v_tiles)):
+            v0, vsz = cfg.v_tiles[vi]
+            ot_ps = nl.ndarray((vsz, PMAX), dtype=cfg.io_dtype, buffer=nl.psum)
+            nisa.nc_transpose(dst=ot_ps, data=o_n[:, v0:v0 + vsz])
+            nisa.activation(dst=o_sec[vi][:, col:col + PMAX], op=nl.copy, data=ot_ps)
+
+
+def _attend_block(cfg, k_ref, v_ref, b, kvh, q_sec, t0, j0, j1, bounds, sink_stats, steps, o_sec, lse_sec):
+    """Units ``j0 .. j1 - 1`` of the section starting at query tile ``t0`` (unit j: query tile ``t0 + j // group``,
+    head ``j % group``) against every key block one of them sees."""
+    g = cfg.group
+    n = j1 - j0
+    heads = []
+    tiles = []
+    started = []
+    for j in range(j0, j1):
+        heads.append(j % g)
+        tiles.append(t0 + j // g)
+        started.append(False)
+    plan = _key_blocks(cfg, tiles)
+    # causal / window never hide a unit's diagonal chunk (seqlen_q == seqlen_k there); nothing else skips tiles
+    assert len(plan) > 0, "internal: a block of units sees no key"
+    # pm[:, u, i]: row max of score tile i of the current key block; pm[:, u, KB]: the running max m
+    pm = nl.ndarray((PMAX, n, cfg.kb_tiles + 1), dtype=nl.float32, buffer=nl.sbuf)
+    l_sum = nl.ndarray((PMAX, n), dtype=nl.float32, buffer=nl.sbuf)
+    if sink_stats is None:
+        nisa.memset(dst=pm, value=FP32_MIN, engine=nisa.engine.gpsimd)
+        nisa.memset(dst=l_sum, value=0.0, engine=nisa.engine.gpsimd)
+    else:
+        if plan[0][5]:
+            nisa.memset(dst=pm, value=FP32_MIN, engine=nisa.engine.gpsimd)
+        m0, l0 = sink_stats
+        nisa.tensor_copy(dst=pm[:, :, cfg.kb_tiles], src=_per_unit(m0, j0, n, g))
+        nisa.tensor_copy(dst=l_sum, src=_per_unit(l0, j0, n, g))
+    o_acc = nl.ndarray((PMAX, n, cfg.d_v), dtype=cfg.acc_dtype, buffer=nl.sbuf)
+    bias = None
+    for k in range(len(plan)):
+        gaps_next = k + 1 < len(plan) and plan[k + 1][5]
+        pm, l_sum, bias = _key_block(cfg, k_ref, v_ref, b, kvh, q_sec, t0, heads, tiles, plan[k], gaps_next, pm,
+                                     l_sum, o_acc, started, bounds, steps)
+    _finish_block(cfg, pm, l_sum, bias, o_acc, j0, o_sec, lse_sec)
+
+
+def _attend_section(cfg, q_ref, k_ref, v_ref, o_ref, lse_ref, b, kvh, t0, t1, bounds, sink_stats, steps):
+    """Query tiles ``[t0, t1)`` of every query head of kv head ``kvh``: Q loaded and O, LSE stored once per head."""
+    g = cfg.group
+    n = t1 - t0
+    q_sec = []
+    for h in range(g):
+        row = []
+        for qi in range(len(cfg.qk_tiles)):
+            d0, dsz = cfg.qk_tiles[qi]
+            qt = nl.ndarray((dsz, n * PMAX), dtype=cfg.io_dtype, buffer=nl.sbuf)
+            nisa.dma_copy(dst=qt, src=q_ref[b, kvh * g + h, d0:d0 + dsz, t0 * PMAX:t1 * PMAX])
+            if cfg.q_scale != 1.0:
+                # s Q rounded to the input dtype, as attention_bwd computes it (ScalarE has room, VectorE not)
+                nisa.activation(dst=qt, op=nl.copy, data=qt, scale=cfg.q_scale)
+            row.append(qt)
+        q_sec.append(row)
+    # O^T and LSE staging in unit order (column block j = unit j), stored per head by strided reads
+    o_sec = []
+    for vi in range(len(cfg.v_tiles)):
+        v0, vsz = cfg.v_tiles[vi]
+        o_stage = nl.ndarray((vsz, n * g * PMAX), dtype=cfg.io_dtype, buffer=nl.sbuf)
+        o_sec.append(o_stage)
+    lse_sec = nl.ndarray((PMAX, n * g), dtype=nl.float32, buffer=nl.sbuf)
+    blocks = _blocks(cfg, n)
+    for i in range(len(blocks)):
+        j0, j1 = blocks[i]
+        _attend_block(cfg, k_ref, v_ref, b, kvh, q_sec, t0, j0, j1, bounds, sink_stats, steps, o_sec, lse_sec)
+    for h in range(g):
+        hq = kvh * g + h
+        for vi in range(len(cfg.v_tiles)):
+            v0, vsz = cfg.v_tiles[vi]
+            nisa.dma_copy(dst=o_ref[b, hq, v0:v0 + vsz, t0 * PMAX:t1 * PMAX],
+                          src=o_sec[vi].ap(pattern=[[n * g * PMAX, vsz], [g * PMAX, n], [1, PMAX]],
+                                           offset=h * PMAX))
+        nisa.dma_copy(dst=lse_ref[b, hq, :, t0:t1], src=lse_sec.ap(pattern=[[n * g, PMAX], [g, n]], offset=h))
 
 
 def fwd_problem(q_ref, k_ref, v_ref, sinks_ref=None, bound_min=None, bound_max=None, use_causal_mask=False,
@@ -347,12 +665,13 @@ def attention_fwd(q_ref, k_ref, v_ref, sinks_ref=None, bound_min=None, bound_max
     assert problem is None, problem
     shp = attention_shape(q_ref, k_ref, sinks=sinks_ref, bound_min=bound_min, use_causal_mask=use_causal_mask,
                           softmax_scale=softmax_scale, sliding_window=sliding_window)
-    packing_isa = nisa.get_nc_version() >= nisa.nc_version.gen3  # range_select exists on trn2+
+    range_select_ok = nisa.get_nc_version() >= nisa.nc_version.gen3  # range_select exists on trn2+
     acc_dtype = nl.float32 if mixed_precision else q_ref.dtype
-    n_qt = shp.seqlen_q // PMAX
+    cfg = _FwdConfig(shp, q_ref.dtype, acc_dtype, range_select_ok)
+    steps = _tile_steps(cfg)
 
     o_ref = nl.ndarray((shp.bs, shp.nheads, shp.d_head, shp.seqlen_q), dtype=q_ref.dtype, buffer=nl.shared_hbm)
-    lse_ref = nl.ndarray((shp.bs, shp.nheads, PMAX, n_qt), dtype=nl.float32, buffer=nl.shared_hbm)
+    lse_ref = nl.ndarray((shp.bs, shp.nheads, PMAX, cfg.n_qt), dtype=nl.float32, buffer=nl.shared_hbm)
 
     # LNC sharding over bs * nheads_kv: core `pid` of `n_prog` takes a contiguous range of (batch, kv head)
     if nl.program_ndim() == 0:
@@ -367,21 +686,18 @@ def attention_fwd(q_ref, k_ref, v_ref, sinks_ref=None, bound_min=None, bound_max
     stop = min(n_items, start + per_core)
 
     bounds = None
-    if shp.packing:
-        bounds = _load_bounds(bound_min, bound_max, n_qt, shp.causal, shp.window)
-
-    # (query head, query tile) pairs of one kv head, query tile major, in blocks of MAX_UNITS
-    pairs = []
-    for t in range(n_qt):
-        for hl in range(shp.group):
-            pairs.append((hl, t))
-    blocks = []
-    for i in range(0, len(pairs), MAX_UNITS):
-        blocks.append(pairs[i:min(i + MAX_UNITS, len(pairs))])  # NKI refuses slices past the end
+    if cfg.masked and cfg.mask != "affine":
+        bounds = _load_bounds(cfg, bound_min, bound_max)
+    sections = []
+    for t0 in range(0, cfg.n_qt, cfg.sec_tiles):
+        sections.append((t0, min(t0 + cfg.sec_tiles, cfg.n_qt)))
     for item in range(start, stop):
         b = item // shp.nheads_kv
         kvh = item % shp.nheads_kv
-        for block in blocks:
-            _attend_block(q_ref, k_ref, v_ref, sinks_ref, o_ref, lse_ref, shp, b, kvh, block, bounds,
-                          packing_isa, acc_dtype)
+        sink_stats = None
+        if shp.num_sinks > 0:
+            sink_stats = _sink_stats(cfg, sinks_ref, b, kvh)
+        for i in range(len(sections)):
+            t0, t1 = sections[i]
+            _attend_section(cfg, q_ref, k_ref, v_ref, o_ref, lse_ref, b, kvh, t0, t1, bounds, sink_stats, steps)
     return o_ref, lse_ref

@@ -1,13 +1,13 @@
-"""Forward-kernel cases where query rows see keys in several 512-key tiles, for every feature, so the online
-softmax's rescale (running max, sum and output carried from one key tile to the next) is exercised everywhere:
+"""Forward-kernel cases where query rows see keys in several key blocks, for every feature, so the online
+softmax's rescale (running max, sum and output carried from one key block to the next) is exercised everywhere:
 causal, sliding window (incl. widths next to a multiple of 128), sinks, packing, GQA with group != nheads_kv,
 seqlen_q != seqlen_k, 16-bit inputs.
 
 Accuracy: the project's criterion (tests/kernels/_compare.py, derived in docs/tolerances.md) for o and the finite
 entries of lse, with ``ref`` the golden on float64 copies of the inputs and ``golden`` the golden in the kernel's
 dtype; rows that see no key must be +inf in lse exactly where the reference has them. Each case first asserts,
-on its own dense visibility mask, that some query row really sees keys in two or more key tiles (so a case cannot
-silently stop covering the rescale if shapes change).
+on its own dense visibility mask, that some query row really sees keys in two or more key blocks (so a case cannot
+silently stop covering the rescale if shapes or the kernel's key block change).
 """
 import os
 import sys
@@ -20,14 +20,17 @@ import _compare  # noqa: E402
 
 from golden import attention_fwd_torch_ref, packing_bounds  # noqa: E402
 from golden.attention_fwd_torch import visibility_mask  # noqa: E402
+from nki_attn.kernels import attention_fwd as kf  # noqa: E402
 from nki_attn.kernels.attention_fwd import attention_fwd  # noqa: E402
 
-KEY_TILE = 512  # keys per score tile of the forward kernel (docs/kernel-fwd.md): the rescale happens between them
+# Keys per key block of the forward kernel (docs/kernel-fwd.md): within one the row max is taken over all its score
+# tiles at once; the rescale of the running max, sum and output happens between key blocks.
+KEY_TILE = kf.KB_TILES * kf.K_TILE
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def max_key_tiles_per_row(sq, sk, causal, window, bmin, bmax):
-    """Largest number of distinct KEY_TILE-wide key tiles one query row sees (dense mask, no kernel involved)."""
+    """Largest number of distinct KEY_TILE-wide key blocks one query row sees (dense mask, no kernel involved)."""
     vis = visibility_mask(sq, sk, causal, window, bmin, bmax)
     tiles = torch.zeros(sq, dtype=torch.int64)
     for t0 in range(0, sk, KEY_TILE):
@@ -42,7 +45,7 @@ def check(name, out, gold, ref, dtype):
     _compare.check_close(name, out[fin], ref[fin], gold[fin], dtype)
 
 
-def run_case(bs=1, h=1, hk=1, d=32, sq=1024, sk=None, dtype="float32", causal=False, window=None, sinks=0,
+def run_case(bs=1, h=1, hk=1, d=32, sq=2176, sk=None, dtype="float32", causal=False, window=None, sinks=0,
              cu=None, mixed=True, scale=None, k_ramp=False, seed=0):
     sk = sq if sk is None else sk
     tdt = DTYPES[dtype]
@@ -51,7 +54,7 @@ def run_case(bs=1, h=1, hk=1, d=32, sq=1024, sk=None, dtype="float32", causal=Fa
     k = torch.randn(bs, hk, d, sk, generator=g)
     v = torch.randn(bs, hk, d, sk, generator=g)
     if k_ramp:
-        # key norms grow along the sequence: each new key tile raises the running max, so every step rescales
+        # key norms grow along the sequence: each new key block raises the running max, so every step rescales
         k = k * torch.linspace(0.5, 3.0, sk)
     q, k, v = q.to(tdt), k.to(tdt), v.to(tdt)
     s = None
@@ -60,7 +63,7 @@ def run_case(bs=1, h=1, hk=1, d=32, sq=1024, sk=None, dtype="float32", causal=Fa
     bmin = bmax = None
     if cu is not None:
         bmin, bmax = packing_bounds(cu, seqlen_q=sq)
-    assert max_key_tiles_per_row(sq, sk, causal, window, bmin, bmax) >= 2, "case does not cross a key tile"
+    assert max_key_tiles_per_row(sq, sk, causal, window, bmin, bmax) >= 2, "case does not cross a key block"
     kw = dict(bound_min=bmin, bound_max=bmax, use_causal_mask=causal, softmax_scale=scale, sliding_window=window)
     o, lse = attention_fwd(q, k, v, sinks_ref=s, mixed_precision=mixed, **kw)
     o_ref, lse_ref = attention_fwd_torch_ref(q.double(), k.double(), v.double(),
@@ -74,27 +77,27 @@ def run_case(bs=1, h=1, hk=1, d=32, sq=1024, sk=None, dtype="float32", causal=Fa
 
 # ----------------------------------------------------------------------------------------------- one feature each
 def test_causal():
-    run_case(causal=True, h=2)
+    run_case(causal=True, h=2, sq=2560)  # key blocks of 2048 and 512 keys
 
 
 def test_causal_partial_last_key_tile():
-    run_case(causal=True, sq=1152)  # key tiles of 512, 512, 128
+    run_case(causal=True, sq=2176)  # key blocks of 2048 and 128 keys (a partial score tile)
 
 
 def test_non_causal():
-    run_case(sq=256, sk=1024, h=2, hk=1)
+    run_case(sq=256, sk=2560, h=2, hk=1)
 
 
 def test_seqlen_q_ne_seqlen_k_partial_tile():
-    run_case(sq=384, sk=1152, h=4, hk=2)
+    run_case(sq=384, sk=2176, h=4, hk=2)
 
 
 def test_rising_scores_rescale_every_tile():
-    run_case(sq=256, sk=1536, k_ramp=True, scale=0.5)
+    run_case(sq=256, sk=3 * KEY_TILE, k_ramp=True, scale=0.5)
 
 
-@pytest.mark.parametrize("window,sq", [(2, 640), (127, 640), (130, 640), (255, 768), (258, 768), (513, 1024),
-                                       (700, 1024)])
+@pytest.mark.parametrize("window,sq", [(2, 2176), (127, 2176), (130, 2176), (255, 2304), (258, 2304), (513, 2560),
+                                       (700, 2560)])
 def test_window(window, sq):
     run_case(causal=True, window=window, sq=sq, seed=window)
 
@@ -105,35 +108,35 @@ def test_sinks(num_sinks):
 
 
 def test_sinks_non_causal_unequal_lengths():
-    run_case(sq=256, sk=1152, sinks=2, h=2, hk=1)
+    run_case(sq=256, sk=2176, sinks=2, h=2, hk=1)
 
 
 @pytest.mark.parametrize("causal", [False, True])
 def test_packing(causal):
-    # the middle sequence spans key tiles 0 and 1; the last one ends before the padding rows
-    run_case(cu=[0, 300, 900, 1000], causal=causal, h=2, hk=1)
+    # the middle sequence spans key blocks 0 and 1; the last one ends before the padding rows
+    run_case(cu=[0, 300, 2100, 2150], causal=causal, h=2, hk=1)
 
 
 def test_packing_window():
-    run_case(cu=[0, 300, 900, 1024], causal=True, window=258)
+    run_case(cu=[0, 300, 2100, 2176], causal=True, window=258)
 
 
 @pytest.mark.parametrize("h,hk", [(8, 2), (6, 2), (6, 3)])
 def test_gqa_group_differs_from_kv_heads(h, hk):
-    run_case(bs=2, h=h, hk=hk, sq=128, sk=1024, seed=h + hk)
+    run_case(bs=2, h=h, hk=hk, sq=128, sk=2176, seed=h + hk)
 
 
 @pytest.mark.parametrize("h,hk,sinks", [(8, 2, 1), (6, 2, 2)])
 def test_gqa_sinks_causal(h, hk, sinks):
-    run_case(bs=2, h=h, hk=hk, sq=640, causal=True, sinks=sinks, seed=h)
+    run_case(bs=2, h=h, hk=hk, causal=True, sinks=sinks, seed=h)
 
 
 # ----------------------------------------------------------------------------------------------- combinations
 @pytest.mark.parametrize("dtype,mixed", [("bfloat16", True), ("bfloat16", False), ("float16", True)])
 def test_low_precision(dtype, mixed):
-    run_case(dtype=dtype, mixed=mixed, causal=True, window=130, sq=640, h=2, hk=1, sinks=1)
+    run_case(dtype=dtype, mixed=mixed, causal=True, window=130, h=2, hk=1, sinks=1)
 
 
 def test_everything_at_once():
     # packing, causal, window 130, 2 sinks, GQA 6:2, bf16
-    run_case(h=6, hk=2, sq=1024, causal=True, window=130, sinks=2, cu=[0, 450, 1000], dtype="bfloat16", seed=3)
+    run_case(h=6, hk=2, causal=True, window=130, sinks=2, cu=[0, 450, 2100], dtype="bfloat16", seed=3)

@@ -8,8 +8,8 @@ multiple of 128 (W = 127, 130, ...), so these tests compare the decisions with a
 * every (query range, key range) of a small universe, exhaustively (no 128 alignment assumed);
 * every (128-row query tile, key range of 1..4 chunks of 128) the kernels can ask about, for the windows around
   the multiples of 128 and sequence lengths that are not multiples of 512;
-* the plans the kernels derive from them: the backward's per-section tile list and the forward's per-tile chunk
-  range must cover every visible element, and a tile planned without a mask must need none.
+* the plans the kernels derive from them: the backward's per-section tile list and the forward's key-block plan
+  (per block of query tiles) must cover every visible element, and a tile planned without a mask must need none.
 
 The kernels' plans are read through ``bwd_plan`` and ``fwd_plan`` below (the only places that know how); adapt
 those two when the kernels' planning code changes shape.
@@ -104,20 +104,31 @@ def bwd_plan(sq, sk, causal, window, section_len):
 
 
 def fwd_plan(sq, sk, causal, window):
-    """The forward kernel's plan as ``[(q0, k0, kw, needs_causal, needs_window)]``: per query tile and 512-key
-    tile, the visible chunk run from ``_chunk_range`` and the mask decisions ``_score_tile`` takes on it."""
+    """The forward kernel's plan as ``[(q0, k0, kw, needs_causal, needs_window)]``: the blocks of query tiles the
+    kernel forms (one head), the key blocks ``_key_blocks`` plans for each, and per (query tile, 512-key score
+    tile) the visible chunk run and the mask decisions ``_scores`` / ``_mask_affine`` take on it. Reads
+    ``_FwdConfig`` with shape-only stand-ins (planning runs before any instruction)."""
+    def t(*shape):
+        return types.SimpleNamespace(shape=shape, dtype="float32")
+    shp = kf.attention_shape(t(1, 1, 64, sq), t(1, 1, 64, sk), use_causal_mask=causal,
+                             sliding_window=window or None)
+    cfg = kf._FwdConfig(shp, kf.nl.float32, kf.nl.float32, False)
     planned = []
-    for q0 in range(0, sq, P):
-        for t0 in range(0, sk, kf.K_TILE):
-            tw = min(kf.K_TILE, sk - t0)
-            lo, hi = kf._chunk_range(q0, t0, tw, causal, window)
-            if hi <= lo:
-                continue
-            k0, kw = t0 + lo * P, (hi - lo) * P
-            assert 0 <= lo < hi <= tw // P
-            need_c = causal and not tile_fully_visible(q0, q0 + P, k0, k0 + kw, True, 0)
-            need_w = window > 0 and not tile_fully_visible(q0, q0 + P, k0, k0 + kw, False, window)
-            planned.append((q0, k0, kw, need_c, need_w))
+    for s0 in range(0, cfg.n_qt, cfg.sec_tiles):
+        for j0, j1 in kf._blocks(cfg, min(cfg.sec_tiles, cfg.n_qt - s0)):
+            tiles = [s0 + j for j in range(j0, j1)]
+            for kt0, kt_n, vis, c_lo, c_hi, gaps in kf._key_blocks(cfg, tiles):
+                for u, qt in enumerate(tiles):
+                    for i in range(kt_n):
+                        lo, hi = vis[u][i]
+                        if hi <= lo:
+                            continue
+                        q0, k0, kw = qt * P, (kt0 + i) * kf.K_TILE + lo * P, (hi - lo) * P
+                        assert 0 <= lo < hi <= kf.K_TILE // P
+                        assert c_lo <= i * (kf.K_TILE // P) + lo and i * (kf.K_TILE // P) + hi <= c_hi
+                        need_c = causal and not tile_fully_visible(q0, q0 + P, k0, k0 + kw, True, 0)
+                        need_w = window > 0 and not tile_fully_visible(q0, q0 + P, k0, k0 + kw, False, window)
+                        planned.append((q0, k0, kw, need_c, need_w))
     return planned
 
 

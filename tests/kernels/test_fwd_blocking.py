@@ -1,0 +1,322 @@
+"""The forward kernel's grouping and batching (nki_attn/kernels/attention_fwd.py, docs/kernel-fwd.md "Loop nest"):
+query sections, blocks of (query tile, head) units, key blocks, statistics batched over a block's units, and
+transfers batched per (head, section).
+
+Pinned two ways: structurally (the trace-time plans against brute force, instruction and transfer counts from the
+simulator's trace) and numerically at the edges of each grouping (against the golden with the project's criterion,
+tests/kernels/_compare.py, as in test_attention_fwd.py).
+"""
+import math
+import os
+import sys
+import types
+
+import numpy as np
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from test_attention_fwd import make_qkv, run_and_check  # noqa: E402
+
+import nki_attn.sim as sim  # noqa: E402
+from golden import packing_bounds  # noqa: E402
+from nki_attn.backend import nl  # noqa: E402
+from nki_attn.kernels import attention_fwd as fwd  # noqa: E402
+from nki_attn.kernels.attention_fwd import attention_fwd  # noqa: E402
+from nki_attn.kernels.validation import attention_shape  # noqa: E402
+from nki_attn.sim.trace import recording  # noqa: E402
+
+KB_KEYS = fwd.KB_TILES * fwd.K_TILE
+
+
+def config(bs=1, nheads=1, nheads_kv=1, d=64, sq=256, sk=None, dtype=nl.bfloat16, causal=False, window=None,
+           packing=False, sinks=0, range_select=True, mixed=True):
+    """The kernel's trace-time configuration for these arguments (built on the host from shapes only)."""
+    sk = sq if sk is None else sk
+    q = np.zeros((bs, nheads, d, sq), np.float32)
+    k = np.zeros((bs, nheads_kv, d, sk), np.float32)
+    s = np.zeros((bs, nheads, sinks), np.float32) if sinks else None
+    bmin = np.zeros((sq,), np.float32) if packing else None
+    shp = attention_shape(q, k, sinks=s, bound_min=bmin, use_causal_mask=causal, sliding_window=window)
+    return fwd._FwdConfig(shp, dtype, nl.float32 if mixed else dtype, range_select)
+
+
+def traced(q, k, v, **kw):
+    with recording() as rec:
+        out = attention_fwd(q, k, v, **kw)
+    return out, rec.records
+
+
+def dmas(records, src=None, dst_hbm_dtype=None):
+    """dma_copy records reading kernel argument ``src`` (arg0 = q, arg1 = k, arg2 = v, ...) or writing HBM in
+    ``dst_hbm_dtype``."""
+    out = []
+    for r in records:
+        if r.instr != "dma_copy":
+            continue
+        if src is not None and r.srcs[0].name == src:
+            out.append(r)
+        elif dst_hbm_dtype is not None and r.dst.buffer == "hbm" and r.dst.dtype == dst_hbm_dtype:
+            out.append(r)
+    return out
+
+
+def n_units_blocks(cfg):
+    """Blocks of every section of one kv head."""
+    blocks = []
+    for t0 in range(0, cfg.n_qt, cfg.sec_tiles):
+        n = min(cfg.sec_tiles, cfg.n_qt - t0)
+        for j0, j1 in fwd._blocks(cfg, n):
+            blocks.append((t0, j0, j1))
+    return blocks
+
+
+# ----------------------------------------------------------------------------------------------- plans (structure)
+@pytest.mark.parametrize("group", [1, 2, 3, 5, 8, 9, 16, 24])
+@pytest.mark.parametrize("n_tiles", [1, 3, 7])
+def test_blocks_partition_the_units(group, n_tiles):
+    cfg = config(nheads=group, nheads_kv=1)
+    blocks = fwd._blocks(cfg, n_tiles)
+    covered = []
+    for j0, j1 in blocks:
+        assert 0 < j1 - j0 <= fwd.MAX_UNITS
+        covered += list(range(j0, j1))
+        if group <= fwd.MAX_UNITS:
+            # whole query tiles: every head of the group, so per-head statistics repeat with period `group`
+            assert j0 % group == 0 and (j1 - j0) % group == 0
+        else:
+            assert j0 // group == (j1 - 1) // group  # never across a query tile
+    assert covered == list(range(n_tiles * group))  # in order, each unit once
+    if group <= fwd.MAX_UNITS:
+        assert cfg.units == (fwd.MAX_UNITS // group) * group
+        assert len(blocks) == math.ceil(n_tiles * group / cfg.units)
+
+
+def _brute_visible(q0, k0, k1, causal, window):
+    i = np.arange(q0, q0 + 128)[:, None]
+    j = np.arange(k0, k1)[None, :]
+    vis = np.ones((128, k1 - k0), bool)
+    if causal:
+        vis &= j <= i
+    if window:
+        vis &= j >= i - window + 1
+    return vis.any(axis=0)
+
+
+@pytest.mark.parametrize("sk,causal,window", [(2560, True, None), (4608, True, 300), (2176, False, None),
+                                              (4096, True, 128), (6144, True, 2200)])
+@pytest.mark.parametrize("tiles", [[0, 1], [3, 4, 5], [15, 16, 17, 18], [30, 31]])
+def test_key_block_plan_matches_brute_force(sk, causal, window, tiles):
+    tiles = [t for t in tiles if t * 128 < sk]
+    cfg = config(sq=sk, sk=sk, causal=causal, window=window)
+    plan = fwd._key_blocks(cfg, tiles)
+    seen = {}
+    for kt0, kt_n, vis, c_lo, c_hi, gaps in plan:
+        assert kt0 % fwd.KB_TILES == 0 and kt_n == min(fwd.KB_TILES, cfg.n_kt - kt0)
+        union = []
+        want_gaps = kt_n < fwd.KB_TILES
+        for u, t in enumerate(tiles):
+            for i in range(kt_n):
+                k0 = (kt0 + i) * 512
+                k1 = min(k0 + 512, sk)
+                chunks = np.flatnonzero(_brute_visible(t * 128, k0, k1, causal, window).reshape(-1, 128).any(1))
+                lo, hi = vis[u][i]
+                if len(chunks):
+                    assert (lo, hi) == (chunks[0], chunks[-1] + 1)  # exactly the visible chunks (contiguous)
+                    union += [i * 4 + lo, i * 4 + hi]
+                    seen[(u, kt0 + i)] = True
+                else:
+                    assert lo == hi
+                    want_gaps = True
+        assert (c_lo, c_hi) == (min(union), max(union))  # K/V loaded for the union of the units' chunks
+        assert gaps == want_gaps
+    # every visible (unit, score tile) is in exactly one key block; key blocks nobody sees are absent
+    for u, t in enumerate(tiles):
+        for kt in range(cfg.n_kt):
+            k0 = kt * 512
+            if _brute_visible(t * 128, k0, min(k0 + 512, sk), causal, window).any():
+                assert seen.get((u, kt))
+    assert len(plan) == len({kt0 for kt0, *_ in plan})
+
+
+@pytest.mark.parametrize("target", ["trn1", "trn2", "trn3"])
+@pytest.mark.parametrize("dtype,d,group,s", [("float32", 256, 8, 32768), ("bfloat16", 128, 4, 32768),
+                                             ("bfloat16", 64, 8, 4096), ("bfloat16", 128, 4, 4096),
+                                             ("float32", 96, 1, 16384), ("bfloat16", 256, 16, 8192)])
+def test_sections_are_balanced_and_sized_by_the_budget(monkeypatch, target, dtype, d, group, s):
+    monkeypatch.setenv("NEURON_PLATFORM_TARGET_OVERRIDE", target)
+    dt = nl.float32 if dtype == "float32" else nl.bfloat16
+    cfg = config(nheads=group, d=d, sq=s, dtype=dt, packing=True, sinks=2, causal=True,
+                 range_select=target != "trn1")
+    assert 1 <= cfg.sec_tiles <= cfg.n_qt
+    n_sec = math.ceil(cfg.n_qt / cfg.sec_tiles)
+    assert cfg.sec_tiles == math.ceil(cfg.n_qt / n_sec)  # balanced: no short last section
+    e = 4 if dtype == "float32" else 2
+    staging = cfg.sec_tiles * group * (2 * len(cfg.qk_tiles) * 128 * e + 4)  # Q, O, LSE of one section
+    scores = cfg.units * KB_KEYS * 4  # the largest item of the block's working set beside the staging
+    assert staging + scores <= fwd.sbuf_bytes_per_partition()
+    if group * s <= 16384 and dtype == "bfloat16" and target != "trn1":
+        assert n_sec == 1  # a whole head fits: Q, O and LSE move once per head
+
+
+# ----------------------------------------------------------------------------------------------- traces (structure)
+def test_transfers_once_per_head_and_section():
+    # 4 query heads / 1 kv head, 1024 queries, d 256 (two partition tiles), bf16, causal, sinks: one section
+    q, k, v = make_qkv(nheads=4, nheads_kv=1, d=256, sq=1024, dtype=torch.bfloat16, seed=30)
+    cfg = config(nheads=4, d=256, sq=1024, causal=True, sinks=1)
+    assert cfg.sec_tiles == cfg.n_qt
+    _, rec = traced(q, k, v, sinks_ref=torch.zeros(1, 4), use_causal_mask=True)
+    assert len(dmas(rec, src="arg0")) == 4 * 2  # Q: one DMA per (head, d tile), all 1024 queries
+    assert len(dmas(rec, dst_hbm_dtype="bfloat16")) == 4 * 2  # O: one per (head, d tile)
+    lse = dmas(rec, dst_hbm_dtype="float32")
+    assert len(lse) == 4 and all(r.dst.shape == (128, 8) for r in lse)  # LSE: once per head, every tile
+    assert len(dmas(rec, src="arg3")) == 1  # the sinks: once per kv head
+    # K and V: one DMA per (block, key block, d tile); blocks of 2 query tiles x 4 heads, one key block each
+    n_blocks = len(n_units_blocks(cfg))
+    assert n_blocks == 4
+    assert len(dmas(rec, src="arg1")) == len(dmas(rec, src="arg2")) == n_blocks * 2
+
+
+def test_transfers_with_several_sections(monkeypatch):
+    # trn1, float32, d 256, 8 query heads per kv head: the budget leaves room for 2 query tiles per section
+    monkeypatch.setenv("NEURON_PLATFORM_TARGET_OVERRIDE", "trn1")
+    cfg = config(nheads=8, d=256, sq=1024, dtype=nl.float32, causal=True, packing=True, sinks=2,
+                 range_select=False)
+    assert cfg.sec_tiles == 2
+    q, k, v = make_qkv(nheads=8, d=256, sq=1024, seed=31)
+    bmin, bmax = packing_bounds([0, 300, 700, 1024])
+    sinks = torch.randn(1, 8, 2, generator=torch.Generator().manual_seed(32))
+    with recording() as rec:
+        run_and_check(q, k, v, sinks=sinks, bound_min=bmin, bound_max=bmax, causal=True)
+    n_sec = 4
+    stats = sim.last_launch_stats()
+    assert stats.peak_sbuf_bytes <= stats.sbuf_capacity_bytes  # (capacity checking raises anyway)
+    assert len(dmas(rec.records, src="arg0")) == 8 * 2 * n_sec
+    assert len(dmas(rec.records, dst_hbm_dtype="float32")) == 8 * 2 * n_sec + 8 * n_sec  # O (float32) + LSE
+
+
+def test_statistics_batched_per_block():
+    # trn2, no sinks, no packing: per block one reciprocal and two selects (finishing), per (block, key block)
+    # one max reduction and one sum reduction, each on the [128, units] columns of the whole block
+    q, k, v = make_qkv(nheads=2, nheads_kv=1, d=64, sq=2560, dtype=torch.bfloat16, seed=33)
+    cfg = config(nheads=2, d=64, sq=2560, causal=True)
+    _, rec = traced(q, k, v, use_causal_mask=True)
+    blocks = n_units_blocks(cfg)
+    widths = []
+    n_kb = 0
+    for t0, j0, j1 in blocks:
+        tiles = [t0 + j // 2 for j in range(j0, j1)]
+        n_kb += len(fwd._key_blocks(cfg, tiles))
+        widths.append(j1 - j0)
+    recips = [r for r in rec if r.instr == "reciprocal"]
+    assert [r.dst.shape[1] for r in recips] == widths  # one per block, over all its units
+    assert sum(1 for r in rec if r.instr == "select_reduce") == 2 * len(blocks)
+    reduces = [r for r in rec if r.instr == "tensor_reduce"]
+    assert len(reduces) == 2 * n_kb
+    assert all(r.srcs[0].shape[2] == fwd.KB_TILES + 1 for r in reduces)  # tile maxima / sums + running value
+    # one online-softmax rescale of O per unit and key block after its first; PV accumulated over a key block
+    o_updates = sum(1 for r in rec if r.instr == "scalar_tensor_tensor")
+    want = 0
+    for t0, j0, j1 in blocks:
+        for j in range(j0, j1):
+            want += len(fwd._key_blocks(cfg, [t0 + j // 2])) - 1
+    assert o_updates == want > 0
+
+
+# ----------------------------------------------------------------------------------------------- edges (numbers)
+@pytest.mark.parametrize("nheads", [3, 5, 16])
+def test_gqa_groups_and_sinks_at_block_edges(nheads):
+    # 3: blocks of 2 query tiles x 3 heads; 5: one query tile per block; 16: two blocks inside each query tile.
+    # Per-head sink statistics are spread over the units of each block.
+    q, k, v = make_qkv(nheads=nheads, nheads_kv=1, d=64, sq=384, seed=40 + nheads)
+    sinks = torch.randn(1, nheads, generator=torch.Generator().manual_seed(41)) * 2.0
+    run_and_check(q, k, v, sinks=sinks, causal=True, window=200)
+
+
+@pytest.mark.parametrize("mixed", [True, False])
+def test_several_key_blocks_rescale_o(mixed):
+    # 2688 keys: key blocks of 2048 + 640 keys; the second rescales O and l from the first (bf16 accumulator when
+    # unmixed), the last key block is partial
+    q, k, v = make_qkv(nheads=2, nheads_kv=1, d=64, sq=256, sk=2688, dtype=torch.bfloat16, seed=42)
+    run_and_check(q, k, v, mixed=mixed)
+
+
+def test_window_across_a_key_block_boundary():
+    q, k, v = make_qkv(nheads=2, nheads_kv=1, d=64, sq=2560, seed=43)
+    run_and_check(q, k, v, causal=True, window=300)
+
+
+@pytest.mark.parametrize("scale", [None, 2.5])
+def test_rows_masked_in_a_whole_key_block_then_visible(scale):
+    # sequence 2 (queries 2200..2559) sees nothing in key block 0: its statistics hold only masked scores until
+    # key block 1 (alpha = 0 wipes them); rows 2500.. see no key at all (o = 0, lse = +inf)
+    bmin, bmax = packing_bounds([0, 2200, 2500], seqlen_q=2560)
+    q, k, v = make_qkv(nheads=1, d=64, sq=2560, seed=44)
+    o, lse, _, lse_ref = run_and_check(q, k, v, bound_min=bmin, bound_max=bmax, scale=scale)
+    assert torch.isinf(lse).sum() == 60 and torch.isinf(lse_ref).sum() == 60
+
+
+def test_trn1_fallbacks_match_trn2_across_key_blocks(monkeypatch):
+    bmin, bmax = packing_bounds([0, 1500, 2600, 3000], seqlen_q=3072)
+    q, k, v = make_qkv(nheads=2, nheads_kv=1, d=64, sq=3072, seed=45)
+    out = {}
+    for target in ("trn1", "trn2"):
+        monkeypatch.setenv("NEURON_PLATFORM_TARGET_OVERRIDE", target)
+        out[target] = attention_fwd(q, k, v, bound_min=bmin, bound_max=bmax, use_causal_mask=True,
+                                    sliding_window=700)
+    assert torch.equal(out["trn1"][0], out["trn2"][0]) and torch.equal(out["trn1"][1], out["trn2"][1])
+
+
+def test_minus_inf_sinks_equal_no_sinks_across_blocks():
+    q, k, v = make_qkv(nheads=3, nheads_kv=1, d=64, sq=2560, seed=46)
+    o0, l0 = attention_fwd(q, k, v, use_causal_mask=True, sliding_window=900)
+    o1, l1 = attention_fwd(q, k, v, sinks_ref=torch.full((1, 3, 2), -math.inf), use_causal_mask=True,
+                           sliding_window=900)
+    assert torch.equal(o0, o1) and torch.equal(l0, l1)
+
+
+@pytest.mark.parametrize("scale", [0.3, 2.5])
+def test_scale_in_exponent_variant(monkeypatch, scale):
+    # SCALE_IN_EXP=True (the exponent applies the scale to float32 S; statistics in raw units, sinks divided by
+    # the scale, the bias capped for scale > 1): the same criterion. The frontend's global-change rule is off:
+    # this test changes a module constant between launches on purpose.
+    monkeypatch.setattr(fwd, "SCALE_IN_EXP", True)
+    bmin, bmax = packing_bounds([0, 100, 333, 450], seqlen_q=512)
+    sinks = torch.tensor([[0.4, -math.inf], [-1.0, 2.0]]).reshape(1, 2, 2)
+    with sim.checking(frontend=False):
+        run_and_check(*make_qkv(nheads=2, nheads_kv=1, sq=512, seed=47), sinks=sinks, bound_min=bmin,
+                      bound_max=bmax, causal=True, window=150, scale=scale)
+        run_and_check(*make_qkv(nheads=2, nheads_kv=1, sq=384, dtype=torch.bfloat16, seed=48), causal=True,
+                      scale=scale)
+
+
+@pytest.mark.parametrize("target,dtype,want_dma", [("trn2", torch.bfloat16, True), ("trn3", torch.float16, True),
+                                                   ("trn2", torch.float32, False), ("trn1", torch.bfloat16, False)])
+def test_p_transposes_split_between_tensor_engine_and_dma(monkeypatch, target, dtype, want_dma):
+    # 2 heads x 8 query tiles, 1024 keys non-causal: every (unit, score tile) is a full 512-key tile; on trn2+
+    # with 16-bit P every other one is transposed by dma_transpose, the rest by 4 TensorE transposes
+    monkeypatch.setenv("NEURON_PLATFORM_TARGET_OVERRIDE", target)
+    q, k, v = make_qkv(nheads=2, nheads_kv=1, d=64, sq=1024, dtype=dtype, seed=50)
+    _, rec = traced(q, k, v)
+    n_tiles = 16 * 2
+    by_dma = [r for r in rec if r.instr == "dma_transpose"]
+    p_transposes = [r for r in rec if r.instr == "nc_transpose" and r.dst.shape == (128, 128) and
+                    r.srcs[0].shape == (128, 128) and r.dst.dtype == str(dtype).split(".")[1]]
+    if want_dma:
+        assert len(by_dma) == n_tiles // 2
+        assert all(r.srcs[0].buffer == "sbuf" and r.dst.shape == (128, 4, 128) for r in by_dma)
+    else:
+        assert not by_dma
+    assert len(p_transposes) == 4 * (n_tiles - len(by_dma))
+
+
+def test_power_of_two_scale_in_the_exponent_is_bit_identical_to_folding_it_into_q(monkeypatch):
+    # d_head 64: scale 1/8 is applied by the exponent; folding it into Q (the general path) gives the same bits
+    q, k, v = make_qkv(nheads=2, nheads_kv=1, d=64, sq=640, dtype=torch.bfloat16, seed=51)
+    sinks = torch.randn(1, 2, 2, generator=torch.Generator().manual_seed(52))
+    kw = dict(sinks_ref=sinks, use_causal_mask=True, sliding_window=300)
+    o_exp, l_exp = attention_fwd(q, k, v, **kw)
+    monkeypatch.setattr(fwd, "_power_of_two", lambda x: False)
+    with sim.checking(frontend=False):  # the monkeypatched helper is not NKI code
+        o_q, l_q = attention_fwd(q, k, v, **kw)
+    assert torch.equal(o_exp, o_q) and torch.equal(l_exp, l_q)
