@@ -102,16 +102,96 @@ def _cell(o):
     return f"{r1:.2f} / {'n/a' if r2 is None else f'{r2:.2f}'}{mark}"
 
 
+U = {"float32": 2.0 ** -24, "bfloat16": 2.0 ** -8, "float16": 2.0 ** -11}
+
+# What the tables of the NKI Library's kernels mean, read from their source and from the rows (the numbers are in
+# the tables): keyed by the function a candidate report names, shown under that report's table.
+CANDIDATE_NOTES = {
+    "attention_bwd:attention_bwd": [
+        "The NKI Library's `attention_bwd` refuses every row whose key count is 384: its key tile is "
+        "min(512, seqlen_k) and its key section (8192 keys for d_head <= 128) must be a multiple of that tile, so "
+        "the unequal row (256 queries, 384 keys) and the 300-token rows (padded to 384 by the harness) are "
+        "refused by its own input validation, not by a crash.",
+    ],
+    "attention_cte:attention_cte": [
+        "The NKI Library's `attention_cte` computes its matmuls in bfloat16 whatever the input dtype (its "
+        "docstring: float32 for the softmax, bfloat16 for the other operations). Its float32 and float16 rows "
+        "therefore carry bfloat16-size errors (of the order of one bfloat16 unit roundoff of max|ref|, last "
+        "column: hundreds of times the float32 bounds, a few times the float16 ones): the harness judges each "
+        "row by its dtype, so they fail, and the backward they feed fails with them. This is a verdict on precision, not a crash; its bfloat16 rows pass.",
+        "`empty_row` (packing that leaves query rows with no visible key): for such rows `attention_cte` returns "
+        "o = the mean of v over the masked keys and -max = 3.4e38 (its mask fills scores with the most negative "
+        "float32, and a softmax over equal scores is uniform), where the golden, like this project's kernels, "
+        "gives o = 0 and lse = +inf. The backward fed that o and lse fails too.",
+        "It refuses d_head above 128 (its own validation) and more than one sink per head (the adapter, which "
+        "passes one sink column). Packing and windows run with q scaled on the host, as its range_select and "
+        "sliding-window paths require scale = 1.",
+    ],
+}
+
+
+def _notes(rep):
+    """The notes of the functions a candidate report judged: the forward's when one is given (it feeds the
+    backward, so it explains the rows), else the backward's; plus what the rows say."""
+    spec = rep.get("candidate_spec") or {}
+    name = spec.get("fwd") or spec.get("bwd") or ""
+    out = [text for key, texts in CANDIDATE_NOTES.items() if name.endswith(key) for text in texts]
+    s = rep["summary"]
+    if s["failed"] == 0 and s["judged"]:
+        dtypes = sorted({r["case"]["dtype"] for r in rep["rows"] if _status(r) == "pass"})
+        feats = sorted({f for r in rep["rows"] if _status(r) == "pass" for f in r["case"]["features"]})
+        out.append(f"Every row it accepts passes both rules ({', '.join(dtypes)}; {', '.join(feats)}), the "
+                   f"tightest at {s['worst_ratio']:.2f} of a bound.")
+    return out
+
+
+def _why_failed(r):
+    """A failing row's worst output: its error relative to max|ref|, in units of the row dtype's roundoff and of
+    bfloat16's, beside the same-dtype baseline's (what separates arithmetic in another precision from a bug);
+    or its count of values whose infinity is wrong (+inf expected where no key is visible, or NaN/inf made)."""
+    dt = r["case"]["dtype"]
+    bad = {n: o for n, o in r["outputs"].items() if o.get("nonfinite")}
+    if bad:
+        return "; ".join(f"{n}: {o['nonfinite']} values not +inf where the reference is, or not finite"
+                         for n, o in bad.items())
+    name, o = max(r["outputs"].items(), key=lambda kv: max(_ratios(kv[1])[0], _ratios(kv[1])[1] or 0))
+    r1, r2 = _ratios(o)
+    rule = "rule 1" if r1 >= (r2 or 0) else "rule 2"
+    units = f"{o['max_rel'] / U[dt]:.3g} u({dt})" + ("" if dt == "bfloat16" else
+                                                      f" = {o['max_rel'] / U['bfloat16']:.2f} u(bfloat16)")
+    return (f"{max(r1, r2 or 0):.3g} x the bound ({rule}) on {name}: err {o['max_rel']:.1e} of max\\|ref\\| = "
+            f"{units}; {dt} baseline {o['base_rel']:.1e}")
+
+
+def _command(rep, path):
+    """The command that makes a candidate report (the module must be importable: for the NKI Library, with
+    PYTHONPATH=$NKI_LIBRARY/src/nkilib_src)."""
+    spec = rep.get("candidate_spec") or {}
+    cmd = f"nki-attn check --preset {rep.get('preset')} -j {rep.get('jobs', 1)}"
+    if rep.get("lnc", 1) != 1:
+        cmd += f" --lnc {rep['lnc']}"
+    if spec.get("bwd"):
+        cmd += f" --candidate-bwd {spec['bwd']}"
+    if spec.get("fwd"):
+        cmd += f" --candidate-fwd {spec['fwd']}"
+        if spec.get("fwd_contract", "lse") != "lse":
+            cmd += f" --fwd-contract {spec['fwd_contract']}"
+    prefix = "PYTHONPATH=$NKI_LIBRARY/src/nkilib_src " if "nkilib" in (str(spec.get("bwd")) + str(spec.get("fwd"))) \
+        else ""
+    return f"{prefix}{cmd} --out {path}"
+
+
 def candidate_section(rep, path):
-    """The row-by-row verdict of one candidate report: per output rule-1 / rule-2 ratios, or why a row was not
-    judged."""
+    """The row-by-row verdict of one candidate report: per output rule-1 / rule-2 ratios, the row's margin, or
+    why a row failed or was not judged."""
     s = rep["summary"]
     m = rep["machine"]
     load = rep.get("load_average") or {}
     spec = rep.get("candidate_spec") or {}
     outs = ("o", "lse", "dq", "dk", "dv", "dsinks")
     lines = [f"### {rep.get('candidate')}", "",
-             f"`{path}`: preset `{rep.get('preset')}`, backend `{rep['backend']}`, target `{rep['target']}`, "
+             "```bash", _command(rep, path), "```", "",
+             f"Preset `{rep.get('preset')}`, backend `{rep['backend']}`, target `{rep['target']}`, "
              f"LNC {rep['lnc']}, created {rep['created']} on {m.get('cpu_model', '?')} ({m['cpus']} CPUs), "
              f"{rep.get('wall_seconds')} s with -j {rep.get('jobs', '?')} at load average {load.get('start', '?')}-"
              f"{load.get('end', '?')}. Backward: `{spec.get('bwd') or 'ours'}`; forward: "
@@ -119,9 +199,9 @@ def candidate_section(rep, path):
              + ".", "",
              f"**{s['passed']} rows pass, {s['failed']} fail, {s.get('unsupported', 0)} unsupported** (of "
              f"{s['rows']}); overall {'PASS' if s['pass'] else 'FAIL'}. Each cell is err / rule-1 bound and "
-             f"systematic error / rule-2 bound (n/a: too few vectors for rule 2); margin = 1 - the row's worst "
-             f"ratio.", "",
-             "| row | status | " + " | ".join(outs) + " | margin / why not judged |",
+             f"systematic error / rule-2 bound (n/a: too few vectors for rule 2); a passing row's margin is 1 - its "
+             f"worst ratio.", "",
+             "| row | status | " + " | ".join(outs) + " | margin, or why not |",
              "|---|---|" + "---|" * len(outs) + "---|"]
     for r in rep["rows"]:
         st = _status(r)
@@ -130,7 +210,42 @@ def candidate_section(rep, path):
             lines.append(f"| {r['case']['name']} | {st} | {cells} | {_reason(r.get('error', ''))} |")
             continue
         cells = " | ".join(_cell(r["outputs"].get(o)) for o in outs)
-        lines.append(f"| {r['case']['name']} | {st} | {cells} | {1 - r['worst_ratio']:.2f} |")
+        why = f"{1 - r['worst_ratio']:.2f}" if st == "pass" else _why_failed(r)
+        lines.append(f"| {r['case']['name']} | {st} | {cells} | {why} |")
+    notes = _notes(rep)
+    return lines + ([""] + [f"- {t}" for t in notes] if notes else [])
+
+
+def detection_limits(reports):
+    """Per dtype, over the outputs o, dq, dk, dv of our kernels' rows: the smallest scaling of a whole output
+    each rule is sure to catch, from each output's bound and the correct kernels' own error.
+
+    A gradient scaled by 1 + eps errs by eps * |ref| plus the kernel's own error e, so its max error exceeds
+    rule 1's bound for sure when eps > (bound + max|e|) / max|ref|; its projection is eps + c (c, the correct
+    kernels' own projection), past rule 2's bound for sure when eps > proj_bound + |c|."""
+    agg = defaultdict(lambda: {"r1": [], "r2": []})
+    for rep in reports:
+        for r in rep["rows"]:
+            for name, o in r.get("outputs", {}).items():
+                if name not in ("o", "dq", "dk", "dv") or not o.get("max_rel"):
+                    continue
+                where = f"{r['case']['name']} {name}"
+                scale = o["max_abs"] / o["max_rel"]
+                a = agg[r["case"]["dtype"]]
+                a["r1"].append(((o["bound"] + o["max_abs"]) / scale, where))
+                if o.get("proj_applies"):
+                    a["r2"].append((o["proj_bound"] + abs(o["proj"]), where))
+    lines = ["| dtype | outputs | rule 1 catches a scaling of (median; largest, where) | rule 2 catches a scaling "
+             "of (median; largest, where) |", "|---|---|---|---|"]
+    for dt in ("float32", "bfloat16", "float16"):
+        a = agg[dt]
+        if not a["r1"]:
+            continue
+        cells = []
+        for key in ("r1", "r2"):
+            v = sorted(a[key])
+            cells.append(f"{100 * v[len(v) // 2][0]:.3g} %; {100 * v[-1][0]:.3g} % ({v[-1][1]})" if v else "-")
+        lines.append(f"| {dt} | {len(a['r1'])} | {cells[0]} | {cells[1]} |")
     return lines
 
 
@@ -203,6 +318,13 @@ def main(argv=None, out="docs/validation.md"):
               f"The largest ratio to a bound over all rows is **{worst[0]:.3f}** (row `{worst[1]}`, output "
               f"`{worst[2]}`, {worst[3]}): the kernels' error is at most that fraction of what the tolerance "
               f"rules allow.", ""]
+    lines += ["## What these rows can and cannot detect", "",
+              "Derived from each output's bounds (docs/harness.md, \"What the harness can and cannot detect\"): "
+              "the smallest uniform scaling of a whole output (a dQ x 1.01 bug is 1 %) that each rule is sure to "
+              "reject on these rows, given the kernels' own error there. Below rule 1's figure an error can hide "
+              "in the size of the legitimate error; rule 2 sees scalings far smaller, but only scalings (and "
+              "other errors correlated with the reference) of outputs with at least 25 effective vectors.", ""]
+    lines += detection_limits(reports) + [""]
     if args.candidate:
         lines += ["## Other people's kernels, judged by the same harness", "",
                   "Runs of `nki-attn check --candidate-bwd / --candidate-fwd` (docs/harness.md, \"Validate your own "

@@ -223,8 +223,8 @@ def cte_forward(fn, q, k, v, sinks=None, bound_min=None, bound_max=None, use_cau
     Heads join the batch (``[b * h, d, sq]``; kv heads likewise, which is the library's GQA convention), v is
     passed as ``[b * hk, sk, d]``, ``tp_q=False, tp_k=False, tp_out=True, cache_softmax=True``; its outputs o
     ``[b * h, d, sq]``, -max and 1/sum ``[b * h, 128, sq // 128]`` become o ``[b, h, d, sq]`` and
-    lse = max + log(sum) ``[b, h, 128, sq // 128]`` (float32). With a sliding window the library requires
-    ``scale=1``, so q is scaled on the host, in its dtype, as our kernels do on the device. It takes one sink
+    lse = max + log(sum) ``[b, h, 128, sq // 128]`` (float32). With a sliding window or packing bounds the
+    library requires ``scale=1``, so q is scaled on the host, in its dtype, as our kernels do on the device. It takes one sink
     per head: rows with more are ``Unsupported``.
     """
     b, h, d, sq = q.shape
@@ -234,9 +234,11 @@ def cte_forward(fn, q, k, v, sinks=None, bound_min=None, bound_max=None, use_cau
     k3 = k.reshape(b * hk, d, sk)
     v3 = v.reshape(b * hk, d, sk).transpose(1, 2).contiguous()
     kw = dict(causal_mask=bool(use_causal_mask), tp_q=False, tp_k=False, tp_out=True, cache_softmax=True)
-    if sliding_window:
+    if sliding_window or bound_min is not None:
+        # its sliding-window and bounds (range_select) paths require scale=1
         q3 = (q3.to(torch.float32) * scale).to(q.dtype)
         scale = 1.0
+    if sliding_window:
         kw["sliding_window"] = int(sliding_window)
     kw["scale"] = float(scale)
     if sinks is not None:

@@ -71,6 +71,7 @@ def cte_like(q, k, v, scale=1.0, causal_mask=True, sliding_window=None, tp_q=Tru
     and, with cache_softmax, -max and 1/sum ``[b * h, 128, sq // 128]`` (max taken as lse - 1)."""
     assert not tp_q and not tp_k and tp_out and cache_softmax, "only the layouts the harness's adapter uses"
     assert not sliding_window or scale == 1.0, "SWA only supports scale=1.0"
+    assert bound_min is None or scale == 1.0, "range_select path doesn't support scale != 1.0"
     nq, d, sq = q.shape
     nk, sk = k.shape[0], k.shape[2]
     group = nq // nk
