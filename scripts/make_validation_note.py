@@ -283,6 +283,11 @@ def main(argv=None, out="docs/validation.md"):
                   f"{load.get('start', '?')} at the start and {load.get('end', '?')} at the end (shared machine)",
                   f"- **{s['passed']}/{s['rows']} rows pass**; worst ratio to a bound (either rule) "
                   f"{s['worst_ratio']:.3f}" + ("" if s["pass"] else f"; FAILED: {s['failed_rows']}"), ""]
+        if rep.get("schema_version", 1) < 3:
+            lines.append(f"- **an older report** (schema {rep.get('schema_version', 1)}): made by an earlier version of "
+                         "the kernels and the harness, before the systematic-error rule (rule 2) and the current "
+                         "band policy; its rows were judged by rule 1 and the band where required. Regenerate it "
+                         "with the command in docs/harness.md to bring it up to date.")
         for n in rep.get("notes") or []:
             lines.append(f"- note: {n}")
         by_dtype = defaultdict(list)
