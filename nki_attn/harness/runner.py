@@ -3,12 +3,15 @@
 A *candidate* is anything with the kernels' two signatures (``fwd(q, k, v, sinks, bound_min, bound_max,
 use_causal_mask=, mixed_precision=, softmax_scale=, sliding_window=) -> (o, lse)`` and ``bwd(q, k, v, o, dy,
 lse, sinks, bound_min, bound_max, ...) -> (dq, dk, dv[, dsinks])``). ``KernelCandidate`` is the NKI kernels;
-the harness's own tests pass deliberately broken ones.
+``candidate.ExternalCandidate`` someone else's (``nki-attn check --candidate-bwd``); the harness's own tests
+pass deliberately broken ones.
 
-Rows whose lengths are not multiples of 128 (``case.via_api``) run through the public PyTorch API
-(``nki_attn.flash_attn_func``, or ``flash_attn_varlen_func`` for packed rows), which pads for the kernels; the
-reference is the golden on the same problem padded the golden's own way (zero rows, padded keys outside the
-packing bounds of ``golden.packing_bounds``), cut back to the unpadded rows and keys.
+Rows whose lengths are not multiples of 128 (``case.via_api``) run through the candidate's ``run_api`` when it
+has one (ours: the public PyTorch API, ``nki_attn.flash_attn_func`` or ``flash_attn_varlen_func``, which pads
+for the kernels); any other candidate gets the problem padded to multiples of 128 with packing bounds that hide
+the padded keys (``run_padded``). The reference is the golden on the problem padded the golden's own way (zero
+rows, padded keys outside the packing bounds of ``golden.packing_bounds``), cut back to the unpadded rows and
+keys, so padding is never judged.
 """
 import contextlib
 import os
@@ -20,6 +23,7 @@ import torch
 import golden
 
 from . import tolerance
+from .candidate import CandidateError, Unsupported
 
 _TORCH = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _TILE = 128
@@ -35,6 +39,10 @@ class KernelCandidate:
         self._fwd = attention_fwd[lnc] if lnc == 2 else attention_fwd
         self._bwd = attention_bwd[lnc] if lnc == 2 else attention_bwd
         self.lnc = lnc
+
+    def with_lnc(self, lnc):
+        """The kernels launched on ``lnc`` cores."""
+        return KernelCandidate(lnc=lnc)
 
     def fwd(self, *args, **kwargs):
         return self._fwd(*args, **kwargs)
@@ -211,13 +219,18 @@ def _golden(ins, case, as_dtype):
 def run_candidate(candidate, ins, case):
     """Candidate forward then backward on the candidate's own o and lse; dict of outputs.
 
-    API rows (``case.via_api``) call ``candidate.run_api(ins, case)``; a candidate without it cannot run them.
+    API rows (``case.via_api``) call ``candidate.run_api(ins, case)`` when the candidate has one, else
+    ``run_padded``.
     """
     if case.via_api:
-        if not hasattr(candidate, "run_api"):
-            raise ValueError(f"row {case.name}: seqlen_q={case.seqlen_q}, seqlen_k={case.seqlen_k} need the API "
-                             f"path, which candidate {type(candidate).__name__} does not provide")
-        return candidate.run_api(ins, case)
+        if hasattr(candidate, "run_api"):
+            return candidate.run_api(ins, case)
+        return run_padded(candidate, ins, case)
+    return _run_kernels(candidate, ins, case)
+
+
+def _run_kernels(candidate, ins, case):
+    """Forward then backward in the kernels' layout (lengths multiples of 128); dict of outputs."""
     o, lse = candidate.fwd(ins["q"], ins["k"], ins["v"], ins["sinks"], ins["bound_min"], ins["bound_max"],
                            mixed_precision=True, **_kwargs(case))
     res = candidate.bwd(ins["q"], ins["k"], ins["v"], o, ins["dy"], lse, ins["sinks"], ins["bound_min"],
@@ -226,6 +239,36 @@ def run_candidate(candidate, ins, case):
     if ins["sinks"] is not None:
         out["dsinks"] = res[3]
     return out
+
+
+def candidate_bounds(case, seqlen_q_padded):
+    """Packing bounds of the padded problem ``run_padded`` hands a candidate, float32 ``[seqlen_q_padded]``.
+
+    Real query rows keep the row's visibility (its packing, else every real key); padded query rows see every
+    real key, so that the padding itself leaves no row without keys (their dO is 0: they add nothing to dK, dV
+    or dsinks, and their outputs are cut away); padded keys are outside every row's bounds. A causal row with
+    seqlen_q == seqlen_k and no packing needs no bounds, (None, None): the padded keys come after every real
+    query, so the causal mask hides them, and a candidate without packing support can run it.
+    """
+    sq, sk = case.seqlen_q, case.seqlen_k
+    if case.causal and sq == sk and not case.cu_seqlens:
+        return None, None
+    if case.cu_seqlens:
+        bmin, bmax = golden.packing_bounds(torch.tensor(case.cu_seqlens), seqlen_q=seqlen_q_padded)
+    else:
+        bmin = torch.zeros(seqlen_q_padded, dtype=torch.float32)
+        bmax = torch.full((seqlen_q_padded,), float(sk), dtype=torch.float32)
+    bmin[sq:], bmax[sq:] = 0.0, float(sk)
+    return bmin, bmax
+
+
+def run_padded(candidate, ins, case):
+    """A row of any length run by a kernels-only candidate: q, dy padded with zero query rows and k, v with zero
+    keys to multiples of 128, bounds from ``candidate_bounds``; forward + backward as for aligned rows; outputs
+    cut back to the unpadded problem in ``reference``'s layouts. The candidate must support packing bounds."""
+    pad, cut = _pad_to_tiles(ins, case)
+    pad["bound_min"], pad["bound_max"] = candidate_bounds(case, pad["q"].shape[-1])
+    return cut(_run_kernels(candidate, pad, case))
 
 
 def run_api(ins, case):
@@ -269,8 +312,14 @@ def run_api(ins, case):
     return out
 
 
+# outputs whose elements come in vectors sharing their rounding errors: d_head, axis 2 of [b, h, d, s]
+VECTOR_AXIS = {"o": 2, "dq": 2, "dk": 2, "dv": 2}
+
+
 def run_case(case, candidate):
-    """Check one row. Returns the report row: case facts, per-output errors and verdicts, ``pass``, seconds."""
+    """Check one row. Returns the report row: case facts, per-output errors and verdicts, ``status`` ("pass",
+    "fail", "error": the candidate or the harness crashed, "unsupported": the candidate refused the row, see
+    ``candidate``), ``pass`` (status == "pass"), ``worst_ratio``, seconds."""
     t0 = time.perf_counter()
     row = {"case": case.as_dict()}
     try:
@@ -282,17 +331,24 @@ def run_case(case, candidate):
         lengths = tolerance.reduction_lengths(case)
         checks = {}
         for name in ref:
+            if got.get(name) is None:
+                raise CandidateError(f"the candidate returned no {name}")
             # lse and dsinks are float32 but carry the row dtype's input rounding: judged by the row dtype.
             scale = _dsinks_input_scale(ref, ins, case) if name == "dsinks" else 0.0
             checks[name] = tolerance.compare(name, _np(got[name]), _np(ref[name]), _np(base[name]), case.dtype,
                                              n=lengths[name], input_scale=scale,
-                                             inputs=_np(from_inputs[name]) if name in from_inputs else None)
+                                             inputs=_np(from_inputs[name]) if name in from_inputs else None,
+                                             vec_axis=VECTOR_AXIS.get(name))
         row["outputs"] = checks
-        row["pass"] = all(c["ok"] for c in checks.values())
-        row["worst_ratio"] = max((c["max_abs"] / c["bound"] if c.get("bound") else 0.0) for c in checks.values())
+        row["status"] = "pass" if all(c["ok"] for c in checks.values()) else "fail"
+        row["worst_ratio"] = max(max(tolerance.ratios(c)) for c in checks.values())
+    except Unsupported as exc:
+        row["status"] = "unsupported"
+        row["error"] = str(exc)
     except Exception as exc:  # noqa: BLE001 - a crash is a failing row, reported with its message
-        row["pass"] = False
+        row["status"] = "error"
         row["error"] = f"{type(exc).__name__}: {exc}"
+    row["pass"] = row["status"] == "pass"
     row["seconds"] = round(time.perf_counter() - t0, 3)
     return row
 
