@@ -110,8 +110,9 @@ def bloom_alibi_slopes(nheads):
 
 
 def dropout_seed(case):
-    """The dropout seed of a row (the kernels' runtime seed tensor), derived from the row name like its inputs."""
-    return torch.tensor([case_seed(case) & 0x7FFFFFFF], dtype=torch.int32)
+    """The dropout seed of a row: the kernels' runtime seed tensor, int32 ``[2]`` = (seed, offset)
+    (docs/semantics.md, "Dropout"), the seed derived from the row name like its inputs, offset 0."""
+    return torch.tensor([case_seed(case) & 0x7FFFFFFF, 0], dtype=torch.int32)
 
 
 def keep_mask(ins, case):
