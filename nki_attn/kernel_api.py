@@ -123,3 +123,77 @@ attention_fwd = CheckedKernel(_fwd.attention_fwd, _fwd.fwd_problem)
 attention_bwd = CheckedKernel(_bwd.attention_bwd, _bwd.bwd_problem)
 
 __all__ = ["attention_fwd", "attention_bwd", "CheckedKernel", "VARIANT_KEYWORDS", "variant_problem"]
+
+
+# ----------------------------------------------------------------------------------------------------- features
+class _Probe:
+    """A stand-in array for probing a kernel's checks: ``shape`` and an NKI ``dtype``, no data."""
+
+    __slots__ = ("shape", "dtype")
+
+    def __init__(self, shape, dtype="float32"):
+        self.shape = tuple(shape)
+        self.dtype = getattr(nl, dtype)
+
+
+def _probe_args(feature, d_qk=64, d_v=64, sq=256, sk=256):
+    """Smallest valid arguments exercising ``feature`` (a ``validation.FEATURES`` name), for both kernels."""
+    kw = {}
+    if feature == "causal_unequal":
+        sq, sk = 128, 256
+        kw["use_causal_mask"] = True
+    elif feature == "head_dim_any":
+        d_qk = d_v = 199
+    elif feature == "d_v":
+        d_v = 32
+    elif feature == "softcap":
+        kw["softcap"] = 30.0
+    elif feature == "alibi":
+        kw["alibi_slopes"] = _Probe((1, 2))
+    elif feature == "window_size":
+        kw["window_size"] = (16, 16)
+    elif feature == "dropout":
+        kw["dropout_p"] = 0.25
+        kw["dropout_seed"] = _Probe(DROPOUT_SEED_SHAPE, DROPOUT_SEED_DTYPE)
+    q = _Probe((1, 2, d_qk, sq))
+    k = _Probe((1, 1, d_qk, sk))
+    v = _Probe((1, 1, d_v, sk))
+    o = _Probe((1, 2, d_v, sq))
+    lse = _Probe((1, 2, 128, sq // 128))
+    return q, k, v, o, lse, kw
+
+
+def _dropout_seed_format():
+    # the dropout helper's seed layout when its tile step exists (kernels/dropout.py), else one int32 word
+    try:
+        from .kernels import dropout as _dropout  # noqa: PLC0415 - optional until the dropout step lands
+    except ImportError:
+        return (1,), "int32"
+    return tuple(getattr(_dropout, "SEED_SHAPE", (1,))), str(getattr(_dropout, "SEED_DTYPE", "int32")).split(".")[-1]
+
+
+DROPOUT_SEED_SHAPE, DROPOUT_SEED_DTYPE = _dropout_seed_format()
+_SUPPORT_CACHE = {}
+
+
+def supports(feature):
+    """True when both kernels implement ``feature`` (a ``validation.FEATURES`` name): their own checks accept a
+    minimal call that uses it. The torch API routes a variant natively when supported and raises
+    NotImplementedError otherwise. Cached per feature (the kernels are fixed for the life of the process)."""
+    if feature not in _validation.FEATURES:
+        raise ValueError(f"feature={feature!r} must be one of {_validation.FEATURES}")
+    key = (feature, attention_fwd.kernel, attention_bwd.kernel)
+    if key not in _SUPPORT_CACHE:
+        q, k, v, o, lse, kw = _probe_args(feature)
+        ok = True
+        for item in ((attention_fwd, (q, k, v)), (attention_bwd, (q, k, v, o, o, lse))):
+            checked, args = item
+            try:
+                checked.check(*args, **kw)
+            except (ValueError, TypeError):
+                ok = False
+        _SUPPORT_CACHE[key] = ok
+    return _SUPPORT_CACHE[key]
+
+
+__all__ += ["supports", "DROPOUT_SEED_SHAPE", "DROPOUT_SEED_DTYPE"]

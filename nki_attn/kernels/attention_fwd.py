@@ -31,7 +31,7 @@ block live in the columns of ``[128, units]`` tiles, so each statistics instruct
 import math
 
 from ..backend import nisa, nki, nl
-from .tiling import tile_fully_visible, tile_visible
+from .tiling import attention_band, band_needs_hi_mask, band_needs_lo_mask, band_tile_fully_visible, band_tile_visible
 from .validation import attention_problem, attention_shape, sbuf_bytes_per_partition
 
 PMAX = 128
@@ -51,27 +51,28 @@ SBUF_MARGIN = 8192  # bytes per partition left free when sizing a section
 # accuracy: docs/kernel-fwd.md, "Precision"). True: the exponent applies s to the unrounded float32 S (a more
 # accurate forward, for use with a backward that does the same). Everything downstream reads cfg.exp_scale.
 SCALE_IN_EXP = False
+# the issue-#14 features (validation.FEATURES) this kernel implements; the shared validation refuses the others
+FWD_FEATURES = ("causal_unequal", "head_dim_any", "d_v", "softcap", "alibi", "window_size")
 
 
 # ----------------------------------------------------------------------------------------------------- trace-time plan
 def _partition_tiles(d):
-    """``[(start, size)]`` partition tiles of a head dimension ``d``: equal tiles of at most 128 rows (the shared
-    validation guarantees an even split). The Q/K contraction and the V/O columns each get their own list."""
-    n = (d + PMAX - 1) // PMAX
-    size = d // n
+    """``[(start, size)]`` partition tiles of a head dimension ``d`` (1 .. 256): tiles of 128 rows and the
+    remainder (199 = 128 + 71). The Q/K contraction and the V/O columns each get their own list."""
     tiles = []
-    for i in range(n):
-        tiles.append((i * size, size))
+    for d0 in range(0, d, PMAX):
+        tiles.append((d0, min(PMAX, d - d0)))
     return tiles
 
 
-def _chunk_range(q0, k0, kw, causal, window):
-    """Visible 128-key chunks ``[lo, hi)`` of the key tile ``[k0, k0 + kw)`` for the query tile at ``q0``
-    (causal and window leave a contiguous run); ``lo == hi`` when none is visible."""
+def _chunk_range(q0, k0, kw, lo_rel, hi_rel):
+    """Visible 128-key chunks ``[lo, hi)`` of the key tile ``[k0, k0 + kw)`` for the query tile at ``q0`` under
+    the band ``(lo_rel, hi_rel)`` (``tiling.attention_band``: the visible keys of a query run form one interval,
+    so the visible chunks are contiguous); ``lo == hi`` when none is visible."""
     lo = 0
     hi = 0
     for c in range(kw // PMAX):
-        if tile_visible(q0, q0 + PMAX, k0 + c * PMAX, k0 + (c + 1) * PMAX, causal, window):
+        if band_tile_visible(q0, q0 + PMAX, k0 + c * PMAX, k0 + (c + 1) * PMAX, lo_rel, hi_rel):
             if hi == lo:
                 lo = c
             hi = c + 1
@@ -91,22 +92,45 @@ class _FwdConfig(nl.NKIObject):
     tiles are transposed by DMA (``_transpose_p``).
     """
 
-    def __init__(self, shp, io_dtype, acc_dtype, range_select_ok):
+    def __init__(self, shp, io_dtype, acc_dtype, range_select_ok, d_v=None, var=None):
+        if d_v is None:
+            d_v = shp.d_head
+        if var is None:
+            var = _Variants(0.0, False, None, 0.0)
         self.shp = shp
+        self.d_qk = shp.d_head
         self.qk_tiles = _partition_tiles(shp.d_head)
-        self.v_tiles = _partition_tiles(shp.d_head)
-        self.d_v = shp.d_head
+        self.v_tiles = _partition_tiles(d_v)
+        self.d_v = d_v
         self.group = shp.group
         # a power-of-two scale commutes exactly with every rounding: applied by the exponent it gives the same bits
         # as folded into Q, without the pass over Q
         in_exp = SCALE_IN_EXP or _power_of_two(shp.scale)
-        self.exp_scale = shp.scale if in_exp else 1.0
+        base = shp.scale if in_exp else 1.0  # what still multiplies the PSUM scores
         self.q_scale = 1.0 if in_exp else shp.scale
+        # soft-capping c > 0: the stored scores are t = tanh(base * S / c) (``_softcap_scores``) and the exponent
+        # applies c, so exp(c t + bias) is still the ONE exponent of the softmax
+        self.softcap = var.softcap
+        self.cap_scale = base / var.softcap if var.softcap > 0 else 1.0
+        self.exp_scale = var.softcap if var.softcap > 0 else base
+        self.alibi = var.alibi
+        self.dropout_p = var.dropout_p
         self.io_dtype = io_dtype
         self.acc_dtype = acc_dtype
         self.n_qt = shp.seqlen_q // PMAX
         self.n_kt = (shp.seqlen_k + K_TILE - 1) // K_TILE
-        self.masked = shp.packing or shp.causal or shp.window > 0
+        # the band (tiling.attention_band): key j visible to query i iff i + lo_rel <= j <= i + hi_rel, bottom-right
+        # aligned (off = seqlen_k - seqlen_q); band_lo / band_hi: that side cuts some pair of the problem
+        self.off = shp.seqlen_k - shp.seqlen_q
+        window = None
+        if shp.window > 0:
+            window = shp.window
+        band = attention_band(shp.causal, window, var.window_size, shp.seqlen_q, shp.seqlen_k)
+        self.lo_rel = band[0]
+        self.hi_rel = band[1]
+        self.band_lo = self.lo_rel > 1 - shp.seqlen_q
+        self.band_hi = self.hi_rel < shp.seqlen_k - 1
+        self.masked = shp.packing or self.band_lo or self.band_hi
         if range_select_ok:
             self.mask = "bounds"
         elif shp.packing:
@@ -178,7 +202,7 @@ def _key_blocks(cfg, tiles):
             for i in range(kt_n):
                 k0 = (kt0 + i) * K_TILE
                 kw = min(K_TILE, shp.seqlen_k - k0)
-                lo, hi = _chunk_range(tiles[u] * PMAX, k0, kw, shp.causal, shp.window)
+                lo, hi = _chunk_range(tiles[u] * PMAX, k0, kw, cfg.lo_rel, cfg.hi_rel)
                 row.append((lo, hi))
                 if hi > lo:
                     c_lo = min(c_lo, i * (K_TILE // PMAX) + lo)
@@ -220,21 +244,86 @@ def _mask_predicate(cfg, t, ks, src, dst, max_col, bounds, idx):
 
 
 def _mask_affine(cfg, t, ks, src, dst, max_col, bounds, idx):
-    """trn1 causal / window: copy to SBUF (affine_select is GpSimd, SBUF only), mask by the affine conditions,
-    then the row max."""
-    shp = cfg.shp
+    """trn1 band (causal, windows): copy to SBUF (affine_select is GpSimd, SBUF only), mask by the band's affine
+    conditions where a side cuts the tile, then the row max."""
     q0 = t * PMAX
     width = dst.shape[1]
     nisa.tensor_copy(dst=dst, src=src)
-    if shp.causal and not tile_fully_visible(q0, q0 + PMAX, ks, ks + width, True, 0):
-        # keep key ks + j for query q0 + c when (q0 - ks) + c - j >= 0
+    if band_needs_hi_mask(q0, q0 + PMAX, ks, ks + width, cfg.hi_rel):
+        # keep key ks + j for query q0 + c when (q0 + hi_rel - ks) + c - j >= 0
         nisa.affine_select(dst=dst, pattern=[[-1, width]], channel_multiplier=1, on_true_tile=dst,
-                           on_false_value=FP32_MIN, cmp_op=nl.greater_equal, offset=q0 - ks)
-    if shp.window > 0 and not tile_fully_visible(q0, q0 + PMAX, ks, ks + width, False, shp.window):
-        # keep when key >= query - W + 1:  (ks + W - 1 - q0) + j - c >= 0
+                           on_false_value=FP32_MIN, cmp_op=nl.greater_equal, offset=q0 + cfg.hi_rel - ks)
+    if band_needs_lo_mask(q0, q0 + PMAX, ks, ks + width, cfg.lo_rel):
+        # keep when key >= query + lo_rel:  (ks - q0 - lo_rel) + j - c >= 0
         nisa.affine_select(dst=dst, pattern=[[1, width]], channel_multiplier=-1, on_true_tile=dst,
-                           on_false_value=FP32_MIN, cmp_op=nl.greater_equal, offset=ks + shp.window - 1 - q0)
+                           on_false_value=FP32_MIN, cmp_op=nl.greater_equal, offset=ks - q0 - cfg.lo_rel)
     nisa.tensor_reduce(dst=max_col, op=nl.maximum, data=dst, axis=1)
+
+
+# ----------------------------------------------------------------------------------------------------- variant steps
+def _softcap_scores(cfg, pos, src, rt):
+    """Score step, soft-capping: ``t = tanh(cap_scale * S)`` (ScalarE, reading the PSUM scores) into float32 SBUF.
+    With ``c`` the cap, ``c t`` is the capped logit ``c tanh(s q.k / c)``; the exponent applies the factor c
+    (``cfg.exp_scale``), so the softmax keeps its single exponent."""
+    t = nl.ndarray((PMAX, src.shape[1]), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.activation(dst=t, op=nl.tanh, data=src, scale=cfg.cap_scale)
+    return t
+
+
+def _alibi_scores(cfg, pos, src, rt):
+    """Score step, ALiBi: ``S - slope |i + off - j| / exp_scale`` (the exponent multiplies by exp_scale again).
+    The distance comes from one GpSimd ``iota`` whose signs are chosen at trace time: the tile's pairs all lie on
+    one side of the diagonal (``j <= i + off``: ``i + off - j``; ``j >= i + off``: ``j - i - off``), or every
+    visible pair does (the band ends at the diagonal: causal); only a non-causal tile crossing the diagonal takes
+    ``|d| = max(-d, d)``. Then ONE VectorE ``scalar_tensor_tensor`` (``|d| * -slope/e + S``) from PSUM."""
+    b, hq, h, q0, ks = pos
+    w = src.shape[1]
+    d0 = q0 + cfg.off - ks  # i + off - j at the tile's first query and first key
+    dist = nl.ndarray((PMAX, w), dtype=nl.float32, buffer=nl.sbuf)
+    if ks >= q0 + PMAX - 1 + cfg.off:
+        nisa.iota(dst=dist, pattern=[[1, w]], offset=-d0, channel_multiplier=-1)  # j - i - off >= 0
+    else:
+        nisa.iota(dst=dist, pattern=[[-1, w]], offset=d0, channel_multiplier=1)  # i + off - j
+        if ks + w - 1 > q0 + cfg.off and cfg.hi_rel > cfg.off:
+            # the tile crosses the diagonal and keys right of it are visible: |d|
+            nisa.scalar_tensor_tensor(dst=dist, data=dist, op0=nl.multiply, operand0=-1.0, op1=nl.maximum,
+                                      operand1=dist)
+    out = nl.ndarray((PMAX, w), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.scalar_tensor_tensor(dst=out, data=dist, op0=nl.multiply, operand0=rt.slopes[:, h:h + 1], op1=nl.add,
+                              operand1=src)
+    return out
+
+
+def _load_slopes(cfg, alibi_slopes, b, kvh):
+    """ALiBi slopes of the kv head's query heads broadcast to the 128 partitions (one stride-0 DMA), as
+    ``-slope / exp_scale`` ``[128, group]`` float32 (the factor ``_alibi_scores`` multiplies the distance by)."""
+    shp = cfg.shp
+    g = cfg.group
+    sl = nl.ndarray((PMAX, g), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.dma_copy(dst=sl, src=alibi_slopes.ap(pattern=[[0, PMAX], [1, g]], offset=b * shp.nheads + kvh * g))
+    nisa.tensor_scalar(dst=sl, data=sl, op0=nl.multiply, operand0=-1.0 / cfg.exp_scale)
+    return sl
+
+
+class _Variants(nl.NKIObject):
+    """The issue-#14 arguments of one launch that shape the trace: softcap (0 = off), alibi (slopes given),
+    window_size (``(left, right)`` or None), dropout_p (0 = off)."""
+
+    def __init__(self, softcap, alibi, window_size, dropout_p):
+        self.softcap = float(softcap)
+        self.alibi = alibi
+        self.window_size = window_size
+        self.dropout_p = float(dropout_p)
+
+
+class _ItemData(nl.NKIObject):
+    """Runtime tiles of one (batch, kv head) work item that tile steps read: ``slopes`` ``[128, group]`` float32
+    ``-slope / exp_scale`` of the group's query heads (ALiBi, else None); ``seed`` the dropout seed tile (else
+    None)."""
+
+    def __init__(self, slopes, seed):
+        self.slopes = slopes
+        self.seed = seed
 
 
 class _TileSteps(nl.NKIObject):
@@ -259,19 +348,27 @@ class _TileSteps(nl.NKIObject):
 
 
 def _tile_steps(cfg):
-    """The launch's tile steps: the masking step by generation and mask kind, no score or probability step."""
+    """The launch's tile steps: the score steps of the variants in the order of the semantics (soft-capping, then
+    ALiBi), the masking step by generation and mask kind, the probability steps (dropout). The default launch
+    has no score or probability step."""
     partial = _mask_affine
     if cfg.mask == "bounds":
         partial = _mask_bounds
     elif cfg.mask == "predicate":
         partial = _mask_predicate
-    return _TileSteps([], _evict_max, partial, [])
+    score = []
+    if cfg.softcap > 0:
+        score.append(_softcap_scores)
+    if cfg.alibi:
+        score.append(_alibi_scores)
+    prob = []
+    return _TileSteps(score, _evict_max, partial, prob)
 
 
 def _load_bounds(cfg, bound_min, bound_max):
     """Key bounds of every query row as SBUF ``[128, n_qt]`` float32 columns (column t = query tile t): key j is
-    visible to query q iff ``bmin[q] <= j < bmax[q]``. Packing bounds come from HBM; causal (``bmax <= q + 1``)
-    and the window (``bmin >= q - W + 1``) are folded in."""
+    visible to query q iff ``bmin[q] <= j < bmax[q]``. Packing bounds come from HBM; the band's sides
+    (causal, windows: ``bmax <= q + hi_rel + 1``, ``bmin >= q + lo_rel``) are folded in."""
     shp = cfg.shp
     n_qt = cfg.n_qt
     bmin = nl.ndarray((PMAX, n_qt), dtype=nl.float32, buffer=nl.sbuf)
@@ -283,13 +380,13 @@ def _load_bounds(cfg, bound_min, bound_max):
     else:
         nisa.memset(dst=bmin, value=0.0, engine=nisa.engine.gpsimd)
         nisa.memset(dst=bmax, value=float(shp.seqlen_k), engine=nisa.engine.gpsimd)
-    if shp.causal:
+    if cfg.band_hi:
         qpos1 = nl.ndarray((PMAX, n_qt), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.iota(dst=qpos1, pattern=[[PMAX, n_qt]], offset=1, channel_multiplier=1)  # q + 1
+        nisa.iota(dst=qpos1, pattern=[[PMAX, n_qt]], offset=cfg.hi_rel + 1, channel_multiplier=1)  # q + hi_rel + 1
         nisa.tensor_tensor(dst=bmax, data1=bmax, data2=qpos1, op=nl.minimum)
-    if shp.window:
+    if cfg.band_lo:
         qlo = nl.ndarray((PMAX, n_qt), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.iota(dst=qlo, pattern=[[PMAX, n_qt]], offset=1 - shp.window, channel_multiplier=1)  # q - W + 1
+        nisa.iota(dst=qlo, pattern=[[PMAX, n_qt]], offset=cfg.lo_rel, channel_multiplier=1)  # q + lo_rel
         nisa.tensor_tensor(dst=bmin, data1=bmin, data2=qlo, op=nl.maximum)
     return bmin, bmax
 
@@ -364,7 +461,7 @@ def _transpose_v(cfg, v_tiles, n_ch):
     return vt
 
 
-def _scores(cfg, q_sec, k_tiles, b, kvh, t0, heads, tiles, kb, pm, bounds, idx, steps):
+def _scores(cfg, q_sec, k_tiles, b, kvh, t0, heads, tiles, kb, pm, bounds, idx, steps, rt):
     """Phase 1 (scoring and masking): S = Q^T K of every visible (unit, score tile) of key block ``kb``, through
     the score steps, masked and copied to SBUF (float32), its row max into ``pm[:, u, i]``. Returns ``s[u][i]`` (None where
     the unit sees nothing of score tile i)."""
@@ -388,9 +485,10 @@ def _scores(cfg, q_sec, k_tiles, b, kvh, t0, heads, tiles, kb, pm, bounds, idx, 
                                    moving=k_tiles[qi][:, col:col + w])
                 src = s_ps
                 for f in steps.score:
-                    src = f(cfg, (b, kvh * cfg.group + heads[u], q0, ks), src)
+                    src = f(cfg, (b, kvh * cfg.group + heads[u], heads[u], q0, ks), src, rt)
                 s_sb = nl.ndarray((PMAX, w), dtype=nl.float32, buffer=nl.sbuf)
-                full = not shp.packing and tile_fully_visible(q0, q0 + PMAX, ks, ks + w, shp.causal, shp.window)
+                full = not shp.packing and band_tile_fully_visible(q0, q0 + PMAX, ks, ks + w, cfg.lo_rel,
+                                                                   cfg.hi_rel)
                 mask = steps.mask_full if full else steps.mask_partial
                 j = None
                 if idx is not None:
@@ -446,7 +544,7 @@ def _transpose_p(cfg, p_sb, n_ch, dma_turn):
     return pt_sb
 
 
-def _exp_pv(cfg, s, b, kvh, heads, tiles, kb, vt, bias, alpha, rs, o_acc, started, steps):
+def _exp_pv(cfg, s, b, kvh, heads, tiles, kb, vt, bias, alpha, rs, o_acc, started, steps, rt):
     """Phase 3 (exponent and PV): per visible (unit, score tile) ``P = exp(c S + bias)`` with its row sum into
     ``rs[:, u, i]`` in ONE activation, the probability steps, P^T, PV accumulated over the whole key block in one
     PSUM tile; then per unit the O update."""
@@ -462,8 +560,8 @@ def _exp_pv(cfg, s, b, kvh, heads, tiles, kb, vt, bias, alpha, rs, o_acc, starte
                 nisa.activation(dst=p_sb, op=nl.exp, data=s[u][i], bias=bias[:, u:u + 1], scale=cfg.exp_scale,
                                 reduce_op=nl.add, reduce_res=rs[:, u, i], reduce_cmd=nisa.reduce_cmd.reset_reduce)
                 for f in steps.prob:
-                    p_sb = f(cfg, (b, kvh * cfg.group + heads[u], tiles[u] * PMAX, (kt0 + i) * K_TILE + lo * PMAX),
-                             p_sb)
+                    p_sb = f(cfg, (b, kvh * cfg.group + heads[u], heads[u], tiles[u] * PMAX,
+                                   (kt0 + i) * K_TILE + lo * PMAX), p_sb, rt)
                 pt_sb = _transpose_p(cfg, p_sb, hi - lo, (u + kt0 + i) % 2 == 0)
                 if o_ps is None:
                     o_ps = nl.ndarray((PMAX, cfg.d_v), dtype=nl.float32, buffer=nl.psum)
@@ -484,7 +582,7 @@ def _update_sum(cfg, l_sum, alpha, rs):
 
 
 def _key_block(cfg, k_ref, v_ref, b, kvh, q_sec, t0, heads, tiles, kb, gaps_next, pm, l_sum, o_acc, started,
-               bounds, steps):
+               bounds, steps, rt):
     """One key block of a block of units: load K and V (the union of the units' visible chunks), V^T, then the
     four phases. Returns the statistics after it: ``(pm_next, l, bias)``."""
     kt0, kt_n, vis, c_lo, c_hi, gaps = kb
@@ -508,7 +606,7 @@ def _key_block(cfg, k_ref, v_ref, b, kvh, q_sec, t0, heads, tiles, kb, gaps_next
         idx = nl.ndarray((PMAX, width), dtype=nl.float32, buffer=nl.sbuf)
         nisa.iota(dst=idx, pattern=[[1, width]], offset=key0, channel_multiplier=0)  # key index per column
 
-    s = _scores(cfg, q_sec, k_tiles, b, kvh, t0, heads, tiles, kb, pm, bounds, idx, steps)
+    s = _scores(cfg, q_sec, k_tiles, b, kvh, t0, heads, tiles, kb, pm, bounds, idx, steps, rt)
     n = len(heads)
     pm_next = nl.ndarray((PMAX, n, cfg.kb_tiles + 1), dtype=nl.float32, buffer=nl.sbuf)
     if gaps_next:
@@ -517,7 +615,7 @@ def _key_block(cfg, k_ref, v_ref, b, kvh, q_sec, t0, heads, tiles, kb, gaps_next
     rs = nl.ndarray((PMAX, n, cfg.kb_tiles + 1), dtype=nl.float32, buffer=nl.sbuf)
     if gaps:
         nisa.memset(dst=rs, value=0.0, engine=nisa.engine.gpsimd)
-    _exp_pv(cfg, s, b, kvh, heads, tiles, kb, vt, bias, alpha, rs, o_acc, started, steps)
+    _exp_pv(cfg, s, b, kvh, heads, tiles, kb, vt, bias, alpha, rs, o_acc, started, steps, rt)
     l_new = _update_sum(cfg, l_sum, alpha, rs)
     return pm_next, l_new, bias
 
@@ -553,7 +651,7 @@ def _finish_block(cfg, pm, l_sum, bias, o_acc, j0, o_sec, lse_sec):
             nisa.activation(dst=o_sec[vi][:, col:col + PMAX], op=nl.copy, data=ot_ps)
 
 
-def _attend_block(cfg, k_ref, v_ref, b, kvh, q_sec, t0, j0, j1, bounds, sink_stats, steps, o_sec, lse_sec):
+def _attend_block(cfg, k_ref, v_ref, b, kvh, q_sec, t0, j0, j1, bounds, sink_stats, steps, rt, o_sec, lse_sec):
     """Units ``j0 .. j1 - 1`` of the section starting at query tile ``t0`` (unit j: query tile ``t0 + j // group``,
     head ``j % group``) against every key block one of them sees."""
     g = cfg.group
@@ -565,9 +663,9 @@ def _attend_block(cfg, k_ref, v_ref, b, kvh, q_sec, t0, j0, j1, bounds, sink_sta
         heads.append(j % g)
         tiles.append(t0 + j // g)
         started.append(False)
+    # (a bottom-right band can leave whole query tiles without a visible key: seqlen_q > seqlen_k with causal,
+    # windows that end before the first key or start after the last; such units are finished as empty rows)
     plan = _key_blocks(cfg, tiles)
-    # causal / window never hide a unit's diagonal chunk (seqlen_q == seqlen_k there); nothing else skips tiles
-    assert len(plan) > 0, "internal: a block of units sees no key"
     # pm[:, u, i]: row max of score tile i of the current key block; pm[:, u, KB]: the running max m
     pm = nl.ndarray((PMAX, n, cfg.kb_tiles + 1), dtype=nl.float32, buffer=nl.sbuf)
     l_sum = nl.ndarray((PMAX, n), dtype=nl.float32, buffer=nl.sbuf)
@@ -575,7 +673,7 @@ def _attend_block(cfg, k_ref, v_ref, b, kvh, q_sec, t0, j0, j1, bounds, sink_sta
         nisa.memset(dst=pm, value=FP32_MIN, engine=nisa.engine.gpsimd)
         nisa.memset(dst=l_sum, value=0.0, engine=nisa.engine.gpsimd)
     else:
-        if plan[0][5]:
+        if len(plan) == 0 or plan[0][5]:
             nisa.memset(dst=pm, value=FP32_MIN, engine=nisa.engine.gpsimd)
         m0, l0 = sink_stats
         nisa.tensor_copy(dst=pm[:, :, cfg.kb_tiles], src=_per_unit(m0, j0, n, g))
@@ -585,11 +683,19 @@ def _attend_block(cfg, k_ref, v_ref, b, kvh, q_sec, t0, j0, j1, bounds, sink_sta
     for k in range(len(plan)):
         gaps_next = k + 1 < len(plan) and plan[k + 1][5]
         pm, l_sum, bias = _key_block(cfg, k_ref, v_ref, b, kvh, q_sec, t0, heads, tiles, plan[k], gaps_next, pm,
-                                     l_sum, o_acc, started, bounds, steps)
+                                     l_sum, o_acc, started, bounds, steps, rt)
+    for u in range(n):
+        if not started[u]:
+            # no visible key for this unit's rows: O = 0 (o = 0; with sinks lse = their logsumexp)
+            nisa.memset(dst=o_acc[:, u, :], value=0.0, engine=nisa.engine.gpsimd)
+    if bias is None:
+        bias = nl.ndarray((PMAX, n), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_scalar(dst=bias, data=pm[:, :, cfg.kb_tiles], op0=nl.multiply, operand0=-cfg.exp_scale,
+                           op1=nl.minimum, operand1=FP32_MAX)
     _finish_block(cfg, pm, l_sum, bias, o_acc, j0, o_sec, lse_sec)
 
 
-def _attend_section(cfg, q_ref, k_ref, v_ref, o_ref, lse_ref, b, kvh, t0, t1, bounds, sink_stats, steps):
+def _attend_section(cfg, q_ref, k_ref, v_ref, o_ref, lse_ref, b, kvh, t0, t1, bounds, sink_stats, steps, rt):
     """Query tiles ``[t0, t1)`` of every query head of kv head ``kvh``: Q loaded and O, LSE stored once per head."""
     g = cfg.group
     n = t1 - t0
@@ -615,7 +721,7 @@ def _attend_section(cfg, q_ref, k_ref, v_ref, o_ref, lse_ref, b, kvh, t0, t1, bo
     blocks = _blocks(cfg, n)
     for i in range(len(blocks)):
         j0, j1 = blocks[i]
-        _attend_block(cfg, k_ref, v_ref, b, kvh, q_sec, t0, j0, j1, bounds, sink_stats, steps, o_sec, lse_sec)
+        _attend_block(cfg, k_ref, v_ref, b, kvh, q_sec, t0, j0, j1, bounds, sink_stats, steps, rt, o_sec, lse_sec)
     for h in range(g):
         hq = kvh * g + h
         for vi in range(len(cfg.v_tiles)):
@@ -627,12 +733,15 @@ def _attend_section(cfg, q_ref, k_ref, v_ref, o_ref, lse_ref, b, kvh, t0, t1, bo
 
 
 def fwd_problem(q_ref, k_ref, v_ref, sinks_ref=None, bound_min=None, bound_max=None, use_causal_mask=False,
-                mixed_precision=True, softmax_scale=None, sliding_window=None):
+                mixed_precision=True, softmax_scale=None, sliding_window=None, softcap=0.0, alibi_slopes=None,
+                window_size=None, dropout_p=0.0, dropout_seed=None):
     """``None`` when ``attention_fwd`` accepts these arguments, else the first problem as a message. The kernel
     asserts on it; ``nki_attn.kernel_api.attention_fwd`` raises it as ``ValueError`` before launching."""
     problem = attention_problem(q_ref, k_ref, v_ref, sinks=sinks_ref, bound_min=bound_min, bound_max=bound_max,
                                 use_causal_mask=use_causal_mask, softmax_scale=softmax_scale,
-                                sliding_window=sliding_window)
+                                sliding_window=sliding_window, softcap=softcap, alibi_slopes=alibi_slopes,
+                                window_size=window_size, dropout_p=dropout_p, dropout_seed=dropout_seed,
+                                supports=FWD_FEATURES, kernel="attention_fwd")
     if problem is None and not isinstance(mixed_precision, bool):
         problem = f"mixed_precision={mixed_precision!r} must be True or False"
     return problem
@@ -640,7 +749,8 @@ def fwd_problem(q_ref, k_ref, v_ref, sinks_ref=None, bound_min=None, bound_max=N
 
 @nki.jit
 def attention_fwd(q_ref, k_ref, v_ref, sinks_ref=None, bound_min=None, bound_max=None, use_causal_mask=False,
-                  mixed_precision=True, softmax_scale=None, sliding_window=None):
+                  mixed_precision=True, softmax_scale=None, sliding_window=None, softcap=0.0, alibi_slopes=None,
+                  window_size=None, dropout_p=0.0, dropout_seed=None):
     """Flash-attention forward; returns ``(o, lse)`` in shared HBM.
 
     Args:
@@ -661,16 +771,18 @@ def attention_fwd(q_ref, k_ref, v_ref, sinks_ref=None, bound_min=None, bound_max
         o: like q; lse: float32 ``[bs, nheads, 128, seqlen_q // 128]``.
     """
     problem = fwd_problem(q_ref, k_ref, v_ref, sinks_ref, bound_min, bound_max, use_causal_mask, mixed_precision,
-                          softmax_scale, sliding_window)
+                          softmax_scale, sliding_window, softcap, alibi_slopes, window_size, dropout_p, dropout_seed)
     assert problem is None, problem
     shp = attention_shape(q_ref, k_ref, sinks=sinks_ref, bound_min=bound_min, use_causal_mask=use_causal_mask,
                           softmax_scale=softmax_scale, sliding_window=sliding_window)
     range_select_ok = nisa.get_nc_version() >= nisa.nc_version.gen3  # range_select exists on trn2+
     acc_dtype = nl.float32 if mixed_precision else q_ref.dtype
-    cfg = _FwdConfig(shp, q_ref.dtype, acc_dtype, range_select_ok)
+    d_v = v_ref.shape[2]
+    var = _Variants(softcap, alibi_slopes is not None, window_size, dropout_p)
+    cfg = _FwdConfig(shp, q_ref.dtype, acc_dtype, range_select_ok, d_v, var)
     steps = _tile_steps(cfg)
 
-    o_ref = nl.ndarray((shp.bs, shp.nheads, shp.d_head, shp.seqlen_q), dtype=q_ref.dtype, buffer=nl.shared_hbm)
+    o_ref = nl.ndarray((shp.bs, shp.nheads, d_v, shp.seqlen_q), dtype=q_ref.dtype, buffer=nl.shared_hbm)
     lse_ref = nl.ndarray((shp.bs, shp.nheads, PMAX, cfg.n_qt), dtype=nl.float32, buffer=nl.shared_hbm)
 
     # LNC sharding over bs * nheads_kv: core `pid` of `n_prog` takes a contiguous range of (batch, kv head)
@@ -685,6 +797,7 @@ def attention_fwd(q_ref, k_ref, v_ref, sinks_ref=None, bound_min=None, bound_max
     start = pid * per_core
     stop = min(n_items, start + per_core)
 
+    seed_sb = None
     bounds = None
     if cfg.masked and cfg.mask != "affine":
         bounds = _load_bounds(cfg, bound_min, bound_max)
@@ -697,7 +810,12 @@ def attention_fwd(q_ref, k_ref, v_ref, sinks_ref=None, bound_min=None, bound_max
         sink_stats = None
         if shp.num_sinks > 0:
             sink_stats = _sink_stats(cfg, sinks_ref, b, kvh)
+        slopes = None
+        if cfg.alibi:
+            slopes = _load_slopes(cfg, alibi_slopes, b, kvh)
+        rt = _ItemData(slopes, seed_sb)
         for i in range(len(sections)):
             t0, t1 = sections[i]
-            _attend_section(cfg, q_ref, k_ref, v_ref, o_ref, lse_ref, b, kvh, t0, t1, bounds, sink_stats, steps)
+            _attend_section(cfg, q_ref, k_ref, v_ref, o_ref, lse_ref, b, kvh, t0, t1, bounds, sink_stats, steps,
+                            rt)
     return o_ref, lse_ref
