@@ -215,7 +215,8 @@ def full():
     rows += [feature_case(f, 1000, 128, dt, heads=1) for dt in DTYPES for f in ("causal", "sinks", "packing_causal")]
     rows += [feature_case(f, 1000, 128, "bfloat16", heads=1) for f in ("window", "gqa", "unequal", "empty_row")]
     rows += [feature_case("causal", 300, 64, dt) for dt in DTYPES] + [feature_case("sinks2", 300, 64, "bfloat16")]
-    rows += [feature_case(f, 1000, 128, "bfloat16", heads=1) for f in ("softcap", "alibi", "local", "causal_sq_gt_sk")]
+    rows += [feature_case(f, 1000, 128, "bfloat16", heads=1)
+             for f in ("softcap", "alibi", "local", "causal_sq_lt_sk")]
     return rows
 
 
