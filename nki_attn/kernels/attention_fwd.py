@@ -131,6 +131,11 @@ class _FwdConfig(nl.NKIObject):
         self.band_lo = self.lo_rel > 1 - shp.seqlen_q
         self.band_hi = self.hi_rel < shp.seqlen_k - 1
         self.masked = shp.packing or self.band_lo or self.band_hi
+        # ALiBi by TensorE (``_alibi_matmul``) when every visible key is left of the diagonal (causal), the inputs
+        # are bfloat16, no soft-cap (the bias follows the tanh) and no sinks (they would need the row shift);
+        # otherwise the exact VectorE step (``_alibi_scores``)
+        self.alibi_mm = (var.alibi and self.hi_rel <= self.off and shp.num_sinks == 0 and var.softcap == 0.0
+                         and str(io_dtype) == str(nl.bfloat16))
         if range_select_ok:
             self.mask = "bounds"
         elif shp.packing:
@@ -294,15 +299,90 @@ def _alibi_scores(cfg, pos, src, rt):
     return out
 
 
+def _alibi_matmul(cfg, pos, src, rt):
+    """Score step, ALiBi by TensorE (causal, bfloat16): with every visible key left of the diagonal the bias is
+    ``-slope (i + off) + slope j``; the first term is a per-row constant, which the softmax ignores and
+    ``_alibi_lse`` subtracts from the LSE at the end (FlashAttention's causal ALiBi does the same). The second,
+    ``slope j / exp_scale``, is added to the scores in PSUM by ONE more matmul accumulating onto QK: stationary
+    ``rt.alibi_st[h]`` (the slope as three bfloat16 parts on partitions 0-2 and 32-34), moving the key-position
+    table of the key block (``_alibi_positions``: ``j = 256 jh + jl`` as exact bfloat16 rows), so every product
+    is exact and the sum is float32."""
+    b, hq, h, q0, ks = pos
+    w = src.shape[1]
+    kbw = cfg.kb_tiles * K_TILE
+    col = ks - (ks // kbw) * kbw
+    nisa.nc_matmul(dst=src, stationary=rt.alibi_st[h], moving=rt.pos_tab[:, col:col + w])
+    return src
+
+
+def _alibi_positions(cfg, kt0, rt):
+    """Key-block step of ``_alibi_matmul``: the key positions ``j = k0 + x`` of the key block starting at key
+    ``k0 = kt0 * 512`` as bfloat16 rows of ``rt.pos_tab``: rows 0-2 ``256 floor(j / 256)``, rows 32-34
+    ``j mod 256`` (both exact in bfloat16); rows 3-31 stay 0 (set once per launch)."""
+    k0 = kt0 * K_TILE
+    kbw = cfg.kb_tiles * K_TILE
+    nisa.iota(dst=rt.pos_tab[0:3, :], pattern=[[256, kbw // 256], [0, 256]], offset=k0, channel_multiplier=0)
+    nisa.iota(dst=rt.pos_tab[32:35, :], pattern=[[0, kbw // 256], [1, 256]], offset=0, channel_multiplier=0)
+
+
+def _alibi_stationaries(cfg, slope_e):
+    """Per query head of the group a bfloat16 ``[35, 128]`` stationary for ``_alibi_matmul``: ``slope / e``
+    split into three bfloat16 parts ``s1 + s2 + s3`` (float32-exact), on partitions 0-2 and again 32-34 (the
+    rows that meet the high and the low part of the key position), zero elsewhere. Built as ``[128, 35]``
+    columns and transposed by TensorE (a partition slice may only start at 0/32/64/96)."""
+    g = cfg.group
+    parts = nl.ndarray((PMAX, g, 3), dtype=nl.bfloat16, buffer=nl.sbuf)
+    rest = nl.ndarray((PMAX, g), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_copy(dst=parts[:, :, 0], src=slope_e)
+    nisa.tensor_tensor(dst=rest, data1=slope_e, data2=parts[:, :, 0], op=nl.subtract)
+    nisa.tensor_copy(dst=parts[:, :, 1], src=rest)
+    nisa.tensor_tensor(dst=rest, data1=rest, data2=parts[:, :, 1], op=nl.subtract)
+    nisa.tensor_copy(dst=parts[:, :, 2], src=rest)
+    cols = nl.ndarray((PMAX, 35), dtype=nl.bfloat16, buffer=nl.sbuf)
+    nisa.memset(dst=cols, value=0.0, engine=nisa.engine.gpsimd)
+    out = []
+    for h in range(g):
+        nisa.tensor_copy(dst=cols[:, 0:3], src=parts[:, h, :])
+        nisa.tensor_copy(dst=cols[:, 32:35], src=parts[:, h, :])
+        st_ps = nl.ndarray((35, PMAX), dtype=nl.bfloat16, buffer=nl.psum)
+        nisa.nc_transpose(dst=st_ps, data=cols)
+        st = nl.ndarray((35, PMAX), dtype=nl.bfloat16, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=st, src=st_ps)
+        out.append(st)
+    return out
+
+
+def _alibi_lse(cfg, t0, j0, lse_real, rt):
+    """Finishing step of ``_alibi_matmul``: add the dropped per-row term ``-slope (i + off)`` to the LSE of the
+    block's units (unit j: query tile ``t0 + j // group``, head ``j % group``)."""
+    g = cfg.group
+    n = lse_real.shape[1]
+    qpos = nl.ndarray((PMAX, n), dtype=nl.float32, buffer=nl.sbuf)
+    first = (t0 + j0 // g) * PMAX + cfg.off
+    if g <= MAX_UNITS:
+        nisa.iota(dst=qpos, pattern=[[PMAX, n // g], [0, g]], offset=first, channel_multiplier=1)
+    else:
+        nisa.iota(dst=qpos, pattern=[[0, n]], offset=first, channel_multiplier=1)
+    nisa.tensor_tensor(dst=qpos, data1=qpos, data2=_per_unit(rt.slopes, j0, n, g), op=nl.multiply)
+    nisa.tensor_tensor(dst=lse_real, data1=lse_real, data2=qpos, op=nl.add)
+
+
 def _load_slopes(cfg, alibi_slopes, b, kvh):
-    """ALiBi slopes of the kv head's query heads broadcast to the 128 partitions (one stride-0 DMA), as
-    ``-slope / exp_scale`` ``[128, group]`` float32 (the factor ``_alibi_scores`` multiplies the distance by)."""
+    """ALiBi slopes of the kv head's query heads broadcast to the 128 partitions (one stride-0 DMA): returns
+    ``(slopes, stationaries)``, for ``_alibi_scores`` ``-slope / exp_scale`` ``[128, group]`` float32 (the factor
+    it multiplies the distance by) and None, for ``_alibi_matmul`` ``-slope`` and the per-head stationaries."""
     shp = cfg.shp
     g = cfg.group
     sl = nl.ndarray((PMAX, g), dtype=nl.float32, buffer=nl.sbuf)
     nisa.dma_copy(dst=sl, src=alibi_slopes.ap(pattern=[[0, PMAX], [1, g]], offset=b * shp.nheads + kvh * g))
+    if cfg.alibi_mm:
+        # -slope for the LSE correction; slope / e for the stationaries
+        slope_e = nl.ndarray((PMAX, g), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_scalar(dst=slope_e, data=sl, op0=nl.multiply, operand0=1.0 / cfg.exp_scale)
+        nisa.tensor_scalar(dst=sl, data=sl, op0=nl.multiply, operand0=-1.0)
+        return sl, _alibi_stationaries(cfg, slope_e)
     nisa.tensor_scalar(dst=sl, data=sl, op0=nl.multiply, operand0=-1.0 / cfg.exp_scale)
-    return sl
+    return sl, None
 
 
 class _Variants(nl.NKIObject):
@@ -317,13 +397,15 @@ class _Variants(nl.NKIObject):
 
 
 class _ItemData(nl.NKIObject):
-    """Runtime tiles of one (batch, kv head) work item that tile steps read: ``slopes`` ``[128, group]`` float32
-    ``-slope / exp_scale`` of the group's query heads (ALiBi, else None); ``seed`` the dropout seed tile (else
-    None)."""
+    """Runtime tiles of one (batch, kv head) work item that tile steps read (None when unused): ``slopes``
+    ``[128, group]`` float32 per query head of the group (``_load_slopes``); ``seed`` the dropout seed tile;
+    ``alibi_st`` the ``_alibi_matmul`` stationaries per head; ``pos_tab`` its key-position table (per launch)."""
 
-    def __init__(self, slopes, seed):
+    def __init__(self, slopes, seed, alibi_st, pos_tab):
         self.slopes = slopes
         self.seed = seed
+        self.alibi_st = alibi_st
+        self.pos_tab = pos_tab
 
 
 class _TileSteps(nl.NKIObject):
@@ -336,15 +418,21 @@ class _TileSteps(nl.NKIObject):
     mask_full / mask_partial: the masking step of a tile whose every (query, key) pair is visible / of any other
         tile, ``step(cfg, t, ks, src, dst, max_col, bounds, idx)``: masked float32 scores into ``dst``, their row
         max into ``max_col``.
-    prob: steps applied in order to P after the exponent took its row sum, ``step(cfg, pos, p) -> p`` (dropout,
-        ...); none today.
+    prob: steps applied in order to P after the exponent took its row sum, ``step(cfg, pos, p, rt) -> p``
+        (dropout).
+    kb: steps run once per (block, key block) before its scores, ``step(cfg, kt0, rt)`` (``_alibi_positions``).
+    lse: steps applied to the block's LSE columns before the empty-row select, ``step(cfg, t0, j0, lse, rt)``
+        (``_alibi_lse``).
+    ``rt`` is the work item's ``_ItemData``; score steps get ``pos = (b, query head, head in group, q0, ks)``.
     """
 
-    def __init__(self, score, mask_full, mask_partial, prob):
+    def __init__(self, score, mask_full, mask_partial, prob, kb, lse):
         self.score = score
         self.mask_full = mask_full
         self.mask_partial = mask_partial
         self.prob = prob
+        self.kb = kb
+        self.lse = lse
 
 
 def _tile_steps(cfg):
@@ -357,12 +445,18 @@ def _tile_steps(cfg):
     elif cfg.mask == "predicate":
         partial = _mask_predicate
     score = []
+    kb = []
+    lse = []
+    if cfg.alibi_mm:
+        score.append(_alibi_matmul)
+        kb.append(_alibi_positions)
+        lse.append(_alibi_lse)
     if cfg.softcap > 0:
         score.append(_softcap_scores)
-    if cfg.alibi:
+    if cfg.alibi and not cfg.alibi_mm:
         score.append(_alibi_scores)
     prob = []
-    return _TileSteps(score, _evict_max, partial, prob)
+    return _TileSteps(score, _evict_max, partial, prob, kb, lse)
 
 
 def _load_bounds(cfg, bound_min, bound_max):
@@ -606,6 +700,8 @@ def _key_block(cfg, k_ref, v_ref, b, kvh, q_sec, t0, heads, tiles, kb, gaps_next
         idx = nl.ndarray((PMAX, width), dtype=nl.float32, buffer=nl.sbuf)
         nisa.iota(dst=idx, pattern=[[1, width]], offset=key0, channel_multiplier=0)  # key index per column
 
+    for f in steps.kb:
+        f(cfg, kt0, rt)
     s = _scores(cfg, q_sec, k_tiles, b, kvh, t0, heads, tiles, kb, pm, bounds, idx, steps, rt)
     n = len(heads)
     pm_next = nl.ndarray((PMAX, n, cfg.kb_tiles + 1), dtype=nl.float32, buffer=nl.sbuf)
@@ -621,7 +717,7 @@ def _key_block(cfg, k_ref, v_ref, b, kvh, q_sec, t0, heads, tiles, kb, gaps_next
 
 
 # ----------------------------------------------------------------------------------------------------- blocks, sections
-def _finish_block(cfg, pm, l_sum, bias, o_acc, j0, o_sec, lse_sec):
+def _finish_block(cfg, pm, l_sum, bias, o_acc, t0, j0, o_sec, lse_sec, steps, rt):
     """Finishing, all units at once: ``o = O / l`` and ``lse = c m + log(l)`` (= log(l) - bias); rows that saw no
     key (and have no sink) get 0 and +inf. O is normalised per unit, transposed back to ``[d, q]`` into the
     section's O staging, the LSE columns go to the section's LSE staging."""
@@ -637,6 +733,8 @@ def _finish_block(cfg, pm, l_sum, bias, o_acc, j0, o_sec, lse_sec):
     nisa.activation(dst=log_l, op=nl.log, data=l_safe)
     lse_real = nl.ndarray((PMAX, n), dtype=nl.float32, buffer=nl.sbuf)
     nisa.tensor_tensor(dst=lse_real, data1=log_l, data2=bias, op=nl.subtract)
+    for f in steps.lse:
+        f(cfg, t0, j0, lse_real, rt)
     nisa.select_reduce(dst=lse_sec[:, j0:j0 + n], predicate=keep, on_true=lse_real, on_false=POS_INF)
     # Per unit on ScalarE (its exponents leave it idle at the end of a block, VectorE is the busier engine):
     # O * (1/l) into o's dtype, then O^T per V/O partition tile into the staging.
@@ -692,7 +790,7 @@ def _attend_block(cfg, k_ref, v_ref, b, kvh, q_sec, t0, j0, j1, bounds, sink_sta
         bias = nl.ndarray((PMAX, n), dtype=nl.float32, buffer=nl.sbuf)
         nisa.tensor_scalar(dst=bias, data=pm[:, :, cfg.kb_tiles], op0=nl.multiply, operand0=-cfg.exp_scale,
                            op1=nl.minimum, operand1=FP32_MAX)
-    _finish_block(cfg, pm, l_sum, bias, o_acc, j0, o_sec, lse_sec)
+    _finish_block(cfg, pm, l_sum, bias, o_acc, t0, j0, o_sec, lse_sec, steps, rt)
 
 
 def _attend_section(cfg, q_ref, k_ref, v_ref, o_ref, lse_ref, b, kvh, t0, t1, bounds, sink_stats, steps, rt):
@@ -798,6 +896,10 @@ def attention_fwd(q_ref, k_ref, v_ref, sinks_ref=None, bound_min=None, bound_max
     stop = min(n_items, start + per_core)
 
     seed_sb = None
+    pos_tab = None
+    if cfg.alibi_mm:
+        pos_tab = nl.ndarray((35, cfg.kb_tiles * K_TILE), dtype=nl.bfloat16, buffer=nl.sbuf)
+        nisa.memset(dst=pos_tab, value=0.0, engine=nisa.engine.gpsimd)  # rows 3-31 stay 0
     bounds = None
     if cfg.masked and cfg.mask != "affine":
         bounds = _load_bounds(cfg, bound_min, bound_max)
@@ -811,9 +913,10 @@ def attention_fwd(q_ref, k_ref, v_ref, sinks_ref=None, bound_min=None, bound_max
         if shp.num_sinks > 0:
             sink_stats = _sink_stats(cfg, sinks_ref, b, kvh)
         slopes = None
+        alibi_st = None
         if cfg.alibi:
-            slopes = _load_slopes(cfg, alibi_slopes, b, kvh)
-        rt = _ItemData(slopes, seed_sb)
+            slopes, alibi_st = _load_slopes(cfg, alibi_slopes, b, kvh)
+        rt = _ItemData(slopes, seed_sb, alibi_st, pos_tab)
         for i in range(len(sections)):
             t0, t1 = sections[i]
             _attend_section(cfg, q_ref, k_ref, v_ref, o_ref, lse_ref, b, kvh, t0, t1, bounds, sink_stats, steps,

@@ -108,6 +108,25 @@ def test_alibi_bf16_gqa_several_key_blocks():
     run_case(dtype="bfloat16", inputs=make_inputs(h=4, hk=1, sq=256, sk=2560, alibi=True, dtype="bfloat16", seed=4))
 
 
+@pytest.mark.parametrize("sq,sk,window,h,hk", [(256, 2560, None, 4, 1), (384, 384, 100, 2, 2),
+                                                (256, 640, None, 16, 1)])
+def test_alibi_causal_bf16_by_tensor_engine(sq, sk, window, h, hk):
+    # causal bf16 takes _alibi_matmul (the bias's key part in PSUM, the row part folded into the LSE): one more
+    # matmul per computed score tile; across key blocks, with a window, and with a group of 16 heads (two
+    # blocks per query tile)
+    inputs = make_inputs(h=h, hk=hk, sq=sq, sk=sk, alibi=True, dtype="bfloat16", seed=sq + h)
+    kw = dict(use_causal_mask=True, sliding_window=window)
+    with recording() as rec:
+        run_case(dtype="bfloat16", inputs=inputs, **kw)
+    q, k, v, _ = inputs
+    with recording() as base:
+        attention_fwd(q, k, v, **kw)
+    # one score tile = one eviction (tensor_scalar_reduce when fully visible, range_select otherwise, trn2)
+    n_score = base.count("tensor_scalar_reduce") + base.count("range_select")
+    assert rec.count("nc_matmul") - base.count("nc_matmul") == n_score
+    assert rec.count("tensor_scalar_reduce") == base.count("tensor_scalar_reduce")  # no extra VectorE pass
+
+
 def test_alibi_with_softcap_and_window():
     run_case(inputs=make_inputs(h=2, sq=512, alibi=True, q_mul=4.0, seed=5), softcap=20.0, window_size=(100, 60))
 
