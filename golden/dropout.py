@@ -11,9 +11,10 @@ new independent mask per training step with a fixed ``seed`` (FlashAttention's P
 Hash. Every value is a 32-bit unsigned integer; ``lo(x) = x & 0xFFFF``, ``hi(x) = x >> 16`` (logical), ``^`` xor.
 The only nonlinear step is a 16 x 16 -> 32-bit product (exact: it is below 2**32, so no overflow rule matters)::
 
-    g(y)        = p ^ (p >> 16)   with  p = lo(y) * (hi(y) + 1)
+    g(y)        = p ^ (p << 16)   with  p = lo(y) * (hi(y) + 1)   (mod 2**32)
     seed words  Z0 = g(g(s0 ^ C0) ^ s1 ^ C1);  Z1 = g(g(s1 ^ C2) ^ s0 ^ C3)
-    row words   x1 = g(i ^ Z0 ^ h ^ A4);  K1 = g(x1 ^ i ^ Z1 ^ b ^ A5);  K2 = g(K1 ^ i ^ Z0 ^ jb ^ A6)
+    row words   x1 = g(i ^ Z0 ^ h ^ A4);  x2 = g(x1 ^ i ^ Z1 ^ b ^ A5);  K1 = g(x2 ^ i ^ Z0 ^ jb ^ A6)
+                K2 = g(K1 ^ i ^ Z1 ^ A7)
     element     m  = j & 0xFFFF,  jb = j >> 16
                 p1 = lo(m ^ K1) * (hi(K1) | 1);  u1 = p1 ^ (p1 >> 16)
                 v  = lo(lo(u1 ^ K2) * ((m ^ hi(K2)) | 1))
@@ -35,7 +36,7 @@ import torch
 # Seed whitening constants (31-bit; the kernel builds them with iota) and row-stage immediates (below 2**24, so
 # an instruction immediate holds them exactly whether it is encoded as int32 or float32).
 C0, C1, C2, C3 = 0x6A09E667, 0x3C6EF372, 0x510E527F, 0x1F83D9AB
-A4, A5, A6 = 0x165667, 0xD3A2E5, 0x85EBCB
+A4, A5, A6, A7 = 0x165667, 0xD3A2E5, 0x85EBCB, 0x5BD1E9
 M16 = 0xFFFF
 KEY_BLOCK = 1 << 16  # key columns per row-key block (m = j & 0xFFFF repeats after 2**16 columns)
 MAX_INDEX_IMM = 1 << 20  # b, h bound (immediates)
@@ -80,7 +81,7 @@ def keep_threshold(dropout_p: float) -> int:
 
 def _g(y: torch.Tensor) -> torch.Tensor:
     p = (y & M16) * ((y >> 16) + 1)
-    return p ^ (p >> 16)
+    return p ^ ((p << 16) & 0xFFFFFFFF)
 
 
 def _t(x) -> torch.Tensor:
@@ -99,8 +100,9 @@ def row_keys(z0: int, z1: int, b: int, h: int, i: torch.Tensor, jb: int) -> tupl
     """``(K1, K2)`` int64 tensors shaped like ``i``: the row words of rows ``i`` of (batch ``b``, query head
     ``h``) for key block ``jb = j >> 16``."""
     x1 = _g(i ^ z0 ^ (h ^ A4))
-    k1 = _g(x1 ^ i ^ z1 ^ (b ^ A5))
-    k2 = _g(k1 ^ i ^ z0 ^ (jb ^ A6))
+    x2 = _g(x1 ^ i ^ z1 ^ (b ^ A5))
+    k1 = _g(x2 ^ i ^ z0 ^ (jb ^ A6))
+    k2 = _g(k1 ^ i ^ z1 ^ A7)
     return k1, k2
 
 
@@ -127,6 +129,9 @@ def hash_values(dropout_seed, bs: int, nheads: int, seqlen_q: int, seqlen_k: int
     z0, z1 = seed_state(dropout_seed)
     qi = torch.arange(seqlen_q, dtype=torch.int64) if q_range is None else _t(list(q_range))
     kj = torch.arange(seqlen_k, dtype=torch.int64) if k_range is None else _t(list(k_range))
+    for name, idx, n in (("q_range", qi, seqlen_q), ("k_range", kj, seqlen_k)):
+        if idx.numel() and not (0 <= int(idx.min()) and int(idx.max()) < n):
+            raise ValueError(f"hash_values: {name} must lie in [0, {n})")
     out = torch.empty((bs, nheads, qi.numel(), kj.numel()), dtype=torch.int64)
     i = qi[:, None]
     jbs = kj >> 16

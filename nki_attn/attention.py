@@ -108,41 +108,38 @@ def _check_fa_extras(fn, deterministic, return_attn_probs):
     _check_bool(fn, "return_attn_probs", return_attn_probs)
 
 
-SEED_MAX = (1 << 31) - 1
+SEED_MAX = (1 << 32) - 1
 
 
-def dropout_seed_tensor(seed, device="cpu"):
-    """The kernels' dropout seed tensor for an int ``seed`` in ``[0, 2**31 - 1]``: dtype and shape
-    ``kernel_api.DROPOUT_SEED_DTYPE`` / ``DROPOUT_SEED_SHAPE`` (docs/semantics.md), every word set to ``seed``."""
-    from . import kernel_api  # noqa: PLC0415
-    dtype = getattr(torch, kernel_api.DROPOUT_SEED_DTYPE)
-    return torch.full(kernel_api.DROPOUT_SEED_SHAPE, int(seed), dtype=dtype, device=device)
+def dropout_seed_tensor(seed, offset=0, device="cpu"):
+    """The kernels' dropout seed for ints ``seed`` and ``offset`` in ``[0, 2**32)``: int32 ``[2]`` =
+    ``(seed, offset)`` (``nki_attn.dropout.make_seed``; docs/semantics.md, "Dropout")."""
+    from .dropout import make_seed  # noqa: PLC0415
+    return make_seed(int(seed), int(offset)).to(device)
 
 
 def _dropout_seed(fn, p, dropout_seed, generator, device):
-    """The seed tensor of a call with dropout ``p`` (None when p == 0): from ``dropout_seed`` (an int, or a
-    tensor already in the kernels' format), else drawn from ``generator`` (default: torch's global generator,
+    """The seed tensor of a call with dropout ``p`` (None when p == 0): from ``dropout_seed`` (an int, or an
+    int32/uint32 ``[2]`` (seed, offset) tensor), else drawn from ``generator`` (default: torch's global generator,
     so ``torch.manual_seed`` makes the call reproducible, as FlashAttention's CUDA generator state does)."""
     if generator is not None and not isinstance(generator, torch.Generator):
         _fail(fn, "generator", type(generator).__name__, "must be a torch.Generator or None", TypeError)
     if dropout_seed is not None and generator is not None:
         _fail(fn, "dropout_seed", repr(dropout_seed), "give dropout_seed or generator, not both")
     if isinstance(dropout_seed, torch.Tensor):
-        from . import kernel_api  # noqa: PLC0415
-        want = (tuple(kernel_api.DROPOUT_SEED_SHAPE), kernel_api.DROPOUT_SEED_DTYPE)
-        if (tuple(dropout_seed.shape), str(dropout_seed.dtype).split(".")[-1]) != want:
+        if tuple(dropout_seed.shape) != (2,) or dropout_seed.dtype not in (torch.int32, torch.uint32):
             _fail(fn, "dropout_seed", f"{dropout_seed.dtype} {tuple(dropout_seed.shape)}",
-                  f"a seed tensor must be the kernels' format {want[1]} {list(want[0])} (or pass an int)")
+                  "a seed tensor must be int32 or uint32 [2] = (seed, offset) (or pass an int)")
         seed = dropout_seed.to(device)
     elif dropout_seed is not None:
         if not _is_int(dropout_seed) or not 0 <= dropout_seed <= SEED_MAX:
             _fail(fn, "dropout_seed", repr(dropout_seed), f"must be an int in [0, {SEED_MAX}], a seed tensor or None")
-        seed = None if p == 0.0 else dropout_seed_tensor(dropout_seed, device)
+        seed = dropout_seed_tensor(dropout_seed, 0, device)
     elif p == 0.0:
         seed = None
     else:
-        drawn = int(torch.randint(0, SEED_MAX, (), generator=generator))
-        seed = dropout_seed_tensor(drawn, device)
+        from .dropout import seed_from_generator  # noqa: PLC0415
+        seed = seed_from_generator(torch.default_generator if generator is None else generator).to(device)
     return seed if p != 0.0 else None
 
 
@@ -576,8 +573,9 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
             softmax denominator (not scaled, capped, biased or dropped; no value; -inf means no sink); shared by
             the batch; get a gradient.
         return_lse: keyword only; return ``(out, lse)``.
-        dropout_seed: keyword only; an int in ``[0, 2**31 - 1]`` (or a seed tensor in the kernels' format,
-            ``dropout_seed_tensor``): the dropout mask is a pure function of it. generator: keyword only; a
+        dropout_seed: keyword only; an int in ``[0, 2**32 - 1]`` (= seed tensor ``(seed, 0)``) or an int32 /
+            uint32 tensor ``[2]`` = ``(seed, offset)`` (``nki_attn.dropout.make_seed``; step the offset for a new
+            mask per training step): the dropout mask is a pure function of it. generator: keyword only; a
             ``torch.Generator`` the seed is drawn from instead. With neither, the seed is drawn from torch's
             global generator (``torch.manual_seed`` makes runs reproducible). The backward pass regenerates the
             same mask from the same seed.
@@ -790,7 +788,10 @@ def _varlen_per_sequence(fn, q, k, v, cu_q, cu_k, left, right, scale, sinks, wan
         qs, ks, vs = q[cq[s]:cq[s + 1]], k[ck[s]:ck[s + 1]], v[ck[s]:ck[s + 1]]
         sq, sk = qs.shape[0], ks.shape[0]
         slopes = variants.alibi if variants.alibi.dim() == 1 else variants.alibi[s]
-        seed = None if variants.seed is None else variants.seed + s  # one mask per sequence, still seed-determined
+        seed = None
+        if variants.seed is not None:  # one mask per sequence: offset word + s, still determined by the seed
+            seed = variants.seed.clone()
+            seed[1] += s
         mask = _Mask(sq, sk, left, right, shift=sk - sq)
         o, lse, pr = _attention(fn, qs.unsqueeze(0), ks.unsqueeze(0), vs.unsqueeze(0), mask, scale, sinks,
                                 want_probs, variants=_Variants(variants.softcap, slopes, variants.dropout_p, seed))

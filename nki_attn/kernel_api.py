@@ -62,6 +62,9 @@ def variant_problem(q, k, v, o=None, dy=None, lse=None, sinks=None, bound_min=No
         window_size, dropout_p, _host(dropout_seed), supports=_validation.FEATURES)
 
 
+_SPEC_PARAMS = tuple(inspect.signature(variant_problem).parameters)
+
+
 class CheckedKernel:
     """A kernel whose call first evaluates ``problem`` (the kernel's own check, same parameters) on the host and
     raises ``ValueError`` with its message; ``kernel[lnc]`` selects the LNC degree as on the kernel itself."""
@@ -96,7 +99,23 @@ class CheckedKernel:
 
     def check(self, *args, **kwargs):
         """Raise ``ValueError`` (or ``TypeError`` for a call that does not fit the signature) without launching."""
+        self._spec_check(args, kwargs)
         self._check(args, self._kernel_kwargs(kwargs))
+
+    def _spec_check(self, args, kwargs):
+        # the rules of docs/semantics.md first (variant_problem), so that an invalid value is reported as such
+        # even for a variant this kernel does not implement; then the kernel's own check
+        named = dict(zip(self.signature.parameters, args))
+        named.update(kwargs)
+        spec = {}
+        for name, value in named.items():
+            key = name[:-4] if name.endswith("_ref") else name
+            if key in _SPEC_PARAMS:
+                spec[key] = value
+        if "q" in spec and "k" in spec and "v" in spec:
+            message = variant_problem(**spec)
+            if message is not None:
+                raise ValueError(message)
 
     def _check(self, args, kwargs):
         bound = self.signature.bind(*args, **kwargs)
@@ -110,6 +129,7 @@ class CheckedKernel:
             raise ValueError(message)
 
     def __call__(self, *args, **kwargs):
+        self._spec_check(args, kwargs)
         kwargs = self._kernel_kwargs(kwargs)
         self._check(args, kwargs)
         kernel = self.kernel if self.lnc is None else self.kernel[self.lnc]
@@ -163,16 +183,9 @@ def _probe_args(feature, d_qk=64, d_v=64, sq=256, sk=256):
     return q, k, v, o, lse, kw
 
 
-def _dropout_seed_format():
-    # the dropout helper's seed layout when its tile step exists (kernels/dropout.py), else one int32 word
-    try:
-        from .kernels import dropout as _dropout  # noqa: PLC0415 - optional until the dropout step lands
-    except ImportError:
-        return (1,), "int32"
-    return tuple(getattr(_dropout, "SEED_SHAPE", (1,))), str(getattr(_dropout, "SEED_DTYPE", "int32")).split(".")[-1]
-
-
-DROPOUT_SEED_SHAPE, DROPOUT_SEED_DTYPE = _dropout_seed_format()
+# the kernels' dropout seed: int32 (or uint32) [2] = (seed, offset), docs/semantics.md "Dropout"
+DROPOUT_SEED_SHAPE = _validation.DROPOUT_SEED_SHAPE
+DROPOUT_SEED_DTYPE = "int32"
 _SUPPORT_CACHE = {}
 
 

@@ -1,10 +1,11 @@
 """Flash-attention forward (training): ``o`` and the log-sum-exp ``lse`` the backward kernel consumes.
 
     attention_fwd(q_ref, k_ref, v_ref, sinks_ref=None, bound_min=None, bound_max=None, use_causal_mask=False,
-                  mixed_precision=True, softmax_scale=None, sliding_window=None) -> (o, lse)
+                  mixed_precision=True, softmax_scale=None, sliding_window=None, softcap=0.0, alibi_slopes=None,
+                  window_size=None, dropout_p=0.0, dropout_seed=None) -> (o, lse)
 
-Layouts (head_dim on the partition axis): q/o ``[bs, nheads, d_head, seqlen_q]``, k/v
-``[bs, nheads_kv, d_head, seqlen_k]``, lse float32 ``[bs, nheads, 128, seqlen_q // 128]`` with
+Layouts (head_dim on the partition axis): q ``[bs, nheads, d_qk, seqlen_q]``, k ``[bs, nheads_kv, d_qk,
+seqlen_k]``, v ``[bs, nheads_kv, d_v, seqlen_k]``, o ``[bs, nheads, d_v, seqlen_q]``, lse float32 ``[bs, nheads, 128, seqlen_q // 128]`` with
 ``lse[b, h, p, t]`` the log-sum-exp of query row ``t * 128 + p`` (``+inf`` for a row that sees no key and has no
 sink; its ``o`` is 0). Semantics follow ``golden/attention_fwd_torch.py``; docs/kernel-fwd.md explains the design.
 Kernel code stays in NKI's compile-time subset (checked by the simulator's frontend check): invalid arguments fail
@@ -27,10 +28,15 @@ the scale itself when it is a power of two)::
 and per block at the end ``o = O / l``, ``lse = c m + log(l)``; rows whose max is still the mask value (no visible
 key, no sink) are forced to ``o = 0``, ``lse = +inf`` by selects on a keep flag. The statistics of all units of a
 block live in the columns of ``[128, units]`` tiles, so each statistics instruction serves the whole block.
+
+Variants (soft-capping, ALiBi, bands, dropout) are tile steps chosen once per launch (``_tile_steps``,
+docs/kernel-fwd.md "Variants"); the default launch runs none of them.
 """
 import math
 
 from ..backend import nisa, nki, nl
+from .dropout import (M16, ROW_A4, ROW_A5, ROW_A6, dropout_row_keys, dropout_values, keep_threshold,
+                      load_dropout_seed)
 from .tiling import attention_band, band_needs_hi_mask, band_needs_lo_mask, band_tile_fully_visible, band_tile_visible
 from .validation import attention_problem, attention_shape, sbuf_bytes_per_partition
 
@@ -52,7 +58,7 @@ SBUF_MARGIN = 8192  # bytes per partition left free when sizing a section
 # accurate forward, for use with a backward that does the same). Everything downstream reads cfg.exp_scale.
 SCALE_IN_EXP = False
 # the issue-#14 features (validation.FEATURES) this kernel implements; the shared validation refuses the others
-FWD_FEATURES = ("causal_unequal", "head_dim_any", "d_v", "softcap", "alibi", "window_size")
+FWD_FEATURES = ("causal_unequal", "head_dim_any", "d_v", "softcap", "alibi", "window_size", "dropout")
 
 
 # ----------------------------------------------------------------------------------------------------- trace-time plan
@@ -83,9 +89,11 @@ class _FwdConfig(nl.NKIObject):
     """Trace-time facts of one launch: shapes, tilings, dtypes, the masking method and the blocking.
 
     qk_tiles / v_tiles: ``[(start, size)]`` partition tiles of the Q/K head dim (the QK contraction) and of the
-    V/O head dim (V^T and O columns); d_v: V/O head dim. exp_scale: the factor the exponent applies to the stored
-    scores (1 when the softmax scale is folded into Q, see SCALE_IN_EXP); q_scale: the factor Q is multiplied by
-    at load. mask: "bounds" (range_select on per-query-tile key bounds, trn2+), "predicate" (trn1 packing: key
+    V/O head dim (V^T and O columns); d_qk / d_v: the head dims. exp_scale: the factor the exponent applies to
+    the stored scores (1 when the softmax scale is folded into Q, see SCALE_IN_EXP; the cap with soft-capping);
+    q_scale: the factor Q is multiplied by at load; cap_scale: the tanh's factor (soft-capping). off, lo_rel,
+    hi_rel: the band (``tiling.attention_band``), band_lo / band_hi: that side masks something. alibi /
+    alibi_mm: ALiBi given / taken by ``_alibi_matmul``; dropout_p, o_factor = 1 / (1 - p). mask: "bounds" (range_select on per-query-tile key bounds, trn2+), "predicate" (trn1 packing: key
     index compared with the bounds, select_reduce) or "affine" (trn1 causal / window: affine_select). group:
     query heads per kv head; units: units per block (whole query tiles of the group when the group fits);
     kb_tiles: score tiles per key block; sec_tiles: query tiles per section; p_dma_transpose: half of the full P
@@ -115,6 +123,7 @@ class _FwdConfig(nl.NKIObject):
         self.exp_scale = var.softcap if var.softcap > 0 else base
         self.alibi = var.alibi
         self.dropout_p = var.dropout_p
+        self.o_factor = 1.0 / (1.0 - var.dropout_p)  # dropout's 1 / (1 - p), applied with 1 / l
         self.io_dtype = io_dtype
         self.acc_dtype = acc_dtype
         self.n_qt = shp.seqlen_q // PMAX
@@ -367,6 +376,76 @@ def _alibi_lse(cfg, t0, j0, lse_real, rt):
     nisa.tensor_tensor(dst=lse_real, data1=lse_real, data2=qpos, op=nl.add)
 
 
+def _mix_cols(y, n):
+    """``dropout``'s mixing function ``g(y) = p ^ (p >> 16)``, ``p = lo(y) * (hi(y) + 1)``, on a uint32
+    ``[128, n]`` tile (every column at once; the same instructions and engines as ``dropout._mix``)."""
+    a = nl.ndarray((PMAX, n), dtype=nl.uint32, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=a, data=y, op0=nl.bitwise_and, operand0=M16)
+    hb = nl.ndarray((PMAX, n), dtype=nl.uint32, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=hb, data=y, op0=nl.right_shift, operand0=16)
+    nisa.tensor_scalar(dst=hb, data=hb, op0=nl.add, operand0=1.0)  # below 2**16 + 1: exact in float32
+    p = nl.ndarray((PMAX, n), dtype=nl.uint32, buffer=nl.sbuf)
+    nisa.tensor_tensor(dst=p, data1=a, data2=hb, op=nl.multiply, engine=nisa.engine.gpsimd)
+    t = nl.ndarray((PMAX, n), dtype=nl.uint32, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=t, data=p, op0=nl.right_shift, operand0=16)
+    out = nl.ndarray((PMAX, n), dtype=nl.uint32, buffer=nl.sbuf)
+    nisa.tensor_tensor(dst=out, data1=p, data2=t, op=nl.bitwise_xor, engine=nisa.engine.vector)
+    return out
+
+
+def _dropout_section(cfg, b, kvh, t0, n_tiles, rt):
+    """Section step of dropout: the hash's row words (``dropout.dropout_row_keys``, keys below 65536) of every
+    unit of the section at once, as uint32 ``[128, units, 4]`` (unit j: query tile ``t0 + j // group``, head
+    ``j % group``): ~25 instructions per section instead of per unit (they are [128, 1] each, so their fixed
+    cost would dominate). Bit-identical to ``dropout_row_keys`` (tested through the golden keep mask)."""
+    g = cfg.group
+    n = n_tiles * g
+    z0 = rt.seed[:, 0:1]
+    z1 = rt.seed[:, 1:2]
+    ii = nl.ndarray((PMAX, n), dtype=nl.uint32, buffer=nl.sbuf)
+    nisa.iota(dst=ii, pattern=[[PMAX, n_tiles], [0, g]], offset=t0 * PMAX, channel_multiplier=1)  # query row
+    hh = nl.ndarray((PMAX, n), dtype=nl.uint32, buffer=nl.sbuf)
+    nisa.iota(dst=hh, pattern=[[0, n_tiles], [1, g]], offset=kvh * g, channel_multiplier=0)  # query head
+    y = nl.ndarray((PMAX, n), dtype=nl.uint32, buffer=nl.sbuf)
+    nisa.tensor_tensor(dst=y, data1=ii, data2=hh, op=nl.bitwise_xor, engine=nisa.engine.vector)
+    nisa.tensor_scalar(dst=y, data=y, op0=nl.bitwise_xor, operand0=z0, op1=nl.bitwise_xor, operand1=ROW_A4)
+    x1 = _mix_cols(y, n)
+    y2 = nl.ndarray((PMAX, n), dtype=nl.uint32, buffer=nl.sbuf)
+    nisa.tensor_tensor(dst=y2, data1=x1, data2=ii, op=nl.bitwise_xor, engine=nisa.engine.vector)
+    nisa.tensor_scalar(dst=y2, data=y2, op0=nl.bitwise_xor, operand0=z1, op1=nl.bitwise_xor, operand1=b ^ ROW_A5)
+    k1 = _mix_cols(y2, n)
+    y3 = nl.ndarray((PMAX, n), dtype=nl.uint32, buffer=nl.sbuf)
+    nisa.tensor_tensor(dst=y3, data1=k1, data2=ii, op=nl.bitwise_xor, engine=nisa.engine.vector)
+    nisa.tensor_scalar(dst=y3, data=y3, op0=nl.bitwise_xor, operand0=z0, op1=nl.bitwise_xor, operand1=ROW_A6)
+    k2 = _mix_cols(y3, n)
+    keys = nl.ndarray((PMAX, n, 4), dtype=nl.uint32, buffer=nl.sbuf)
+    nisa.tensor_copy(dst=keys[:, :, 0], src=k1)
+    nisa.tensor_scalar(dst=keys[:, :, 1], data=k1, op0=nl.right_shift, operand0=16, op1=nl.bitwise_or, operand1=1)
+    nisa.tensor_copy(dst=keys[:, :, 2], src=k2)
+    nisa.tensor_scalar(dst=keys[:, :, 3], data=k2, op0=nl.right_shift, operand0=16)
+    return keys
+
+
+def _dropout_probs(cfg, pos, p, rt, keys):
+    """Probability step, dropout: ``P * M`` with the keep mask ``M`` of the tile regenerated from the seed
+    (``dropout.dropout_values``: the element hash; then the keep flag ``v < T`` and ``P * keep``). The row sum
+    was taken before (the LSE is pre-dropout); the factor ``1 / (1 - p)`` is applied once per row at the end
+    (``_finish_block``, ``cfg.o_factor``). ``keys``: the unit's row words (``_dropout_section``). A score tile
+    lies inside one 512-key tile, so it never straddles a 65536-key block of the hash; tiles beyond the first
+    block recompute their row words."""
+    b, hq, h, q0, ks = pos
+    w = p.shape[1]
+    kblk = ks >> 16
+    if kblk != 0:
+        keys = dropout_row_keys(rt.seed, b, hq, q0, PMAX, kblk)
+    v = dropout_values(keys, ks, PMAX, w)
+    # keep flag on VectorE (one input), the product on GpSimdE (the hash leaves VectorE the busier engine)
+    keep = nl.ndarray((PMAX, w), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=keep, data=v, op0=nl.less, operand0=float(keep_threshold(cfg.dropout_p)))
+    nisa.tensor_tensor(dst=p, data1=p, data2=keep, op=nl.multiply, engine=nisa.engine.gpsimd)
+    return p
+
+
 def _load_slopes(cfg, alibi_slopes, b, kvh):
     """ALiBi slopes of the kv head's query heads broadcast to the 128 partitions (one stride-0 DMA): returns
     ``(slopes, stationaries)``, for ``_alibi_scores`` ``-slope / exp_scale`` ``[128, group]`` float32 (the factor
@@ -418,15 +497,19 @@ class _TileSteps(nl.NKIObject):
     mask_full / mask_partial: the masking step of a tile whose every (query, key) pair is visible / of any other
         tile, ``step(cfg, t, ks, src, dst, max_col, bounds, idx)``: masked float32 scores into ``dst``, their row
         max into ``max_col``.
-    prob: steps applied in order to P after the exponent took its row sum, ``step(cfg, pos, p, rt) -> p``
+    prob: steps applied in order to P after the exponent took its row sum, ``step(cfg, pos, p, rt, state) -> p``
         (dropout).
     kb: steps run once per (block, key block) before its scores, ``step(cfg, kt0, rt)`` (``_alibi_positions``).
     lse: steps applied to the block's LSE columns before the empty-row select, ``step(cfg, t0, j0, lse, rt)``
         (``_alibi_lse``).
+    section: None or ``step(cfg, b, kvh, t0, n_tiles, rt) -> state`` ``[128, units, k]``, run once per section;
+        the probability steps get their unit's slice ``state[:, j, :]`` as last argument (``_dropout_section``:
+        the row words of the hash).
     ``rt`` is the work item's ``_ItemData``; score steps get ``pos = (b, query head, head in group, q0, ks)``.
     """
 
-    def __init__(self, score, mask_full, mask_partial, prob, kb, lse):
+    def __init__(self, score, mask_full, mask_partial, prob, kb, lse, section):
+        self.section = section
         self.score = score
         self.mask_full = mask_full
         self.mask_partial = mask_partial
@@ -456,7 +539,11 @@ def _tile_steps(cfg):
     if cfg.alibi and not cfg.alibi_mm:
         score.append(_alibi_scores)
     prob = []
-    return _TileSteps(score, _evict_max, partial, prob, kb, lse)
+    section = None
+    if cfg.dropout_p > 0:
+        prob.append(_dropout_probs)
+        section = _dropout_section
+    return _TileSteps(score, _evict_max, partial, prob, kb, lse, section)
 
 
 def _load_bounds(cfg, bound_min, bound_max):
@@ -638,7 +725,7 @@ def _transpose_p(cfg, p_sb, n_ch, dma_turn):
     return pt_sb
 
 
-def _exp_pv(cfg, s, b, kvh, heads, tiles, kb, vt, bias, alpha, rs, o_acc, started, steps, rt):
+def _exp_pv(cfg, s, b, kvh, heads, tiles, kb, vt, bias, alpha, rs, o_acc, started, steps, rt, ust):
     """Phase 3 (exponent and PV): per visible (unit, score tile) ``P = exp(c S + bias)`` with its row sum into
     ``rs[:, u, i]`` in ONE activation, the probability steps, P^T, PV accumulated over the whole key block in one
     PSUM tile; then per unit the O update."""
@@ -655,7 +742,7 @@ def _exp_pv(cfg, s, b, kvh, heads, tiles, kb, vt, bias, alpha, rs, o_acc, starte
                                 reduce_op=nl.add, reduce_res=rs[:, u, i], reduce_cmd=nisa.reduce_cmd.reset_reduce)
                 for f in steps.prob:
                     p_sb = f(cfg, (b, kvh * cfg.group + heads[u], heads[u], tiles[u] * PMAX,
-                                   (kt0 + i) * K_TILE + lo * PMAX), p_sb, rt)
+                                   (kt0 + i) * K_TILE + lo * PMAX), p_sb, rt, ust[u])
                 pt_sb = _transpose_p(cfg, p_sb, hi - lo, (u + kt0 + i) % 2 == 0)
                 if o_ps is None:
                     o_ps = nl.ndarray((PMAX, cfg.d_v), dtype=nl.float32, buffer=nl.psum)
@@ -676,7 +763,7 @@ def _update_sum(cfg, l_sum, alpha, rs):
 
 
 def _key_block(cfg, k_ref, v_ref, b, kvh, q_sec, t0, heads, tiles, kb, gaps_next, pm, l_sum, o_acc, started,
-               bounds, steps, rt):
+               bounds, steps, rt, ust):
     """One key block of a block of units: load K and V (the union of the units' visible chunks), V^T, then the
     four phases. Returns the statistics after it: ``(pm_next, l, bias)``."""
     kt0, kt_n, vis, c_lo, c_hi, gaps = kb
@@ -711,7 +798,7 @@ def _key_block(cfg, k_ref, v_ref, b, kvh, q_sec, t0, heads, tiles, kb, gaps_next
     rs = nl.ndarray((PMAX, n, cfg.kb_tiles + 1), dtype=nl.float32, buffer=nl.sbuf)
     if gaps:
         nisa.memset(dst=rs, value=0.0, engine=nisa.engine.gpsimd)
-    _exp_pv(cfg, s, b, kvh, heads, tiles, kb, vt, bias, alpha, rs, o_acc, started, steps, rt)
+    _exp_pv(cfg, s, b, kvh, heads, tiles, kb, vt, bias, alpha, rs, o_acc, started, steps, rt, ust)
     l_new = _update_sum(cfg, l_sum, alpha, rs)
     return pm_next, l_new, bias
 
@@ -729,6 +816,8 @@ def _finish_block(cfg, pm, l_sum, bias, o_acc, t0, j0, o_sec, lse_sec, steps, rt
     recip = nl.ndarray((PMAX, n), dtype=nl.float32, buffer=nl.sbuf)
     nisa.reciprocal(dst=recip, data=l_safe)
     nisa.select_reduce(dst=recip, predicate=keep, on_true=recip, on_false=0.0)  # 0 for empty rows
+    if cfg.o_factor != 1.0:
+        nisa.tensor_scalar(dst=recip, data=recip, op0=nl.multiply, operand0=cfg.o_factor)
     log_l = nl.ndarray((PMAX, n), dtype=nl.float32, buffer=nl.sbuf)
     nisa.activation(dst=log_l, op=nl.log, data=l_safe)
     lse_real = nl.ndarray((PMAX, n), dtype=nl.float32, buffer=nl.sbuf)
@@ -749,7 +838,8 @@ def _finish_block(cfg, pm, l_sum, bias, o_acc, t0, j0, o_sec, lse_sec, steps, rt
             nisa.activation(dst=o_sec[vi][:, col:col + PMAX], op=nl.copy, data=ot_ps)
 
 
-def _attend_block(cfg, k_ref, v_ref, b, kvh, q_sec, t0, j0, j1, bounds, sink_stats, steps, rt, o_sec, lse_sec):
+def _attend_block(cfg, k_ref, v_ref, b, kvh, q_sec, t0, j0, j1, bounds, sink_stats, steps, rt, sec_state, o_sec,
+                  lse_sec):
     """Units ``j0 .. j1 - 1`` of the section starting at query tile ``t0`` (unit j: query tile ``t0 + j // group``,
     head ``j % group``) against every key block one of them sees."""
     g = cfg.group
@@ -777,11 +867,17 @@ def _attend_block(cfg, k_ref, v_ref, b, kvh, q_sec, t0, j0, j1, bounds, sink_sta
         nisa.tensor_copy(dst=pm[:, :, cfg.kb_tiles], src=_per_unit(m0, j0, n, g))
         nisa.tensor_copy(dst=l_sum, src=_per_unit(l0, j0, n, g))
     o_acc = nl.ndarray((PMAX, n, cfg.d_v), dtype=cfg.acc_dtype, buffer=nl.sbuf)
+    ust = []
+    for u in range(n):
+        st = None
+        if sec_state is not None:
+            st = sec_state[:, j0 + u, :]
+        ust.append(st)
     bias = None
     for k in range(len(plan)):
         gaps_next = k + 1 < len(plan) and plan[k + 1][5]
         pm, l_sum, bias = _key_block(cfg, k_ref, v_ref, b, kvh, q_sec, t0, heads, tiles, plan[k], gaps_next, pm,
-                                     l_sum, o_acc, started, bounds, steps, rt)
+                                     l_sum, o_acc, started, bounds, steps, rt, ust)
     for u in range(n):
         if not started[u]:
             # no visible key for this unit's rows: O = 0 (o = 0; with sinks lse = their logsumexp)
@@ -816,10 +912,14 @@ def _attend_section(cfg, q_ref, k_ref, v_ref, o_ref, lse_ref, b, kvh, t0, t1, bo
         o_stage = nl.ndarray((vsz, n * g * PMAX), dtype=cfg.io_dtype, buffer=nl.sbuf)
         o_sec.append(o_stage)
     lse_sec = nl.ndarray((PMAX, n * g), dtype=nl.float32, buffer=nl.sbuf)
+    sec_state = None
+    if steps.section is not None:
+        sec_state = steps.section(cfg, b, kvh, t0, n, rt)
     blocks = _blocks(cfg, n)
     for i in range(len(blocks)):
         j0, j1 = blocks[i]
-        _attend_block(cfg, k_ref, v_ref, b, kvh, q_sec, t0, j0, j1, bounds, sink_stats, steps, rt, o_sec, lse_sec)
+        _attend_block(cfg, k_ref, v_ref, b, kvh, q_sec, t0, j0, j1, bounds, sink_stats, steps, rt, sec_state, o_sec,
+                      lse_sec)
     for h in range(g):
         hq = kvh * g + h
         for vi in range(len(cfg.v_tiles)):
@@ -852,21 +952,29 @@ def attention_fwd(q_ref, k_ref, v_ref, sinks_ref=None, bound_min=None, bound_max
     """Flash-attention forward; returns ``(o, lse)`` in shared HBM.
 
     Args:
-        q_ref: ``[bs, nheads, d_head, seqlen_q]`` float32 / bfloat16 / float16.
-        k_ref, v_ref: ``[bs, nheads_kv, d_head, seqlen_k]``, q's dtype; query head h reads kv head
+        q_ref: ``[bs, nheads, d_qk, seqlen_q]`` float32 / bfloat16 / float16 (d_qk 1..256).
+        k_ref: ``[bs, nheads_kv, d_qk, seqlen_k]``, v_ref: ``[bs, nheads_kv, d_v, seqlen_k]`` (d_v 1..256), q's
+            dtype; query head h reads kv head
             ``h // (nheads // nheads_kv)``.
         sinks_ref: optional ``[bs, nheads]`` or ``[bs, nheads, num_sinks]`` logits (not scaled) that join the
             softmax denominator and produce no output.
         bound_min, bound_max: optional float32 ``[seqlen_q]`` packing bounds: key j is visible to query i iff
             ``bound_min[i] <= j < bound_max[i]``.
-        use_causal_mask: mask key j > query i (needs seqlen_q == seqlen_k).
+        use_causal_mask: mask key j > query i + seqlen_k - seqlen_q (bottom-right aligned).
         mixed_precision: True keeps the O accumulator in float32; False keeps it in the input dtype. The
             softmax statistics (max, sum, LSE) are float32 either way; P is the input dtype for the PV matmul.
         softmax_scale: multiplies q.k; default ``1 / sqrt(d_head)``.
-        sliding_window: W >= 1 (causal only): query i sees keys ``i - W + 1 .. i``.
+        sliding_window: W >= 1 (causal only): query i sees keys ``i + off - W + 1 .. i + off``.
+        softcap: c > 0 caps the scaled logits to ``c tanh(S / c)`` (0 = off).
+        alibi_slopes: optional float32 ``[bs, nheads]``: adds ``-slope |i + off - j|`` after the cap.
+        window_size: None or ``(left, right)`` (-1 = unbounded): keys ``i + off - left .. i + off + right``,
+            causal or not; not with sliding_window.
+        dropout_p: drop probability in [0, 1) (trace-time); dropout_seed: int32/uint32 ``[2]`` HBM
+            ``(seed, offset)``, given iff dropout_p > 0; the keep mask is ``golden.dropout.keep_mask``'s, the LSE
+            stays pre-dropout.
 
     Returns:
-        o: like q; lse: float32 ``[bs, nheads, 128, seqlen_q // 128]``.
+        o: ``[bs, nheads, d_v, seqlen_q]`` in q's dtype; lse: float32 ``[bs, nheads, 128, seqlen_q // 128]``.
     """
     problem = fwd_problem(q_ref, k_ref, v_ref, sinks_ref, bound_min, bound_max, use_causal_mask, mixed_precision,
                           softmax_scale, sliding_window, softcap, alibi_slopes, window_size, dropout_p, dropout_seed)
@@ -896,6 +1004,8 @@ def attention_fwd(q_ref, k_ref, v_ref, sinks_ref=None, bound_min=None, bound_max
     stop = min(n_items, start + per_core)
 
     seed_sb = None
+    if cfg.dropout_p > 0:
+        seed_sb = load_dropout_seed(dropout_seed)
     pos_tab = None
     if cfg.alibi_mm:
         pos_tab = nl.ndarray((35, cfg.kb_tiles * K_TILE), dtype=nl.bfloat16, buffer=nl.sbuf)

@@ -222,6 +222,42 @@ def test_bloom_like():
              use_causal_mask=True)
 
 
+# ----------------------------------------------------------------------------------------------------- dropout
+def _seed(seed=1234, offset=7):
+    from golden.dropout import make_seed
+    return make_seed(seed, offset)
+
+
+@pytest.mark.parametrize("dtype,p,causal", [("float32", 0.1, False), ("bfloat16", 0.1, True),
+                                            ("float32", 0.5, True)])
+def test_dropout_matches_golden_same_seed(dtype, p, causal):
+    run_case(dtype=dtype, inputs=make_inputs(bs=2, h=2, hk=1, sq=256, sk=640, dtype=dtype, seed=19),
+             use_causal_mask=causal, dropout_p=p, dropout_seed=_seed())
+
+
+def test_dropout_lse_is_pre_dropout_and_mask_matters():
+    q, k, v, _ = make_inputs(h=2, sq=256, seed=20)
+    o0, lse0 = attention_fwd(q, k, v, use_causal_mask=True)
+    o1, lse1 = attention_fwd(q, k, v, use_causal_mask=True, dropout_p=0.3, dropout_seed=_seed())
+    o2, _ = attention_fwd(q, k, v, use_causal_mask=True, dropout_p=0.3, dropout_seed=_seed(offset=8))
+    assert torch.equal(lse0, lse1)  # the LSE is the pre-dropout one, bit for bit
+    assert (o1 - o0).abs().max() > 1e-2 and (o1 - o2).abs().max() > 1e-2  # the mask, and the seed, matter
+    o3, _ = attention_fwd(q, k, v, use_causal_mask=True, dropout_p=0.3, dropout_seed=_seed())
+    assert torch.equal(o1, o3)  # deterministic given the seed
+
+
+def test_dropout_with_window_gqa_alibi_and_several_key_blocks():
+    run_case(dtype="bfloat16", inputs=make_inputs(h=4, hk=2, sq=256, sk=2560, alibi=True, dtype="bfloat16",
+                                                  seed=21),
+             window_size=(700, 100), dropout_p=0.2, dropout_seed=_seed(99, 0))
+
+
+def test_bert_like_dropout():
+    # BERT-base: dropout 0.1, d 64, non-causal
+    run_case(dtype="bfloat16", inputs=make_inputs(bs=2, h=2, hk=2, d=64, sq=256, dtype="bfloat16", seed=22),
+             dropout_p=0.1, dropout_seed=_seed(5, 1))
+
+
 # ----------------------------------------------------------------------------------------------------- trace facts
 def test_default_launch_has_no_variant_steps():
     cfg_steps = []
@@ -260,6 +296,8 @@ BAD = {
     "window_bad": (lambda: dict(window_size=(-2, 3)), "window_size"),
     "window_float": (lambda: dict(window_size=(2.0, 3)), "window_size"),
     "dropout_no_seed": (lambda: dict(dropout_p=0.1), "dropout"),
+    "dropout_seed_without_p": (lambda: dict(dropout_seed=torch.zeros(2, dtype=torch.int32)), "dropout_seed"),
+    "dropout_seed_dtype": (lambda: dict(dropout_p=0.1, dropout_seed=torch.zeros(2)), "dropout_seed dtype"),
     "dropout_p_one": (lambda: dict(dropout_p=1.0), "dropout_p"),
 }
 

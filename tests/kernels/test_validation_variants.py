@@ -44,7 +44,7 @@ SEED = _t(2, dtype=torch.int32)
     dict(softcap=7),
     dict(alibi_slopes="alibi"),
     dict(dropout_p=0.1, dropout_seed=SEED),
-    dict(dropout_p=0.5, dropout_seed=_t(1, 2, dtype=torch.uint32)),
+    dict(dropout_p=0.5, dropout_seed=_t(2, dtype=torch.uint32)),
 ], ids=str)
 def test_spec_arguments_accepted(change, kw):
     a = _args(**change)
@@ -82,6 +82,7 @@ def _problem(**kw):
     (dict(dropout_p=0.1, dropout_seed=7), r"dropout_seed=7 must be an int32 or uint32 HBM tensor"),
     (dict(dropout_p=0.1, dropout_seed=_t(2)), r"dropout_seed dtype float32 must be int32 or uint32"),
     (dict(dropout_seed=SEED), r"dropout_seed was given with dropout_p=0.0"),
+    (dict(dropout_p=0.1, dropout_seed=_t(1, 2, dtype=torch.int32)), r"dropout_seed shape \(1, 2\) must be \(2,\)"),
     (dict(v=_t(1, 1, 64, 384)), r"v shape \(1, 1, 64, 384\) must be \[bs, nheads_kv, d_v, seqlen_k\]"),
     (dict(d_qk=192, d_v=128, o=_t(1, 2, 192, 256)), r"o shape \(1, 2, 192, 256\) must be \[bs, nheads, d_v, "
                                                    r"seqlen_q\] = \(1, 2, 128, 256\)"),
@@ -158,14 +159,63 @@ def _kernel_ok(q, k, v, alibi_slopes, dropout_seed, use_causal_mask=False, softc
 
 
 def test_kernel_api_drops_variant_keywords_at_default_and_refuses_others():
+    """A variant keyword the kernel does not take: accepted at its default, refused (ValueError naming it) when
+    set; an invalid value is reported as invalid first, whatever the kernel implements."""
     fwd = kernel_api.attention_fwd
     q = _t(1, 2, 64, 256)
     k = _t(1, 1, 64, 256)
+    valid = {"softcap": dict(softcap=0.5), "alibi_slopes": dict(alibi_slopes=_t(1, 2)),
+             "window_size": dict(window_size=(2, 2)), "dropout_p": dict(dropout_p=0.5, dropout_seed=SEED),
+             "dropout_seed": dict(dropout_p=0.5, dropout_seed=SEED)}
     for item in kernel_api.VARIANT_KEYWORDS:
         name, default = item
         if fwd.accepts(name):
             continue
         fwd.check(q, k, k, **{name: default})  # accepted at its default
-        value = _t(1, 2) if default is None else 0.5
-        with pytest.raises(ValueError, match=rf"{name}=.* is not supported by attention_fwd"):
-            fwd.check(q, k, k, **{name: value})
+        with pytest.raises(ValueError, match=r"(softcap|alibi_slopes|window_size|dropout_p|dropout_seed)=.* is "
+                                             r"not supported by attention_fwd"):
+            fwd.check(q, k, k, **valid[name])
+    with pytest.raises(ValueError, match=r"softcap=-2.0 must be a finite number >= 0"):
+        fwd.check(q, k, k, softcap=-2.0)
+    with pytest.raises(ValueError, match=r"window_size=\(4, 4\) and sliding_window=3 were both given"):
+        fwd.check(q, k, k, use_causal_mask=True, sliding_window=3, window_size=(4, 4))
+
+
+def test_supports_probe_follows_the_kernels_checks(monkeypatch):
+    """kernel_api.supports reads the kernels' own checks: a kernel whose check allows every feature is reported
+    as supporting each; today's checks with supports=() support none."""
+    sig_fwd = kernel_api.attention_fwd
+
+    def full_problem(q_ref, k_ref, v_ref, sinks_ref=None, bound_min=None, bound_max=None, use_causal_mask=False,
+                     mixed_precision=True, softmax_scale=None, sliding_window=None, softcap=0.0, alibi_slopes=None,
+                     window_size=None, dropout_p=0.0, dropout_seed=None, o_ref=None, dy_ref=None, lse_ref=None):
+        return V.attention_problem(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref, bound_min, bound_max,
+                                   use_causal_mask, softmax_scale, sliding_window, softcap, alibi_slopes,
+                                   window_size, dropout_p, dropout_seed, supports=V.FEATURES)
+
+    def fake_fwd(q_ref, k_ref, v_ref, sinks_ref=None, bound_min=None, bound_max=None, use_causal_mask=False,
+                 mixed_precision=True, softmax_scale=None, sliding_window=None, softcap=0.0, alibi_slopes=None,
+                 window_size=None, dropout_p=0.0, dropout_seed=None):
+        raise AssertionError("never launched by a probe")
+
+    def fake_bwd(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref=None, bound_min=None, bound_max=None,
+                 use_causal_mask=False, mixed_precision=False, softmax_scale=None, sliding_window=None, softcap=0.0,
+                 alibi_slopes=None, window_size=None, dropout_p=0.0, dropout_seed=None):
+        raise AssertionError("never launched by a probe")
+
+    monkeypatch.setattr(kernel_api, "attention_fwd", kernel_api.CheckedKernel(fake_fwd, full_problem))
+    monkeypatch.setattr(kernel_api, "attention_bwd", kernel_api.CheckedKernel(fake_bwd, full_problem))
+    for f in V.FEATURES:
+        assert kernel_api.supports(f), f
+    monkeypatch.setattr(kernel_api, "attention_fwd", sig_fwd)
+    monkeypatch.setattr(kernel_api, "attention_bwd", kernel_api.CheckedKernel(fake_bwd, _legacy_problem))
+    for f in ("head_dim_any", "d_v", "causal_unequal"):
+        assert not kernel_api.supports(f), f
+
+
+def _legacy_problem(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, use_causal_mask=False, softcap=0.0,
+                    alibi_slopes=None, window_size=None, dropout_p=0.0, dropout_seed=None):
+    return V.attention_problem(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, use_causal_mask=use_causal_mask,
+                               softcap=softcap,
+                               alibi_slopes=alibi_slopes, window_size=window_size, dropout_p=dropout_p,
+                               dropout_seed=dropout_seed)
