@@ -121,7 +121,11 @@ def measure(name, target):
     return out
 
 
+SHORT = {"VectorE/GpSimdE SBUF port": "SBUF port", "VectorE/ScalarE PSUM port": "PSUM port"}
+
+
 def table(results):
+    """The comparison table; bottlenecks named by engine (SBUF port: the one VectorE shares with GpSimdE)."""
     lines = [f"{'variant':<26}{'vs':<22}" + "".join(
         f"{k + ' us':>10}{'rel':>7}{'rel/flop':>9}{'bottleneck':>12}" for k in ("fwd", "bwd"))]
     lines.append("-" * len(lines[0]))
@@ -134,12 +138,13 @@ def table(results):
             if "error" in f:
                 cells += f"{'unsupported':>38}"
                 continue
+            bn = SHORT.get(f["bottleneck"], f["bottleneck"])
             if base and "error" not in base.get(k, base):
                 rel = f["time_us"] / base[k]["time_us"]
                 per_flop = (f["time_us"] / f["useful_flops"]) / (base[k]["time_us"] / base[k]["useful_flops"])
-                cells += f"{f['time_us']:>10.1f}{rel:>7.3f}{per_flop:>9.3f}{f['bottleneck']:>12}"
+                cells += f"{f['time_us']:>10.1f}{rel:>7.3f}{per_flop:>9.3f}{bn:>12}"
             else:
-                cells += f"{f['time_us']:>10.1f}{'':>7}{'':>9}{f['bottleneck']:>12}"
+                cells += f"{f['time_us']:>10.1f}{'':>7}{'':>9}{bn:>12}"
         lines.append(f"{name:<26}{(base_name or '-'):<22}{cells}")
     for name, r in results.items():
         for k in ("fwd", "bwd"):
