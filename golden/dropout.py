@@ -5,7 +5,7 @@ Independent of the kernels (imports nothing from ``nki_attn``): this module rest
 regenerates any kernel's mask from the same seed. docs/semantics.md, section "Dropout", is the specification.
 
 Seed. ``dropout_seed`` is an int32 or uint32 tensor of shape ``[2]``: ``(seed, offset)``, both used as 32-bit
-patterns (an int32 ``-1`` is ``0xFFFFFFFF``). ``make_seed(seed, offset)`` builds one. Stepping ``offset`` gives a
+patterns (an int32 ``-1`` is ``0xFFFFFFFF``); shape ``[1]`` is ``(seed,)`` with offset 0. ``make_seed(seed, offset)`` builds one. Stepping ``offset`` gives a
 new independent mask per training step with a fixed ``seed`` (FlashAttention's Philox (seed, offset) pair).
 
 Hash. Every value is a 32-bit unsigned integer; ``lo(x) = x & 0xFFFF``, ``hi(x) = x >> 16`` (logical), ``^`` xor.
@@ -58,17 +58,18 @@ def make_seed(seed: int, offset: int = 0) -> torch.Tensor:
 
 
 def seed_words(dropout_seed) -> tuple:
-    """``(s0, s1)``: the two words of ``dropout_seed`` (int32/uint32 tensor ``[2]``) as Python ints in
-    ``[0, 2**32)``."""
+    """``(s0, s1)``: the two words of ``dropout_seed`` (int32/uint32 tensor ``[2]``; a ``[1]`` tensor is the seed
+    with offset 0) as Python ints in ``[0, 2**32)``."""
     if not isinstance(dropout_seed, torch.Tensor):
         raise ValueError(f"dropout_seed: got {type(dropout_seed).__name__}; must be an int32 or uint32 tensor of "
                          f"shape [2] (seed, offset), e.g. golden.dropout.make_seed(1234)")
     if dropout_seed.dtype not in (torch.int32, torch.uint32):
         raise ValueError(f"dropout_seed.dtype = {dropout_seed.dtype}; must be torch.int32 or torch.uint32")
-    if tuple(dropout_seed.shape) != (2,):
-        raise ValueError(f"dropout_seed.shape = {tuple(dropout_seed.shape)}; must be (2,) (seed, offset)")
-    vals = dropout_seed.detach().cpu().to(torch.int64).tolist()
-    return tuple(int(v) & 0xFFFFFFFF for v in vals)
+    if tuple(dropout_seed.shape) not in ((1,), (2,)):
+        raise ValueError(f"dropout_seed.shape = {tuple(dropout_seed.shape)}; must be (2,) (seed, offset) or (1,) "
+                         f"(seed; offset 0)")
+    vals = dropout_seed.detach().cpu().to(torch.int64).tolist() + [0]
+    return tuple(int(v) & 0xFFFFFFFF for v in vals[:2])
 
 
 def keep_threshold(dropout_p: float) -> int:

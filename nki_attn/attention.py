@@ -37,8 +37,10 @@ __all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_qkvpacked_fu
 
 
 # ----------------------------------------------------------------------------------------------------- arguments
+@torch.compiler.assume_constant_result
 def _supports(feature):
-    """kernel_api.supports: whether both kernels implement a variant (imported late: it loads the kernels)."""
+    """kernel_api.supports: whether both kernels implement a variant (imported late: it loads the kernels). A
+    constant of the process, so ``torch.compile`` evaluates it once at trace time instead of tracing it."""
     from . import kernel_api  # noqa: PLC0415
     return kernel_api.supports(feature)
 
@@ -103,9 +105,22 @@ def _check_alibi(fn, alibi_slopes, batch, hq, q):
     return alibi_slopes
 
 
-def _check_fa_extras(fn, deterministic, return_attn_probs):
+def _check_flags(fn, deterministic, return_attn_probs):
     _check_bool(fn, "deterministic", deterministic)  # always honoured: the kernels are deterministic
     _check_bool(fn, "return_attn_probs", return_attn_probs)
+
+
+def _check_fa_extras(fn, softcap, alibi_slopes, deterministic, return_attn_probs):
+    """For entry points that implement none of the variants (ring attention): soft-capping and ALiBi accepted at
+    their neutral values (0.0 / None) only, NotImplementedError otherwise."""
+    cap = _check_real(fn, "softcap", softcap)
+    if cap != 0.0:
+        _fail(fn, "softcap", cap, "logit soft-capping is not implemented here; only 0.0 (deactivated)",
+              NotImplementedError)
+    if alibi_slopes is not None:
+        shape = tuple(alibi_slopes.shape) if isinstance(alibi_slopes, torch.Tensor) else type(alibi_slopes).__name__
+        _fail(fn, "alibi_slopes", shape, "ALiBi is not implemented here; only None", NotImplementedError)
+    _check_flags(fn, deterministic, return_attn_probs)
 
 
 SEED_MAX = (1 << 32) - 1
@@ -127,9 +142,9 @@ def _dropout_seed(fn, p, dropout_seed, generator, device):
     if dropout_seed is not None and generator is not None:
         _fail(fn, "dropout_seed", repr(dropout_seed), "give dropout_seed or generator, not both")
     if isinstance(dropout_seed, torch.Tensor):
-        if tuple(dropout_seed.shape) != (2,) or dropout_seed.dtype not in (torch.int32, torch.uint32):
+        if tuple(dropout_seed.shape) not in ((2,), (1,)) or dropout_seed.dtype not in (torch.int32, torch.uint32):
             _fail(fn, "dropout_seed", f"{dropout_seed.dtype} {tuple(dropout_seed.shape)}",
-                  "a seed tensor must be int32 or uint32 [2] = (seed, offset) (or pass an int)")
+                  "a seed tensor must be int32 or uint32 [2] = (seed, offset) or [1] = (seed,) (or pass an int)")
         seed = dropout_seed.to(device)
     elif dropout_seed is not None:
         if not _is_int(dropout_seed) or not 0 <= dropout_seed <= SEED_MAX:
@@ -592,7 +607,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     fn = "flash_attn_func"
     p = _check_dropout(fn, dropout_p)
     cap = _check_softcap(fn, softcap)
-    _check_fa_extras(fn, deterministic, return_attn_probs)
+    _check_flags(fn, deterministic, return_attn_probs)
     _check_bool(fn, "return_lse", return_lse)
     causal = _check_bool(fn, "causal", causal)
     _check_qkv(fn, q, k, v, 4)
@@ -726,7 +741,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     fn = "flash_attn_varlen_func"
     p = _check_dropout(fn, dropout_p)
     cap = _check_softcap(fn, softcap)
-    _check_fa_extras(fn, deterministic, return_attn_probs)
+    _check_flags(fn, deterministic, return_attn_probs)
     _check_bool(fn, "return_lse", return_lse)
     if block_table is not None:
         _fail(fn, "block_table", type(block_table).__name__, "a paged KV cache is not supported; only None",

@@ -46,8 +46,9 @@ def _check_seed(dropout_seed):
     name = str(dropout_seed.dtype).split(".")[-1]
     if name not in ("int32", "uint32"):
         raise ValueError(f"dropout_seed.dtype = {dropout_seed.dtype}; must be int32 or uint32")
-    if tuple(dropout_seed.shape) != (2,):
-        raise ValueError(f"dropout_seed.shape = {tuple(dropout_seed.shape)}; must be (2,) (seed, offset)")
+    if tuple(dropout_seed.shape) not in ((1,), (2,)):
+        raise ValueError(f"dropout_seed.shape = {tuple(dropout_seed.shape)}; must be (2,) (seed, offset) or (1,) "
+                         f"(seed; offset 0)")
 
 
 def dropout_mask(dropout_seed, dropout_p: float, bs: int, nheads: int, seqlen_q: int, seqlen_k: int,
@@ -55,7 +56,7 @@ def dropout_mask(dropout_seed, dropout_p: float, bs: int, nheads: int, seqlen_q:
     """The keep mask the kernels use, computed by the NKI dropout tile step (debug path).
 
     Args:
-        dropout_seed: int32/uint32 tensor (torch or numpy) ``[2]``.
+        dropout_seed: int32/uint32 tensor (torch or numpy) ``[2]`` (or ``[1]``: offset 0).
         dropout_p: float in ``[0, 1)``.
         bs, nheads, seqlen_q, seqlen_k: problem sizes (``h`` is the query head).
         q_tile (1..128), k_tile (1..512): the tile decomposition the kernel uses (the result does not depend on

@@ -8,31 +8,38 @@ semantics in docs/semantics.md); it adds host-side validation, autograd and what
 Public functions (stable):
 
 ``attention_fwd(q, k, v, sinks=None, bound_min=None, bound_max=None, use_causal_mask=False, softmax_scale=None,
-sliding_window=None, mixed_precision=True) -> (o, lse)``
+sliding_window=None, mixed_precision=True, softcap=0.0, alibi_slopes=None, window_size=None, dropout_p=0.0,
+dropout_seed=None) -> (o, lse)``
     Differentiable with respect to q, k, v and sinks (``register_autograd``: the backward runs
     ``attention_bwd``). A gradient flowing into ``lse`` must be zero (NotImplementedError otherwise), and double
     backward raises RuntimeError: neither is ever silently dropped.
 
 ``attention_bwd(q, k, v, o, do, lse, sinks=None, bound_min=None, bound_max=None, use_causal_mask=False,
-softmax_scale=None, sliding_window=None, mixed_precision=True) -> (dq, dk, dv, dsinks)``
+softmax_scale=None, sliding_window=None, mixed_precision=True, softcap=0.0, alibi_slopes=None, window_size=None,
+dropout_p=0.0, dropout_seed=None) -> (dq, dk, dv, dsinks)``
     ``dsinks`` is float32 shaped like ``sinks``, or an empty float32 tensor of shape ``[0]`` when ``sinks`` is
     None.
 
 Layouts (head_dim before the sequence, as the kernels want them):
 
 =====================  =====================================================================================
-q, o, do, dq           ``[bs, nheads, d_head, seqlen_q]``, float32 / bfloat16 / float16
-k, v, dk, dv           ``[bs, nheads_kv, d_head, seqlen_k]``, q's dtype; ``nheads % nheads_kv == 0``
+q, dq                  ``[bs, nheads, d_qk, seqlen_q]``, float32 / bfloat16 / float16
+k, dk                  ``[bs, nheads_kv, d_qk, seqlen_k]``, q's dtype; ``nheads % nheads_kv == 0``
+v, dv                  ``[bs, nheads_kv, d_v, seqlen_k]`` (d_qk, d_v each 1..256)
+o, do                  ``[bs, nheads, d_v, seqlen_q]``
 lse                    float32 ``[bs, nheads, 128, seqlen_q // 128]``; ``lse[b, h, p, t]`` is row ``t*128 + p``;
                        ``+inf`` for a row that sees no key and has no sink
 sinks, dsinks          ``[bs, nheads]`` or ``[bs, nheads, num_sinks]`` logits (not scaled); -inf means no sink
 bound_min, bound_max   float32 ``[seqlen_q]``: key j visible to query i iff ``bound_min[i] <= j < bound_max[i]``
+alibi_slopes           float32 ``[bs, nheads]``: adds ``-slope * |i + seqlen_k - seqlen_q - j|`` (no gradient)
+dropout_seed           int32 / uint32 ``[2]`` = (seed, offset), given iff ``dropout_p > 0`` (nki_attn.dropout)
 =====================  =====================================================================================
 
-``seqlen_q`` and ``seqlen_k`` are positive multiples of 128 (the torch API pads for you); ``use_causal_mask``
-(top-left, key j > query i masked) needs ``seqlen_q == seqlen_k``; ``sliding_window`` W >= 1 only with
-``use_causal_mask`` (query i sees keys i-W+1..i); all masks AND together; ``softmax_scale`` defaults to
-``1/sqrt(d_head)``.
+``seqlen_q`` and ``seqlen_k`` are positive multiples of 128 (the torch API pads for you); ``use_causal_mask`` is
+bottom-right (key j visible to query i iff ``j <= i + seqlen_k - seqlen_q``); ``sliding_window`` W >= 1 only with
+``use_causal_mask``; ``window_size=(left, right)`` (-1 = unbounded) causal or not, not with ``sliding_window``;
+``softcap`` >= 0 (0 = off); ``dropout_p`` in [0, 1); all masks AND together; ``softmax_scale`` defaults to
+``1/sqrt(d_qk)``. docs/semantics.md has every rule; ``check_kernel_args`` runs the kernels' own check.
 
 The ops are registered as ``torch.ops.nki_attn.attention_fwd`` / ``attention_bwd`` with fake (meta) kernels, so
 ``torch.compile(fullgraph=True)`` treats them as opaque nodes and FakeTensor / ``meta`` inputs get the right

@@ -120,6 +120,9 @@ class _FwdConfig(nl.NKIObject):
         # applies c, so exp(c t + bias) is still the ONE exponent of the softmax
         self.softcap = var.softcap
         self.cap_scale = base / var.softcap if var.softcap > 0 else 1.0
+        # the tanh makes ScalarE the busiest engine: the Q scaling and the O finishing move to VectorE (same
+        # arithmetic), unless a VectorE-heavy variant (exact ALiBi, dropout) comes with it
+        self.scalar_busy = var.softcap > 0 and not var.alibi and var.dropout_p == 0.0
         self.exp_scale = var.softcap if var.softcap > 0 else base
         self.alibi = var.alibi
         self.dropout_p = var.dropout_p
@@ -143,8 +146,9 @@ class _FwdConfig(nl.NKIObject):
         # ALiBi by TensorE (``_alibi_matmul``) when every visible key is left of the diagonal (causal), the inputs
         # are bfloat16, no soft-cap (the bias follows the tanh) and no sinks (they would need the row shift);
         # otherwise the exact VectorE step (``_alibi_scores``)
+        # (positions up to 65536: 256 floor(j / 256) stays an exact bfloat16 integer)
         self.alibi_mm = (var.alibi and self.hi_rel <= self.off and shp.num_sinks == 0 and var.softcap == 0.0
-                         and str(io_dtype) == str(nl.bfloat16))
+                         and str(io_dtype) == str(nl.bfloat16) and shp.seqlen_k <= 65536)
         if range_select_ok:
             self.mask = "bounds"
         elif shp.packing:
@@ -829,13 +833,19 @@ def _finish_block(cfg, pm, l_sum, bias, o_acc, t0, j0, o_sec, lse_sec, steps, rt
     # O * (1/l) into o's dtype, then O^T per V/O partition tile into the staging.
     for u in range(n):
         o_n = nl.ndarray((PMAX, cfg.d_v), dtype=cfg.io_dtype, buffer=nl.sbuf)
-        nisa.activation(dst=o_n, op=nl.copy, data=o_acc[:, u, :], scale=recip[:, u:u + 1])
+        if cfg.scalar_busy:
+            nisa.tensor_scalar(dst=o_n, data=o_acc[:, u, :], op0=nl.multiply, operand0=recip[:, u:u + 1])
+        else:
+            nisa.activation(dst=o_n, op=nl.copy, data=o_acc[:, u, :], scale=recip[:, u:u + 1])
         col = (j0 + u) * PMAX
         for vi in range(len(cfg.v_tiles)):
             v0, vsz = cfg.v_tiles[vi]
             ot_ps = nl.ndarray((vsz, PMAX), dtype=cfg.io_dtype, buffer=nl.psum)
             nisa.nc_transpose(dst=ot_ps, data=o_n[:, v0:v0 + vsz])
-            nisa.activation(dst=o_sec[vi][:, col:col + PMAX], op=nl.copy, data=ot_ps)
+            if cfg.scalar_busy:
+                nisa.tensor_copy(dst=o_sec[vi][:, col:col + PMAX], src=ot_ps)
+            else:
+                nisa.activation(dst=o_sec[vi][:, col:col + PMAX], op=nl.copy, data=ot_ps)
 
 
 def _attend_block(cfg, k_ref, v_ref, b, kvh, q_sec, t0, j0, j1, bounds, sink_stats, steps, rt, sec_state, o_sec,
@@ -902,7 +912,10 @@ def _attend_section(cfg, q_ref, k_ref, v_ref, o_ref, lse_ref, b, kvh, t0, t1, bo
             nisa.dma_copy(dst=qt, src=q_ref[b, kvh * g + h, d0:d0 + dsz, t0 * PMAX:t1 * PMAX])
             if cfg.q_scale != 1.0:
                 # s Q rounded to the input dtype, as attention_bwd computes it (ScalarE has room, VectorE not)
-                nisa.activation(dst=qt, op=nl.copy, data=qt, scale=cfg.q_scale)
+                if cfg.scalar_busy:
+                    nisa.tensor_scalar(dst=qt, data=qt, op0=nl.multiply, operand0=cfg.q_scale)
+                else:
+                    nisa.activation(dst=qt, op=nl.copy, data=qt, scale=cfg.q_scale)
             row.append(qt)
         q_sec.append(row)
     # O^T and LSE staging in unit order (column block j = unit j), stored per head by strided reads

@@ -79,19 +79,23 @@ def load_dropout_seed(dropout_seed):
     """Seed state for the dropout steps.
 
     Args:
-        dropout_seed: int32 or uint32 HBM tensor ``[2]`` = ``(seed, offset)`` (runtime data; both words are
-            used as 32-bit patterns).
+        dropout_seed: int32 or uint32 HBM tensor ``[2]`` = ``(seed, offset)``, or ``[1]`` = ``(seed,)`` with
+            offset 0 (runtime data; the words are used as 32-bit patterns).
     Returns:
         uint32 SBUF tile ``[128, 2]``: the mixed seed words ``(Z0, Z1)``, the same in every partition
         (``Z0 = g(g(s0 ^ C0) ^ s1 ^ C1)``, ``Z1 = g(g(s1 ^ C2) ^ s0 ^ C3)``). Call once per kernel call.
     """
-    assert tuple(dropout_seed.shape) == (2,), "dropout_seed must have shape (2,): (seed, offset)"
-    raw = nl.ndarray((PMAX, 2), dtype=dropout_seed.dtype, buffer=nl.sbuf)
-    # every partition reads the same two words (stride-0 partition walk of the HBM tensor)
-    nisa.dma_copy(dst=raw, src=dropout_seed.ap([[0, PMAX], [1, 2]]))
+    n = dropout_seed.shape[0]
+    assert len(dropout_seed.shape) == 1 and (n == 1 or n == 2), \
+        "dropout_seed must have shape (2,) (seed, offset) or (1,) (seed)"
+    raw = nl.ndarray((PMAX, n), dtype=dropout_seed.dtype, buffer=nl.sbuf)
+    # every partition reads the same words (stride-0 partition walk of the HBM tensor)
+    nisa.dma_copy(dst=raw, src=dropout_seed.ap([[0, PMAX], [1, n]]))
     words = nl.ndarray((PMAX, 2), dtype=nl.uint32, buffer=nl.sbuf)
+    if n == 1:
+        nisa.memset(dst=words[:, 1:2], value=0)
     # bit-vector op: raw bits, so an int32 seed becomes the same 32-bit pattern in uint32
-    nisa.tensor_scalar(dst=words, data=raw, op0=nl.bitwise_or, operand0=0)
+    nisa.tensor_scalar(dst=words[:, 0:n], data=raw, op0=nl.bitwise_or, operand0=0)
     s0 = words[:, 0:1]
     s1 = words[:, 1:2]
     y = nl.ndarray((PMAX, 1), dtype=nl.uint32, buffer=nl.sbuf)
@@ -169,25 +173,21 @@ def dropout_values(keys, k0, rows, cols):
     r1 = keys[0:rows, 1:2]
     k2 = keys[0:rows, 2:3]
     r3 = keys[0:rows, 3:4]
+    # three [rows, cols] uint32 tiles updated in place (6 KiB per partition at 512 columns, 8 KiB with the result)
     m = nl.ndarray((rows, cols), dtype=nl.uint32, buffer=nl.sbuf)
     nisa.iota(dst=m, pattern=[[1, cols]], offset=k0 & M16, channel_multiplier=0)
-    a1 = nl.ndarray((rows, cols), dtype=nl.uint32, buffer=nl.sbuf)
-    nisa.tensor_scalar(dst=a1, data=m, op0=nl.bitwise_xor, operand0=k1, op1=nl.bitwise_and, operand1=M16)
-    p1 = nl.ndarray((rows, cols), dtype=nl.uint32, buffer=nl.sbuf)
-    nisa.tensor_tensor(dst=p1, data1=a1, data2=r1.broadcast(1, cols), op=nl.multiply, engine=nisa.engine.gpsimd)
-    t1 = nl.ndarray((rows, cols), dtype=nl.uint32, buffer=nl.sbuf)
-    nisa.tensor_scalar(dst=t1, data=p1, op0=nl.right_shift, operand0=16)
-    u1 = nl.ndarray((rows, cols), dtype=nl.uint32, buffer=nl.sbuf)
-    nisa.tensor_tensor(dst=u1, data1=p1, data2=t1, op=nl.bitwise_xor, engine=nisa.engine.vector)
-    a2 = nl.ndarray((rows, cols), dtype=nl.uint32, buffer=nl.sbuf)
-    nisa.tensor_scalar(dst=a2, data=u1, op0=nl.bitwise_xor, operand0=k2, op1=nl.bitwise_and, operand1=M16)
-    b2 = nl.ndarray((rows, cols), dtype=nl.uint32, buffer=nl.sbuf)
-    nisa.tensor_scalar(dst=b2, data=m, op0=nl.bitwise_xor, operand0=r3, op1=nl.bitwise_or, operand1=1)
-    p2 = nl.ndarray((rows, cols), dtype=nl.uint32, buffer=nl.sbuf)
-    nisa.tensor_tensor(dst=p2, data1=a2, data2=b2, op=nl.multiply, engine=nisa.engine.gpsimd)
-    v = nl.ndarray((rows, cols), dtype=nl.uint32, buffer=nl.sbuf)
-    nisa.tensor_scalar(dst=v, data=p2, op0=nl.bitwise_and, operand0=M16)
-    return v
+    x = nl.ndarray((rows, cols), dtype=nl.uint32, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=x, data=m, op0=nl.bitwise_xor, operand0=k1, op1=nl.bitwise_and, operand1=M16)
+    # p1 = a1 * (hi(K1) | 1) < 2**32: exact on GpSimdE
+    nisa.tensor_tensor(dst=x, data1=x, data2=r1.broadcast(1, cols), op=nl.multiply, engine=nisa.engine.gpsimd)
+    t = nl.ndarray((rows, cols), dtype=nl.uint32, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=t, data=x, op0=nl.right_shift, operand0=16)
+    nisa.tensor_tensor(dst=t, data1=x, data2=t, op=nl.bitwise_xor, engine=nisa.engine.vector)  # u1
+    nisa.tensor_scalar(dst=x, data=t, op0=nl.bitwise_xor, operand0=k2, op1=nl.bitwise_and, operand1=M16)  # a2
+    nisa.tensor_scalar(dst=m, data=m, op0=nl.bitwise_xor, operand0=r3, op1=nl.bitwise_or, operand1=1)  # b2
+    nisa.tensor_tensor(dst=x, data1=x, data2=m, op=nl.multiply, engine=nisa.engine.gpsimd)  # p2
+    nisa.tensor_scalar(dst=t, data=x, op0=nl.bitwise_and, operand0=M16)  # v
+    return t
 
 
 def dropout_scale_keys(keys, dropout_p, k0, rows, cols):
@@ -236,7 +236,7 @@ def dropout_mask_kernel(dropout_seed, dropout_p, bs, nheads, seqlen_q, seqlen_k,
     """Debug kernel: the dropout multiplier of a whole problem, written through ``dropout_scale_tile``.
 
     Args:
-        dropout_seed: int32/uint32 HBM ``[2]``.
+        dropout_seed: int32/uint32 HBM ``[2]`` (or ``[1]``).
         dropout_p: float in ``[0, 1)``; bs, nheads, seqlen_q, seqlen_k: problem sizes (ints).
         q_tile (<= 128), k_tile (<= 512): the tile decomposition to use (any sizes; the result does not depend on
             them); k_start: absolute key column of output column 0 (to reach key blocks beyond 65536 cheaply).

@@ -29,7 +29,7 @@ _DTYPES = ("float32", "bfloat16", "float16")  # for messages
 #   softcap, alibi, window_size, dropout   the keywords of the same names
 FEATURES = ("causal_unequal", "head_dim_any", "d_v", "softcap", "alibi", "window_size", "dropout")
 _FLOAT_MAX = 3.4028234663852886e38
-DROPOUT_SEED_SHAPE = (2,)  # (seed, offset): kernels/dropout.py, docs/semantics.md "Dropout"
+DROPOUT_SEED_SHAPE = (2,)  # (seed, offset); (1,) is (seed,) with offset 0: kernels/dropout.py, docs/semantics.md
 
 
 class AttentionShape(nl.NKIObject):
@@ -255,8 +255,9 @@ def _variant_problem(bs, nheads, softcap, alibi_slopes, dropout_p, dropout_seed,
         name = str(dropout_seed.dtype)
         if name != str(nl.int32) and name != str(nl.uint32):
             return f"dropout_seed dtype {dropout_seed.dtype} must be int32 or uint32"
-        if _shape(dropout_seed) != DROPOUT_SEED_SHAPE:
-            return f"dropout_seed shape {_shape(dropout_seed)} must be {DROPOUT_SEED_SHAPE}: (seed, offset)"
+        if _shape(dropout_seed) != DROPOUT_SEED_SHAPE and _shape(dropout_seed) != (1,):
+            return (f"dropout_seed shape {_shape(dropout_seed)} must be {DROPOUT_SEED_SHAPE}: (seed, offset), or "
+                    f"(1,): (seed,) with offset 0")
     elif dropout_seed is not None:
         return "dropout_seed was given with dropout_p=0.0; pass dropout_seed only when dropout_p > 0"
     return None
@@ -274,7 +275,7 @@ def attention_problem(q, k, v, o=None, dy=None, lse=None, sinks=None, bound_min=
     Layouts: q ``[bs, nheads, d_qk, seqlen_q]``; k ``[bs, nheads_kv, d_qk, seqlen_k]``; v ``[bs, nheads_kv, d_v,
     seqlen_k]``; o, dy ``[bs, nheads, d_v, seqlen_q]``; lse float32 ``[bs, nheads, 128, seqlen_q // 128]``;
     sinks ``[bs, nheads]`` or ``[bs, nheads, num_sinks]``; bound_min, bound_max float32 ``[seqlen_q]``;
-    alibi_slopes float32 ``[bs, nheads]``; dropout_seed an int32 / uint32 tensor ``[2]`` = (seed, offset)
+    alibi_slopes float32 ``[bs, nheads]``; dropout_seed an int32 / uint32 tensor ``[2]`` = (seed, offset) (or ``[1]``, offset 0)
     (docs/semantics.md, "Dropout").
     Scalars: softcap >= 0 (0 = off); window_size None or ``(left, right)`` ints >= -1 (-1 = unbounded), not
     with sliding_window; dropout_p in [0, 1) with dropout_seed given iff dropout_p > 0.

@@ -54,6 +54,12 @@ def test_int32_and_uint32_seeds_with_the_same_bits_agree():
     assert torch.equal(D.keep_mask(s, 0.5, 1, 1, 16, 64), D.keep_mask(su, 0.5, 1, 1, 16, 64))
 
 
+def test_one_word_seed_is_offset_zero():
+    one = torch.tensor([77], dtype=torch.int32)
+    assert D.seed_words(one) == (77, 0)
+    assert torch.equal(D.keep_mask(one, 0.3, 1, 2, 16, 64), D.keep_mask(D.make_seed(77, 0), 0.3, 1, 2, 16, 64))
+
+
 def test_p_zero_keeps_everything_and_threshold_rule():
     assert D.keep_threshold(0.0) == 65536
     assert D.keep_mask(D.make_seed(1), 0.0, 1, 2, 32, 64).all()

@@ -253,6 +253,26 @@ def test_dropout_sections_and_seed():
     assert not np.array_equal(np.asarray(other.run()[2]), np.asarray(out[2]))
 
 
+@pytest.mark.parametrize("kw", [
+    dict(alibi=True, causal=True, h=2, hk=1, dtype="bfloat16", mixed=True),   # the forward's ALiBi matmul path
+    dict(softcap=2.0, causal=True, window_size=(100, 0), dtype="bfloat16", mixed=True),
+    dict(alibi=True, window_size=(60, 60), sq=384, h=2, hk=1),
+    dict(d=192, dv=128, causal=True, sq=256, sk=384),
+], ids=_ids)
+def test_after_the_forward_kernel(kw):
+    """attention_fwd's own O and LSE (same variants) into attention_bwd: the backward recomputes
+    the forward's P from its LSE, so a forward and backward that form the logits differently would show here.
+    The inputs baseline is the kernel formula from exactly these O and LSE."""
+    c = VCase(**kw)
+    fkw = {k: v for k, v in c.kwargs.items() if k != "mixed_precision"}
+    o, lse = kernel_api.attention_fwd(*c.args[:3], mixed_precision=bool(kw.get("mixed", False)), **fkw)
+    c.args[3] = o
+    c.args[5] = lse
+    c.fs32 = bwd_from_stats(*[_compare.as_t64(x) for x in c.args[:5]], _compare.as_t64(lse), c.opts,
+                            sinks=c.kwargs.get("sinks_ref"))
+    c.check(c.run())
+
+
 # --------------------------------------------------------------------------------------------- trace
 def _instrs(rec):
     out = {}
@@ -283,6 +303,43 @@ def test_variants_add_their_steps_only():
     assert i2["iota"] == visits
     assert i2["scalar_tensor_tensor"] == i0["scalar_tensor_tensor"] + visits
     assert i2["nc_matmul"] == i0["nc_matmul"]
+
+
+@pytest.mark.parametrize("kw", [
+    dict(sq=1024, window_size=(64, 64)),
+    dict(sq=640, sk=1152, window_size=(300, 100), section=256),
+    dict(sq=1152, sk=640, causal=True, window_size=(200, -1)),
+    dict(sq=768, sk=512, causal=True, window=130, section=384),
+    dict(sq=512, sk=896, window_size=(-1, 0)),
+    dict(sq=384, sk=128, causal=True),                                   # query tiles that see no key
+], ids=_ids)
+def test_plan_follows_the_band(kw):
+    """The trace-time plan visits exactly the 128-key chunks holding a visible (query, key) pair of the golden's
+    visibility matrix, and flags an element mask exactly where a visited chunk run holds an invisible pair on
+    that side of the band (brute force, no error bound)."""
+    sq, sk = kw["sq"], kw.get("sk", kw["sq"])
+    cfg = kb._configure(np.zeros((1, 1, 64, sq), np.float32), np.zeros((1, 1, 64, sk), np.float32), None, None,
+                        kw.get("causal", False), False, None, kw.get("window"), kw.get("section"),
+                        window_size=kw.get("window_size"))
+    vis = visibility_mask(sq, sk, kw.get("causal", False), kw.get("window"), None, None,
+                          kw.get("window_size")).numpy()
+    i = np.arange(sq)[:, None]
+    j = np.arange(sk)[None, :]
+    above = j > i + cfg.hi_rel   # invisible by the band's upper side
+    below = j < i + cfg.lo_rel   # invisible by its lower side
+    assert np.array_equal(vis, ~(above | below))
+    for s, (k_lo, k_len) in enumerate(cfg.sections):
+        for qt in range(cfg.nq):
+            rows = slice(qt * 128, (qt + 1) * 128)
+            want = [c for c in range(k_lo, k_lo + k_len, 128) if vis[rows, c:c + 128].any()]
+            got = [c for tile in cfg.tiles[s][qt] for c in range(tile[0], tile[0] + tile[1], 128)]
+            assert got == want, (s, qt)
+            for k0, kw_, cmask, wmask in cfg.tiles[s][qt]:
+                assert cmask == bool(above[rows, k0:k0 + kw_].any())
+                assert wmask == bool(below[rows, k0:k0 + kw_].any())
+    for qt in range(cfg.nq):
+        sees = bool(vis[qt * 128:(qt + 1) * 128].any())
+        assert (qt in cfg.no_key_tiles) == (not sees)
 
 
 def test_window_cost_is_linear_in_seqlen():

@@ -44,6 +44,12 @@ def test_kernel_strict_checks_and_uint32_seed():
     assert torch.equal(got, _golden(torch.from_numpy(seed_u), 0.25, 2, 1, 64, 96))
 
 
+def test_one_word_seed():
+    one = np.array([-12345], dtype=np.int32)
+    out = kd.dropout_mask_kernel(one, 0.4, 1, 1, 32, 64, q_tile=32, k_tile=64)
+    assert torch.equal(torch.from_numpy(np.asarray(out)) != 0, _golden(make_seed(-12345, 0), 0.4, 1, 1, 32, 64))
+
+
 def test_tile_straddling_a_key_block():
     # columns 65536 - 200 .. 65536 + 199: one 512-wide tile crosses the 65536 boundary (two sets of row words)
     seed = make_seed(3)

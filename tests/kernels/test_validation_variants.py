@@ -45,6 +45,7 @@ SEED = _t(2, dtype=torch.int32)
     dict(alibi_slopes="alibi"),
     dict(dropout_p=0.1, dropout_seed=SEED),
     dict(dropout_p=0.5, dropout_seed=_t(2, dtype=torch.uint32)),
+    dict(dropout_p=0.5, dropout_seed=_t(1, dtype=torch.int32)),
 ], ids=str)
 def test_spec_arguments_accepted(change, kw):
     a = _args(**change)
@@ -83,6 +84,8 @@ def _problem(**kw):
     (dict(dropout_p=0.1, dropout_seed=_t(2)), r"dropout_seed dtype float32 must be int32 or uint32"),
     (dict(dropout_seed=SEED), r"dropout_seed was given with dropout_p=0.0"),
     (dict(dropout_p=0.1, dropout_seed=_t(1, 2, dtype=torch.int32)), r"dropout_seed shape \(1, 2\) must be \(2,\)"),
+    (dict(dropout_p=0.1, dropout_seed=_t(3, dtype=torch.int32)), r"dropout_seed shape \(3,\) must be \(2,\): "
+                                                                 r"\(seed, offset\), or \(1,\)"),
     (dict(v=_t(1, 1, 64, 384)), r"v shape \(1, 1, 64, 384\) must be \[bs, nheads_kv, d_v, seqlen_k\]"),
     (dict(d_qk=192, d_v=128, o=_t(1, 2, 192, 256)), r"o shape \(1, 2, 192, 256\) must be \[bs, nheads, d_v, "
                                                    r"seqlen_q\] = \(1, 2, 128, 256\)"),
