@@ -72,6 +72,12 @@ def reduction_lengths(case):
     keys, queries = case.seqlen_k, case.seqlen_q
     if case.window:
         keys, queries = min(keys, case.window), min(queries, case.window)
+    if getattr(case, "window_size", ()):
+        left, right = case.window_size
+        if case.causal:  # causal clips the right side to the diagonal
+            right = 0
+        if left >= 0 and right >= 0:  # the band i + off - left <= j <= i + off + right
+            keys, queries = min(keys, left + right + 1), min(queries, left + right + 1)
     if case.cu_seqlens:
         longest = max(b - a for a, b in zip(case.cu_seqlens[:-1], case.cu_seqlens[1:]))
         keys, queries = min(keys, longest), min(queries, longest)
