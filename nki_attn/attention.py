@@ -37,6 +37,14 @@ __all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_qkvpacked_fu
 
 
 # ----------------------------------------------------------------------------------------------------- arguments
+@torch.compiler.assume_constant_result
+def _supports(feature):
+    """kernel_api.supports: whether both kernels implement a variant (imported late: it loads the kernels). A
+    constant of the process, so ``torch.compile`` evaluates it once at trace time instead of tracing it."""
+    from . import kernel_api  # noqa: PLC0415
+    return kernel_api.supports(feature)
+
+
 def _check_tensor(fn, name, t):
     if not isinstance(t, torch.Tensor):
         _fail(fn, name, type(t).__name__, "must be a torch.Tensor", TypeError)
@@ -59,26 +67,95 @@ def _check_real(fn, name, x):
 
 
 def _check_dropout(fn, dropout_p):
+    """dropout_p as a float in [0, 1); NotImplementedError when > 0 and the kernels have no dropout step."""
     p = _check_real(fn, "dropout_p", dropout_p)
-    if not 0.0 <= p <= 1.0:
-        _fail(fn, "dropout_p", p, "must be a probability in [0, 1]")
-    if p != 0.0:
-        _fail(fn, "dropout_p", p, "dropout is not implemented by the NKI kernels yet; only 0.0 is accepted",
-              NotImplementedError)
+    if not 0.0 <= p < 1.0:
+        _fail(fn, "dropout_p", p, "must be a probability in [0, 1) (kept probabilities are scaled by 1/(1-p))")
+    if p != 0.0 and not _supports("dropout"):
+        _fail(fn, "dropout_p", p, "dropout is not implemented by the NKI kernels of this build; only 0.0 is "
+                                  "accepted", NotImplementedError)
+    return p
+
+
+def _check_softcap(fn, softcap):
+    cap = _check_real(fn, "softcap", softcap)
+    if not (math.isfinite(cap) and cap >= 0.0):
+        _fail(fn, "softcap", cap, "must be finite and >= 0 (0.0 deactivates soft-capping)")
+    if cap != 0.0 and not _supports("softcap"):
+        _fail(fn, "softcap", cap, "logit soft-capping is not implemented by the NKI kernels of this build; only "
+                                  "0.0 (deactivated) is accepted", NotImplementedError)
+    return cap
+
+
+def _check_alibi(fn, alibi_slopes, batch, hq, q):
+    """FlashAttention's ALiBi slopes: float32 ``[nheads]`` or ``[batch, nheads]`` (None: no ALiBi)."""
+    if alibi_slopes is None:
+        return None
+    _check_tensor(fn, "alibi_slopes", alibi_slopes)
+    shape = tuple(alibi_slopes.shape)
+    if shape != (hq,) and shape != (batch, hq):
+        _fail(fn, "alibi_slopes.shape", shape, f"must be [nheads] = [{hq}] or [batch, nheads] = [{batch}, {hq}]")
+    if alibi_slopes.dtype != torch.float32:
+        _fail(fn, "alibi_slopes.dtype", alibi_slopes.dtype, "must be torch.float32 (as FlashAttention)")
+    if alibi_slopes.device != q.device:
+        _fail(fn, "alibi_slopes.device", alibi_slopes.device, f"must equal q.device {q.device}")
+    if not _supports("alibi"):
+        _fail(fn, "alibi_slopes", shape, "ALiBi is not implemented by the NKI kernels of this build; only None is "
+                                         "accepted", NotImplementedError)
+    return alibi_slopes
+
+
+def _check_flags(fn, deterministic, return_attn_probs):
+    _check_bool(fn, "deterministic", deterministic)  # always honoured: the kernels are deterministic
+    _check_bool(fn, "return_attn_probs", return_attn_probs)
 
 
 def _check_fa_extras(fn, softcap, alibi_slopes, deterministic, return_attn_probs):
-    """FlashAttention arguments accepted at their defaults only, until the kernels implement them."""
+    """For entry points that implement none of the variants (ring attention): soft-capping and ALiBi accepted at
+    their neutral values (0.0 / None) only, NotImplementedError otherwise."""
     cap = _check_real(fn, "softcap", softcap)
     if cap != 0.0:
-        _fail(fn, "softcap", cap, "logit soft-capping is not implemented by the NKI kernels yet; only 0.0 "
-                                  "(deactivated) is accepted", NotImplementedError)
+        _fail(fn, "softcap", cap, "logit soft-capping is not implemented here; only 0.0 (deactivated)",
+              NotImplementedError)
     if alibi_slopes is not None:
         shape = tuple(alibi_slopes.shape) if isinstance(alibi_slopes, torch.Tensor) else type(alibi_slopes).__name__
-        _fail(fn, "alibi_slopes", shape, "ALiBi is not implemented by the NKI kernels yet; only None is accepted",
-              NotImplementedError)
-    _check_bool(fn, "deterministic", deterministic)  # always honoured: the kernels are deterministic
-    _check_bool(fn, "return_attn_probs", return_attn_probs)
+        _fail(fn, "alibi_slopes", shape, "ALiBi is not implemented here; only None", NotImplementedError)
+    _check_flags(fn, deterministic, return_attn_probs)
+
+
+SEED_MAX = (1 << 32) - 1
+
+
+def dropout_seed_tensor(seed, offset=0, device="cpu"):
+    """The kernels' dropout seed for ints ``seed`` and ``offset`` in ``[0, 2**32)``: int32 ``[2]`` =
+    ``(seed, offset)`` (``nki_attn.dropout.make_seed``; docs/semantics.md, "Dropout")."""
+    from .dropout import make_seed  # noqa: PLC0415
+    return make_seed(int(seed), int(offset)).to(device)
+
+
+def _dropout_seed(fn, p, dropout_seed, generator, device):
+    """The seed tensor of a call with dropout ``p`` (None when p == 0): from ``dropout_seed`` (an int, or an
+    int32/uint32 ``[2]`` (seed, offset) tensor), else drawn from ``generator`` (default: torch's global generator,
+    so ``torch.manual_seed`` makes the call reproducible, as FlashAttention's CUDA generator state does)."""
+    if generator is not None and not isinstance(generator, torch.Generator):
+        _fail(fn, "generator", type(generator).__name__, "must be a torch.Generator or None", TypeError)
+    if dropout_seed is not None and generator is not None:
+        _fail(fn, "dropout_seed", repr(dropout_seed), "give dropout_seed or generator, not both")
+    if isinstance(dropout_seed, torch.Tensor):
+        if tuple(dropout_seed.shape) not in ((2,), (1,)) or dropout_seed.dtype not in (torch.int32, torch.uint32):
+            _fail(fn, "dropout_seed", f"{dropout_seed.dtype} {tuple(dropout_seed.shape)}",
+                  "a seed tensor must be int32 or uint32 [2] = (seed, offset) or [1] = (seed,) (or pass an int)")
+        seed = dropout_seed.to(device)
+    elif dropout_seed is not None:
+        if not _is_int(dropout_seed) or not 0 <= dropout_seed <= SEED_MAX:
+            _fail(fn, "dropout_seed", repr(dropout_seed), f"must be an int in [0, {SEED_MAX}], a seed tensor or None")
+        seed = dropout_seed_tensor(dropout_seed, 0, device)
+    elif p == 0.0:
+        seed = None
+    else:
+        from .dropout import seed_from_generator  # noqa: PLC0415
+        seed = seed_from_generator(torch.default_generator if generator is None else generator).to(device)
+    return seed if p != 0.0 else None
 
 
 def _window(fn, window_size, causal):
@@ -110,9 +187,9 @@ def _check_qkv(fn, q, k, v, rank, names=("q", "k", "v")):
             _fail(fn, f"{name}.device", t.device, f"must equal {names[0]}.device {q.device}")
     if q.dtype not in ops.DTYPES:
         _fail(fn, f"{names[0]}.dtype", q.dtype, "must be float32, bfloat16 or float16")
-    if k.shape != v.shape:
-        _fail(fn, f"{names[2]}.shape", tuple(v.shape), f"must equal {names[1]}.shape {tuple(k.shape)} (the kernels "
-                                                       f"need one head_dim for q, k and v)")
+    if k.shape[:-1] != v.shape[:-1]:
+        _fail(fn, f"{names[2]}.shape", tuple(v.shape), f"must equal {names[1]}.shape {tuple(k.shape)} except in "
+                                                       f"the last dim (head_dim_v may differ from head_dim)")
     ops.check_device(q, names[0])
 
 
@@ -124,11 +201,8 @@ def _check_heads(fn, hq, hk, name):
 
 
 def _check_head_dim(fn, d, name):
-    if d == 0:
-        return  # empty output, as torch
-    if d > ops.MAX_D_HEAD or d % -(-d // PMAX) != 0:
-        _fail(fn, name, d, f"head_dim must be at most {PMAX}, or up to {ops.MAX_D_HEAD} splitting into equal "
-                           f"tiles of at most {PMAX} (e.g. 192, 256)")
+    if d > ops.MAX_D_HEAD:
+        _fail(fn, name, d, f"head_dim must be at most {ops.MAX_D_HEAD}")  # 0 is fine: empty output, as torch
 
 
 def _check_sinks(fn, sinks, hq, q):
@@ -157,15 +231,34 @@ def window_intervals(sq, sk, left, right, shift, device=None):
     return lo, torch.maximum(hi, lo)
 
 
-def _bounds(lo, hi, pad_to):
-    """float32 [pad_to] kernel bounds from int64 [n] intervals; padded query rows see no key."""
+def _bounds(lo, hi, pad_to, front=0):
+    """float32 [pad_to] kernel bounds from int64 [n] intervals placed at rows ``front .. front + n``; padded
+    query rows see no key."""
     n = lo.shape[0]
-    z = lo.new_zeros(pad_to - n)
-    return torch.cat([lo, z]).to(torch.float32), torch.cat([hi, z]).to(torch.float32)
+    f = lo.new_zeros(front)
+    z = lo.new_zeros(pad_to - n - front)
+    return torch.cat([f, lo, z]).to(torch.float32), torch.cat([f, hi, z]).to(torch.float32)
+
+
+class _Plan:
+    """How one call reaches the kernels: the kernel lengths, the front padding of the query rows, the kernels'
+    mask arguments and the padded head dims.
+
+    q row i becomes kernel row ``front + i`` (front > 0 only to keep the bottom-right alignment, see
+    ``_Mask.plan``); key j stays key j; rows and keys past the real ones are zero padding (padded keys are masked
+    by bounds, padded rows are dropped)."""
+
+    __slots__ = ("front", "sq_k", "sk_k", "causal", "window", "window_size", "bmin", "bmax")
+
+    def __init__(self, front, sq_k, sk_k, causal=False, window=None, window_size=None, bmin=None, bmax=None):
+        self.front, self.sq_k, self.sk_k = front, sq_k, sk_k
+        self.causal, self.window, self.window_size = causal, window, window_size
+        self.bmin, self.bmax = bmin, bmax
 
 
 class _Mask:
-    """How one call's mask reaches the kernels: native flags, or per-query intervals over the packed keys."""
+    """A call's mask: a window description (query i sees keys ``i + shift - left .. i + shift + right``, -1 =
+    unbounded) or explicit per-query intervals ``[lo, hi)`` (packed sequences, boolean masks)."""
 
     def __init__(self, sq, sk, left=-1, right=-1, shift=0, lo=None, hi=None):
         self.sq, self.sk, self.left, self.right, self.shift = sq, sk, left, right, shift
@@ -176,17 +269,51 @@ class _Mask:
             return self.lo, self.hi
         return window_intervals(self.sq, self.sk, self.left, self.right, self.shift, device)
 
-    def kernel_args(self, device):
-        """(use_causal_mask, sliding_window, bound_min, bound_max) for the padded problem."""
-        sq_pad, sk_pad = _round_up(self.sq), _round_up(self.sk)
+    def _native(self, sq_k, sk_k):
+        """(causal, sliding_window, window_size) giving the window as the kernels' band on a layout where the
+        kernel's offset ``sk_k - sq_k`` (after the front padding) equals ``shift``, or None when the kernels
+        cannot take it (kernel_api.supports)."""
+        left, right = self.left, self.right
+        unequal_ok = sq_k == sk_k or _supports("causal_unequal")
+        if left == -1 and right == -1:
+            return False, None, None
+        if right == 0 and unequal_ok:
+            return True, (left + 1 if left >= 0 else None), None
+        if unequal_ok and _supports("window_size"):
+            return False, None, (left, right)
+        return None
+
+    def plan(self, device, aligned=False):
+        """The ``_Plan`` of this mask. ``aligned``: the kernels must see every (query, key) pair at the same
+        distance as the call (ALiBi, or a native band): query rows are padded at the front so that the kernel's
+        bottom-right offset equals ``shift``. Otherwise both lengths are padded at the end and the mask goes
+        through per-query bounds whenever it is not the kernels' plain causal or full mask."""
+        sq, sk = self.sq, self.sk
+        native = None
         if self.lo is None:
-            if self.shift == 0 and self.right == 0 and self.sq == self.sk:
-                # causal order on equal lengths: padded keys lie after every real query, so causal hides them
-                return True, (self.left + 1 if self.left >= 0 else None), None, None
-            if self.left == -1 and self.right == -1 and self.sk == sk_pad:
-                return False, None, None, None
-        bmin, bmax = _bounds(*self.intervals(device), sq_pad)
-        return False, None, bmin, bmax
+            # kernel lengths with sk_k - (front + sq + back) + front == shift: back = sk_k - shift - sq >= 0
+            sk_k = _round_up(max(sk, sq + self.shift))
+            back = sk_k - self.shift - sq
+            front = (-(sq + back)) % PMAX
+            sq_k = front + sq + back
+            native = self._native(sq_k, sk_k)
+            if native is not None and (aligned or native != (False, None, None)):
+                causal, window, wsize = native
+                # padded keys j >= sk are visible to a real row unless the band's right side hides them
+                hidden = self.right >= 0 and sq - 1 + self.shift + self.right <= sk - 1
+                bmin = bmax = None
+                if sk_k > sk and not hidden:
+                    lo = torch.zeros(sq, dtype=torch.int64, device=device)
+                    bmin, bmax = _bounds(lo, lo + sk, sq_k, front)
+                return _Plan(front, sq_k, sk_k, causal, window, wsize, bmin, bmax)
+            if aligned:
+                bmin, bmax = _bounds(*self.intervals(device), sq_k, front)
+                return _Plan(front, sq_k, sk_k, bmin=bmin, bmax=bmax)
+        sq_k, sk_k = _round_up(sq), _round_up(sk)
+        if self.lo is None and self.left == -1 and self.right == -1 and sk == sk_k:
+            return _Plan(0, sq_k, sk_k)
+        bmin, bmax = _bounds(*self.intervals(device), sq_k)
+        return _Plan(0, sq_k, sk_k, bmin=bmin, bmax=bmax)
 
 
 def _visibility(mask, device):
@@ -197,12 +324,27 @@ def _visibility(mask, device):
 
 
 # ----------------------------------------------------------------------------------------------------- core
-def _to_kernel(x, pad_to):
-    """[b, s, h, d] -> [b, h, d, s_padded], contiguous."""
+def _kernel_head_dims(d_qk, d_v):
+    """Head dims the kernels get: the real ones where the kernels implement them (kernel_api.supports), else
+    zero-padded (exact: a zero column adds nothing to q.k, and a zero V column is dropped from the output)."""
+    def even(d):
+        if d <= PMAX or d % 2 == 0 or _supports("head_dim_any"):
+            return d
+        return d + 1  # 129..255 odd -> two equal tiles
+    dq, dv = even(d_qk), even(d_v)
+    if dq != dv and not _supports("d_v"):
+        dq = dv = max(dq, dv)
+    return dq, dv
+
+
+def _to_kernel(x, pad_to, front=0, d_to=None):
+    """[b, s, h, d] -> [b, h, d_to, pad_to] contiguous: ``front`` zero rows before the sequence, zeros after it
+    and after the head dim."""
     x = x.permute(0, 2, 3, 1)
-    s = x.shape[-1]
-    if pad_to > s:
-        x = torch.nn.functional.pad(x, (0, pad_to - s))
+    s, d = x.shape[-1], x.shape[-2]
+    d_to = d if d_to is None else d_to
+    if pad_to > s or d_to > d:
+        x = torch.nn.functional.pad(x, (front, pad_to - s - front, 0, d_to - d))
     return x.contiguous()
 
 
@@ -211,6 +353,13 @@ def _kernel_sinks(sinks, b):
         return None
     s = sinks.to(torch.float32)
     return s.unsqueeze(0).expand(b, *s.shape).contiguous()
+
+
+def _kernel_alibi(alibi_slopes, b, hq):
+    """FlashAttention's ``[nheads]`` or ``[batch, nheads]`` slopes -> the kernels' float32 ``[batch, nheads]``."""
+    if alibi_slopes is None:
+        return None
+    return alibi_slopes.to(torch.float32).expand(b, hq).contiguous()
 
 
 def _empty_attention(q, k, v, mask, sinks):
@@ -234,19 +383,35 @@ def _empty_attention(q, k, v, mask, sinks):
     return out, lse.contiguous(), None
 
 
-def _attention(fn, q, k, v, mask, scale, sinks, want_probs, scale_name="softmax_scale"):
-    """q [b, sq, h, d], k/v [b, sk, hk, d] -> (out [b, sq, h, d] contiguous, lse float32 [b, h, sq], probs or None)."""
+class _Variants:
+    """The variant arguments of one call, checked: softcap (0.0 = off), alibi_slopes (float32 [b, h] or None),
+    dropout_p and the kernels' dropout seed tensor (None without dropout)."""
+
+    __slots__ = ("softcap", "alibi", "dropout_p", "seed")
+
+    def __init__(self, softcap=0.0, alibi=None, dropout_p=0.0, seed=None):
+        self.softcap, self.alibi, self.dropout_p, self.seed = softcap, alibi, dropout_p, seed
+
+
+_NO_VARIANTS = _Variants()
+
+
+def _attention(fn, q, k, v, mask, scale, sinks, want_probs, scale_name="softmax_scale", variants=_NO_VARIANTS):
+    """q [b, sq, h, d_qk], k [b, sk, hk, d_qk], v [b, sk, hk, d_v] -> (out [b, sq, h, d_v] contiguous,
+    lse float32 [b, h, sq], probs or None)."""
     b, sq, hq, d = q.shape
     sk = k.shape[1]
     scale = ops.resolve_scale(fn, scale, max(d, 1), scale_name)
-    if q.numel() == 0 or k.numel() == 0:
+    if q.numel() == 0 or k.numel() == 0 or v.numel() == 0:
         out, lse, _ = _empty_attention(q, k, v, mask, sinks)
         probs = q.new_zeros((b, hq, sq, sk), dtype=torch.float32) if want_probs else None
         return out, lse, probs
-    if _round_up(sk) > MAX_EXACT_KEY:
+    if _round_up(max(sk, sq + mask.shift)) > MAX_EXACT_KEY:
         _fail(fn, "seqlen_k", sk, f"must be at most {MAX_EXACT_KEY} (the kernels' key bounds are float32)")
-    out, lse = _flash_fwd(q, k, v, sinks, mask.lo, mask.hi, mask.left, mask.right, mask.shift, scale)
-    probs = _probs(q, k, mask, scale, lse) if want_probs else None
+    alibi = _kernel_alibi(variants.alibi, b, hq)
+    out, lse = _flash_fwd(q, k, v, sinks, mask.lo, mask.hi, mask.left, mask.right, mask.shift, scale,
+                          variants.softcap, alibi, variants.dropout_p, variants.seed)
+    probs = _probs(q, k, mask, scale, lse, variants, alibi) if want_probs else None
     return out, lse, probs
 
 
@@ -256,53 +421,66 @@ def _attention(fn, q, k, v, mask, scale, sinks, want_probs, scale_name="softmax_
 @torch.library.custom_op("nki_attn::flash_fwd", mutates_args=())
 def _flash_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: Optional[torch.Tensor],
                key_lo: Optional[torch.Tensor], key_hi: Optional[torch.Tensor], left: int, right: int, shift: int,
-               scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """q [b, sq, h, d], k/v [b, sk, hk, d], sinks [h(, n)], key_lo/key_hi int64 [sq] (or the window
-    description left/right/shift) -> (out [b, sq, h, d], lse float32 [b, h, sq])."""
-    b, sq, hq, _ = q.shape
+               scale: float, softcap: float = 0.0, alibi: Optional[torch.Tensor] = None, dropout_p: float = 0.0,
+               dropout_seed: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [b, sq, h, d_qk], k [b, sk, hk, d_qk], v [b, sk, hk, d_v], sinks [h(, n)], key_lo/key_hi int64 [sq] (or
+    the window description left/right/shift), alibi float32 [b, h], dropout_seed the kernels' seed tensor
+    -> (out [b, sq, h, d_v], lse float32 [b, h, sq])."""
+    b, sq, hq, d_qk = q.shape
+    d_v = v.shape[3]
     sk = k.shape[1]
-    sq_pad, sk_pad = _round_up(sq), _round_up(sk)
-    causal, window, bmin, bmax = _Mask(sq, sk, left, right, shift, key_lo, key_hi).kernel_args(q.device)
-    o, lse = ops._fwd_op(_to_kernel(q, sq_pad), _to_kernel(k, sk_pad), _to_kernel(v, sk_pad),
-                         _kernel_sinks(sinks, b), bmin, bmax, causal, scale, window, True)
-    out = o[..., :sq].permute(0, 3, 1, 2).contiguous()
-    lse = lse.permute(0, 1, 3, 2).reshape(b, hq, sq_pad)[..., :sq].contiguous()
+    pl = _Mask(sq, sk, left, right, shift, key_lo, key_hi).plan(q.device, aligned=alibi is not None)
+    dq_k, dv_k = _kernel_head_dims(d_qk, d_v)
+    o, lse = ops._fwd_op(_to_kernel(q, pl.sq_k, pl.front, dq_k), _to_kernel(k, pl.sk_k, 0, dq_k),
+                         _to_kernel(v, pl.sk_k, 0, dv_k), _kernel_sinks(sinks, b), pl.bmin, pl.bmax, pl.causal,
+                         scale, pl.window, True, softcap, alibi, _wlist(pl.window_size), dropout_p, dropout_seed)
+    out = o[:, :, :d_v, pl.front:pl.front + sq].permute(0, 3, 1, 2).contiguous()
+    lse = lse.permute(0, 1, 3, 2).reshape(b, hq, pl.sq_k)[..., pl.front:pl.front + sq].contiguous()
     return out, lse
 
 
+def _wlist(window_size):
+    return None if window_size is None else [int(window_size[0]), int(window_size[1])]
+
+
 @_flash_fwd.register_fake
-def _flash_fwd_fake(q, k, v, sinks, key_lo, key_hi, left, right, shift, scale):
+def _flash_fwd_fake(q, k, v, sinks, key_lo, key_hi, left, right, shift, scale, softcap=0.0, alibi=None,
+                    dropout_p=0.0, dropout_seed=None):
     b, sq, hq, _ = q.shape
-    return torch.empty_like(q, memory_format=torch.contiguous_format), \
-        q.new_empty((b, hq, sq), dtype=torch.float32)
+    return q.new_empty((b, sq, hq, v.shape[3])), q.new_empty((b, hq, sq), dtype=torch.float32)
 
 
 @torch.library.custom_op("nki_attn::flash_bwd", mutates_args=())
 def _flash_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, dout: torch.Tensor,
                lse: torch.Tensor, sinks: Optional[torch.Tensor], key_lo: Optional[torch.Tensor],
                key_hi: Optional[torch.Tensor], left: int, right: int, shift: int, scale: float,
-               dlse: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+               dlse: Optional[torch.Tensor], softcap: float = 0.0, alibi: Optional[torch.Tensor] = None,
+               dropout_p: float = 0.0, dropout_seed: Optional[torch.Tensor] = None
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of ``_flash_fwd``: (dq, dk, dv like q, k, v; dsinks like sinks, or an empty [0] tensor)."""
-    b, sq, hq, _ = q.shape
-    sk = k.shape[1]
-    sq_pad, sk_pad = _round_up(sq), _round_up(sk)
-    causal, window, bmin, bmax = _Mask(sq, sk, left, right, shift, key_lo, key_hi).kernel_args(q.device)
+    b, sq, hq, d_qk = q.shape
+    sk, d_v = k.shape[1], v.shape[3]
+    pl = _Mask(sq, sk, left, right, shift, key_lo, key_hi).plan(q.device, aligned=alibi is not None)
+    dq_k, dv_k = _kernel_head_dims(d_qk, d_v)
     # Padded query rows get dout = 0 (so D = 0 and dS = 0) and lse = +inf (so P = exp(S - lse) = 0): they add
     # nothing to dk, dv, dsinks, whatever o holds there.
-    lse_k = torch.nn.functional.pad(lse, (0, sq_pad - sq), value=math.inf)
-    lse_k = lse_k.reshape(b, hq, sq_pad // PMAX, PMAX).transpose(-1, -2).contiguous()
+    lse_k = torch.nn.functional.pad(lse, (pl.front, pl.sq_k - sq - pl.front), value=math.inf)
+    lse_k = lse_k.reshape(b, hq, pl.sq_k // PMAX, PMAX).transpose(-1, -2).contiguous()
     ks = _kernel_sinks(sinks, b)
-    dq, dk, dv, dsinks = ops._bwd_op(_to_kernel(q, sq_pad), _to_kernel(k, sk_pad), _to_kernel(v, sk_pad),
-                                     _to_kernel(out, sq_pad), _to_kernel(dout, sq_pad), lse_k, ks, bmin, bmax,
-                                     causal, scale, window, True, dlse)
-    back = [dq[..., :sq], dk[..., :sk], dv[..., :sk]]
+    dq, dk, dv, dsinks = ops._bwd_op(
+        _to_kernel(q, pl.sq_k, pl.front, dq_k), _to_kernel(k, pl.sk_k, 0, dq_k), _to_kernel(v, pl.sk_k, 0, dv_k),
+        _to_kernel(out, pl.sq_k, pl.front, dv_k), _to_kernel(dout, pl.sq_k, pl.front, dv_k), lse_k, ks, pl.bmin,
+        pl.bmax, pl.causal, scale, pl.window, True, dlse, softcap, alibi, _wlist(pl.window_size), dropout_p,
+        dropout_seed)
+    back = [dq[:, :, :d_qk, pl.front:pl.front + sq], dk[:, :, :d_qk, :sk], dv[:, :, :d_v, :sk]]
     back = [t.permute(0, 3, 1, 2).contiguous() for t in back]
     dsinks = dsinks.sum(0).to(sinks.dtype) if sinks is not None else dsinks
     return back[0], back[1], back[2], dsinks
 
 
 @_flash_bwd.register_fake
-def _flash_bwd_fake(q, k, v, out, dout, lse, sinks, key_lo, key_hi, left, right, shift, scale, dlse):
+def _flash_bwd_fake(q, k, v, out, dout, lse, sinks, key_lo, key_hi, left, right, shift, scale, dlse, softcap=0.0,
+                    alibi=None, dropout_p=0.0, dropout_seed=None):
     c = torch.contiguous_format
     dsinks = torch.empty_like(sinks, memory_format=c) if sinks is not None else q.new_empty((0,), dtype=torch.float32)
     return (torch.empty_like(q, memory_format=c), torch.empty_like(k, memory_format=c),
@@ -310,24 +488,31 @@ def _flash_bwd_fake(q, k, v, out, dout, lse, sinks, key_lo, key_hi, left, right,
 
 
 def _flash_setup_context(ctx, inputs, output):
-    q, k, v, sinks, key_lo, key_hi, left, right, shift, scale = inputs
-    ctx.save_for_backward(q, k, v, output[0], output[1], sinks, key_lo, key_hi)
+    inputs = list(inputs) + [0.0, None, 0.0, None][len(inputs) - 10:]
+    q, k, v, sinks, key_lo, key_hi, left, right, shift, scale, softcap, alibi, dropout_p, seed = inputs
+    ctx.save_for_backward(q, k, v, output[0], output[1], sinks, key_lo, key_hi, alibi, seed)
     ctx.flags = (left, right, shift, scale)
+    ctx.variants = (softcap, dropout_p)
 
 
 def _flash_backward(ctx, dout, dlse):
-    q, k, v, out, lse, sinks, key_lo, key_hi = ctx.saved_tensors
-    dq, dk, dv, dsinks = _flash_bwd(q, k, v, out, dout, lse, sinks, key_lo, key_hi, *ctx.flags, dlse)
-    return dq, dk, dv, (dsinks if sinks is not None else None), None, None, None, None, None, None
+    q, k, v, out, lse, sinks, key_lo, key_hi, alibi, seed = ctx.saved_tensors
+    softcap, dropout_p = ctx.variants
+    dq, dk, dv, dsinks = _flash_bwd(q, k, v, out, dout, lse, sinks, key_lo, key_hi, *ctx.flags, dlse, softcap,
+                                    alibi, dropout_p, seed)
+    return (dq, dk, dv, (dsinks if sinks is not None else None), None, None, None, None, None, None, None, None,
+            None, None)
 
 
 _flash_fwd.register_autograd(_flash_backward, setup_context=_flash_setup_context)
 _flash_bwd.register_autograd(ops._bwd_backward, setup_context=ops._bwd_setup_context)
 
 
-def _probs(q, k, mask, scale, lse):
-    """S_dmask: softmax probabilities [b, h, sq, sk] (float32) recomputed from q, k and the kernel's lse, zero
-    where masked; None above MAX_PROBS_ELEMENTS. Not differentiable."""
+def _probs(q, k, mask, scale, lse, variants=_NO_VARIANTS, alibi=None):
+    """S_dmask: softmax probabilities [b, h, sq, sk] (float32) recomputed from q, k and the kernel's lse (soft-cap
+    and ALiBi included), zero where masked; with dropout, FlashAttention's encoding: negative where the element
+    was dropped (None when the keep mask cannot be regenerated, golden.dropout missing). None above
+    MAX_PROBS_ELEMENTS. Not differentiable."""
     b, sq, hq, _ = q.shape
     sk, hk = k.shape[1], k.shape[2]
     if b * hq * sq * sk > MAX_PROBS_ELEMENTS:
@@ -335,9 +520,35 @@ def _probs(q, k, mask, scale, lse):
     with torch.no_grad():
         kk = k.repeat_interleave(hq // hk, dim=2) if hk != hq else k
         s = torch.einsum("bqhd,bkhd->bhqk", q.float(), kk.float()) * scale
+        if variants.softcap > 0.0:
+            s = variants.softcap * torch.tanh(s / variants.softcap)
+        pl = mask.plan(q.device, aligned=alibi is not None)
+        if alibi is not None:
+            i = torch.arange(sq, device=q.device)[:, None] + pl.front
+            j = torch.arange(sk, device=q.device)[None, :]
+            dist = (i + (pl.sk_k - pl.sq_k) - j).abs().to(torch.float32)
+            s = s - alibi[:, :, None, None] * dist
         vis = _visibility(mask, q.device)
         p = torch.exp(s - lse.detach()[..., None])
-        return torch.where(vis, p, torch.zeros_like(p))
+        p = torch.where(vis, p, torch.zeros_like(p))
+        if variants.dropout_p > 0.0:
+            keep = _keep_mask(variants, b, hq, pl, sq, sk)
+            if keep is None:
+                return None
+            p = torch.where(keep, p, -p)
+        return p
+
+
+def _keep_mask(variants, b, hq, pl, sq, sk):
+    """The kernels' keep mask of the call's elements, bool [b, h, sq, sk] (golden.dropout at kernel positions),
+    or None when golden.dropout is not installed."""
+    try:
+        from golden import dropout as gdrop  # noqa: PLC0415 - debug path only
+    except ImportError:
+        return None
+    seed = variants.seed.to("cpu")
+    full = gdrop.keep_mask(seed, variants.dropout_p, b, hq, pl.sq_k, pl.sk_k)
+    return full[:, :, pl.front:pl.front + sq, :sk].to(variants.seed.device)
 
 
 def _results(out, lse, probs, return_attn_probs, return_lse):
@@ -351,37 +562,52 @@ def _results(out, lse, probs, return_attn_probs, return_lse):
 # ----------------------------------------------------------------------------------------------------- flash_attn
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                     alibi_slopes=None, deterministic=False, return_attn_probs=False, *, sinks=None,
-                    return_lse=False):
+                    return_lse=False, dropout_seed=None, generator=None):
     """Attention in FlashAttention's layout, with FlashAttention's signature and conventions.
 
     Args:
         q: ``[batch, seqlen_q, nheads, head_dim]``, float32 / bfloat16 / float16 (CPU: simulator; XLA: Trainium;
-            meta: shapes only).
-        k, v: ``[batch, seqlen_k, nheads_k, head_dim]``; ``nheads % nheads_k == 0`` (GQA / MQA: query head h
-            reads kv head ``h // (nheads // nheads_k)``).
-        dropout_p: must be 0.0 (NotImplementedError otherwise: no kernel implements dropout yet).
+            meta: shapes only); head_dim 1..256.
+        k: ``[batch, seqlen_k, nheads_k, head_dim]``; v: ``[batch, seqlen_k, nheads_k, head_dim_v]`` (head_dim_v
+            1..256, may differ from head_dim, e.g. 192 / 128 for DeepSeek's MLA); ``nheads % nheads_k == 0``
+            (GQA / MQA: query head h reads kv head ``h // (nheads // nheads_k)``).
+        dropout_p: probability in [0, 1) of dropping each attention probability (the kept ones are scaled by
+            ``1/(1 - dropout_p)``); the keep mask is a pure function of the seed and the element (docs/semantics.md).
+            FlashAttention applies it whenever it is > 0: pass 0.0 for evaluation.
         softmax_scale: scale of q·k, a finite number > 0; default ``1/sqrt(head_dim)``.
         causal: bool; key j masked for query i when ``j > i + seqlen_k - seqlen_q`` (bottom-right aligned).
         window_size: ``(left, right)`` ints, -1 = unbounded: query i sees keys
             ``i + seqlen_k - seqlen_q - left .. i + seqlen_k - seqlen_q + right``. ``causal`` forces right = 0.
-        softcap: must be 0.0 (deactivated); alibi_slopes: must be None (NotImplementedError otherwise).
+        softcap: > 0 soft-caps the scaled scores, ``S = softcap * tanh(S / softcap)`` (Gemma-2: 50.0); 0.0 = off.
+        alibi_slopes: float32 ``[nheads]`` or ``[batch, nheads]``: adds ``-slope * |i + seqlen_k - seqlen_q - j|``
+            to the (capped) scores, causal or not. The gradient equals FlashAttention's; the returned lse differs
+            from FlashAttention's under causal by a per-row constant (docs/api.md, "ALiBi and the LSE").
         deterministic: bool, accepted; the kernels are always deterministic (bit-identical reruns).
         return_attn_probs: also return the log-sum-exp and S_dmask (see Returns).
         sinks: keyword only; optional ``[nheads]`` or ``[nheads, num_sinks]`` learnable logits that join the
-            softmax denominator (not scaled, no value; -inf means no sink); shared by the batch; get a gradient.
+            softmax denominator (not scaled, capped, biased or dropped; no value; -inf means no sink); shared by
+            the batch; get a gradient.
         return_lse: keyword only; return ``(out, lse)``.
+        dropout_seed: keyword only; an int in ``[0, 2**32 - 1]`` (= seed tensor ``(seed, 0)``) or an int32 /
+            uint32 tensor ``[2]`` = ``(seed, offset)`` (``nki_attn.dropout.make_seed``; step the offset for a new
+            mask per training step): the dropout mask is a pure function of it. generator: keyword only; a
+            ``torch.Generator`` the seed is drawn from instead. With neither, the seed is drawn from torch's
+            global generator (``torch.manual_seed`` makes runs reproducible). The backward pass regenerates the
+            same mask from the same seed.
 
     Returns:
-        out ``[batch, seqlen_q, nheads, head_dim]`` contiguous, in q's dtype. With ``return_attn_probs``:
+        out ``[batch, seqlen_q, nheads, head_dim_v]`` contiguous, in q's dtype. With ``return_attn_probs``:
         ``(out, softmax_lse, S_dmask)``: softmax_lse float32 ``[batch, nheads, seqlen_q]`` (+inf for a row that
         sees no key and has no sink), S_dmask float32 ``[batch, nheads, seqlen_q, seqlen_k]``, the attention
-        probabilities over the keys (sinks excluded; zero where masked) recomputed from q, k and the kernel's lse,
-        or None when it would exceed ``MAX_PROBS_ELEMENTS`` (FlashAttention gives None without dropout).
-        With ``return_lse``: ``(out, lse)``. lse takes no gradient (a non-zero one raises NotImplementedError).
+        probabilities over the keys (sinks excluded; zero where masked; with dropout, negative where dropped, as
+        FlashAttention encodes it) recomputed from q, k and the kernel's lse, or None when it would exceed
+        ``MAX_PROBS_ELEMENTS``. With ``return_lse``: ``(out, lse)``. lse takes no gradient (a non-zero one
+        raises NotImplementedError).
     """
     fn = "flash_attn_func"
-    _check_dropout(fn, dropout_p)
-    _check_fa_extras(fn, softcap, alibi_slopes, deterministic, return_attn_probs)
+    p = _check_dropout(fn, dropout_p)
+    cap = _check_softcap(fn, softcap)
+    _check_flags(fn, deterministic, return_attn_probs)
     _check_bool(fn, "return_lse", return_lse)
     causal = _check_bool(fn, "causal", causal)
     _check_qkv(fn, q, k, v, 4)
@@ -393,16 +619,19 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
         _fail(fn, "k.shape[3]", dk, f"head_dim must equal q.shape[3] = {d}")
     _check_heads(fn, hq, hk, "k.shape[2]")
     _check_head_dim(fn, d, "q.shape[3]")
+    _check_head_dim(fn, v.shape[3], "v.shape[3]")
     _check_sinks(fn, sinks, hq, q)
+    alibi = _check_alibi(fn, alibi_slopes, b, hq, q)
     left, right = _window(fn, window_size, causal)
+    variants = _Variants(cap, alibi, p, _dropout_seed(fn, p, dropout_seed, generator, q.device))
     mask = _Mask(sq, sk, left, right, shift=sk - sq)
-    out, lse, probs = _attention(fn, q, k, v, mask, softmax_scale, sinks, return_attn_probs)
+    out, lse, probs = _attention(fn, q, k, v, mask, softmax_scale, sinks, return_attn_probs, variants=variants)
     return _results(out, lse, probs, return_attn_probs, return_lse)
 
 
 def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
                               softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False, *,
-                              sinks=None, return_lse=False):
+                              sinks=None, return_lse=False, dropout_seed=None, generator=None):
     """``flash_attn_func`` on ``qkv [batch, seqlen, 3, nheads, head_dim]`` (q, k, v stacked on dim 2)."""
     _check_tensor("flash_attn_qkvpacked_func", "qkv", qkv)
     if qkv.dim() != 5 or qkv.shape[2] != 3:
@@ -410,12 +639,13 @@ def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=Fal
                                                                           "head_dim]")
     q, k, v = qkv.unbind(2)
     return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                           deterministic, return_attn_probs, sinks=sinks, return_lse=return_lse)
+                           deterministic, return_attn_probs, sinks=sinks, return_lse=return_lse,
+                           dropout_seed=dropout_seed, generator=generator)
 
 
 def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
                              softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False, *,
-                             sinks=None, return_lse=False):
+                             sinks=None, return_lse=False, dropout_seed=None, generator=None):
     """``flash_attn_func`` on q and ``kv [batch, seqlen_k, 2, nheads_k, head_dim]`` (k, v stacked on dim 2)."""
     _check_tensor("flash_attn_kvpacked_func", "kv", kv)
     if kv.dim() != 5 or kv.shape[2] != 2:
@@ -423,7 +653,8 @@ def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=Fa
                                                                       "head_dim]")
     k, v = kv.unbind(2)
     return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                           deterministic, return_attn_probs, sinks=sinks, return_lse=return_lse)
+                           deterministic, return_attn_probs, sinks=sinks, return_lse=return_lse,
+                           dropout_seed=dropout_seed, generator=generator)
 
 
 # ----------------------------------------------------------------------------------------------------- varlen
@@ -483,25 +714,34 @@ def _varlen_intervals_fake(cu_seqlens_q, cu_seqlens_k, total_q, total_k, max_seq
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                            deterministic=False, return_attn_probs=False, block_table=None, *, sinks=None,
-                           return_lse=False):
+                           return_lse=False, dropout_seed=None, generator=None):
     """Attention over packed variable-length sequences, FlashAttention's varlen signature and layout.
 
     Args:
-        q: ``[total_q, nheads, head_dim]``; k, v: ``[total_k, nheads_k, head_dim]``.
+        q: ``[total_q, nheads, head_dim]``; k: ``[total_k, nheads_k, head_dim]``; v: ``[total_k, nheads_k,
+            head_dim_v]``.
         cu_seqlens_q, cu_seqlens_k: integer ``[num_seqs + 1]``, cumulative lengths from 0, non-decreasing, last
             entry = total tokens; sequence s owns query rows ``cu_seqlens_q[s]:cu_seqlens_q[s+1]`` and key rows
             ``cu_seqlens_k[s]:cu_seqlens_k[s+1]``. Both list the same number of sequences.
         max_seqlen_q, max_seqlen_k: int >= the longest sequence (checked).
+        alibi_slopes: float32 ``[nheads]`` or ``[num_seqs, nheads]``; positions and the bottom-right offset are
+            those within each sequence.
         block_table: must be None (paged KV cache: NotImplementedError).
-        Others: as ``flash_attn_func``, applied within each sequence (causal and windows bottom-right aligned
-            per sequence).
+        Others: as ``flash_attn_func``, applied within each sequence (causal, windows and ALiBi bottom-right
+            aligned per sequence). With dropout, element (h, i, j) of the packed call is kept or dropped by a
+            pure function of the seed and its packed position.
     Returns:
-        out ``[total_q, nheads, head_dim]``; with ``return_attn_probs`` ``(out, softmax_lse [nheads, total_q],
+        out ``[total_q, nheads, head_dim_v]``; with ``return_attn_probs`` ``(out, softmax_lse [nheads, total_q],
         S_dmask [num_seqs, nheads, max_seqlen_q, max_seqlen_k] or None)``; with ``return_lse`` ``(out, lse)``.
+
+    The sequences run as one packed kernel call (per-query key bounds). ALiBi needs each sequence's own offset:
+    when the sequences' query and key lengths differ (cu_seqlens_q != cu_seqlens_k) or the slopes differ per
+    sequence, each sequence runs as its own call instead.
     """
     fn = "flash_attn_varlen_func"
-    _check_dropout(fn, dropout_p)
-    _check_fa_extras(fn, softcap, alibi_slopes, deterministic, return_attn_probs)
+    p = _check_dropout(fn, dropout_p)
+    cap = _check_softcap(fn, softcap)
+    _check_flags(fn, deterministic, return_attn_probs)
     _check_bool(fn, "return_lse", return_lse)
     if block_table is not None:
         _fail(fn, "block_table", type(block_table).__name__, "a paged KV cache is not supported; only None",
@@ -514,24 +754,73 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         _fail(fn, "k.shape[2]", dk, f"head_dim must equal q.shape[2] = {d}")
     _check_heads(fn, hq, hk, "k.shape[1]")
     _check_head_dim(fn, d, "q.shape[2]")
+    _check_head_dim(fn, v.shape[2], "v.shape[2]")
     _check_sinks(fn, sinks, hq, q)
     _check_cu(fn, "cu_seqlens_q", cu_seqlens_q)
     _check_cu(fn, "cu_seqlens_k", cu_seqlens_k)
     if cu_seqlens_q.shape[0] != cu_seqlens_k.shape[0]:
         _fail(fn, "cu_seqlens_k.shape", tuple(cu_seqlens_k.shape), f"must list as many sequences as cu_seqlens_q "
                                                                    f"{tuple(cu_seqlens_q.shape)}")
+    n_seqs = cu_seqlens_q.shape[0] - 1
+    alibi = _check_alibi(fn, alibi_slopes, n_seqs, hq, q)
     mq = _as_max_seqlen(fn, "max_seqlen_q", max_seqlen_q)
     mk = _as_max_seqlen(fn, "max_seqlen_k", max_seqlen_k)
     left, right = _window(fn, window_size, causal)
     lo, hi = _varlen_intervals(cu_seqlens_q, cu_seqlens_k, tq, tk, mq, mk, left, right)
+    seed = _dropout_seed(fn, p, dropout_seed, generator, q.device)
+    if alibi is not None and not _alibi_packs(alibi, cu_seqlens_q, cu_seqlens_k):
+        out, lse, probs = _varlen_per_sequence(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, left, right, softmax_scale,
+                                               sinks, return_attn_probs, _Variants(cap, alibi, p, seed), mq, mk)
+        return _results(out, lse, probs, return_attn_probs, return_lse)
+    if alibi is not None:
+        alibi = alibi if alibi.dim() == 1 else alibi[0]
     lo, hi = lo.to(q.device), hi.to(q.device)
     mask = _Mask(tq, tk, lo=lo, hi=hi)
     out, lse, probs = _attention(fn, q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), mask, softmax_scale, sinks,
-                                 return_attn_probs)
+                                 return_attn_probs, variants=_Variants(cap, alibi, p, seed))
     out, lse = out.squeeze(0), lse.squeeze(0)
     if return_attn_probs:
         probs = _varlen_probs(probs, cu_seqlens_q, cu_seqlens_k, mq, mk)
     return _results(out, lse, probs, return_attn_probs, return_lse)
+
+
+def _alibi_packs(alibi, cu_q, cu_k):
+    """True when one packed call gives every sequence its own ALiBi distances: equal query and key lengths per
+    sequence (so the packed offset 0 is each sequence's offset) and one set of slopes."""
+    if not torch.equal(cu_q.detach().to("cpu", torch.int64), cu_k.detach().to("cpu", torch.int64)):
+        return False
+    return alibi.dim() == 1 or bool((alibi == alibi[:1]).all())
+
+
+def _varlen_per_sequence(fn, q, k, v, cu_q, cu_k, left, right, scale, sinks, want_probs, variants, mq, mk):
+    """Varlen as one call per sequence (the ALiBi case ``_alibi_packs`` refuses): -> (out, lse, probs)."""
+    cq = cu_q.detach().to("cpu", torch.int64).tolist()
+    ck = cu_k.detach().to("cpu", torch.int64).tolist()
+    n = len(cq) - 1
+    hq = q.shape[1]
+    outs, lses, probs = [], [], []
+    for s in range(n):
+        qs, ks, vs = q[cq[s]:cq[s + 1]], k[ck[s]:ck[s + 1]], v[ck[s]:ck[s + 1]]
+        sq, sk = qs.shape[0], ks.shape[0]
+        slopes = variants.alibi if variants.alibi.dim() == 1 else variants.alibi[s]
+        seed = None
+        if variants.seed is not None:  # one mask per sequence: offset word + s, still determined by the seed
+            seed = variants.seed.clone()
+            seed[1] += s
+        mask = _Mask(sq, sk, left, right, shift=sk - sq)
+        o, lse, pr = _attention(fn, qs.unsqueeze(0), ks.unsqueeze(0), vs.unsqueeze(0), mask, scale, sinks,
+                                want_probs, variants=_Variants(variants.softcap, slopes, variants.dropout_p, seed))
+        outs.append(o.squeeze(0))
+        lses.append(lse.squeeze(0))
+        probs.append(pr)
+    out = torch.cat(outs, 0) if outs else q.new_zeros((0, hq, v.shape[2]))
+    lse = torch.cat(lses, -1) if lses else q.new_zeros((hq, 0), dtype=torch.float32)
+    dmask = None
+    if want_probs and all(pr is not None for pr in probs) and n * hq * mq * mk <= MAX_PROBS_ELEMENTS:
+        dmask = q.new_zeros((n, hq, mq, mk), dtype=torch.float32)
+        for s in range(n):
+            dmask[s, :, :cq[s + 1] - cq[s], :ck[s + 1] - ck[s]] = probs[s][0]
+    return out, lse, dmask
 
 
 def _varlen_probs(probs, cu_q, cu_k, mq, mk):
@@ -548,7 +837,8 @@ def _varlen_probs(probs, cu_q, cu_k, mq, mk):
 
 def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None, causal=False,
                                      window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
-                                     return_attn_probs=False, *, sinks=None, return_lse=False):
+                                     return_attn_probs=False, *, sinks=None, return_lse=False, dropout_seed=None,
+                                     generator=None):
     """``flash_attn_varlen_func`` on ``qkv [total, 3, nheads, head_dim]`` with one ``cu_seqlens`` / ``max_seqlen``."""
     _check_tensor("flash_attn_varlen_qkvpacked_func", "qkv", qkv)
     if qkv.dim() != 4 or qkv.shape[1] != 3:
@@ -557,13 +847,14 @@ def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0,
     q, k, v = qkv.unbind(1)
     return flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p,
                                   softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-                                  return_attn_probs, sinks=sinks, return_lse=return_lse)
+                                  return_attn_probs, sinks=sinks, return_lse=return_lse, dropout_seed=dropout_seed,
+                                  generator=generator)
 
 
 def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
                                     softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                                     alibi_slopes=None, deterministic=False, return_attn_probs=False, *, sinks=None,
-                                    return_lse=False):
+                                    return_lse=False, dropout_seed=None, generator=None):
     """``flash_attn_varlen_func`` on q and ``kv [total_k, 2, nheads_k, head_dim]``."""
     _check_tensor("flash_attn_varlen_kvpacked_func", "kv", kv)
     if kv.dim() != 4 or kv.shape[1] != 2:
@@ -572,7 +863,8 @@ def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqle
     k, v = kv.unbind(1)
     return flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
                                   softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-                                  return_attn_probs, sinks=sinks, return_lse=return_lse)
+                                  return_attn_probs, sinks=sinks, return_lse=return_lse, dropout_seed=dropout_seed,
+                                  generator=generator)
 
 
 # ----------------------------------------------------------------------------------------------------- masks → bounds
@@ -601,30 +893,41 @@ def _mask_intervals_fake(mask, fn):
     return mask.new_empty((n, sq), dtype=torch.int64), mask.new_empty((n, sq), dtype=torch.int64)
 
 
-def interval_attention(q, k, v, lo, hi, softmax_scale=None, sinks=None):
+def interval_attention(q, k, v, lo, hi, softmax_scale=None, sinks=None, softcap=0.0, dropout_p=0.0,
+                       dropout_seed=None, variants=None):
     """Attention where query i of batch entry n sees keys ``lo[n, i] <= j < hi[n, i]``.
 
     Args:
-        q: ``[batch, seqlen_q, nheads, head_dim]``; k, v: ``[batch, seqlen_k, nheads_k, head_dim]``.
+        q: ``[batch, seqlen_q, nheads, head_dim]``; k: ``[batch, seqlen_k, nheads_k, head_dim]``; v: ``[batch,
+            seqlen_k, nheads_k, head_dim_v]``.
         lo, hi: int64 ``[batch, seqlen_q]`` (or ``[seqlen_q]``, shared by the batch).
+        softcap, dropout_p, dropout_seed: as in ``flash_attn_func`` (the seed is drawn from torch's global
+            generator when dropout_p > 0 and no seed is given). variants: internal (already checked variants).
     Returns:
-        (out ``[batch, seqlen_q, nheads, head_dim]``, lse float32 ``[batch, nheads, seqlen_q]``).
+        (out ``[batch, seqlen_q, nheads, head_dim_v]``, lse float32 ``[batch, nheads, seqlen_q]``).
 
     Intervals shared by the whole batch run as one batched launch; otherwise the batch entries are packed along
     the sequence (entry n's keys offset by n * seqlen_k), as varlen packs its sequences.
     """
+    fn = "nki_attn"
+    if variants is None:
+        p = _check_dropout(fn, dropout_p)
+        variants = _Variants(_check_softcap(fn, softcap), None, p, _dropout_seed(fn, p, dropout_seed, None,
+                                                                                 q.device))
     b, sq, hq, d = q.shape
-    sk = k.shape[1]
+    sk, dv = k.shape[1], v.shape[-1]
     if lo.dim() == 2 and b <= 1:
         lo, hi = (lo[0], hi[0]) if b == 1 else (lo.new_zeros(sq), hi.new_zeros(sq))
     if lo.dim() == 1:
-        out, lse, _ = _attention("nki_attn", q, k, v, _Mask(sq, sk, lo=lo, hi=hi), softmax_scale, sinks, False)
+        out, lse, _ = _attention(fn, q, k, v, _Mask(sq, sk, lo=lo, hi=hi), softmax_scale, sinks, False,
+                                 variants=variants)
         return out, lse
     off = (torch.arange(b, device=lo.device) * sk)[:, None]
     mask = _Mask(b * sq, b * sk, lo=(lo + off).reshape(-1), hi=(hi + off).reshape(-1))
-    out, lse, _ = _attention("nki_attn", q.reshape(1, b * sq, hq, d), k.reshape(1, b * sk, *k.shape[2:]),
-                             v.reshape(1, b * sk, *v.shape[2:]), mask, softmax_scale, sinks, False)
-    return out.reshape(b, sq, hq, d), lse.reshape(hq, b, sq).transpose(0, 1)
+    out, lse, _ = _attention(fn, q.reshape(1, b * sq, hq, d), k.reshape(1, b * sk, *k.shape[2:]),
+                             v.reshape(1, b * sk, *v.shape[2:]), mask, softmax_scale, sinks, False,
+                             variants=variants)
+    return out.reshape(b, sq, hq, dv), lse.reshape(hq, b, sq).transpose(0, 1)
 
 
 # ----------------------------------------------------------------------------------------------------- SDPA
@@ -647,7 +950,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         ``[..., heads, seqlen_q, head_dim]`` in query's dtype.
     """
     fn = "scaled_dot_product_attention"
-    _check_dropout(fn, dropout_p)
+    p = _check_dropout(fn, dropout_p)
     is_causal = _check_bool(fn, "is_causal", is_causal)
     _check_bool(fn, "enable_gqa", enable_gqa)
     names = ("query", "key", "value")
@@ -673,17 +976,19 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
                                        f"attention")
     _check_heads(fn, hq, hk, "key.shape[-3]")
     _check_head_dim(fn, d, "query.shape[-1]")
+    _check_head_dim(fn, v4.shape[-1], "value.shape[-1]")
+    variants = _Variants(dropout_p=p, seed=_dropout_seed(fn, p, None, None, q4.device))
     qf, kf, vf = (t.transpose(1, 2) for t in (q4, k4, v4))
     if attn_mask is None:
         mask = _Mask(sq, sk, -1, 0 if is_causal else -1, shift=0)
-        out, _, _ = _attention(fn, qf, kf, vf, mask, scale, None, False, "scale")
+        out, _, _ = _attention(fn, qf, kf, vf, mask, scale, None, False, "scale", variants)
     else:
         if is_causal:
             _fail(fn, "attn_mask", "a tensor", "must be None when is_causal=True (as torch)")
         scale = ops.resolve_scale(fn, scale, max(d, 1), "scale")
         lo, hi = _sdpa_mask_intervals(fn, attn_mask, lead, b, sq, sk, q4.device)
-        out, _ = interval_attention(qf, kf, vf, lo, hi, scale)
-    return out.transpose(1, 2).reshape(*query.shape[:-1], d)
+        out, _ = interval_attention(qf, kf, vf, lo, hi, scale, variants=variants)
+    return out.transpose(1, 2).reshape(*query.shape[:-1], v4.shape[-1])
 
 
 def _sdpa_mask_intervals(fn, attn_mask, lead, b, sq, sk, device):

@@ -8,31 +8,38 @@ semantics in docs/semantics.md); it adds host-side validation, autograd and what
 Public functions (stable):
 
 ``attention_fwd(q, k, v, sinks=None, bound_min=None, bound_max=None, use_causal_mask=False, softmax_scale=None,
-sliding_window=None, mixed_precision=True) -> (o, lse)``
+sliding_window=None, mixed_precision=True, softcap=0.0, alibi_slopes=None, window_size=None, dropout_p=0.0,
+dropout_seed=None) -> (o, lse)``
     Differentiable with respect to q, k, v and sinks (``register_autograd``: the backward runs
     ``attention_bwd``). A gradient flowing into ``lse`` must be zero (NotImplementedError otherwise), and double
     backward raises RuntimeError: neither is ever silently dropped.
 
 ``attention_bwd(q, k, v, o, do, lse, sinks=None, bound_min=None, bound_max=None, use_causal_mask=False,
-softmax_scale=None, sliding_window=None, mixed_precision=True) -> (dq, dk, dv, dsinks)``
+softmax_scale=None, sliding_window=None, mixed_precision=True, softcap=0.0, alibi_slopes=None, window_size=None,
+dropout_p=0.0, dropout_seed=None) -> (dq, dk, dv, dsinks)``
     ``dsinks`` is float32 shaped like ``sinks``, or an empty float32 tensor of shape ``[0]`` when ``sinks`` is
     None.
 
 Layouts (head_dim before the sequence, as the kernels want them):
 
 =====================  =====================================================================================
-q, o, do, dq           ``[bs, nheads, d_head, seqlen_q]``, float32 / bfloat16 / float16
-k, v, dk, dv           ``[bs, nheads_kv, d_head, seqlen_k]``, q's dtype; ``nheads % nheads_kv == 0``
+q, dq                  ``[bs, nheads, d_qk, seqlen_q]``, float32 / bfloat16 / float16
+k, dk                  ``[bs, nheads_kv, d_qk, seqlen_k]``, q's dtype; ``nheads % nheads_kv == 0``
+v, dv                  ``[bs, nheads_kv, d_v, seqlen_k]`` (d_qk, d_v each 1..256)
+o, do                  ``[bs, nheads, d_v, seqlen_q]``
 lse                    float32 ``[bs, nheads, 128, seqlen_q // 128]``; ``lse[b, h, p, t]`` is row ``t*128 + p``;
                        ``+inf`` for a row that sees no key and has no sink
 sinks, dsinks          ``[bs, nheads]`` or ``[bs, nheads, num_sinks]`` logits (not scaled); -inf means no sink
 bound_min, bound_max   float32 ``[seqlen_q]``: key j visible to query i iff ``bound_min[i] <= j < bound_max[i]``
+alibi_slopes           float32 ``[bs, nheads]``: adds ``-slope * |i + seqlen_k - seqlen_q - j|`` (no gradient)
+dropout_seed           int32 / uint32 ``[2]`` = (seed, offset), given iff ``dropout_p > 0`` (nki_attn.dropout)
 =====================  =====================================================================================
 
-``seqlen_q`` and ``seqlen_k`` are positive multiples of 128 (the torch API pads for you); ``use_causal_mask``
-(top-left, key j > query i masked) needs ``seqlen_q == seqlen_k``; ``sliding_window`` W >= 1 only with
-``use_causal_mask`` (query i sees keys i-W+1..i); all masks AND together; ``softmax_scale`` defaults to
-``1/sqrt(d_head)``.
+``seqlen_q`` and ``seqlen_k`` are positive multiples of 128 (the torch API pads for you); ``use_causal_mask`` is
+bottom-right (key j visible to query i iff ``j <= i + seqlen_k - seqlen_q``); ``sliding_window`` W >= 1 only with
+``use_causal_mask``; ``window_size=(left, right)`` (-1 = unbounded) causal or not, not with ``sliding_window``;
+``softcap`` >= 0 (0 = off); ``dropout_p`` in [0, 1); all masks AND together; ``softmax_scale`` defaults to
+``1/sqrt(d_qk)``. docs/semantics.md has every rule; ``check_kernel_args`` runs the kernels' own check.
 
 The ops are registered as ``torch.ops.nki_attn.attention_fwd`` / ``attention_bwd`` with fake (meta) kernels, so
 ``torch.compile(fullgraph=True)`` treats them as opaque nodes and FakeTensor / ``meta`` inputs get the right
@@ -96,71 +103,54 @@ def _shape(t):
 
 
 def check_kernel_args(fn, q, k, v, o=None, do=None, lse=None, sinks=None, bound_min=None, bound_max=None,
-                      use_causal_mask=False, softmax_scale=None, sliding_window=None, mixed_precision=True):
-    """Host-side check of the kernels' arguments (the kernels' own checks are trace-time assertions); raises
-    ValueError / TypeError naming the argument, its value and the rule. Returns the resolved softmax scale."""
+                      use_causal_mask=False, softmax_scale=None, sliding_window=None, mixed_precision=True,
+                      softcap=0.0, alibi_slopes=None, window_size=None, dropout_p=0.0, dropout_seed=None):
+    """Host-side check of the kernels' arguments; raises ValueError / TypeError naming the argument, its value
+    and the rule. Returns the resolved softmax scale.
+
+    What only torch knows (tensor types, devices, bool flags) is checked here; every rule about shapes, dtypes
+    and values is the kernel's own check, run on the host through ``nki_attn.kernel_api`` (the same function the
+    kernel asserts on at trace time), so the two can never disagree. ``fn`` (``attention_fwd`` /
+    ``attention_bwd``) selects the kernel and prefixes the message."""
     for name, t in (("q", q), ("k", k), ("v", v), ("o", o), ("do", do), ("lse", lse), ("sinks", sinks),
-                    ("bound_min", bound_min), ("bound_max", bound_max)):
+                    ("bound_min", bound_min), ("bound_max", bound_max), ("alibi_slopes", alibi_slopes),
+                    ("dropout_seed", dropout_seed)):
         if t is not None and not isinstance(t, torch.Tensor):
             _fail(fn, name, type(t).__name__, "must be a torch.Tensor", TypeError)
     for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.dim() != 4:
-            _fail(fn, f"{name}.shape", _shape(t), "must be 4-D [bs, heads, d_head, seqlen]")
-    bs, nheads, d_head, sq = _shape(q)
-    bk, nkv, dk, sk = _shape(k)
-    if _shape(v) != _shape(k):
-        _fail(fn, "v.shape", _shape(v), f"must equal k.shape {_shape(k)}")
-    if bk != bs or dk != d_head:
-        _fail(fn, "k.shape", _shape(k), f"must match q.shape {_shape(q)} in batch (dim 0) and d_head (dim 2)")
-    if nkv < 1 or nheads % nkv != 0:
-        _fail(fn, "k.shape[1]", nkv, f"nheads_kv must be >= 1 and divide nheads = {nheads}")
-    for name, n in (("seqlen_q", sq), ("seqlen_k", sk)):
-        if n <= 0 or n % PMAX != 0:
-            _fail(fn, name, n, f"must be a positive multiple of {PMAX}")
-    if d_head < 1 or d_head > MAX_D_HEAD or d_head % -(-d_head // PMAX) != 0:
-        _fail(fn, "d_head", d_head, f"must be 1..{PMAX}, or up to {MAX_D_HEAD} splitting into equal tiles of at "
-                                    f"most {PMAX}")
-    if q.dtype not in DTYPES:
-        _fail(fn, "q.dtype", q.dtype, "must be float32, bfloat16 or float16")
-    for name, t in (("k", k), ("v", v), ("o", o), ("do", do)):
-        if t is not None and t.dtype != q.dtype:
-            _fail(fn, f"{name}.dtype", t.dtype, f"must equal q.dtype {q.dtype}")
-    for name, t in (("o", o), ("do", do)):
-        if t is not None and _shape(t) != _shape(q):
-            _fail(fn, f"{name}.shape", _shape(t), f"must equal q.shape {_shape(q)}")
-    if lse is not None:
-        want = (bs, nheads, PMAX, sq // PMAX)
-        if _shape(lse) != want or lse.dtype != torch.float32:
-            _fail(fn, "lse", f"{lse.dtype} {_shape(lse)}", f"must be float32 [bs, nheads, 128, seqlen_q // 128] = "
-                                                           f"{list(want)}")
+        if t is None:
+            _fail(fn, name, None, "is required", TypeError)
+    for name, x in (("use_causal_mask", use_causal_mask), ("mixed_precision", mixed_precision)):
+        if not isinstance(x, bool):
+            _fail(fn, name, repr(x), "must be a bool", TypeError)
     for name, t in (("k", k), ("v", v), ("o", o), ("do", do), ("lse", lse), ("sinks", sinks),
-                    ("bound_min", bound_min), ("bound_max", bound_max)):
+                    ("bound_min", bound_min), ("bound_max", bound_max), ("alibi_slopes", alibi_slopes),
+                    ("dropout_seed", dropout_seed)):
         if t is not None and t.device != q.device:
             _fail(fn, f"{name}.device", t.device, f"must equal q.device {q.device}")
     check_device(q)
-    if not isinstance(use_causal_mask, bool):
-        _fail(fn, "use_causal_mask", repr(use_causal_mask), "must be a bool", TypeError)
-    if not isinstance(mixed_precision, bool):
-        _fail(fn, "mixed_precision", repr(mixed_precision), "must be a bool", TypeError)
-    if use_causal_mask and sq != sk:
-        _fail(fn, "use_causal_mask", True, f"needs seqlen_q == seqlen_k, got {sq} and {sk}")
-    if sliding_window is not None:
-        if isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window < 1:
-            _fail(fn, "sliding_window", repr(sliding_window), "must be None or an int >= 1")
-        if not use_causal_mask:
-            _fail(fn, "sliding_window", sliding_window, "needs use_causal_mask=True")
-    if (bound_min is None) != (bound_max is None):
-        _fail(fn, "bound_min/bound_max", "one of them None", "give both or neither")
-    for name, t in (("bound_min", bound_min), ("bound_max", bound_max)):
-        if t is not None and (_shape(t) != (sq,) or t.dtype != torch.float32):
-            _fail(fn, name, f"{t.dtype} {_shape(t)}", f"must be float32 [seqlen_q] = [{sq}]")
-    if sinks is not None:
-        ss = _shape(sinks)
-        if not (ss[:2] == (bs, nheads) and (len(ss) == 2 or (len(ss) == 3 and ss[2] >= 1))):
-            _fail(fn, "sinks.shape", ss, f"must be [bs, nheads] = [{bs}, {nheads}] or [bs, nheads, num_sinks]")
-        if sinks.dtype not in DTYPES:
-            _fail(fn, "sinks.dtype", sinks.dtype, "must be float32, bfloat16 or float16")
-    return resolve_scale(fn, softmax_scale, d_head)
+    if isinstance(window_size, list):
+        window_size = tuple(window_size)
+    variants = {"softcap": softcap, "alibi_slopes": alibi_slopes, "window_size": window_size,
+                "dropout_p": dropout_p, "dropout_seed": dropout_seed}
+    kernel_api = _kernel_api()
+    try:
+        if fn == "attention_bwd":
+            kernel_api.attention_bwd.check(q, k, v, o, do, lse, sinks, bound_min, bound_max,
+                                           use_causal_mask=use_causal_mask, mixed_precision=mixed_precision,
+                                           softmax_scale=softmax_scale, sliding_window=sliding_window, **variants)
+        else:
+            kernel_api.attention_fwd.check(q, k, v, sinks, bound_min, bound_max, use_causal_mask=use_causal_mask,
+                                           mixed_precision=mixed_precision, softmax_scale=softmax_scale,
+                                           sliding_window=sliding_window, **variants)
+    except ValueError as exc:
+        raise ValueError(f"{fn}: {exc}") from None
+    return resolve_scale(fn, softmax_scale, int(q.shape[2]))
+
+
+def _kernel_api():
+    from . import kernel_api  # noqa: PLC0415 - imports the kernels, which the meta/fake paths never need early
+    return kernel_api
 
 
 def resolve_scale(fn, softmax_scale, d_head, name="softmax_scale"):
@@ -175,31 +165,52 @@ def resolve_scale(fn, softmax_scale, d_head, name="softmax_scale"):
 
 
 # ----------------------------------------------------------------------------------------------------- the ops
+def _variant_kwargs(softcap, alibi_slopes, window_size, dropout_p, dropout_seed):
+    """The variant keywords for the kernel call; those at their default are left out, so kernels built before
+    the variants (no such parameters) still take the call."""
+    kw = {}
+    if softcap != 0.0:
+        kw["softcap"] = softcap
+    if alibi_slopes is not None:
+        kw["alibi_slopes"] = alibi_slopes.contiguous()
+    if window_size is not None:
+        kw["window_size"] = (int(window_size[0]), int(window_size[1]))
+    if dropout_p != 0.0:
+        kw["dropout_p"] = dropout_p
+        kw["dropout_seed"] = dropout_seed
+    return kw
+
+
 @torch.library.custom_op("nki_attn::attention_fwd", mutates_args=())
 def _fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: Optional[torch.Tensor],
             bound_min: Optional[torch.Tensor], bound_max: Optional[torch.Tensor], use_causal_mask: bool,
-            softmax_scale: float, sliding_window: Optional[int], mixed_precision: bool
+            softmax_scale: float, sliding_window: Optional[int], mixed_precision: bool, softcap: float = 0.0,
+            alibi_slopes: Optional[torch.Tensor] = None, window_size: Optional[list[int]] = None,
+            dropout_p: float = 0.0, dropout_seed: Optional[torch.Tensor] = None
             ) -> tuple[torch.Tensor, torch.Tensor]:
     fwd, _ = _kernels()
     o, lse = _launcher(fwd)(q.contiguous(), k.contiguous(), v.contiguous(), sinks, bound_min, bound_max,
                             use_causal_mask=use_causal_mask, mixed_precision=mixed_precision,
-                            softmax_scale=softmax_scale, sliding_window=sliding_window)
+                            softmax_scale=softmax_scale, sliding_window=sliding_window,
+                            **_variant_kwargs(softcap, alibi_slopes, window_size, dropout_p, dropout_seed))
     return o, lse
 
 
 @_fwd_op.register_fake
 def _fwd_fake(q, k, v, sinks, bound_min, bound_max, use_causal_mask, softmax_scale, sliding_window,
-              mixed_precision):
+              mixed_precision, softcap=0.0, alibi_slopes=None, window_size=None, dropout_p=0.0, dropout_seed=None):
     b, h, _, s = q.shape
-    return torch.empty_like(q, memory_format=torch.contiguous_format), \
-        q.new_empty((b, h, PMAX, s // PMAX), dtype=torch.float32)
+    return q.new_empty((b, h, v.shape[2], s)), q.new_empty((b, h, PMAX, s // PMAX), dtype=torch.float32)
 
 
 @torch.library.custom_op("nki_attn::attention_bwd", mutates_args=())
 def _bwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, do: torch.Tensor,
             lse: torch.Tensor, sinks: Optional[torch.Tensor], bound_min: Optional[torch.Tensor],
             bound_max: Optional[torch.Tensor], use_causal_mask: bool, softmax_scale: float,
-            sliding_window: Optional[int], mixed_precision: bool, dlse: Optional[torch.Tensor]
+            sliding_window: Optional[int], mixed_precision: bool, dlse: Optional[torch.Tensor],
+            softcap: float = 0.0, alibi_slopes: Optional[torch.Tensor] = None,
+            window_size: Optional[list[int]] = None, dropout_p: float = 0.0,
+            dropout_seed: Optional[torch.Tensor] = None
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     if dlse is not None and bool((dlse != 0).any()):
         raise NotImplementedError("nki_attn attention: a gradient flows into the log-sum-exp output (lse), which "
@@ -209,14 +220,16 @@ def _bwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, 
     outs = _launcher(bwd)(q.contiguous(), k.contiguous(), v.contiguous(), o.contiguous(), do.contiguous(), lse,
                           sinks, bound_min, bound_max, use_causal_mask=use_causal_mask,
                           mixed_precision=mixed_precision, softmax_scale=softmax_scale,
-                          sliding_window=sliding_window)
+                          sliding_window=sliding_window,
+                          **_variant_kwargs(softcap, alibi_slopes, window_size, dropout_p, dropout_seed))
     dsinks = outs[3] if sinks is not None else q.new_empty((0,), dtype=torch.float32)
     return outs[0], outs[1], outs[2], dsinks
 
 
 @_bwd_op.register_fake
 def _bwd_fake(q, k, v, o, do, lse, sinks, bound_min, bound_max, use_causal_mask, softmax_scale, sliding_window,
-              mixed_precision, dlse):
+              mixed_precision, dlse, softcap=0.0, alibi_slopes=None, window_size=None, dropout_p=0.0,
+              dropout_seed=None):
     dsinks = (torch.empty(sinks.shape, dtype=torch.float32, device=sinks.device) if sinks is not None
               else q.new_empty((0,), dtype=torch.float32))
     c = torch.contiguous_format
@@ -224,19 +237,28 @@ def _bwd_fake(q, k, v, o, do, lse, sinks, bound_min, bound_max, use_causal_mask,
             torch.empty_like(v, memory_format=c), dsinks)
 
 
+_FWD_FLAGS = 10  # inputs of _fwd_op before the variant keywords
+
+
 def _fwd_setup_context(ctx, inputs, output):
-    q, k, v, sinks, bound_min, bound_max, causal, scale, window, mixed = inputs
+    q, k, v, sinks, bound_min, bound_max, causal, scale, window, mixed = inputs[:_FWD_FLAGS]
+    variants = list(inputs[_FWD_FLAGS:])
+    defaults = [0.0, None, None, 0.0, None]
+    variants += defaults[len(variants):]
+    softcap, alibi_slopes, window_size, dropout_p, dropout_seed = variants
     o, lse = output
-    ctx.save_for_backward(q, k, v, o, lse, sinks, bound_min, bound_max)
-    ctx.flags = (causal, scale, window, mixed)
+    ctx.save_for_backward(q, k, v, o, lse, sinks, bound_min, bound_max, alibi_slopes, dropout_seed)
+    ctx.flags = (causal, scale, window, mixed, softcap, window_size, dropout_p)
+    ctx.n_inputs = len(inputs)
 
 
 def _fwd_backward(ctx, do, dlse):
-    q, k, v, o, lse, sinks, bound_min, bound_max = ctx.saved_tensors
-    causal, scale, window, mixed = ctx.flags
+    q, k, v, o, lse, sinks, bound_min, bound_max, alibi_slopes, dropout_seed = ctx.saved_tensors
+    causal, scale, window, mixed, softcap, window_size, dropout_p = ctx.flags
     dq, dk, dv, dsinks = _bwd_op(q, k, v, o, do, lse, sinks, bound_min, bound_max, causal, scale, window, mixed,
-                                 dlse)
-    return dq, dk, dv, (dsinks.to(sinks.dtype) if sinks is not None else None), None, None, None, None, None, None
+                                 dlse, softcap, alibi_slopes, window_size, dropout_p, dropout_seed)
+    grads = [dq, dk, dv, (dsinks.to(sinks.dtype) if sinks is not None else None)]
+    return tuple(grads + [None] * (ctx.n_inputs - len(grads)))
 
 
 _fwd_op.register_autograd(_fwd_backward, setup_context=_fwd_setup_context)
@@ -257,22 +279,35 @@ _bwd_op.register_autograd(_bwd_backward, setup_context=_bwd_setup_context)
 
 # ----------------------------------------------------------------------------------------------------- public
 def attention_fwd(q, k, v, sinks=None, bound_min=None, bound_max=None, use_causal_mask=False, softmax_scale=None,
-                  sliding_window=None, mixed_precision=True):
-    """Forward kernel as a differentiable torch op: ``(o [bs, nheads, d_head, seqlen_q] in q's dtype,
-    lse float32 [bs, nheads, 128, seqlen_q // 128])``. Layouts and rules: module docstring."""
+                  sliding_window=None, mixed_precision=True, softcap=0.0, alibi_slopes=None, window_size=None,
+                  dropout_p=0.0, dropout_seed=None):
+    """Forward kernel as a differentiable torch op: ``(o [bs, nheads, d_v, seqlen_q] in q's dtype,
+    lse float32 [bs, nheads, 128, seqlen_q // 128])``. Layouts, variant keywords and rules: module docstring."""
     scale = check_kernel_args("attention_fwd", q, k, v, sinks=sinks, bound_min=bound_min, bound_max=bound_max,
                               use_causal_mask=use_causal_mask, softmax_scale=softmax_scale,
-                              sliding_window=sliding_window, mixed_precision=mixed_precision)
-    return _fwd_op(q, k, v, sinks, bound_min, bound_max, use_causal_mask, scale, sliding_window, mixed_precision)
+                              sliding_window=sliding_window, mixed_precision=mixed_precision, softcap=softcap,
+                              alibi_slopes=alibi_slopes, window_size=window_size, dropout_p=dropout_p,
+                              dropout_seed=dropout_seed)
+    return _fwd_op(q, k, v, sinks, bound_min, bound_max, use_causal_mask, scale, sliding_window, mixed_precision,
+                   float(softcap), alibi_slopes, _window_list(window_size), float(dropout_p), dropout_seed)
 
 
 def attention_bwd(q, k, v, o, do, lse, sinks=None, bound_min=None, bound_max=None, use_causal_mask=False,
-                  softmax_scale=None, sliding_window=None, mixed_precision=True):
+                  softmax_scale=None, sliding_window=None, mixed_precision=True, softcap=0.0, alibi_slopes=None,
+                  window_size=None, dropout_p=0.0, dropout_seed=None):
     """Backward kernel as a torch op: ``(dq like q, dk like k, dv like v, dsinks)``, dsinks float32 shaped like
     ``sinks`` (an empty ``[0]`` tensor when sinks is None). ``o`` and ``lse`` are the forward's outputs for the
-    same arguments (per block pair, for ring attention: the block's o and lse, or the merged ones)."""
+    same arguments (per block pair, for ring attention: the block's o and lse, or the merged ones); with dropout,
+    the same ``dropout_seed`` regenerates the forward's mask."""
     scale = check_kernel_args("attention_bwd", q, k, v, o=o, do=do, lse=lse, sinks=sinks, bound_min=bound_min,
                               bound_max=bound_max, use_causal_mask=use_causal_mask, softmax_scale=softmax_scale,
-                              sliding_window=sliding_window, mixed_precision=mixed_precision)
+                              sliding_window=sliding_window, mixed_precision=mixed_precision, softcap=softcap,
+                              alibi_slopes=alibi_slopes, window_size=window_size, dropout_p=dropout_p,
+                              dropout_seed=dropout_seed)
     return _bwd_op(q, k, v, o, do, lse, sinks, bound_min, bound_max, use_causal_mask, scale, sliding_window,
-                   mixed_precision, None)
+                   mixed_precision, None, float(softcap), alibi_slopes, _window_list(window_size),
+                   float(dropout_p), dropout_seed)
+
+
+def _window_list(window_size):
+    return None if window_size is None else [int(window_size[0]), int(window_size[1])]

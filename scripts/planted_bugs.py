@@ -3,11 +3,12 @@
     python scripts/planted_bugs.py            # print the table
     python scripts/planted_bugs.py --write    # also write it into docs/tolerances.md (between its markers)
 
-Bugs (as tests/harness/test_harness.py plants them): dQ scaled by 1.01; the sliding window one key wider in
-forward and backward; dK = 0; and one unit in the last place of dQ on every other run (jitter, for the
-determinism check). For each dtype and seqlen (256: the tests' rows; 2048: the full preset's) the table gives
-the bugged output's error over its rule-1 bound and over the seed's band (> 1 means over; the band counts only
-where it is required), the verdict, and the correct kernels' rule-1 ratio on the same output for comparison.
+Bugs (as tests/harness/test_harness.py plants them): dQ scaled by 1.01, dK by 0.99, dV by 1.01; the sliding
+window one key wider in forward and backward; dK = 0; and one unit in the last place of dQ on every other run
+(jitter, for the determinism check). For each dtype and seqlen (256: the tests' rows; 2048: the full preset's)
+the table gives the bugged output's ratio to rule 1's bound (error size) and to rule 2's (systematic error,
+the projection of the error on the reference), > 1 meaning over; the seed's band, reported but not judged; the
+verdict; and the correct kernels' two ratios on the same output, for comparison.
 """
 import argparse
 import os
@@ -19,7 +20,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from nki_attn.harness import cases, report, runner  # noqa: E402
+from nki_attn.harness import cases, report, runner, tolerance  # noqa: E402
 from nki_attn.harness.determinism import check_determinism  # noqa: E402
 
 
@@ -38,9 +39,11 @@ class Planted:
         return self.post(list(self.inner.bwd(*a, **self.kw(dict(k)))))
 
 
-def _scale_dq(r):
-    r[0] = r[0] * 1.01
-    return r
+def _scale(i, factor):
+    def post(r):
+        r[i] = r[i] * factor
+        return r
+    return post
 
 
 def _zero_dk(r):
@@ -53,7 +56,9 @@ def _widen(k):
     return k
 
 
-BUGS = (("dQ x 1.01", "causal", "dq", Planted(post=_scale_dq)),
+BUGS = (("dQ x 1.01", "causal", "dq", Planted(post=_scale(0, 1.01))),
+        ("dK x 0.99", "causal", "dk", Planted(post=_scale(1, 0.99))),
+        ("dV x 1.01", "causal", "dv", Planted(post=_scale(2, 1.01))),
         ("window off by one", "window", "o", Planted(kw=_widen)),
         ("dK = 0", "causal", "dk", Planted(post=_zero_dk)))
 
@@ -69,9 +74,19 @@ def _jitter_candidate():
     return Planted(post=post)
 
 
+def _ratios(o):
+    r1, r2 = tolerance.ratios(o)
+    return f"{r1:.2f}", (f"{r2:.2f}" if o["proj_applies"] else "n/a")
+
+
+def _bold(text, over):
+    return f"**{text}**" if over else text
+
+
 def measure(seqlens=(256, 2048)):
-    lines = ["| bug | dtype | seqlen | output | rule 1: bugged err / bound | band: bugged err / band (required?) | "
-             "verdict | correct kernels' rule-1 ratio |", "|---|---|---|---|---|---|---|---|"]
+    lines = ["| bug | dtype | seqlen | output | rule 1: err / bound | rule 2: systematic / bound | band: err / band "
+             "(not judged) | verdict | correct kernels' ratios (rule 1, rule 2) |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for s in seqlens:
         heads, d = (2, 64) if s <= 256 else (1, 128)
         for dt in cases.DTYPES:
@@ -82,13 +97,16 @@ def measure(seqlens=(256, 2048)):
                     good[feature] = runner.run_case(case, runner.KernelCandidate())
                 bad = runner.run_case(case, cand)
                 o, g = bad["outputs"][out], good[feature]["outputs"][out]
-                band = f"{o['max_abs'] / o['band_bound']:.2f} ({'yes' if o['band_required'] else 'no'})"
-                lines.append(f"| {label} | {dt} | {s} | {out} | **{o['max_abs'] / o['bound']:.2f}** | {band} | "
-                             f"{'caught' if not bad['pass'] else 'MISSED'} | {g['max_abs'] / g['bound']:.3f} |")
+                r1, r2 = _ratios(o)
+                g1, g2 = _ratios(g)
+                lines.append(f"| {label} | {dt} | {s} | {out} | {_bold(r1, not o['max_abs'] <= o['bound'])} | "
+                             f"{_bold(r2, not o['proj_ok'])} | {o['max_abs'] / o['band_bound']:.2f} | "
+                             f"{'caught' if not bad['pass'] else 'MISSED'} | {g1}, {g2} |")
+                print(lines[-1], file=sys.stderr, flush=True)
             det = check_determinism(cases.feature_case("causal", s, d, dt, heads=heads), runs=3,
                                     candidate=_jitter_candidate(), compare_lnc=False)
             lines.append(f"| 1-ulp jitter of dQ | {dt} | {s} | dq | determinism: {det['identical_runs']}/3 runs "
-                         f"identical | - | {'caught' if not det['pass'] else 'MISSED'} | - |")
+                         f"identical | - | - | {'caught' if not det['pass'] else 'MISSED'} | - |")
             print(lines[-1], file=sys.stderr, flush=True)
     return lines
 

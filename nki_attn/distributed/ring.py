@@ -152,6 +152,9 @@ class _Ring:
                                                  f"holds the keys of its own queries")
         if dk != d:
             _fail(fn, "k.shape[3]", dk, f"head_dim must equal q.shape[3] = {d}")
+        if v.shape != k.shape:
+            _fail(fn, "v.shape", tuple(v.shape), f"must equal k.shape {tuple(k.shape)} (ring attention sends k and "
+                                                 f"v as one buffer)")
         _check_heads(fn, hq, hk, "k.shape[2]")
         _check_head_dim(fn, d, "q.shape[3]")
         for name, x in (("batch", b), ("heads", hq), ("head_dim", d)):
@@ -374,7 +377,9 @@ class _RingAttention(torch.autograd.Function):
 def _ring_attention(fn, layout, q, k, v, dropout_p, softmax_scale, causal, window_size, alibi_slopes,
                     deterministic, return_attn_probs, group, sinks, return_lse):
     def check_flags():
-        _check_dropout(fn, dropout_p)
+        if _check_dropout(fn, dropout_p) != 0.0:
+            _fail(fn, "dropout_p", dropout_p, "ring attention does not implement dropout; only 0.0",
+                  NotImplementedError)
         _check_fa_extras(fn, 0.0, alibi_slopes, deterministic, return_attn_probs)
         _check_bool(fn, "return_lse", return_lse)
         _check_bool(fn, "causal", causal)

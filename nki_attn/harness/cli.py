@@ -12,6 +12,7 @@ import os
 import sys
 import time
 
+from . import candidate as _candidate
 from . import cases as _cases
 from . import report as _report
 
@@ -129,8 +130,22 @@ def add_parser(sub):
     p.add_argument("--features", nargs="+", choices=_cases.FEATURES, metavar="FEATURE",
                    help="only these features (with --shapes the default is plain causal); one of: "
                         + ", ".join(_cases.FEATURES))
+    p.add_argument("--candidate-bwd", metavar="MODULE:FUNCTION",
+                   help="judge this backward kernel instead of ours: an importable module or a path to a .py file, "
+                        "and the function, with the signature (q, k, v, o, dy, lse, sinks=None, bound_min=None, "
+                        "bound_max=None, use_causal_mask=False, mixed_precision=..., softmax_scale=None, "
+                        "sliding_window=None) -> (dq, dk, dv[, dsinks]); rows it refuses are reported as "
+                        "unsupported (docs/harness.md, \"Validate your own kernel\")")
+    p.add_argument("--candidate-fwd", metavar="MODULE:FUNCTION",
+                   help="judge this forward kernel instead of ours (its o and lse also feed the backward): "
+                        "(q, k, v, sinks, bound_min, bound_max, use_causal_mask=, mixed_precision=, "
+                        "softmax_scale=, sliding_window=) -> (o, lse), or see --fwd-contract")
+    p.add_argument("--fwd-contract", choices=_candidate.FWD_CONTRACTS, default="lse",
+                   help="how --candidate-fwd is called: lse (our (o, lse) contract) or cte (the NKI Library's "
+                        "attention_cte with cache_softmax=True, its -max and 1/sum turned into lse)")
     p.add_argument("-j", "--jobs", type=positive_int, default=1, help="rows in parallel processes")
-    p.add_argument("--lnc", type=int, default=1, choices=(1, 2), help="launch the kernels on 1 or 2 cores")
+    p.add_argument("--lnc", type=int, default=1, choices=(1, 2),
+                   help="launch the kernels on 1 or 2 cores (a candidate kernel as kernel[2])")
     p.add_argument("--determinism", type=non_negative_int, nargs="?", const=10, default=0, metavar="N",
                    help="also require N bit-identical runs (N defaults to 10 when the flag has no value) and "
                         "LNC1 == LNC2; 0 skips the check")
@@ -159,6 +174,7 @@ def validate(args, parser):
         parser.error("--lnc 2 needs trn2 or trn3 (trn1 has no LNC2)")
     if args.case and args.shapes:
         parser.error("--case and --shapes are alternatives: give one")
+    args.candidate = _candidate_spec(args, parser)
     try:
         rows = list(args.case) if args.case else \
             _cases.select(None if args.shapes else args.preset, args.shapes, args.dtypes, args.features)
@@ -167,6 +183,24 @@ def validate(args, parser):
     if not rows:
         parser.error("the options select no rows (check --dtypes / --features against the preset)")
     return rows
+
+
+def _candidate_spec(args, parser):
+    """The ``CandidateSpec`` the options name, its functions imported now so that a wrong MODULE:FUNCTION is a
+    usage error before any work."""
+    spec = _candidate.CandidateSpec(bwd=args.candidate_bwd, fwd=args.candidate_fwd, fwd_contract=args.fwd_contract)
+    if args.fwd_contract != "lse" and not args.candidate_fwd:
+        parser.error(f"--fwd-contract {args.fwd_contract} applies to --candidate-fwd, which is not given")
+    for flag, value in (("--candidate-bwd", spec.bwd), ("--candidate-fwd", spec.fwd)):
+        if value is None:
+            continue
+        try:
+            fn = _candidate.load_function(value)
+        except ValueError as exc:
+            parser.error(f"{flag}: {exc}")
+        if args.lnc == 2 and not _candidate.accepts_lnc(fn):
+            parser.error(f"{flag}: --lnc 2 launches kernels as kernel[2], which {value} does not accept")
+    return spec
 
 
 # ----------------------------------------------------------------------------------------------------- progress
@@ -201,22 +235,24 @@ class Progress:
 
 
 def _run_row(args):
-    case, lnc = args
-    from .runner import KernelCandidate, run_case
-    return run_case(case, KernelCandidate(lnc=lnc))
+    case, lnc, spec = args
+    from .runner import run_case
+    return run_case(case, _candidate.make(spec, lnc))
 
 
 def _row_text(row):
-    verdict = "PASS" if row["pass"] else ("ERROR" if "error" in row else "FAIL")
+    status = row.get("status", "pass" if row["pass"] else ("error" if "error" in row else "fail"))
     secs = f" {row['seconds']:.1f}s" if row.get("seconds") is not None else ""
     ratio = f" worst err/bound {row['worst_ratio']:.3f}" if "worst_ratio" in row else ""
-    return f"{row['case']['name']} {verdict}{ratio}{secs}"
+    why = f" ({row['error'][:100]})" if status in ("error", "unsupported") and row.get("error") else ""
+    return f"{row['case']['name']} {status.upper()}{ratio}{secs}{why}"
 
 
-def run_rows(rows_in, jobs, lnc, progress):
-    """Run the rows (in ``jobs`` processes when > 1); report rows in the order given."""
+def run_rows(rows_in, jobs, lnc, progress, spec=None):
+    """Run the rows of candidate ``spec`` (None: ours) in ``jobs`` processes when > 1; report rows in the order
+    given."""
     rows = [None] * len(rows_in)
-    work = [(c, lnc) for c in rows_in]
+    work = [(c, lnc, spec) for c in rows_in]
     if jobs > 1:
         ctx = multiprocessing.get_context("fork")
         with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=ctx) as ex:
@@ -226,7 +262,7 @@ def run_rows(rows_in, jobs, lnc, progress):
                 try:
                     rows[i] = fut.result()
                 except Exception as exc:  # noqa: BLE001 - e.g. a worker killed for lack of memory
-                    rows[i] = {"case": work[i][0].as_dict(), "pass": False, "seconds": None,
+                    rows[i] = {"case": work[i][0].as_dict(), "status": "error", "pass": False, "seconds": None,
                                "error": f"worker process failed: {type(exc).__name__}: {exc}"}
                 progress.finished(_row_text(rows[i]))
     else:
@@ -236,34 +272,59 @@ def run_rows(rows_in, jobs, lnc, progress):
     return rows
 
 
+def _determinism(args, rows_in, rows, spec):
+    """The determinism check on the selection's first causal and first sinks row the candidate ran (a row it
+    refused cannot be repeated)."""
+    from .determinism import check_determinism
+    target = os.environ.get("NEURON_PLATFORM_TARGET_OVERRIDE", "trn2")
+    ran = [c for c, r in zip(rows_in, rows) if r.get("status") != "unsupported"]
+    picks = [c for c in ran if c.causal][:1] + [c for c in ran if c.num_sinks][:1]
+    picks = picks or ran[:1]
+    if not picks:
+        return []
+    lnc_cmp = target != "trn1"
+    prog = Progress(len(picks) * (args.determinism + lnc_cmp), label="determinism")
+    cand = _candidate.make(spec, args.lnc)
+    return [check_determinism(c, runs=args.determinism, candidate=cand, compare_lnc=lnc_cmp, progress=prog.finished)
+            for c in picks]
+
+
+def _drift(args, spec):
+    """The drift check with our kernels through the PyTorch API, or a candidate's backward (and forward: the
+    candidate's when given, else ours) through ``drift.CandidateAttention``."""
+    from .drift import candidate_attention, check_drift, progress_steps
+    prog = Progress(2 * len(progress_steps(args.drift)), label="drift")
+    if spec.builtin:
+        return check_drift(args.drift, args.drift_dir, progress=prog.finished)
+    try:
+        return check_drift(args.drift, args.drift_dir, attn=candidate_attention(_candidate.make(spec, args.lnc)),
+                           progress=prog.finished, label=spec.describe())
+    except _candidate.Unsupported as exc:
+        return {"steps": args.drift, "status": "unsupported", "error": str(exc), "pass": None}
+    except Exception as exc:  # noqa: BLE001 - a crash of the candidate fails the check, with its message
+        return {"steps": args.drift, "status": "error", "error": f"{type(exc).__name__}: {exc}", "pass": False}
+
+
 def main(args):
     """Entry point of ``nki-attn check``; returns the exit status (usage errors exit 2 through argparse)."""
     parser = getattr(args, "_parser", None) or argparse.ArgumentParser(prog="nki-attn check")
+    for name, default in (("candidate_bwd", None), ("candidate_fwd", None), ("fwd_contract", "lse")):
+        if not hasattr(args, name):  # a Namespace built by hand (tests, scripts) without the candidate options
+            setattr(args, name, default)
     rows_in = validate(args, parser)
+    spec = args.candidate
     if args.target:
         os.environ["NEURON_PLATFORM_TARGET_OVERRIDE"] = args.target
     from ..backend import BACKEND
     load_start = _report.load_average()
     t0 = time.perf_counter()
-    rows = run_rows(rows_in, args.jobs, args.lnc, Progress(len(rows_in)))
-    determinism = None
-    if args.determinism:
-        from .determinism import check_determinism
-        target = os.environ.get("NEURON_PLATFORM_TARGET_OVERRIDE", "trn2")
-        picks = [c for c in rows_in if c.causal][:1] + [c for c in rows_in if c.num_sinks][:1]
-        picks = picks or rows_in[:1]
-        lnc_cmp = target != "trn1"
-        prog = Progress(len(picks) * (args.determinism + lnc_cmp), label="determinism")
-        determinism = [check_determinism(c, runs=args.determinism, compare_lnc=lnc_cmp, progress=prog.finished)
-                       for c in picks]
-    drift = None
-    if args.drift:
-        from .drift import check_drift, progress_steps
-        prog = Progress(2 * len(progress_steps(args.drift)), label="drift")
-        drift = check_drift(args.drift, args.drift_dir, progress=prog.finished)
+    rows = run_rows(rows_in, args.jobs, args.lnc, Progress(len(rows_in)), spec)
+    determinism = _determinism(args, rows_in, rows, spec) if args.determinism else None
+    drift = _drift(args, spec) if args.drift else None
     meta = {"backend": BACKEND, "target": os.environ.get("NEURON_PLATFORM_TARGET_OVERRIDE", "trn2"),
             "preset": None if (args.shapes or args.case) else args.preset, "lnc": args.lnc, "jobs": args.jobs,
-            "candidate": "nki-kernels", "notes": sorted({c.note for c in rows_in if c.note}),
+            "candidate": spec.describe(), "candidate_spec": None if spec.builtin else spec.as_dict(),
+            "notes": sorted({c.note for c in rows_in if c.note}),
             "wall_seconds": round(time.perf_counter() - t0, 1),
             "load_average": {"start": load_start, "end": _report.load_average()}}
     rep = _report.build(rows, meta, determinism, drift)

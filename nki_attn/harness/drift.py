@@ -86,26 +86,69 @@ def compare_curves(cand, ref):
             "pass": tail_gap <= BOUND["tail"] and max(gaps) <= BOUND["max"]}
 
 
-def check_drift(steps=1000, out_dir=".", attn=None, progress=None):
-    """Train with the kernels (``attn``, default nki_attn.flash_attn_func causal) and with the reference;
-    write drift.json and drift.png into ``out_dir``; return the verdict dict. ``progress(text)`` is called
+class CandidateAttention(torch.autograd.Function):
+    """Causal attention in ``[b, s, h, d]`` through a harness candidate's forward and backward (``runner``'s
+    contract, kernels' layout ``[b, h, d, s]``), as a training step uses them: the forward's o and lse are saved
+    and handed to the backward. Lengths are padded to multiples of 128 with zeros at the end; the causal mask
+    hides the padded keys from every real query (no packing bounds needed), and the padded query rows get
+    dO = 0, so they add nothing to the real gradients."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, candidate):
+        s = q.shape[1]
+        s_pad = -(-s // 128) * 128
+
+        def kernel_layout(t):  # [b, s, h, d] -> [b, h, d, s_pad]
+            return torch.nn.functional.pad(t.detach().permute(0, 2, 3, 1), (0, s_pad - s)).contiguous()
+
+        qk, kk, vk = kernel_layout(q), kernel_layout(k), kernel_layout(v)
+        o, lse = candidate.fwd(qk, kk, vk, None, None, None, use_causal_mask=True, mixed_precision=True)
+        o, lse = torch.as_tensor(o), torch.as_tensor(lse)
+        ctx.save_for_backward(qk, kk, vk, o, lse)
+        ctx.candidate, ctx.s = candidate, s
+        return o[..., :s].permute(0, 3, 1, 2).to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, do):
+        qk, kk, vk, o, lse = ctx.saved_tensors
+        s = ctx.s
+        dy = torch.nn.functional.pad(do.permute(0, 2, 3, 1), (0, qk.shape[-1] - s)).to(qk.dtype).contiguous()
+        res = ctx.candidate.bwd(qk, kk, vk, o, dy, lse, None, None, None, use_causal_mask=True,
+                                mixed_precision=True)
+
+        def api_layout(t):  # [b, h, d, s_pad] -> [b, s, h, d]
+            return torch.as_tensor(t)[..., :s].permute(0, 3, 1, 2).to(do.dtype)
+
+        return api_layout(res[0]), api_layout(res[1]), api_layout(res[2]), None
+
+
+def candidate_attention(candidate):
+    """``attn(q, k, v)`` for ``train``: causal attention through ``candidate`` (``CandidateAttention``)."""
+    return lambda q, k, v: CandidateAttention.apply(q, k, v, candidate)
+
+
+def check_drift(steps=1000, out_dir=".", attn=None, progress=None, label="nki-attn kernels"):
+    """Train with the kernels (``attn``, default nki_attn.flash_attn_func causal; ``candidate_attention`` for
+    another candidate) and with the reference; write drift.json and drift.png into ``out_dir``; return the
+    verdict dict. ``label`` names the candidate in the plot. ``progress(text)`` is called
     ``2 * len(progress_steps(steps))`` times."""
     from ..attention import flash_attn_func
     cand_attn = attn or (lambda q, k, v: flash_attn_func(q, k, v, causal=True))
-    cand = train(cand_attn, steps, progress=progress, label="kernels")
+    cand = train(cand_attn, steps, progress=progress, label="candidate")
     ref = train(reference_attention, steps, progress=progress, label="reference")
     res = compare_curves(cand, ref)
-    res.update({"steps": steps, "final_loss_candidate": cand[-1], "final_loss_reference": ref[-1]})
+    res.update({"steps": steps, "final_loss_candidate": cand[-1], "final_loss_reference": ref[-1],
+                "candidate": label})
     os.makedirs(out_dir, exist_ok=True)
     jpath = os.path.join(out_dir, "drift.json")
     with open(jpath, "w") as f:
         json.dump({"verdict": res, "loss_candidate": cand, "loss_reference": ref}, f)
     res["json"] = jpath
-    res["png"] = _plot(cand, ref, os.path.join(out_dir, "drift.png"))
+    res["png"] = _plot(cand, ref, os.path.join(out_dir, "drift.png"), label)
     return res
 
 
-def _plot(cand, ref, path):
+def _plot(cand, ref, path, label="nki-attn kernels"):
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -114,7 +157,7 @@ def _plot(cand, ref, path):
         return None
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot(ref, label="reference attention (float64)", lw=2.5, alpha=0.6)
-    ax.plot(cand, label="nki-attn kernels", lw=1)
+    ax.plot(cand, label=label, lw=1)
     ax.set_xlabel("step")
     ax.set_ylabel("loss (sorted half)")
     ax.set_yscale("log")

@@ -5,7 +5,7 @@ import os
 import platform
 import re
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 # Environment variables that change which BLAS kernels run (and so the summation order behind every error).
 _BLAS_ENV = ("OPENBLAS_CORETYPE", "OPENBLAS_NUM_THREADS", "MKL_ENABLE_INSTRUCTIONS", "MKL_CBWR", "MKL_NUM_THREADS",
              "OMP_NUM_THREADS", "ATEN_CPU_CAPABILITY")
@@ -65,11 +65,20 @@ def machine_info():
 
 
 def build(rows, meta, determinism=None, drift=None):
-    """Assemble the report dict from row results and the optional determinism / drift verdicts."""
-    failed = [r for r in rows if not r["pass"]]
+    """Assemble the report dict from row results and the optional determinism / drift verdicts.
+
+    A row's ``status`` is pass, fail, error or unsupported (the candidate refused it); unsupported rows, and
+    determinism or drift entries the candidate refused (``pass`` None), do not fail the run, but a run in which
+    no row could be judged does. ``meta["candidate"]`` names what was judged.
+    """
+    for r in rows:  # rows from before schema 3 (or hand-made) carry only "pass"
+        r.setdefault("status", "pass" if r["pass"] else ("error" if "error" in r else "fail"))
+    failed = [r for r in rows if r["status"] in ("fail", "error")]
+    unsupported = [r for r in rows if r["status"] == "unsupported"]
+    judged = len(rows) - len(unsupported)
     ratios = [r["worst_ratio"] for r in rows if "worst_ratio" in r]
-    ok = not failed and (determinism is None or all(d["pass"] for d in determinism)) and \
-        (drift is None or drift["pass"])
+    ok = not failed and judged > 0 and all(d["pass"] is not False for d in determinism or []) and \
+        (drift is None or drift["pass"] is not False)
     return {
         "schema_version": SCHEMA_VERSION,
         "tool": "nki-attn check",
@@ -79,8 +88,10 @@ def build(rows, meta, determinism=None, drift=None):
         "rows": rows,
         "determinism": determinism,
         "drift": drift,
-        "summary": {"rows": len(rows), "passed": len(rows) - len(failed), "failed": len(failed),
-                    "failed_rows": [r["case"]["name"] for r in failed],
+        "summary": {"candidate": meta.get("candidate"), "rows": len(rows), "judged": judged,
+                    "passed": len(rows) - len(failed) - len(unsupported), "failed": len(failed),
+                    "failed_rows": [r["case"]["name"] for r in failed], "unsupported": len(unsupported),
+                    "unsupported_rows": [r["case"]["name"] for r in unsupported],
                     "worst_ratio": max(ratios) if ratios else None, "pass": ok},
     }
 
@@ -95,30 +106,46 @@ _COLS = ("o", "lse", "dq", "dk", "dv", "dsinks")
 
 
 def table(report):
-    """Terminal table: one line per row with each output's max abs error / allowed bound, then the verdicts."""
-    lines = []
+    """Terminal table: one line per row with each output's max abs error / allowed bound (rule 1; a trailing
+    ``!`` marks an output that fails either rule), then the verdicts."""
+    lines = [f"candidate: {report.get('candidate', '?')}"]
     head = f"{'row':44s} " + " ".join(f"{c + ' err/bound':>17s}" for c in _COLS) + "  result"
     lines.append(head)
     lines.append("-" * len(head))
     for r in report["rows"]:
         name = r["case"]["name"][:44]
-        if "error" in r:
-            lines.append(f"{name:44s} ERROR {r['error'][:120]}")
+        status = r.get("status", "pass" if r["pass"] else "fail")
+        if status in ("error", "unsupported"):
+            lines.append(f"{name:44s} {status.upper()} {r.get('error', '')[:160]}")
             continue
         cells = []
         for c in _COLS:
             o = r["outputs"].get(c)
             cells.append(f"{o['max_abs']:8.1e}/{o['bound']:7.1e}{'' if o['ok'] else '!'}" if o else f"{'-':>17s}")
-        lines.append(f"{name:44s} " + " ".join(f"{x:>17s}" for x in cells) + f"  {'PASS' if r['pass'] else 'FAIL'}")
+        lines.append(f"{name:44s} " + " ".join(f"{x:>17s}" for x in cells) + f"  {status.upper()}")
     s = report["summary"]
-    lines.append(f"\n{s['passed']}/{s['rows']} rows pass; worst error/bound ratio "
-                 f"{s['worst_ratio']:.3f}" if s["worst_ratio"] is not None else "")
+    tail = f"\n{s['passed']}/{s['rows']} rows pass"
+    if s.get("unsupported"):
+        tail += f", {s['unsupported']} unsupported by the candidate (not judged)"
+    if s.get("failed"):
+        tail += f", {s['failed']} fail"
+    if s["worst_ratio"] is not None:
+        tail += f"; worst error/bound ratio {s['worst_ratio']:.3f} (either rule)"
+    lines.append(tail)
+    if s.get("judged") == 0:
+        lines.append("no row could be judged: the candidate refused every row")
     for d in report.get("determinism") or []:
-        lines.append(f"determinism {d['case']}: {d['identical_runs']}/{d['runs']} identical runs, LNC2 equal: "
-                     f"{d['lnc2_equal']} -> {'PASS' if d['pass'] else 'FAIL'}")
+        if d.get("status") == "unsupported":
+            lines.append(f"determinism {d['case']}: unsupported by the candidate ({d.get('error', '')[:120]})")
+            continue
+        lnc = d["lnc2_note"] if d.get("lnc2_note") else f"LNC2 equal: {d['lnc2_equal']}"
+        lines.append(f"determinism {d['case']}: {d['identical_runs']}/{d['runs']} identical runs, {lnc} -> "
+                     f"{'PASS' if d['pass'] else 'FAIL'}")
     dr = report.get("drift")
-    if dr:
+    if dr and dr.get("status") in ("unsupported", "error"):
+        lines.append(f"drift: {dr['status']} ({dr.get('error', '')[:160]})")
+    elif dr:
         lines.append(f"drift {dr['steps']} steps: tail gap {dr['tail_mean_rel_gap']:.2e} (<= {dr['bound']['tail']}), "
                      f"max gap {dr['max_rel_gap']:.2e} (<= {dr['bound']['max']}) -> {'PASS' if dr['pass'] else 'FAIL'}")
-    lines.append(f"OVERALL: {'PASS' if s['pass'] else 'FAIL'}")
+    lines.append(f"OVERALL: {'PASS' if s['pass'] else 'FAIL'} (candidate: {report.get('candidate', '?')})")
     return "\n".join(lines)

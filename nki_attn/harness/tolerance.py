@@ -24,12 +24,19 @@ Every candidate output X is compared with a float64 reference X64 computed by th
      error the golden (which never reads O) does not make; and as dsinks has only heads x sinks elements, a
      sum that happens to cancel makes max|X64| a poor measure of its terms' size.
 
-2. The seed's band ``max|X - X64| <= ATOL + RTOL * max|X64|`` (normwise, as the NKI Library's tests and our
-   kernel tests apply their bands), required exactly where it can hold: when the sum of the two baselines'
-   errors meets it and the floor of rule 1 fits inside it. Where even the baseline misses it (long sequences, large gradients in 16-bit types) no kernel could, and
-   rule 1 alone decides. An element-wise reading (``|X - X64| <= ATOL + RTOL * |X64|`` per element) was tried
-   first and rejected: near-zero elements inherit absolute errors from their row's large terms, so it failed
-   kernels whose max error was below the baseline's (docs/tolerances.md, "Harness").
+2. No systematic error (always applied)::
+
+       |c| <= K[dtype] * (|c_b| + |c_i|) + SYS_LAMBDA * sigma + FLOOR[dtype] + sqrt(n) * U_ACC
+
+   ``c = <X - X64, X64> / <X64, X64>`` is the relative scaling the error carries (a gradient scaled by 1.01 has
+   c = 0.01), c_b and c_i the same for the two baselines (what their arithmetic makes systematically), sigma
+   (``projection``) the size c reaches by chance when the errors of different vectors have no common direction
+   (SYS_LAMBDA standard deviations), and the rule-1 floor the scaling that rule 1 would excuse anyway. Rule 1
+   bounds the error's size, which for long reductions in 16-bit types exceeds 1 % of the output; rule 2 sees
+   a scaling far below that, because rounding noise averages out of c and a scaling does not.
+
+The seed's band ``atol + rtol * max|X64|`` is reported for every output (``band_ok``) but no longer judged:
+rule 2 catches what it used to catch (docs/tolerances.md, "The band").
 """
 import math
 
@@ -47,6 +54,9 @@ LAMBDA = 1.0
 # Standard deviations allowed to the random-walk sum of the O roundings in dsinks (Hoeffding: a failure
 # probability of at most 2 exp(-LAMBDA^2 / 2) = 7e-4 per element even if every rounding were as large as u).
 INPUT_LAMBDA = 4.0
+# Standard deviations allowed to the projection of the error on the reference (rule 2): a chance failure needs
+# a 5-sigma coincidence, probability at most 2 exp(-25 / 2) = 7.5e-6 per output by Hoeffding.
+SYS_LAMBDA = 5.0
 U = {"float32": 2.0 ** -24, "bfloat16": 2.0 ** -8, "float16": 2.0 ** -11}
 # The seed's (atol, rtol) bands.
 BANDS = {"float32": (1e-5, 1e-4), "bfloat16": (5e-3, 5e-3), "float16": (1e-3, 1e-3)}
@@ -62,6 +72,12 @@ def reduction_lengths(case):
     keys, queries = case.seqlen_k, case.seqlen_q
     if case.window:
         keys, queries = min(keys, case.window), min(queries, case.window)
+    if getattr(case, "window_size", ()):
+        left, right = case.window_size
+        if case.causal:  # causal clips the right side to the diagonal
+            right = 0
+        if left >= 0 and right >= 0:  # the band i + off - left <= j <= i + off + right
+            keys, queries = min(keys, left + right + 1), min(queries, left + right + 1)
     if case.cu_seqlens:
         longest = max(b - a for a, b in zip(case.cu_seqlens[:-1], case.cu_seqlens[1:]))
         keys, queries = min(keys, longest), min(queries, longest)
@@ -96,8 +112,41 @@ def dsinks_input_scale(o, lse_rows, sinks, dy, over_batch=False):
     return float(np.sqrt(np.max(sq_terms))) if sq_terms.size else 0.0
 
 
-def compare(name, got, ref64, base, dtype, n=1, input_scale=0.0, inputs=None):
-    """Errors of one output and the verdict.
+def projection(err, ref, vec_axis=None):
+    """The error's projection on the reference and the chance size of that projection.
+
+    Args:
+        err, ref: float64 arrays of one output (candidate - reference, reference), same shape, finite.
+        vec_axis: the axis whose elements share their rounding errors (d_head for o, dq, dk, dv: one query row's
+            or one key's vector is computed from the same P row, LSE, D or dS column); None treats every element
+            as its own vector.
+    Returns:
+        (c, sigma, n_eff): ``c = <err, ref> / <ref, ref>``, the relative scaling the error carries;
+        ``sigma = sqrt(sum_v ||n_v||^2 ||ref_v||^2 * n_eff / (n_eff - 1)) / <ref, ref>`` over the vectors v, with
+        ``n = err - c * ref`` the error's noise around that scaling (the factor undoes what fitting c removed
+        from it): the size ``c`` reaches by chance when the vectors' errors have no common direction;
+        ``n_eff = <ref, ref>^2 / sum_v ||ref_v||^4``, how many vectors carry the reference's weight. All 0 when
+        the reference is 0; sigma is inf when n_eff <= 1. Derivation: docs/tolerances.md, "Systematic error".
+    """
+    err = np.asarray(err, dtype=np.float64)
+    ref = np.asarray(ref, dtype=np.float64)
+    rr = float(np.sum(ref * ref))
+    if rr == 0.0 or not np.isfinite(rr):
+        return 0.0, 0.0, 0.0
+    c = float(np.sum(err * ref)) / rr
+    noise = err - c * ref
+    if vec_axis is None:
+        e2, r2 = noise * noise, ref * ref
+    else:
+        e2, r2 = np.sum(noise * noise, axis=vec_axis), np.sum(ref * ref, axis=vec_axis)
+    n_eff = rr * rr / float(np.sum(r2 * r2))
+    if n_eff <= 1.0 + 1e-9:
+        return c, float("inf"), n_eff
+    return c, math.sqrt(float(np.sum(e2 * r2)) * n_eff / (n_eff - 1.0)) / rr, n_eff
+
+
+def compare(name, got, ref64, base, dtype, n=1, input_scale=0.0, inputs=None, vec_axis=None):
+    """Errors of one output and the verdict of the two rules (module docstring).
 
     Args:
         got, ref64, base: arrays of one output (candidate, float64 reference, dtype baseline), same shape.
@@ -105,40 +154,66 @@ def compare(name, got, ref64, base, dtype, n=1, input_scale=0.0, inputs=None):
         n: length of the reduction that produced the output (``reduction_lengths``).
         input_scale: dsinks only, ``dsinks_input_scale``; adds INPUT_LAMBDA * u(dtype) * input_scale.
         inputs: backward outputs only, the formula evaluated from the handed O and LSE (``runner.inputs_baseline``).
+        vec_axis: the axis of one vector's elements for the systematic check (``projection``): 2 (d_head) for
+            o, dq, dk, dv in the kernels' layout; None for lse and dsinks.
     Returns:
         dict with max_abs, max_rel (max_abs / max|ref64|), base_abs, base_rel, inputs_abs, n, input_floor, floor
-        (absolute, input_floor included), bound
-        (rule 1), k, band ([atol, rtol]), band_bound (atol + rtol * max|ref64|), band_required, band_ok,
+        (absolute, input_floor included), bound (rule 1), k; proj, proj_base, proj_inputs (the projections c of
+        the candidate's, the baseline's and the inputs baseline's errors), proj_sigma, proj_bound, proj_vectors
+        (n_eff), proj_applies (n_eff >= SYS_LAMBDA^2), proj_ok (rule 2); band ([atol, rtol]), band_bound (atol + rtol * max|ref64|) and band_ok (reported, not judged);
         nonfinite, ok.
     """
     got = np.asarray(got, dtype=np.float64)
     ref = np.asarray(ref64, dtype=np.float64)
     base = np.asarray(base, dtype=np.float64)
     if got.shape != ref.shape:
-        return {"name": name, "ok": False, "error": f"shape {got.shape} != reference {ref.shape}"}
+        raise ValueError(f"output {name}: shape {tuple(got.shape)}, expected {tuple(ref.shape)}")
     # +inf LSE rows (no visible key) must match exactly and are excluded from the error arithmetic.
     inf_ref = np.isinf(ref)
     nonfinite = int(np.count_nonzero(~np.isfinite(got) & ~inf_ref) + np.count_nonzero(got[inf_ref] != ref[inf_ref]))
     fin = ~inf_ref
-    g, r, b = got[fin], ref[fin], base[fin]
-    scale = float(np.max(np.abs(r))) if r.size else 0.0
-    with np.errstate(invalid="ignore"):
-        err = float(np.max(np.abs(g - r))) if r.size else 0.0
-        berr = float(np.max(np.abs(b - r))) if r.size else 0.0
-        ierr = 0.0
-        if inputs is not None and r.size:
-            ierr = float(np.max(np.abs(np.asarray(inputs, dtype=np.float64)[fin] - r)))
+    if not fin.all():
+        vec_axis = None
+        got, ref, base = got[fin], ref[fin], base[fin]
+        inputs = None if inputs is None else np.asarray(inputs, dtype=np.float64)[fin]
+    inputs = None if inputs is None else np.asarray(inputs, dtype=np.float64)
+    scale = float(np.max(np.abs(ref))) if ref.size else 0.0
+    with np.errstate(invalid="ignore", over="ignore"):
+        err = float(np.max(np.abs(got - ref))) if ref.size else 0.0
+        berr = float(np.max(np.abs(base - ref))) if ref.size else 0.0
+        ierr = float(np.max(np.abs(inputs - ref))) if inputs is not None and ref.size else 0.0
     input_floor = INPUT_LAMBDA * U[dtype] * input_scale
     floor = floor_rel(dtype, n) * scale + input_floor
     bound = K[dtype] * (berr + ierr) + floor
+    finite = nonfinite == 0 and bool(np.isfinite(err))
+    # rule 2: the error's projection on the reference (systematic error), judged like rule 1 judges its size
+    proj, sigma, n_eff = projection(got - ref, ref, vec_axis) if finite else (float("nan"), float("nan"), 0.0)
+    if not finite:
+        n_eff = projection(ref, ref, vec_axis)[2]
+    proj_b = projection(base - ref, ref, vec_axis)[0]
+    proj_i = projection(inputs - ref, ref, vec_axis)[0] if inputs is not None else 0.0
+    proj_bound = K[dtype] * (abs(proj_b) + abs(proj_i)) + SYS_LAMBDA * sigma + floor_rel(dtype, n)
+    # with fewer than SYS_LAMBDA^2 vectors carrying the weight, even a noise-free scaling cannot stand out from
+    # the vectors' own errors: rule 2 does not apply and rule 1 decides alone (dsinks, tiny problems)
+    proj_applies = bool(n_eff >= SYS_LAMBDA ** 2)
+    proj_ok = bool(finite and (abs(proj) <= proj_bound or not proj_applies))
     atol, rtol = BANDS[dtype]
     band = atol + rtol * scale
-    # required where a correct implementation can meet it: its error may reach the two baselines' sum (its own
-    # arithmetic like the golden's, plus what the handed O and LSE bring), so that sum and the floor must fit
-    band_required = bool(berr + ierr <= band and floor <= band)
-    band_ok = bool(err <= band)
-    ok = nonfinite == 0 and np.isfinite(err) and err <= bound and (band_ok or not band_required)
+    ok = finite and err <= bound and proj_ok
     return {"name": name, "max_abs": err, "max_rel": err / scale if scale else 0.0, "base_abs": berr,
-            "base_rel": berr / scale if scale else 0.0, "inputs_abs": ierr, "n": int(n), "input_floor": input_floor, "floor": floor, "bound": bound, "k": K[dtype],
-            "band": [atol, rtol], "band_bound": band, "band_required": band_required, "band_ok": band_ok,
+            "base_rel": berr / scale if scale else 0.0, "inputs_abs": ierr, "n": int(n), "input_floor": input_floor,
+            "floor": floor, "bound": bound, "k": K[dtype],
+            "proj": proj, "proj_base": proj_b, "proj_inputs": proj_i, "proj_sigma": sigma, "proj_bound": proj_bound,
+            "proj_vectors": n_eff, "proj_applies": proj_applies, "proj_ok": proj_ok, "band": [atol, rtol], "band_bound": band, "band_ok": bool(err <= band),
             "nonfinite": nonfinite, "ok": bool(ok)}
+
+
+def ratios(check):
+    """(rule-1 ratio max_abs / bound, rule-2 ratio |proj| / proj_bound) of one ``compare`` result: above 1 fails."""
+    r1 = check["max_abs"] / check["bound"] if check["bound"] else (0.0 if check["max_abs"] == 0 else float("inf"))
+    if not check.get("proj_applies", True):
+        return r1, 0.0
+    if not math.isfinite(check["proj"]):
+        return r1, float("inf")
+    r2 = abs(check["proj"]) / check["proj_bound"] if check["proj_bound"] else 0.0
+    return r1, r2

@@ -22,9 +22,14 @@ What is handled, per transformers argument:
 - GQA / MQA: native (no repeat of K/V).
 - sinks (GPT-OSS ``s_aux``, one learnable logit per head): the kernels' sinks, with gradient.
 - ``scaling``: the kernels' softmax_scale.
-- ``dropout`` and ``softcap`` (Gemma-2 ``attn_logit_softcapping``): only their neutral values (0 / None) are
-  accepted until the kernels implement them; anything else raises NotImplementedError naming the argument, so
-  a Gemma-2 config needs ``attn_logit_softcapping=None`` for now.
+- ``softcap`` (Gemma-2 ``attn_logit_softcapping``, 50.0): the kernels' logit soft-capping, on both paths (with
+  Gemma-2's sliding window, which arrives inside the mask, or as ``sliding_window`` without one).
+- ``dropout`` (``attention_dropout`` while training; transformers passes 0.0 in eval mode): the kernels' attention
+  dropout, its seed drawn from torch's global generator (``torch.manual_seed`` makes a training step
+  reproducible; the backward pass regenerates the same mask).
+- Both raise NotImplementedError naming the argument when the kernels of this build lack the variant
+  (``nki_attn.kernel_api.supports``).
+- head_dim_v != head_dim (DeepSeek's MLA): passed through.
 - ``output_attentions``: attention weights are never returned (None), as with SDPA.
 """
 import torch
@@ -51,14 +56,16 @@ def _visible(mask, dtype):
 
 def attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, sliding_window=None,
                       softcap=None, is_causal=None, s_aux=None, **kwargs):
-    """transformers attention function: query ``[batch, heads, seqlen_q, head_dim]``, key/value
-    ``[batch, heads_kv, seqlen_k, head_dim]`` -> ``(out [batch, seqlen_q, heads, head_dim], None)``.
+    """transformers attention function: query ``[batch, heads, seqlen_q, head_dim]``, key ``[batch, heads_kv,
+    seqlen_k, head_dim]``, value ``[batch, heads_kv, seqlen_k, head_dim_v]`` -> ``(out [batch, seqlen_q, heads,
+    head_dim_v], None)``. ``dropout`` (a probability) and ``softcap`` (None or a float >= 0) as transformers
+    passes them.
 
     ``attention_mask`` is None or a bool/additive mask ``[batch or 1, 1, seqlen_q, seqlen_k]`` (see the module
     docstring). ``s_aux`` are GPT-OSS's per-head sink logits ``[heads]``.
     """
-    _api._check_dropout(_FN, dropout)
-    _api._check_fa_extras(_FN, 0.0 if softcap is None else softcap, None, False, False)
+    p = _api._check_dropout(_FN, dropout)
+    cap = _api._check_softcap(_FN, 0.0 if softcap is None else softcap)
     is_causal = getattr(module, "is_causal", True) if is_causal is None else bool(is_causal)
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))
     sq, sk = q.shape[1], k.shape[1]
@@ -69,7 +76,8 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
         window = (-1, -1)
         if sliding_window is not None and sliding_window > 0:
             window = (sliding_window - 1, 0 if causal else sliding_window - 1)
-        out = _api.flash_attn_func(q, k, v, softmax_scale=scaling, causal=causal, window_size=window, sinks=s_aux)
+        out = _api.flash_attn_func(q, k, v, dropout_p=p, softmax_scale=scaling, causal=causal, window_size=window,
+                                   softcap=cap, sinks=s_aux)
         return out, None
     m = _visible(attention_mask, query.dtype)
     if m.dim() != 4 or m.shape[-2:] != (sq, sk) or m.shape[0] not in (1, q.shape[0]):
@@ -82,7 +90,7 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     lo, hi = _api._mask_intervals(m.reshape(m.shape[0], sq, sk), _FN)
     if lo.shape[0] == 1:
         lo, hi = lo[0], hi[0]  # one mask for the whole batch: one batched launch
-    out, _ = _api.interval_attention(q, k, v, lo, hi, softmax_scale=scaling, sinks=s_aux)
+    out, _ = _api.interval_attention(q, k, v, lo, hi, softmax_scale=scaling, sinks=s_aux, softcap=cap, dropout_p=p)
     return out, None
 
 

@@ -1,15 +1,17 @@
 """Flash-attention backward pass (training) for Trainium, in NKI.
 
 ``attention_bwd(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref=None, bound_min=None, bound_max=None,
-use_causal_mask=False, mixed_precision=False, softmax_scale=None, sliding_window=None, k_section_len=None)``
-returns ``(dq, dk, dv)`` or, with sinks, ``(dq, dk, dv, dsinks)``: the layouts and semantics of
+use_causal_mask=False, mixed_precision=False, softmax_scale=None, sliding_window=None, softcap=0.0,
+alibi_slopes=None, window_size=None, dropout_p=0.0, dropout_seed=None, k_section_len=None)`` returns ``(dq, dk, dv)`` or, with sinks, ``(dq, dk, dv, dsinks)``: the layouts and semantics of
 ``golden.attention_bwd_torch.attention_bwd_torch_ref`` (see docs/semantics.md). docs/kernel-bwd.md explains the
 design; each step below is named there after the function that implements it. Kernel code stays in NKI's
 compile-time subset (checked by the simulator's frontend check): invalid arguments fail an ``assert`` on
 ``bwd_problem``'s message; ``nki_attn.kernel_api.attention_bwd`` raises it as ``ValueError`` before launching.
 
-Layouts (head_dim on the partition axis in HBM): q, o, dy, dq ``[bs, nheads, d_head, seqlen_q]``; k, v, dk, dv
-``[bs, nheads_kv, d_head, seqlen_k]``; lse float32 ``[bs, nheads, 128, seqlen_q // 128]`` (``lse[b, h, p, t]`` is
+Layouts (head_dim on the partition axis in HBM): q, dq ``[bs, nheads, d_qk, seqlen_q]``; o, dy ``[bs, nheads,
+d_v, seqlen_q]``; k, dk ``[bs, nheads_kv, d_qk, seqlen_k]``; v, dv ``[bs, nheads_kv, d_v, seqlen_k]`` (d_qk, d_v
+in 1..256, tiled as 128 + remainder partition rows); alibi_slopes float32 ``[bs, nheads]``; dropout_seed int32 /
+uint32 ``[2]`` (``nki_attn.kernels.dropout``); lse float32 ``[bs, nheads, 128, seqlen_q // 128]`` (``lse[b, h, p, t]`` is
 the log-sum-exp of query row ``t * 128 + p``, ``+inf`` for a row that sees no key); dsinks float32 shaped like
 sinks.
 
@@ -38,7 +40,8 @@ dV, dK and dQ partial sums stay in PSUM:
 """
 
 from ..backend import nisa, nki, nl
-from .tiling import tile_fully_visible, tile_visible
+from .dropout import dropout_row_keys, dropout_scale_keys, dropout_scale_tile, load_dropout_seed
+from .tiling import band_needs_hi_mask, band_needs_lo_mask, band_tile_visible
 from .validation import PMAX, attention_problem, attention_shape, sbuf_bytes_per_partition
 
 FP32_MIN = -3.4028235e38
@@ -78,27 +81,20 @@ def _itemsize(dtype):
     return 2
 
 
-def _head_dim_tiles(d, n_tiles):
-    """Partition tiles of a head dim split into ``n_tiles`` equal tiles: ``[(first row, rows), ...]``. Kept as a
-    list so that a later split into 128 + remainder rows only changes this function."""
-    rows = d // n_tiles
-    out = []
-    for t in range(n_tiles):
-        out.append((t * rows, rows))
-    return out
-
-
 # ----------------------------------------------------------------------------------------------- planning
-def section_bytes_per_key(d_head, d_tiles, itemsize):
-    """SBUF bytes per partition that one key of a K/V section costs: K and V (input dtype, d_tiles tiles),
-    K^T (128 keys per partition row, d_head wide) and the fp32 dK, dV accumulators."""
-    return 2 * d_tiles * itemsize + d_head * itemsize / PMAX + 2 * d_tiles * 4
+def section_bytes_per_key(d_head, d_tiles, itemsize, v_tiles=None):
+    """SBUF bytes per partition that one key of a K/V section costs: K (``d_tiles`` Q/K head-dim tiles) and V
+    (``v_tiles``, default ``d_tiles``) in the input dtype, K^T (128 keys per partition row, d_head = d_qk wide)
+    and the fp32 dK, dV accumulators."""
+    if v_tiles is None:
+        v_tiles = d_tiles
+    return (d_tiles + v_tiles) * itemsize + d_head * itemsize / PMAX + (d_tiles + v_tiles) * 4
 
 
-def default_section_len(d_head, d_tiles, itemsize, seqlen_k, cap=K_SECTION_MAX):
+def default_section_len(d_head, d_tiles, itemsize, seqlen_k, cap=K_SECTION_MAX, v_tiles=None):
     """Keys per K/V section: the largest multiple of K_TILE within SECTION_BUDGET_BYTES, at most ``cap``
     (default K_SECTION_MAX) and seqlen_k, rounded down to a multiple of 128."""
-    fit = int(SECTION_BUDGET_BYTES // section_bytes_per_key(d_head, d_tiles, itemsize)) // K_TILE * K_TILE
+    fit = int(SECTION_BUDGET_BYTES // section_bytes_per_key(d_head, d_tiles, itemsize, v_tiles)) // K_TILE * K_TILE
     n = min(min(cap, fit), seqlen_k) // PMAX * PMAX  # (NKI's min takes two values)
     return max(n, PMAX)
 
@@ -108,18 +104,21 @@ def group_size(d_tiles):
     return max(1, GROUP_MAX // d_tiles)
 
 
-def block_member_bytes(d_tiles, itemsize, dq_fp32):
-    """SBUF bytes per partition one member costs in its block: dO, Q, O (input dtype), the fp32 O*dO product
-    (first section) or previous dQ partial (later sections, at most fp32), and the dQ staging tile (fp32 when
-    it goes to the fp32 HBM scratch, else the input dtype)."""
+def block_member_bytes(d_tiles, itemsize, dq_fp32, v_tiles=None):
+    """SBUF bytes per partition one member costs in its block: Q (``d_tiles`` Q/K head-dim tiles), dO, O
+    (``v_tiles``, default ``d_tiles``; input dtype), the fp32 O*dO product (first section) or previous dQ
+    partial (later sections, at most fp32), and the dQ staging tile (fp32 when it goes to the fp32 HBM scratch,
+    else the input dtype)."""
+    if v_tiles is None:
+        v_tiles = d_tiles
     stage = 4 if dq_fp32 else itemsize
-    return PMAX * d_tiles * (3 * itemsize + 4 + stage)
+    return PMAX * (d_tiles * (itemsize + stage) + v_tiles * 2 * itemsize + max(d_tiles, v_tiles) * 4)
 
 
-def block_members(d_tiles, itemsize, dq_fp32):
+def block_members(d_tiles, itemsize, dq_fp32, v_tiles=None):
     """Members per block: within BLOCK_BUDGET_BYTES and BLOCK_MEMBERS_MAX, a multiple of the group size when it
     holds at least one group."""
-    n = BLOCK_BUDGET_BYTES // block_member_bytes(d_tiles, itemsize, dq_fp32)
+    n = BLOCK_BUDGET_BYTES // block_member_bytes(d_tiles, itemsize, dq_fp32, v_tiles)
     n = max(1, min(BLOCK_MEMBERS_MAX, n))
     g = group_size(d_tiles)
     if n >= g:
@@ -128,14 +127,20 @@ def block_members(d_tiles, itemsize, dq_fp32):
 
 
 def sbuf_usage(d_head, d_tiles, itemsize, section_len, group, seqlen_q, mixed_precision=False, packing=False,
-               num_sinks=0, trn1_packing=False, dq_fp32=False):
+               num_sinks=0, trn1_packing=False, dq_fp32=False, d_v=None, v_tiles=None, softcap=False,
+               alibi=False, dropout=False):
     """SBUF bytes per partition of the kernel's live tensors, by category. The block, group and visit working
     sets are counted twice in ``total`` (room for the compiler to double-buffer tiles allocated inside loops).
-    Used by the trace-time budget check and docs/kernel-bwd.md."""
+    ``d_head``/``d_tiles``: d_qk and its partition tiles; ``d_v``/``v_tiles`` default to them. Used by the
+    trace-time budget check and docs/kernel-bwd.md."""
     e = itemsize
     nq = seqlen_q // PMAX
     pe = 4 if mixed_precision else e
-    section = int(section_len * section_bytes_per_key(d_head, d_tiles, itemsize))
+    if d_v is None:
+        d_v = d_head
+    if v_tiles is None:
+        v_tiles = d_tiles
+    section = int(section_len * section_bytes_per_key(d_head, d_tiles, itemsize, v_tiles))
     # -LSE and D of every member; the ones column (D); the identity of the dQ reload (several sections)
     persistent = 2 * group * nq * 4 + 4 + PMAX * 4
     if packing:
@@ -143,17 +148,22 @@ def sbuf_usage(d_head, d_tiles, itemsize, section_len, group, seqlen_q, mixed_pr
     if num_sinks:
         # sink logits and sums; exp(sink - LSE) and its product with D for every member, at the end
         persistent += 2 * group * num_sinks * 4 + 2 * group * num_sinks * nq * 4
+    if alibi:
+        persistent += 2 * group * 4                        # the slope coefficients of the kv head's query heads
     g = group_size(d_tiles)
-    per_block = block_members(d_tiles, e, dq_fp32) * block_member_bytes(d_tiles, e, dq_fp32)
-    per_group = g * 2 * d_head * e                         # Q^T and dO^T of the members (128 partitions)
+    per_block = block_members(d_tiles, e, dq_fp32, v_tiles) * block_member_bytes(d_tiles, e, dq_fp32, v_tiles)
+    per_group = g * (d_head + d_v) * e                     # Q^T and dO^T of the members (128 partitions)
     per_visit = (K_TILE * pe                               # P
                  + (K_TILE * e if pe != e else 0)          # P cast for the dV matmul (mixed precision)
                  + 2 * K_TILE * e                          # dS, dS^T
                  + (K_TILE * 4 if packing else 0)          # masked S (fp32)
-                 + (K_TILE * 5 if trn1_packing else 0))    # key index (fp32) and visibility (uint8)
+                 + (K_TILE * 5 if trn1_packing else 0)     # key index (fp32) and visibility (uint8)
+                 + (2 * K_TILE * 4 if softcap else 0)      # tanh(S/c), P * (1 - tanh^2) (fp32)
+                 + (3 * K_TILE * 4 if alibi else 0)        # distances, bias, biased logits (fp32)
+                 + (K_TILE * (8 + e) if dropout else 0))   # keep-scale tile, dP * scale (fp32), dropped P
     total = section + persistent + 2 * (per_block + per_group + per_visit)
     return {"section": section, "persistent": persistent, "per_block": per_block, "per_group": per_group,
-            "per_visit": per_visit, "total": total, "d_tile": d_head // d_tiles}
+            "per_visit": per_visit, "total": total, "d_tile": min(d_head, PMAX)}
 
 
 # PSUM tiles of the kernel (each <= 2 KiB per partition, so one bank each) and when they are live.
@@ -168,11 +178,14 @@ PSUM_TILES = {
 }
 
 
-def psum_banks(d_tiles):
-    """PSUM banks that can be live at once: a visit's S, dP, dS^T with its group's dV and dK (one per head-dim
-    tile) and dQ: 2 * d_tiles + 4 (6 for d_head <= 128, 8 for d_head 256). The transposes at group, block and
-    section start (T) are never live together with dV/dK, which are allocated per key tile inside the group."""
-    return 2 * d_tiles + 4
+def psum_banks(d_tiles, v_tiles=None):
+    """PSUM banks that can be live at once: a visit's S, dP, dS^T with its group's dV (one per V head-dim tile)
+    and dK (one per Q/K head-dim tile) and dQ: d_tiles + v_tiles + 4 (6 for head dims <= 128, 8 for 256). The
+    transposes at group, block and section start (T) are never live together with dV/dK, which are allocated
+    per key tile inside the group."""
+    if v_tiles is None:
+        v_tiles = d_tiles
+    return d_tiles + v_tiles + 4
 
 
 PSUM_PEAK_BANKS = psum_banks(2)  # the largest over the supported head dims (d_head 256): 8 of the 8 banks
@@ -180,21 +193,23 @@ PSUM_PEAK_BANKS = psum_banks(2)  # the largest over the supported head dims (d_h
 
 def _visible_tiles(c, q0, k_lo, k_len):
     """Trace-time list of the key tiles of one section that query tile [q0, q0+128) needs, each trimmed to its
-    visible 128-key chunks: (k0, kw, needs_causal_mask, needs_window_mask)."""
+    visible 128-key chunks: (k0, kw, needs_hi_mask, needs_lo_mask). The band ``(c.lo_rel, c.hi_rel)``
+    (``tiling.attention_band``: causal, sliding window, two-sided window_size, bottom-right aligned) decides
+    both, so a bounded window costs O(window) per query tile."""
     out = []
     q1 = q0 + PMAX
     for t0 in range(k_lo, k_lo + k_len, K_TILE):
         t1 = min(t0 + K_TILE, k_lo + k_len)
         k0, k1 = -1, -1
         for c0 in range(t0, t1, PMAX):
-            if tile_visible(q0, q1, c0, c0 + PMAX, c.causal, c.window):
+            if band_tile_visible(q0, q1, c0, c0 + PMAX, c.lo_rel, c.hi_rel):
                 if k0 < 0:
                     k0 = c0
-                k1 = c0 + PMAX  # causal and window leave a contiguous run of chunks
+                k1 = c0 + PMAX  # the band leaves a contiguous run of chunks
         if k0 < 0:
-            continue  # masked entirely by causal / window: skipped at trace time
-        cmask = not tile_fully_visible(q0, q1, k0, k1, c.causal, 0)
-        wmask = not tile_fully_visible(q0, q1, k0, k1, False, c.window)
+            continue  # outside the band: skipped at trace time
+        cmask = band_needs_hi_mask(q0, q1, k0, k1, c.hi_rel)
+        wmask = band_needs_lo_mask(q0, q1, k0, k1, c.lo_rel)
         out.append((k0, k1 - k0, cmask, wmask))
     return out
 
@@ -203,7 +218,7 @@ class BwdVisit(nl.NKIObject):
     """One member's visit of one key tile of its group (trace-time plan).
 
     m: the member's index in the group; k0, kw: the visible keys [k0, k0+kw) (128-aligned); cmask, wmask: the
-    causal / window element masks are needed; off: k0 - u0, the visit's first column in the group's dV/dK PSUM
+    upper (causal, window_size right) / lower (sliding window, window_size left) band masks are needed; off: k0 - u0, the visit's first column in the group's dV/dK PSUM
     tiles of this key tile; segs: ``[(a, b, acc)]`` column ranges [a, b) of those PSUM tiles (relative to u0)
     the dV/dK matmuls write, ``acc`` False where no earlier member of the group wrote (a matmul must overwrite
     first, then accumulate); dq_first: the member's first visit in the group (its first dQ matmul overwrites);
@@ -364,13 +379,14 @@ class BwdConfig(nl.NKIObject):
         self.nheads_kv = a.nheads_kv
         self.group = a.group
         self.d_head = a.d_head
-        self.d_tiles = a.d_tiles
-        self.d_tile = a.d_tile
-        # Q/K head dim (S, dK, dQ) and V/O head dim (dP, dV, D) are tiled separately; both are d_head today.
-        self.d_qk = a.d_head
-        self.d_v = a.d_head
-        self.qk_rows = _head_dim_tiles(a.d_head, a.d_tiles)
-        self.v_rows = _head_dim_tiles(a.d_head, a.d_tiles)
+        # Q/K head dim (S, dK, dQ, K^T) and V/O head dim (dP, dV, D, dO^T) are tiled separately, each into
+        # partition tiles of 128 rows + remainder (``tiling.head_dim_tiles``: 199 -> 128 + 71).
+        self.d_qk = a.d_qk
+        self.d_v = a.d_v
+        self.qk_rows = a.qk_tiles
+        self.v_rows = a.v_tiles
+        self.d_tiles = len(a.qk_tiles)
+        self.v_tiles = len(a.v_tiles)
         self.seqlen_q = a.seqlen_q
         self.seqlen_k = a.seqlen_k
         self.nq = a.seqlen_q // PMAX
@@ -381,6 +397,21 @@ class BwdConfig(nl.NKIObject):
         self.dk_scale = 1.0 if FOLD_SCALE_INTO_Q else a.scale
         self.causal = a.causal
         self.window = a.window
+        # the band of causal / sliding window / window_size: key j visible to query i iff
+        # i + lo_rel <= j <= i + hi_rel (bottom-right aligned: off = seqlen_k - seqlen_q)
+        self.off = a.off
+        self.lo_rel = a.lo_rel
+        self.hi_rel = a.hi_rel
+        self.lo_bounded = a.lo_rel > -a.seqlen_q
+        self.hi_bounded = a.hi_rel < a.seqlen_k
+        self.banded = a.banded
+        self.softcap = a.softcap
+        self.alibi = a.alibi
+        self.dropout_p = a.dropout_p
+        self.dropout = a.dropout
+        # the scale of the exp's input after the score steps: soft-capping hands over tanh(S/c) with scale c,
+        # so ALiBi divides its bias by it (``_bias_alibi``)
+        self.logit_scale = a.softcap if a.softcap > 0.0 else (1.0 if FOLD_SCALE_INTO_Q else a.scale)
         self.packing = a.packing
         self.num_sinks = a.num_sinks
         self.sinks_3d = a.sinks_3d
@@ -427,8 +458,8 @@ class BwdConfig(nl.NKIObject):
         # dQ partial sums between sections: fp32 scratch in HBM with mixed precision, else out_dq itself.
         self.dq_scratch = mixed and str(dtype) != str(nl.float32) and self.n_sections > 1
         self.dq_park_dtype = nl.float32 if self.dq_scratch else dtype
-        self.group_size = group_size(a.d_tiles)
-        self.block_members = block_members(a.d_tiles, self.itemsize, self.dq_scratch)
+        self.group_size = group_size(self.d_tiles)
+        self.block_members = block_members(self.d_tiles, self.itemsize, self.dq_scratch, self.v_tiles)
         self.dsT_dma = _use_dma_transpose(self, trn1)
         self.blocks = []
         for s in range(self.n_sections):
@@ -454,23 +485,28 @@ def _use_dma_transpose(c, trn1):
     # Per 128-key chunk and head-dim tile TensorE streams 5 matmuls x 128 columns (S, dP, dV, dK, dQ) at 2.4 GHz:
     # its time without the dS transposes. A whole-tile DMA transpose occupies the queues ~850 ns. Move the
     # transposes to DMA when TensorE's time without them still exceeds the DMA time they add.
-    tensor_ns = chunks * 5 * PMAX * c.d_tiles / 2.4
+    tensor_ns = chunks * (3 * c.d_tiles + 2 * c.v_tiles) * PMAX / 2.4
     dma_ns = full * 850.0
     return full > 0 and tensor_ns > dma_ns
 
 
-def _section_len(d_head, d_tiles, itemsize, seqlen_k, k_section_len):
+def _section_len(a, itemsize, k_section_len):
     if k_section_len is None:
-        return default_section_len(d_head, d_tiles, itemsize, seqlen_k)
-    return min(k_section_len, seqlen_k)
+        return default_section_len(a.d_qk, len(a.qk_tiles), itemsize, a.seqlen_k, K_SECTION_MAX, len(a.v_tiles))
+    return min(k_section_len, a.seqlen_k)
 
 
 def _is_trn1():
     return not nisa.get_nc_version() >= nisa.nc_version.gen3  # no range_select before trn2
 
 
+# The variants of docs/semantics.md this kernel implements (validation.FEATURES names).
+BWD_FEATURES = ("causal_unequal", "head_dim_any", "d_v", "softcap", "alibi", "window_size", "dropout")
+
+
 def bwd_problem(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref=None, bound_min=None, bound_max=None,
                 use_causal_mask=False, mixed_precision=False, softmax_scale=None, sliding_window=None,
+                softcap=0.0, alibi_slopes=None, window_size=None, dropout_p=0.0, dropout_seed=None,
                 k_section_len=None):
     """``None`` when ``attention_bwd`` accepts these arguments on the current target, else the first problem as
     a message (argument, value, rule). The kernel asserts on it; ``nki_attn.kernel_api.attention_bwd`` raises it
@@ -479,7 +515,9 @@ def bwd_problem(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref=None, bou
         return "o_ref, dy_ref and lse_ref are required by attention_bwd (got None)"
     problem = attention_problem(q_ref, k_ref, v_ref, o=o_ref, dy=dy_ref, lse=lse_ref, sinks=sinks_ref,
                                 bound_min=bound_min, bound_max=bound_max, use_causal_mask=use_causal_mask,
-                                softmax_scale=softmax_scale, sliding_window=sliding_window)
+                                softmax_scale=softmax_scale, sliding_window=sliding_window, softcap=softcap,
+                                alibi_slopes=alibi_slopes, window_size=window_size, dropout_p=dropout_p,
+                                dropout_seed=dropout_seed, supports=BWD_FEATURES, kernel="attention_bwd")
     if problem is not None:
         return problem
     if not isinstance(mixed_precision, bool):
@@ -488,14 +526,15 @@ def bwd_problem(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref=None, bou
         if isinstance(k_section_len, bool) or not isinstance(k_section_len, int) or k_section_len < PMAX \
                 or k_section_len % PMAX != 0:
             return f"k_section_len={k_section_len!r} must be a positive multiple of {PMAX}"
-    a = attention_shape(q_ref, k_ref, sinks=sinks_ref, bound_min=bound_min, use_causal_mask=use_causal_mask,
-                        softmax_scale=softmax_scale, sliding_window=sliding_window)
+    a = _shape_of(q_ref, k_ref, v_ref, sinks_ref, bound_min, use_causal_mask, softmax_scale, sliding_window,
+                  softcap, alibi_slopes, window_size, dropout_p)
     isz = _itemsize(q_ref.dtype)
-    sec = _section_len(a.d_head, a.d_tiles, isz, a.seqlen_k, k_section_len)
+    sec = _section_len(a, isz, k_section_len)
     trn1 = _is_trn1()
     dq_fp32 = mixed_precision and isz != 4 and sec < a.seqlen_k
-    use = sbuf_usage(a.d_head, a.d_tiles, isz, sec, a.group, a.seqlen_q, mixed_precision, a.packing,
-                     a.num_sinks, trn1 and a.packing, dq_fp32)
+    use = sbuf_usage(a.d_qk, len(a.qk_tiles), isz, sec, a.group, a.seqlen_q, mixed_precision, a.packing,
+                     a.num_sinks, trn1 and a.packing, dq_fp32, a.d_v, len(a.v_tiles), a.softcap > 0.0, a.alibi,
+                     a.dropout)
     cap = sbuf_bytes_per_partition()
     if use["total"] > cap:
         return (f"attention_bwd needs {use['total']} SBUF bytes per partition (section {use['section']}, per-row "
@@ -504,12 +543,20 @@ def bwd_problem(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref=None, bou
     return None
 
 
+def _shape_of(q_ref, k_ref, v_ref, sinks_ref, bound_min, use_causal_mask, softmax_scale, sliding_window, softcap,
+              alibi_slopes, window_size, dropout_p):
+    return attention_shape(q_ref, k_ref, sinks=sinks_ref, bound_min=bound_min, use_causal_mask=use_causal_mask,
+                           softmax_scale=softmax_scale, sliding_window=sliding_window, v=v_ref, softcap=softcap,
+                           alibi_slopes=alibi_slopes, window_size=window_size, dropout_p=dropout_p)
+
+
 def _configure(q_ref, k_ref, sinks_ref, bound_min, use_causal_mask, mixed_precision, softmax_scale,
-               sliding_window, k_section_len):
-    """The ``BwdConfig`` of arguments ``bwd_problem`` accepted."""
-    a = attention_shape(q_ref, k_ref, sinks=sinks_ref, bound_min=bound_min, use_causal_mask=use_causal_mask,
-                        softmax_scale=softmax_scale, sliding_window=sliding_window)
-    sec = _section_len(a.d_head, a.d_tiles, _itemsize(q_ref.dtype), a.seqlen_k, k_section_len)
+               sliding_window, k_section_len, v_ref=None, softcap=0.0, alibi_slopes=None, window_size=None,
+               dropout_p=0.0):
+    """The ``BwdConfig`` of arguments ``bwd_problem`` accepted (``v_ref`` None: d_v = d_qk)."""
+    a = _shape_of(q_ref, k_ref, v_ref, sinks_ref, bound_min, use_causal_mask, softmax_scale, sliding_window,
+                  softcap, alibi_slopes, window_size, dropout_p)
+    sec = _section_len(a, _itemsize(q_ref.dtype), k_section_len)
     return BwdConfig(a, q_ref.dtype, mixed_precision, sec, _is_trn1())
 
 
@@ -526,7 +573,7 @@ def _copy_on_scalar(c, dst, src, scale):
 def _cast_p(c, p):
     """P in the matmul dtype for the dV matmul (mixed precision keeps the fp32 P for dS): GpSimdE (SBUF to
     SBUF, otherwise idle) from trn2 on; ScalarE on trn1, where GpSimdE would hold VectorE's SBUF port."""
-    if not c.p_cast:
+    if str(p.dtype) == str(c.mm_dtype):
         return p
     p_mm = nl.ndarray(p.shape, dtype=c.mm_dtype, buffer=nl.sbuf)
     if c.cast_on_gpsimd:
@@ -604,13 +651,15 @@ def _load_bounds(c, bound_min, bound_max):
     bmax = nl.ndarray((PMAX, c.nq), dtype=nl.float32, buffer=nl.sbuf)
     nisa.dma_copy(dst=bmin, src=bound_min.ap(pattern=[[1, PMAX], [PMAX, c.nq]], offset=0))
     nisa.dma_copy(dst=bmax, src=bound_max.ap(pattern=[[1, PMAX], [PMAX, c.nq]], offset=0))
-    if c.causal:
+    if c.hi_bounded or c.lo_bounded:
         qidx = nl.ndarray((PMAX, c.nq), dtype=nl.float32, buffer=nl.sbuf)
         nisa.iota(dst=qidx, pattern=[[PMAX, c.nq]], offset=0, channel_multiplier=1)
-        nisa.scalar_tensor_tensor(dst=bmax, data=qidx, op0=nl.add, operand0=1.0, op1=nl.minimum, operand1=bmax)
-        if c.window:
-            nisa.scalar_tensor_tensor(dst=bmin, data=qidx, op0=nl.add, operand0=float(1 - c.window),
-                                      op1=nl.maximum, operand1=bmin)
+        if c.hi_bounded:
+            nisa.scalar_tensor_tensor(dst=bmax, data=qidx, op0=nl.add, operand0=float(c.hi_rel + 1),
+                                      op1=nl.minimum, operand1=bmax)
+        if c.lo_bounded:
+            nisa.scalar_tensor_tensor(dst=bmin, data=qidx, op0=nl.add, operand0=float(c.lo_rel), op1=nl.maximum,
+                                      operand1=bmin)
     return bmin, bmax
 
 
@@ -668,10 +717,60 @@ def _transpose_members(c, grp, q_b, dy_b):
     return out
 
 
-# Tile steps: small functions selected at trace time (``_tile_steps``) and passed down to ``_recompute_p`` as
-# arguments (NKI inlines them), so an attention variant is one more step, not a branch in the inner loop. A
-# score step maps S (PSUM) to the exp's input (packing: runtime bounds); a P step edits P after the exp (causal
-# and window: trace-time shapes). docs/kernel-bwd.md lists where the variants of issue #14 plug in.
+# Tile steps: small functions selected at trace time (``_tile_steps``) and passed down to ``_visit`` as one
+# tuple of module-level functions (NKI inlines them), so an attention variant is one more step, not a branch in
+# the inner loop. Per visit, in this order:
+#   cap step    S (PSUM) -> (data, scale) with logits = data * scale          (soft-capping: tanh on ScalarE)
+#   bias step   (data, scale) -> data + bias / scale                          (ALiBi from iota and the slope)
+#   score step  data -> the exp's input, runtime masks                        (packing bounds)
+#   P = exp(scale * data - LSE)                                               (ONE activation, always)
+#   P step      P -> P with the trace-time band masks                         (causal, windows)
+#   grad step   P -> the P operand of dS                                      (soft-capping: P * (1 - tanh^2))
+#   drop step   P -> (the P operand of dV, the multiplier of dP)              (dropout)
+#   dS step     dS = (dP [* multiplier] - D) * P operand                      (dropout: one more VectorE op)
+# ``mrow`` carries a member's runtime columns: (packing bound columns, ALiBi slope columns, batch, query head).
+def _cap_none(c, src, sc, v):
+    """No soft-capping: the exp reads S (PSUM) with the scale it has."""
+    return src, sc, None
+
+
+def _cap_tanh(c, src, sc, v):
+    """Soft-capping, logits = cap * tanh(S / cap): ONE ScalarE activation (tanh, PSUM -> SBUF fp32); the cap is
+    applied by the exp's ``scale=``, so P stays a single exp. tanh(S / cap) is returned for the grad step."""
+    t = nl.ndarray((PMAX, v.kw), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.activation(dst=t, op=nl.tanh, data=src, scale=sc / c.softcap)
+    return t, c.softcap, t
+
+
+def _bias_none(c, src, sc, q0, v, mrow):
+    """No ALiBi."""
+    return src
+
+
+def _bias_alibi(c, src, sc, q0, v, mrow):
+    """ALiBi, logits += -slope * |i + off - j|, generated in the kernel: the distance x = i + off - j is ONE
+    GpSimdE iota (exact integers in fp32), then ONE VectorE ``scalar_tensor_tensor`` data + x * coef, with coef =
+    -slope / scale (``mrow[1]``, per query head, the exp's scale divided out). Where the tile's band-visible
+    entries lie on one side of the diagonal (every causal tile), |x| = +-x; a tile that straddles it (non-causal)
+    takes one more VectorE op for |x|. Entries outside the band get a wrong bias but are masked after the exp."""
+    neg_col, pos_col = mrow[1]
+    x = nl.ndarray((PMAX, v.kw), dtype=nl.float32, buffer=nl.sbuf)
+    base = q0 + c.off - v.k0
+    nisa.iota(dst=x, pattern=[[-1, v.kw]], offset=base, channel_multiplier=1)
+    # range of x over the tile's entries that the band leaves visible (trace time)
+    x_lo = max(base - (v.kw - 1), c.off - c.hi_rel)
+    x_hi = min(base + PMAX - 1, c.off - c.lo_rel)
+    out = nl.ndarray((PMAX, v.kw), dtype=nl.float32, buffer=nl.sbuf)
+    if x_lo >= 0:
+        nisa.scalar_tensor_tensor(dst=out, data=x, op0=nl.multiply, operand0=neg_col, op1=nl.add, operand1=src)
+    elif x_hi <= 0:
+        nisa.scalar_tensor_tensor(dst=out, data=x, op0=nl.multiply, operand0=pos_col, op1=nl.add, operand1=src)
+    else:
+        nisa.tensor_scalar(dst=x, data=x, op0=nl.abs, operand0=0.0, op1=nl.multiply, operand1=neg_col)
+        nisa.tensor_tensor(dst=out, data1=src, data2=x, op=nl.add)
+    return out
+
+
 def _scores_unmasked(c, s_ps, q0, v, bcols):
     """No element mask before the exp: exp reads S straight from PSUM."""
     return s_ps
@@ -683,19 +782,21 @@ def _p_unmasked(c, p, q0, v):
 
 
 def _p_causal_window(c, p, q0, v):
-    """Causal and window masks on P (GpSimdE ``affine_select``, zero outside), only on the columns a mask can
-    touch: causal the 128-key chunk on the diagonal, window the chunks left of q0 + 128 - W. Masking P instead of S
-    lets exp read S from PSUM (no copy): the exp of a masked score may overflow, the select replaces it."""
-    if v.cmask:  # keep key k0+j <= query q0+p
-        a = max(0, q0 - v.k0)
+    """The band masks on P (GpSimdE ``affine_select``, zero outside), only on the columns a mask can touch: the
+    upper side (causal, window_size right: keep key k0+j <= query q0+p + hi_rel) from the first column some row
+    loses, the lower side (sliding window, window_size left: keep k0+j >= q0+p + lo_rel) up to the last column
+    some row loses. Masking P instead of S lets exp read S from PSUM (no copy): the exp of a masked score may
+    overflow, the select replaces it."""
+    if v.cmask:
+        a = max(0, q0 + c.hi_rel - v.k0)
         nisa.affine_select(dst=p[:, a:v.kw], pattern=[[-1, v.kw - a]], channel_multiplier=1,
                            on_true_tile=p[:, a:v.kw], on_false_value=0.0, cmp_op=nl.greater_equal,
-                           offset=q0 - v.k0 - a)
-    if v.wmask:  # keep key k0+j >= query q0+p - W + 1
-        e = min(v.kw, q0 + PMAX - c.window - v.k0)
+                           offset=q0 + c.hi_rel - v.k0 - a)
+    if v.wmask:
+        e = min(v.kw, q0 + PMAX - 1 + c.lo_rel - v.k0)
         e = (e + PMAX - 1) // PMAX * PMAX
         nisa.affine_select(dst=p[:, 0:e], pattern=[[1, e]], channel_multiplier=-1, on_true_tile=p[:, 0:e],
-                           on_false_value=0.0, cmp_op=nl.greater_equal, offset=v.k0 + c.window - 1 - q0)
+                           on_false_value=0.0, cmp_op=nl.greater_equal, offset=v.k0 - q0 - c.lo_rel)
     return p
 
 
@@ -723,40 +824,110 @@ def _scores_packed_trn1(c, s_ps, q0, v, bcols):
     return s_sb
 
 
+def _grad_plain(c, p, t, v):
+    """dS uses P itself."""
+    return p
+
+
+def _grad_softcap(c, p, t, v):
+    """Soft-capping's chain rule: dS = (dP - D) * P * (1 - tanh^2(S / cap)), so the dS step gets
+    P * (1 - t^2) (fp32): t^2 on GpSimdE, (1 - t^2) * P on VectorE. P itself still feeds the dV matmul."""
+    u = nl.ndarray((PMAX, v.kw), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_tensor(dst=u, data1=t, data2=t, op=nl.multiply, engine=nisa.engine.gpsimd)
+    pc = nl.ndarray((PMAX, v.kw), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.scalar_tensor_tensor(dst=pc, data=u, op0=nl.subtract, operand0=1.0, reverse0=True, op1=nl.multiply,
+                              operand1=p)
+    return pc
+
+
+def _drop_none(c, p, q0, v, mrow, seed):
+    """No dropout: dV uses P, dP is not rescaled."""
+    return p, None
+
+
+def _drop_keep(c, p, q0, v, mrow, seed):
+    """Dropout: the keep multiplier M / (1 - p) of this [128 x kw] tile, regenerated from the seed exactly as the
+    forward made it (``dropout.dropout_scale_keys`` from the member's row words, ``mrow[4]``, computed once per
+    group; ``dropout_scale_tile`` when there are none), then P_drop = P * multiplier (GpSimdE, rounded to the
+    matmul dtype) for dV = P_drop^T dO. The multiplier goes on to the dS step."""
+    keys = mrow[4]
+    if keys is None:
+        ms = dropout_scale_tile(seed, c.dropout_p, mrow[2], mrow[3], q0, v.k0, PMAX, v.kw)
+    else:
+        ms = dropout_scale_keys(keys, c.dropout_p, v.k0, PMAX, v.kw)
+    pd = nl.ndarray((PMAX, v.kw), dtype=c.mm_dtype, buffer=nl.sbuf)
+    nisa.tensor_tensor(dst=pd, data1=p, data2=ms, op=nl.multiply, engine=nisa.engine.gpsimd)
+    return pd, ms
+
+
+def _ds_dropout(c, dp_ps, d_col, p_ds, dmul, kw):
+    """Dropout: dS = (dP * M / (1 - p) - D) * P (D = rowsum(dO * O) of the dropped O): the multiplier on dP
+    first (VectorE, from PSUM), then the fused op of ``_ds_plain``."""
+    dpm = nl.ndarray((PMAX, kw), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_tensor(dst=dpm, data1=dp_ps, data2=dmul, op=nl.multiply)
+    ds = nl.ndarray((PMAX, kw), dtype=c.mm_dtype, buffer=nl.sbuf)
+    nisa.scalar_tensor_tensor(dst=ds, data=dpm, op0=nl.subtract, operand0=d_col, op1=nl.multiply, operand1=p_ds)
+    return ds
+
+
+def _ds_plain(c, dp_ps, d_col, p_ds, dmul, kw):
+    """dS = (dP - D) * P as ONE VectorE scalar_tensor_tensor reading dP from PSUM, fp32 inside, rounded once to
+    the matmul dtype."""
+    ds = nl.ndarray((PMAX, kw), dtype=c.mm_dtype, buffer=nl.sbuf)
+    nisa.scalar_tensor_tensor(dst=ds, data=dp_ps, op0=nl.subtract, operand0=d_col, op1=nl.multiply, operand1=p_ds)
+    return ds
+
+
 def _tile_steps(c):
-    """``(score_step, p_step)`` of this call: the element masks before the exp (on S) and after it (on P)."""
+    """The tile steps of this call (see above): ``(cap, bias, score, p, grad, drop, ds)``."""
+    cap = _cap_none
+    grad = _grad_plain
+    if c.softcap > 0.0:
+        cap = _cap_tanh
+        grad = _grad_softcap
+    bias = _bias_none
+    if c.alibi:
+        bias = _bias_alibi
+    score = _scores_unmasked
+    p_step = _p_unmasked
     if c.packing:
+        score = _scores_packed
         if c.trn1:
-            return _scores_packed_trn1, _p_unmasked
-        return _scores_packed, _p_unmasked
-    if c.causal or c.window:
-        return _scores_unmasked, _p_causal_window
-    return _scores_unmasked, _p_unmasked
+            score = _scores_packed_trn1
+    elif c.banded:
+        p_step = _p_causal_window
+    drop = _drop_none
+    ds = _ds_plain
+    if c.dropout:
+        drop = _drop_keep
+        ds = _ds_dropout
+    return cap, bias, score, p_step, grad, drop, ds
 
 
-def _recompute_p(c, q_m, ks, kk, q0, v, nlse_col, bcols, score_step, p_step):
+def _recompute_p(c, q_m, ks, kk, q0, v, nlse_col, mrow, steps):
     """Step 2: S = Q^T K (contracting head_dim on the partitions; softmax_scale is in Q, or in the activation's
     scale when FOLD_SCALE_INTO_Q is off), then P = exp(S - LSE) as ONE activation with bias -LSE, reading S from
-    PSUM: no max subtraction, no division (LSE = max + log(sum)). The element masks are the tile steps
-    ``score_step`` (on S) and ``p_step`` (on P)."""
+    PSUM when no variant edits it: no max subtraction, no division (LSE = max + log(sum)). The variants and the
+    element masks are the tile steps. Returns P and tanh(S / cap) (None without soft-capping)."""
+    cap_step, bias_step, score_step, p_step = steps[0], steps[1], steps[2], steps[3]
     s_ps = nl.ndarray((PMAX, v.kw), dtype=nl.float32, buffer=nl.psum)
     for dt in range(len(c.qk_rows)):
         nisa.nc_matmul(dst=s_ps, stationary=q_m[dt], moving=ks[dt][:, kk:kk + v.kw], accumulate=dt > 0)
-    src = score_step(c, s_ps, q0, v, bcols)
+    src, sc, t = cap_step(c, s_ps, c.exp_scale, v)
+    src = bias_step(c, src, sc, q0, v, mrow)
+    src = score_step(c, src, q0, v, mrow[0])
     p = nl.ndarray((PMAX, v.kw), dtype=c.p_dtype, buffer=nl.sbuf)
-    nisa.activation(dst=p, op=nl.exp, data=src, bias=nlse_col, scale=c.exp_scale)
-    return p_step(c, p, q0, v)
+    nisa.activation(dst=p, op=nl.exp, data=src, bias=nlse_col, scale=sc)
+    return p_step(c, p, q0, v), t
 
 
-def _softmax_bwd(c, dy_m, vs, kk, kw, p, d_col):
-    """Steps 3.2 + 4: dP = dO V^T in PSUM, then dS = (dP - D) * P as ONE scalar_tensor_tensor. dS is computed
-    in fp32 by the Vector engine and rounded once, on write, to the matmul dtype."""
+def _softmax_bwd(c, dy_m, vs, kk, kw, p_ds, d_col, dmul, ds_step):
+    """Steps 3.2 + 4: dP = dO V^T in PSUM, then dS = (dP - D) * P by the dS step (ONE fused op without
+    dropout)."""
     dp_ps = nl.ndarray((PMAX, kw), dtype=nl.float32, buffer=nl.psum)
     for dt in range(len(c.v_rows)):
         nisa.nc_matmul(dst=dp_ps, stationary=dy_m[dt], moving=vs[dt][:, kk:kk + kw], accumulate=dt > 0)
-    ds = nl.ndarray((PMAX, kw), dtype=c.mm_dtype, buffer=nl.sbuf)
-    nisa.scalar_tensor_tensor(dst=ds, data=dp_ps, op0=nl.subtract, operand0=d_col, op1=nl.multiply, operand1=p)
-    return ds
+    return ds_step(c, dp_ps, d_col, p_ds, dmul, kw)
 
 
 def _dv_dk(c, v, dyT, qT, p_mm, ds, dv_ps, dk_ps):
@@ -808,16 +979,20 @@ def _dq(c, v, ds, kts, kk, dq_ps, dq_fresh):
                            moving=dsT[:, 0, ch, :], accumulate=not (dq_fresh and v.dq_first and ch == 0))
 
 
-def _visit(c, v, s_mem, t_mem, ks, vs, kts, k_lo, nlse_col, d_col, bcols, dv_ps, dk_ps, dq_ps, dq_fresh, score_step,
-           p_step):
+def _visit(c, v, s_mem, t_mem, ks, vs, kts, k_lo, nlse_col, d_col, mrow, dv_ps, dk_ps, dq_ps, dq_fresh, steps,
+           seed):
     """One member's visit of one key tile: the seed's steps 2-5 on a [128 queries x <= 512 keys] tile. ``s_mem``:
-    the member's (Q tiles, dO tiles) with head dim on the partitions, ``t_mem``: its (Q^T, dO^T)."""
+    the member's (Q tiles, dO tiles) with head dim on the partitions, ``t_mem``: its (Q^T, dO^T); ``mrow`` its
+    runtime columns, ``steps`` the tile steps (``_tile_steps``)."""
     q_m, dy_m, q0 = s_mem
     qT, dyT = t_mem
+    grad_step, drop_step, ds_step = steps[4], steps[5], steps[6]
     kk = v.k0 - k_lo
-    p = _recompute_p(c, q_m, ks, kk, q0, v, nlse_col, bcols, score_step, p_step)
-    p_mm = _cast_p(c, p)
-    ds = _softmax_bwd(c, dy_m, vs, kk, v.kw, p, d_col)
+    p, t = _recompute_p(c, q_m, ks, kk, q0, v, nlse_col, mrow, steps)
+    p_ds = grad_step(c, p, t, v)
+    p_dv, dmul = drop_step(c, p, q0, v, mrow, seed)
+    p_mm = _cast_p(c, p_dv)
+    ds = _softmax_bwd(c, dy_m, vs, kk, v.kw, p_ds, d_col, dmul, ds_step)
     _dv_dk(c, v, dyT, qT, p_mm, ds, dv_ps, dk_ps)
     _dq(c, v, ds, kts, kk, dq_ps, dq_fresh)
 
@@ -866,15 +1041,22 @@ def _evict_dq(c, grp, blk, dq_ps, dq_stage):
             _copy_on_scalar(c, dq_stage[dt][:, col:col + PMAX], dq_ps[0:rn, pc:pc + PMAX], scale)
 
 
-def _group(c, grp, blk, q_b, dy_b, ks, vs, kts, k_lo, neg_lse, dsum, bounds, dv_acc, dk_acc, dq_stage, dq_prev,
-           ident, score_step, p_step):
+def _group(c, grp, blk, q_b, dy_b, ks, vs, kts, k_lo, neg_lse, dsum, rowdat, dv_acc, dk_acc, dq_stage, dq_prev,
+           ident, steps):
     """All visits of one group: dV/dK of each key tile and the members' dQ accumulate in PSUM."""
+    bounds, acoef, b, hk, seed = rowdat
     tr = _transpose_members(c, grp, q_b, dy_b)
     dq_ps = nl.ndarray((PMAX, len(c.qk_rows) * c.group_size * PMAX), dtype=nl.float32, buffer=nl.psum)
     if not blk.first:
         _reload_dq(c, grp, dq_ps, dq_prev, ident)
     s_mem = []
+    mkeys = []
     for mem in grp.members:
+        # dropout row words of the member, once per group (keys below 65536; else per visit, _drop_keep)
+        if c.dropout and c.seqlen_k <= 65536:
+            mkeys.append(dropout_row_keys(seed, b, hk * c.group + mem[0], mem[1] * PMAX, PMAX, 0))
+        else:
+            mkeys.append(None)
         col = mem[2]
         q_m = []
         for t in q_b:
@@ -895,14 +1077,18 @@ def _group(c, grp, blk, q_b, dy_b, ks, vs, kts, k_lo, neg_lse, dsum, bounds, dv_
             bcols = None
             if c.packing:
                 bcols = (bounds[0][:, i:i + 1], bounds[1][:, i:i + 1])
+            acols = None
+            if c.alibi:
+                acols = (acoef[0][:, g:g + 1], acoef[1][:, g:g + 1])
+            mrow = (bcols, acols, b, hk * c.group + g, mkeys[v.m])
             _visit(c, v, s_mem[v.m], tr[v.m], ks, vs, kts, k_lo, neg_lse[:, g, i:i + 1], dsum[:, g, i:i + 1],
-                   bcols, dv_ps, dk_ps, dq_ps, blk.first, score_step, p_step)
+                   mrow, dv_ps, dk_ps, dq_ps, blk.first, steps, seed)
         _evict_dv_dk(c, kt, k_lo, dv_ps, dk_ps, dv_acc, dk_acc)
     _evict_dq(c, grp, blk, dq_ps, dq_stage)
 
 
-def _block(c, s, blk, b, hk, q_ref, o_ref, dy_ref, ks, vs, kts, neg_lse, dsum, ones, ident, bounds, dv_acc,
-           dk_acc, out_dq, dq_scratch, score_step, p_step):
+def _block(c, s, blk, b, hk, q_ref, o_ref, dy_ref, ks, vs, kts, neg_lse, dsum, ones, ident, rowdat, dv_acc,
+           dk_acc, out_dq, dq_scratch, steps):
     """One block of members in section s: batched loads, D (first section), the groups, one dQ store per
     head-dim tile."""
     k_lo = c.sections[s][0]
@@ -938,8 +1124,8 @@ def _block(c, s, blk, b, hk, q_ref, o_ref, dy_ref, ks, vs, kts, neg_lse, dsum, o
         else:
             dq_stage.append(nl.ndarray((rt[1], blk.nh * ncols), dtype=c.mm_dtype, buffer=nl.sbuf))
     for grp in blk.groups:
-        _group(c, grp, blk, q_b, dy_b, ks, vs, kts, k_lo, neg_lse, dsum, bounds, dv_acc, dk_acc, dq_stage, dq_prev,
-               ident, score_step, p_step)
+        _group(c, grp, blk, q_b, dy_b, ks, vs, kts, k_lo, neg_lse, dsum, rowdat, dv_acc, dk_acc, dq_stage, dq_prev,
+               ident, steps)
     for dt in range(len(c.qk_rows)):
         r0, rn = c.qk_rows[dt]
         if to_scratch:
@@ -991,8 +1177,8 @@ def _identity(c):
     return ident
 
 
-def _section(c, s, b, hk, q_ref, k_ref, v_ref, o_ref, dy_ref, neg_lse, dsum, ones, ident, bounds, out_dq, out_dk,
-             out_dv, dq_scratch, score_step, p_step):
+def _section(c, s, b, hk, q_ref, k_ref, v_ref, o_ref, dy_ref, neg_lse, dsum, ones, ident, rowdat, out_dq, out_dk,
+             out_dv, dq_scratch, steps):
     """One K/V section of a work item: load K, V, K^T, zero the fp32 dK, dV accumulators, run the section's
     blocks, write dK, dV. The section's tiles live in this function only, so one section's buffers are released
     before the next section's are allocated."""
@@ -1008,8 +1194,8 @@ def _section(c, s, b, hk, q_ref, k_ref, v_ref, o_ref, dy_ref, neg_lse, dsum, one
         nisa.memset(dst=a_v, value=0.0, engine=nisa.engine.gpsimd)
         dv_acc.append(a_v)
     for blk in c.blocks[s]:
-        _block(c, s, blk, b, hk, q_ref, o_ref, dy_ref, ks, vs, kts, neg_lse, dsum, ones, ident, bounds, dv_acc,
-               dk_acc, out_dq, dq_scratch, score_step, p_step)
+        _block(c, s, blk, b, hk, q_ref, o_ref, dy_ref, ks, vs, kts, neg_lse, dsum, ones, ident, rowdat, dv_acc,
+               dk_acc, out_dq, dq_scratch, steps)
     for dt in range(len(c.qk_rows)):
         r0, rn = c.qk_rows[dt]
         nisa.dma_copy(dst=out_dk[b, hk, r0:r0 + rn, k_lo:k_lo + k_len], src=dk_acc[dt])
@@ -1018,10 +1204,27 @@ def _section(c, s, b, hk, q_ref, k_ref, v_ref, o_ref, dy_ref, neg_lse, dsum, one
         nisa.dma_copy(dst=out_dv[b, hk, r0:r0 + rn, k_lo:k_lo + k_len], src=dv_acc[dt])
 
 
-def _work_item(c, b, hk, q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref, bounds, ones, ident, out_dq,
-               out_dk, out_dv, out_dsinks, dq_scratch):
+def _load_alibi(c, alibi_slopes, b, hk):
+    """ALiBi coefficients of the kv head's query heads, [128, group] fp32 each, the same on every partition:
+    (-slope / s, +slope / s) with s the scale of the exp's input (``c.logit_scale``: the cap with soft-capping).
+    One broadcast DMA (stride-0 partition pattern) and two ops per work item."""
+    sl = nl.ndarray((PMAX, c.group), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.dma_copy(dst=sl, src=alibi_slopes.ap(pattern=[[0, PMAX], [1, c.group]], offset=b * c.nheads + hk * c.group))
+    neg = nl.ndarray((PMAX, c.group), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=neg, data=sl, op0=nl.multiply, operand0=-1.0 / c.logit_scale)
+    pos = nl.ndarray((PMAX, c.group), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=pos, data=sl, op0=nl.multiply, operand0=1.0 / c.logit_scale)
+    return neg, pos
+
+
+def _work_item(c, b, hk, q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref, bounds, alibi_slopes, seed, ones,
+               ident, out_dq, out_dk, out_dv, out_dsinks, dq_scratch):
     """All gradients of one (batch, kv head): KV sections outer, blocks and groups of members inner."""
-    score_step, p_step = _tile_steps(c)
+    steps = _tile_steps(c)
+    acoef = None
+    if c.alibi:
+        acoef = _load_alibi(c, alibi_slopes, b, hk)
+    rowdat = (bounds, acoef, b, hk, seed)
     neg_lse = _load_neg_lse(c, lse_ref, b, hk)
     dsum = nl.ndarray((PMAX, c.group, c.nq), dtype=nl.float32, buffer=nl.sbuf)  # D, same layout as -LSE
     if c.no_key_tiles:
@@ -1036,22 +1239,24 @@ def _work_item(c, b, hk, q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref,
                     nisa.dma_copy(dst=out_dq[b, hk * c.group + g, r0:r0 + rn, i * PMAX:(i + 1) * PMAX],
                                   src=zero[0:rn, :])
     for s in range(c.n_sections):
-        _section(c, s, b, hk, q_ref, k_ref, v_ref, o_ref, dy_ref, neg_lse, dsum, ones, ident, bounds, out_dq, out_dk,
-                 out_dv, dq_scratch, score_step, p_step)
+        _section(c, s, b, hk, q_ref, k_ref, v_ref, o_ref, dy_ref, neg_lse, dsum, ones, ident, rowdat, out_dq, out_dk,
+                 out_dv, dq_scratch, steps)
     if c.num_sinks:
         _dsinks(c, sinks_ref, out_dsinks, b, hk, neg_lse, dsum)
 
 
 def attention_bwd_core(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref=None, bound_min=None,
                        bound_max=None, use_causal_mask=False, mixed_precision=False, softmax_scale=None,
-                       sliding_window=None, k_section_len=None):
+                       sliding_window=None, softcap=0.0, alibi_slopes=None, window_size=None, dropout_p=0.0,
+                       dropout_seed=None, k_section_len=None):
     """Body of attention_bwd (inlined at trace time); ``k_section_len`` (a multiple of 128) overrides the K/V
     section length chosen from the SBUF budget."""
     problem = bwd_problem(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref, bound_min, bound_max,
-                          use_causal_mask, mixed_precision, softmax_scale, sliding_window, k_section_len)
+                          use_causal_mask, mixed_precision, softmax_scale, sliding_window, softcap, alibi_slopes,
+                          window_size, dropout_p, dropout_seed, k_section_len)
     assert problem is None, problem
     c = _configure(q_ref, k_ref, sinks_ref, bound_min, use_causal_mask, mixed_precision, softmax_scale,
-                   sliding_window, k_section_len)
+                   sliding_window, k_section_len, v_ref, softcap, alibi_slopes, window_size, dropout_p)
     out_dq = nl.ndarray(q_ref.shape, dtype=q_ref.dtype, buffer=nl.shared_hbm)
     out_dk = nl.ndarray(k_ref.shape, dtype=k_ref.dtype, buffer=nl.shared_hbm)
     out_dv = nl.ndarray(v_ref.shape, dtype=v_ref.dtype, buffer=nl.shared_hbm)
@@ -1061,6 +1266,9 @@ def attention_bwd_core(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref=No
     dq_scratch = None
     if c.dq_scratch:
         dq_scratch = nl.ndarray((1, c.group, c.d_qk, c.seqlen_q), dtype=nl.float32, buffer=nl.private_hbm)
+    seed = None
+    if c.dropout:
+        seed = load_dropout_seed(dropout_seed)
 
     # SPMD: the bs * nheads_kv work items are split into contiguous blocks over the cores (LNC2).
     if nl.program_ndim() == 0:
@@ -1083,7 +1291,8 @@ def attention_bwd_core(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref=No
         ident = _identity(c)
     for item in range(start, end):
         _work_item(c, item // c.nheads_kv, item % c.nheads_kv, q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref,
-                   sinks_ref, bounds, ones, ident, out_dq, out_dk, out_dv, out_dsinks, dq_scratch)
+                   sinks_ref, bounds, alibi_slopes, seed, ones, ident, out_dq, out_dk, out_dv, out_dsinks,
+                   dq_scratch)
     if c.num_sinks:
         return out_dq, out_dk, out_dv, out_dsinks
     return out_dq, out_dk, out_dv
@@ -1092,6 +1301,7 @@ def attention_bwd_core(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref=No
 @nki.jit
 def attention_bwd(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref=None, bound_min=None, bound_max=None,
                   use_causal_mask=False, mixed_precision=False, softmax_scale=None, sliding_window=None,
+                  softcap=0.0, alibi_slopes=None, window_size=None, dropout_p=0.0, dropout_seed=None,
                   k_section_len=None):
     """Flash-attention backward: ``(dq, dk, dv)`` or ``(dq, dk, dv, dsinks)``. See the module docstring.
 
@@ -1099,4 +1309,5 @@ def attention_bwd(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref=None, b
     the SBUF section budget, at most ``K_SECTION_MAX``). Invalid arguments fail the kernel's assert with the
     message of ``bwd_problem``; ``nki_attn.kernel_api.attention_bwd`` raises it as ``ValueError`` instead."""
     return attention_bwd_core(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref, bound_min, bound_max,
-                              use_causal_mask, mixed_precision, softmax_scale, sliding_window, k_section_len)
+                              use_causal_mask, mixed_precision, softmax_scale, sliding_window, softcap,
+                              alibi_slopes, window_size, dropout_p, dropout_seed, k_section_len)

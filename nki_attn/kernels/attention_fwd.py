@@ -1,10 +1,11 @@
 """Flash-attention forward (training): ``o`` and the log-sum-exp ``lse`` the backward kernel consumes.
 
     attention_fwd(q_ref, k_ref, v_ref, sinks_ref=None, bound_min=None, bound_max=None, use_causal_mask=False,
-                  mixed_precision=True, softmax_scale=None, sliding_window=None) -> (o, lse)
+                  mixed_precision=True, softmax_scale=None, sliding_window=None, softcap=0.0, alibi_slopes=None,
+                  window_size=None, dropout_p=0.0, dropout_seed=None) -> (o, lse)
 
-Layouts (head_dim on the partition axis): q/o ``[bs, nheads, d_head, seqlen_q]``, k/v
-``[bs, nheads_kv, d_head, seqlen_k]``, lse float32 ``[bs, nheads, 128, seqlen_q // 128]`` with
+Layouts (head_dim on the partition axis): q ``[bs, nheads, d_qk, seqlen_q]``, k ``[bs, nheads_kv, d_qk,
+seqlen_k]``, v ``[bs, nheads_kv, d_v, seqlen_k]``, o ``[bs, nheads, d_v, seqlen_q]``, lse float32 ``[bs, nheads, 128, seqlen_q // 128]`` with
 ``lse[b, h, p, t]`` the log-sum-exp of query row ``t * 128 + p`` (``+inf`` for a row that sees no key and has no
 sink; its ``o`` is 0). Semantics follow ``golden/attention_fwd_torch.py``; docs/kernel-fwd.md explains the design.
 Kernel code stays in NKI's compile-time subset (checked by the simulator's frontend check): invalid arguments fail
@@ -27,11 +28,16 @@ the scale itself when it is a power of two)::
 and per block at the end ``o = O / l``, ``lse = c m + log(l)``; rows whose max is still the mask value (no visible
 key, no sink) are forced to ``o = 0``, ``lse = +inf`` by selects on a keep flag. The statistics of all units of a
 block live in the columns of ``[128, units]`` tiles, so each statistics instruction serves the whole block.
+
+Variants (soft-capping, ALiBi, bands, dropout) are tile steps chosen once per launch (``_tile_steps``,
+docs/kernel-fwd.md "Variants"); the default launch runs none of them.
 """
 import math
 
 from ..backend import nisa, nki, nl
-from .tiling import tile_fully_visible, tile_visible
+from .dropout import (dropout_row_keys, dropout_row_keys_units, dropout_values, keep_threshold,
+                      load_dropout_seed)
+from .tiling import attention_band, band_needs_hi_mask, band_needs_lo_mask, band_tile_fully_visible, band_tile_visible
 from .validation import attention_problem, attention_shape, sbuf_bytes_per_partition
 
 PMAX = 128
@@ -51,27 +57,28 @@ SBUF_MARGIN = 8192  # bytes per partition left free when sizing a section
 # accuracy: docs/kernel-fwd.md, "Precision"). True: the exponent applies s to the unrounded float32 S (a more
 # accurate forward, for use with a backward that does the same). Everything downstream reads cfg.exp_scale.
 SCALE_IN_EXP = False
+# the issue-#14 features (validation.FEATURES) this kernel implements; the shared validation refuses the others
+FWD_FEATURES = ("causal_unequal", "head_dim_any", "d_v", "softcap", "alibi", "window_size", "dropout")
 
 
 # ----------------------------------------------------------------------------------------------------- trace-time plan
 def _partition_tiles(d):
-    """``[(start, size)]`` partition tiles of a head dimension ``d``: equal tiles of at most 128 rows (the shared
-    validation guarantees an even split). The Q/K contraction and the V/O columns each get their own list."""
-    n = (d + PMAX - 1) // PMAX
-    size = d // n
+    """``[(start, size)]`` partition tiles of a head dimension ``d`` (1 .. 256): tiles of 128 rows and the
+    remainder (199 = 128 + 71). The Q/K contraction and the V/O columns each get their own list."""
     tiles = []
-    for i in range(n):
-        tiles.append((i * size, size))
+    for d0 in range(0, d, PMAX):
+        tiles.append((d0, min(PMAX, d - d0)))
     return tiles
 
 
-def _chunk_range(q0, k0, kw, causal, window):
-    """Visible 128-key chunks ``[lo, hi)`` of the key tile ``[k0, k0 + kw)`` for the query tile at ``q0``
-    (causal and window leave a contiguous run); ``lo == hi`` when none is visible."""
+def _chunk_range(q0, k0, kw, lo_rel, hi_rel):
+    """Visible 128-key chunks ``[lo, hi)`` of the key tile ``[k0, k0 + kw)`` for the query tile at ``q0`` under
+    the band ``(lo_rel, hi_rel)`` (``tiling.attention_band``: the visible keys of a query run form one interval,
+    so the visible chunks are contiguous); ``lo == hi`` when none is visible."""
     lo = 0
     hi = 0
     for c in range(kw // PMAX):
-        if tile_visible(q0, q0 + PMAX, k0 + c * PMAX, k0 + (c + 1) * PMAX, causal, window):
+        if band_tile_visible(q0, q0 + PMAX, k0 + c * PMAX, k0 + (c + 1) * PMAX, lo_rel, hi_rel):
             if hi == lo:
                 lo = c
             hi = c + 1
@@ -82,31 +89,66 @@ class _FwdConfig(nl.NKIObject):
     """Trace-time facts of one launch: shapes, tilings, dtypes, the masking method and the blocking.
 
     qk_tiles / v_tiles: ``[(start, size)]`` partition tiles of the Q/K head dim (the QK contraction) and of the
-    V/O head dim (V^T and O columns); d_v: V/O head dim. exp_scale: the factor the exponent applies to the stored
-    scores (1 when the softmax scale is folded into Q, see SCALE_IN_EXP); q_scale: the factor Q is multiplied by
-    at load. mask: "bounds" (range_select on per-query-tile key bounds, trn2+), "predicate" (trn1 packing: key
+    V/O head dim (V^T and O columns); d_qk / d_v: the head dims. exp_scale: the factor the exponent applies to
+    the stored scores (1 when the softmax scale is folded into Q, see SCALE_IN_EXP; the cap with soft-capping);
+    q_scale: the factor Q is multiplied by at load; cap_scale: the tanh's factor (soft-capping). off, lo_rel,
+    hi_rel: the band (``tiling.attention_band``), band_lo / band_hi: that side masks something. alibi /
+    alibi_mm: ALiBi given / taken by ``_alibi_matmul``; dropout_p, o_factor = 1 / (1 - p). mask: "bounds" (range_select on per-query-tile key bounds, trn2+), "predicate" (trn1 packing: key
     index compared with the bounds, select_reduce) or "affine" (trn1 causal / window: affine_select). group:
     query heads per kv head; units: units per block (whole query tiles of the group when the group fits);
     kb_tiles: score tiles per key block; sec_tiles: query tiles per section; p_dma_transpose: half of the full P
     tiles are transposed by DMA (``_transpose_p``).
     """
 
-    def __init__(self, shp, io_dtype, acc_dtype, range_select_ok):
+    def __init__(self, shp, io_dtype, acc_dtype, range_select_ok, d_v=None, var=None):
+        if d_v is None:
+            d_v = shp.d_head
+        if var is None:
+            var = _Variants(0.0, False, None, 0.0)
         self.shp = shp
+        self.d_qk = shp.d_head
         self.qk_tiles = _partition_tiles(shp.d_head)
-        self.v_tiles = _partition_tiles(shp.d_head)
-        self.d_v = shp.d_head
+        self.v_tiles = _partition_tiles(d_v)
+        self.d_v = d_v
         self.group = shp.group
         # a power-of-two scale commutes exactly with every rounding: applied by the exponent it gives the same bits
         # as folded into Q, without the pass over Q
         in_exp = SCALE_IN_EXP or _power_of_two(shp.scale)
-        self.exp_scale = shp.scale if in_exp else 1.0
+        base = shp.scale if in_exp else 1.0  # what still multiplies the PSUM scores
         self.q_scale = 1.0 if in_exp else shp.scale
+        # soft-capping c > 0: the stored scores are t = tanh(base * S / c) (``_softcap_scores``) and the exponent
+        # applies c, so exp(c t + bias) is still the ONE exponent of the softmax
+        self.softcap = var.softcap
+        self.cap_scale = base / var.softcap if var.softcap > 0 else 1.0
+        # the tanh makes ScalarE the busiest engine: the Q scaling and the O finishing move to VectorE (same
+        # arithmetic), unless a VectorE-heavy variant (exact ALiBi, dropout) comes with it
+        self.scalar_busy = var.softcap > 0 and not var.alibi and var.dropout_p == 0.0
+        self.exp_scale = var.softcap if var.softcap > 0 else base
+        self.alibi = var.alibi
+        self.dropout_p = var.dropout_p
+        self.o_factor = 1.0 / (1.0 - var.dropout_p)  # dropout's 1 / (1 - p), applied with 1 / l
         self.io_dtype = io_dtype
         self.acc_dtype = acc_dtype
         self.n_qt = shp.seqlen_q // PMAX
         self.n_kt = (shp.seqlen_k + K_TILE - 1) // K_TILE
-        self.masked = shp.packing or shp.causal or shp.window > 0
+        # the band (tiling.attention_band): key j visible to query i iff i + lo_rel <= j <= i + hi_rel, bottom-right
+        # aligned (off = seqlen_k - seqlen_q); band_lo / band_hi: that side cuts some pair of the problem
+        self.off = shp.seqlen_k - shp.seqlen_q
+        window = None
+        if shp.window > 0:
+            window = shp.window
+        band = attention_band(shp.causal, window, var.window_size, shp.seqlen_q, shp.seqlen_k)
+        self.lo_rel = band[0]
+        self.hi_rel = band[1]
+        self.band_lo = self.lo_rel > 1 - shp.seqlen_q
+        self.band_hi = self.hi_rel < shp.seqlen_k - 1
+        self.masked = shp.packing or self.band_lo or self.band_hi
+        # ALiBi by TensorE (``_alibi_matmul``) when every visible key is left of the diagonal (causal), the inputs
+        # are bfloat16, no soft-cap (the bias follows the tanh) and no sinks (they would need the row shift);
+        # otherwise the exact VectorE step (``_alibi_scores``)
+        # (positions up to 65536: 256 floor(j / 256) stays an exact bfloat16 integer)
+        self.alibi_mm = (var.alibi and self.hi_rel <= self.off and shp.num_sinks == 0 and var.softcap == 0.0
+                         and str(io_dtype) == str(nl.bfloat16) and shp.seqlen_k <= 65536)
         if range_select_ok:
             self.mask = "bounds"
         elif shp.packing:
@@ -178,7 +220,7 @@ def _key_blocks(cfg, tiles):
             for i in range(kt_n):
                 k0 = (kt0 + i) * K_TILE
                 kw = min(K_TILE, shp.seqlen_k - k0)
-                lo, hi = _chunk_range(tiles[u] * PMAX, k0, kw, shp.causal, shp.window)
+                lo, hi = _chunk_range(tiles[u] * PMAX, k0, kw, cfg.lo_rel, cfg.hi_rel)
                 row.append((lo, hi))
                 if hi > lo:
                     c_lo = min(c_lo, i * (K_TILE // PMAX) + lo)
@@ -220,21 +262,197 @@ def _mask_predicate(cfg, t, ks, src, dst, max_col, bounds, idx):
 
 
 def _mask_affine(cfg, t, ks, src, dst, max_col, bounds, idx):
-    """trn1 causal / window: copy to SBUF (affine_select is GpSimd, SBUF only), mask by the affine conditions,
-    then the row max."""
-    shp = cfg.shp
+    """trn1 band (causal, windows): copy to SBUF (affine_select is GpSimd, SBUF only), mask by the band's affine
+    conditions where a side cuts the tile, then the row max."""
     q0 = t * PMAX
     width = dst.shape[1]
     nisa.tensor_copy(dst=dst, src=src)
-    if shp.causal and not tile_fully_visible(q0, q0 + PMAX, ks, ks + width, True, 0):
-        # keep key ks + j for query q0 + c when (q0 - ks) + c - j >= 0
+    if band_needs_hi_mask(q0, q0 + PMAX, ks, ks + width, cfg.hi_rel):
+        # keep key ks + j for query q0 + c when (q0 + hi_rel - ks) + c - j >= 0
         nisa.affine_select(dst=dst, pattern=[[-1, width]], channel_multiplier=1, on_true_tile=dst,
-                           on_false_value=FP32_MIN, cmp_op=nl.greater_equal, offset=q0 - ks)
-    if shp.window > 0 and not tile_fully_visible(q0, q0 + PMAX, ks, ks + width, False, shp.window):
-        # keep when key >= query - W + 1:  (ks + W - 1 - q0) + j - c >= 0
+                           on_false_value=FP32_MIN, cmp_op=nl.greater_equal, offset=q0 + cfg.hi_rel - ks)
+    if band_needs_lo_mask(q0, q0 + PMAX, ks, ks + width, cfg.lo_rel):
+        # keep when key >= query + lo_rel:  (ks - q0 - lo_rel) + j - c >= 0
         nisa.affine_select(dst=dst, pattern=[[1, width]], channel_multiplier=-1, on_true_tile=dst,
-                           on_false_value=FP32_MIN, cmp_op=nl.greater_equal, offset=ks + shp.window - 1 - q0)
+                           on_false_value=FP32_MIN, cmp_op=nl.greater_equal, offset=ks - q0 - cfg.lo_rel)
     nisa.tensor_reduce(dst=max_col, op=nl.maximum, data=dst, axis=1)
+
+
+# ----------------------------------------------------------------------------------------------------- variant steps
+def _softcap_scores(cfg, pos, src, rt):
+    """Score step, soft-capping: ``t = tanh(cap_scale * S)`` (ScalarE, reading the PSUM scores) into float32 SBUF.
+    With ``c`` the cap, ``c t`` is the capped logit ``c tanh(s q.k / c)``; the exponent applies the factor c
+    (``cfg.exp_scale``), so the softmax keeps its single exponent."""
+    t = nl.ndarray((PMAX, src.shape[1]), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.activation(dst=t, op=nl.tanh, data=src, scale=cfg.cap_scale)
+    return t
+
+
+def _alibi_scores(cfg, pos, src, rt):
+    """Score step, ALiBi: ``S - slope |i + off - j| / exp_scale`` (the exponent multiplies by exp_scale again).
+    The distance comes from one GpSimd ``iota`` whose signs are chosen at trace time: the tile's pairs all lie on
+    one side of the diagonal (``j <= i + off``: ``i + off - j``; ``j >= i + off``: ``j - i - off``), or every
+    visible pair does (the band ends at the diagonal: causal); only a non-causal tile crossing the diagonal takes
+    ``|d| = max(-d, d)``. Then ONE VectorE ``scalar_tensor_tensor`` (``|d| * -slope/e + S``) from PSUM."""
+    b, hq, h, q0, ks = pos
+    w = src.shape[1]
+    d0 = q0 + cfg.off - ks  # i + off - j at the tile's first query and first key
+    dist = nl.ndarray((PMAX, w), dtype=nl.float32, buffer=nl.sbuf)
+    if ks >= q0 + PMAX - 1 + cfg.off:
+        nisa.iota(dst=dist, pattern=[[1, w]], offset=-d0, channel_multiplier=-1)  # j - i - off >= 0
+    else:
+        nisa.iota(dst=dist, pattern=[[-1, w]], offset=d0, channel_multiplier=1)  # i + off - j
+        if ks + w - 1 > q0 + cfg.off and cfg.hi_rel > cfg.off:
+            # the tile crosses the diagonal and keys right of it are visible: |d|
+            nisa.scalar_tensor_tensor(dst=dist, data=dist, op0=nl.multiply, operand0=-1.0, op1=nl.maximum,
+                                      operand1=dist)
+    out = nl.ndarray((PMAX, w), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.scalar_tensor_tensor(dst=out, data=dist, op0=nl.multiply, operand0=rt.slopes[:, h:h + 1], op1=nl.add,
+                              operand1=src)
+    return out
+
+
+def _alibi_matmul(cfg, pos, src, rt):
+    """Score step, ALiBi by TensorE (causal, bfloat16): with every visible key left of the diagonal the bias is
+    ``-slope (i + off) + slope j``; the first term is a per-row constant, which the softmax ignores and
+    ``_alibi_lse`` subtracts from the LSE at the end (FlashAttention's causal ALiBi does the same). The second,
+    ``slope j / exp_scale``, is added to the scores in PSUM by ONE more matmul accumulating onto QK: stationary
+    ``rt.alibi_st[h]`` (the slope as three bfloat16 parts on partitions 0-2 and 32-34), moving the key-position
+    table of the key block (``_alibi_positions``: ``j = 256 jh + jl`` as exact bfloat16 rows), so every product
+    is exact and the sum is float32."""
+    b, hq, h, q0, ks = pos
+    w = src.shape[1]
+    kbw = cfg.kb_tiles * K_TILE
+    col = ks - (ks // kbw) * kbw
+    nisa.nc_matmul(dst=src, stationary=rt.alibi_st[h], moving=rt.pos_tab[:, col:col + w])
+    return src
+
+
+def _alibi_positions(cfg, kt0, rt):
+    """Key-block step of ``_alibi_matmul``: the key positions ``j = k0 + x`` of the key block starting at key
+    ``k0 = kt0 * 512`` as bfloat16 rows of ``rt.pos_tab``: rows 0-2 ``256 floor(j / 256)``, rows 32-34
+    ``j mod 256`` (both exact in bfloat16); rows 3-31 stay 0 (set once per launch)."""
+    k0 = kt0 * K_TILE
+    kbw = cfg.kb_tiles * K_TILE
+    nisa.iota(dst=rt.pos_tab[0:3, :], pattern=[[256, kbw // 256], [0, 256]], offset=k0, channel_multiplier=0)
+    nisa.iota(dst=rt.pos_tab[32:35, :], pattern=[[0, kbw // 256], [1, 256]], offset=0, channel_multiplier=0)
+
+
+def _alibi_stationaries(cfg, slope_e):
+    """Per query head of the group a bfloat16 ``[35, 128]`` stationary for ``_alibi_matmul``: ``slope / e``
+    split into three bfloat16 parts ``s1 + s2 + s3`` (float32-exact), on partitions 0-2 and again 32-34 (the
+    rows that meet the high and the low part of the key position), zero elsewhere. Built as ``[128, 35]``
+    columns and transposed by TensorE (a partition slice may only start at 0/32/64/96)."""
+    g = cfg.group
+    parts = nl.ndarray((PMAX, g, 3), dtype=nl.bfloat16, buffer=nl.sbuf)
+    rest = nl.ndarray((PMAX, g), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_copy(dst=parts[:, :, 0], src=slope_e)
+    nisa.tensor_tensor(dst=rest, data1=slope_e, data2=parts[:, :, 0], op=nl.subtract)
+    nisa.tensor_copy(dst=parts[:, :, 1], src=rest)
+    nisa.tensor_tensor(dst=rest, data1=rest, data2=parts[:, :, 1], op=nl.subtract)
+    nisa.tensor_copy(dst=parts[:, :, 2], src=rest)
+    cols = nl.ndarray((PMAX, 35), dtype=nl.bfloat16, buffer=nl.sbuf)
+    nisa.memset(dst=cols, value=0.0, engine=nisa.engine.gpsimd)
+    out = []
+    for h in range(g):
+        nisa.tensor_copy(dst=cols[:, 0:3], src=parts[:, h, :])
+        nisa.tensor_copy(dst=cols[:, 32:35], src=parts[:, h, :])
+        st_ps = nl.ndarray((35, PMAX), dtype=nl.bfloat16, buffer=nl.psum)
+        nisa.nc_transpose(dst=st_ps, data=cols)
+        st = nl.ndarray((35, PMAX), dtype=nl.bfloat16, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=st, src=st_ps)
+        out.append(st)
+    return out
+
+
+def _alibi_lse(cfg, t0, j0, lse_real, rt):
+    """Finishing step of ``_alibi_matmul``: add the dropped per-row term ``-slope (i + off)`` to the LSE of the
+    block's units (unit j: query tile ``t0 + j // group``, head ``j % group``)."""
+    g = cfg.group
+    n = lse_real.shape[1]
+    qpos = nl.ndarray((PMAX, n), dtype=nl.float32, buffer=nl.sbuf)
+    first = (t0 + j0 // g) * PMAX + cfg.off
+    if g <= MAX_UNITS:
+        nisa.iota(dst=qpos, pattern=[[PMAX, n // g], [0, g]], offset=first, channel_multiplier=1)
+    else:
+        nisa.iota(dst=qpos, pattern=[[0, n]], offset=first, channel_multiplier=1)
+    nisa.tensor_tensor(dst=qpos, data1=qpos, data2=_per_unit(rt.slopes, j0, n, g), op=nl.multiply)
+    nisa.tensor_tensor(dst=lse_real, data1=lse_real, data2=qpos, op=nl.add)
+
+
+def _dropout_section(cfg, b, kvh, t0, n_tiles, rt):
+    """Section step of dropout: the hash's row words (``dropout.dropout_row_keys_units``, keys below 65536) of
+    every unit of the section at once, as uint32 ``[128, units, 4]`` (unit j: query tile ``t0 + j // group``,
+    head ``j % group``): one set of instructions per section instead of per unit (they are [128, 1] each, so
+    their fixed cost would dominate)."""
+    g = cfg.group
+    n = n_tiles * g
+    ii = nl.ndarray((PMAX, n), dtype=nl.uint32, buffer=nl.sbuf)
+    nisa.iota(dst=ii, pattern=[[PMAX, n_tiles], [0, g]], offset=t0 * PMAX, channel_multiplier=1)  # query row
+    hh = nl.ndarray((PMAX, n), dtype=nl.uint32, buffer=nl.sbuf)
+    nisa.iota(dst=hh, pattern=[[0, n_tiles], [1, g]], offset=kvh * g, channel_multiplier=0)  # query head
+    return dropout_row_keys_units(rt.seed, b, ii, hh, n, 0)
+
+
+def _dropout_probs(cfg, pos, p, rt, keys):
+    """Probability step, dropout: ``P * M`` with the keep mask ``M`` of the tile regenerated from the seed
+    (``dropout.dropout_values``: the element hash; then the keep flag ``v < T`` and ``P * keep``). The row sum
+    was taken before (the LSE is pre-dropout); the factor ``1 / (1 - p)`` is applied once per row at the end
+    (``_finish_block``, ``cfg.o_factor``). ``keys``: the unit's row words (``_dropout_section``). A score tile
+    lies inside one 512-key tile, so it never straddles a 65536-key block of the hash; tiles beyond the first
+    block recompute their row words."""
+    b, hq, h, q0, ks = pos
+    w = p.shape[1]
+    kblk = ks >> 16
+    if kblk != 0:
+        keys = dropout_row_keys(rt.seed, b, hq, q0, PMAX, kblk)
+    v = dropout_values(keys, ks, PMAX, w)
+    # keep flag on VectorE (one input), the product on GpSimdE (the hash leaves VectorE the busier engine)
+    keep = nl.ndarray((PMAX, w), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=keep, data=v, op0=nl.less, operand0=float(keep_threshold(cfg.dropout_p)))
+    nisa.tensor_tensor(dst=p, data1=p, data2=keep, op=nl.multiply, engine=nisa.engine.gpsimd)
+    return p
+
+
+def _load_slopes(cfg, alibi_slopes, b, kvh):
+    """ALiBi slopes of the kv head's query heads broadcast to the 128 partitions (one stride-0 DMA): returns
+    ``(slopes, stationaries)``, for ``_alibi_scores`` ``-slope / exp_scale`` ``[128, group]`` float32 (the factor
+    it multiplies the distance by) and None, for ``_alibi_matmul`` ``-slope`` and the per-head stationaries."""
+    shp = cfg.shp
+    g = cfg.group
+    sl = nl.ndarray((PMAX, g), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.dma_copy(dst=sl, src=alibi_slopes.ap(pattern=[[0, PMAX], [1, g]], offset=b * shp.nheads + kvh * g))
+    if cfg.alibi_mm:
+        # -slope for the LSE correction; slope / e for the stationaries
+        slope_e = nl.ndarray((PMAX, g), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_scalar(dst=slope_e, data=sl, op0=nl.multiply, operand0=1.0 / cfg.exp_scale)
+        nisa.tensor_scalar(dst=sl, data=sl, op0=nl.multiply, operand0=-1.0)
+        return sl, _alibi_stationaries(cfg, slope_e)
+    nisa.tensor_scalar(dst=sl, data=sl, op0=nl.multiply, operand0=-1.0 / cfg.exp_scale)
+    return sl, None
+
+
+class _Variants(nl.NKIObject):
+    """The issue-#14 arguments of one launch that shape the trace: softcap (0 = off), alibi (slopes given),
+    window_size (``(left, right)`` or None), dropout_p (0 = off)."""
+
+    def __init__(self, softcap, alibi, window_size, dropout_p):
+        self.softcap = float(softcap)
+        self.alibi = alibi
+        self.window_size = window_size
+        self.dropout_p = float(dropout_p)
+
+
+class _ItemData(nl.NKIObject):
+    """Runtime tiles of one (batch, kv head) work item that tile steps read (None when unused): ``slopes``
+    ``[128, group]`` float32 per query head of the group (``_load_slopes``); ``seed`` the dropout seed tile;
+    ``alibi_st`` the ``_alibi_matmul`` stationaries per head; ``pos_tab`` its key-position table (per launch)."""
+
+    def __init__(self, slopes, seed, alibi_st, pos_tab):
+        self.slopes = slopes
+        self.seed = seed
+        self.alibi_st = alibi_st
+        self.pos_tab = pos_tab
 
 
 class _TileSteps(nl.NKIObject):
@@ -247,31 +465,59 @@ class _TileSteps(nl.NKIObject):
     mask_full / mask_partial: the masking step of a tile whose every (query, key) pair is visible / of any other
         tile, ``step(cfg, t, ks, src, dst, max_col, bounds, idx)``: masked float32 scores into ``dst``, their row
         max into ``max_col``.
-    prob: steps applied in order to P after the exponent took its row sum, ``step(cfg, pos, p) -> p`` (dropout,
-        ...); none today.
+    prob: steps applied in order to P after the exponent took its row sum, ``step(cfg, pos, p, rt, state) -> p``
+        (dropout).
+    kb: steps run once per (block, key block) before its scores, ``step(cfg, kt0, rt)`` (``_alibi_positions``).
+    lse: steps applied to the block's LSE columns before the empty-row select, ``step(cfg, t0, j0, lse, rt)``
+        (``_alibi_lse``).
+    section: None or ``step(cfg, b, kvh, t0, n_tiles, rt) -> state`` ``[128, units, k]``, run once per section;
+        the probability steps get their unit's slice ``state[:, j, :]`` as last argument (``_dropout_section``:
+        the row words of the hash).
+    ``rt`` is the work item's ``_ItemData``; score steps get ``pos = (b, query head, head in group, q0, ks)``.
     """
 
-    def __init__(self, score, mask_full, mask_partial, prob):
+    def __init__(self, score, mask_full, mask_partial, prob, kb, lse, section):
+        self.section = section
         self.score = score
         self.mask_full = mask_full
         self.mask_partial = mask_partial
         self.prob = prob
+        self.kb = kb
+        self.lse = lse
 
 
 def _tile_steps(cfg):
-    """The launch's tile steps: the masking step by generation and mask kind, no score or probability step."""
+    """The launch's tile steps: the score steps of the variants in the order of the semantics (soft-capping, then
+    ALiBi), the masking step by generation and mask kind, the probability steps (dropout). The default launch
+    has no score or probability step."""
     partial = _mask_affine
     if cfg.mask == "bounds":
         partial = _mask_bounds
     elif cfg.mask == "predicate":
         partial = _mask_predicate
-    return _TileSteps([], _evict_max, partial, [])
+    score = []
+    kb = []
+    lse = []
+    if cfg.alibi_mm:
+        score.append(_alibi_matmul)
+        kb.append(_alibi_positions)
+        lse.append(_alibi_lse)
+    if cfg.softcap > 0:
+        score.append(_softcap_scores)
+    if cfg.alibi and not cfg.alibi_mm:
+        score.append(_alibi_scores)
+    prob = []
+    section = None
+    if cfg.dropout_p > 0:
+        prob.append(_dropout_probs)
+        section = _dropout_section
+    return _TileSteps(score, _evict_max, partial, prob, kb, lse, section)
 
 
 def _load_bounds(cfg, bound_min, bound_max):
     """Key bounds of every query row as SBUF ``[128, n_qt]`` float32 columns (column t = query tile t): key j is
-    visible to query q iff ``bmin[q] <= j < bmax[q]``. Packing bounds come from HBM; causal (``bmax <= q + 1``)
-    and the window (``bmin >= q - W + 1``) are folded in."""
+    visible to query q iff ``bmin[q] <= j < bmax[q]``. Packing bounds come from HBM; the band's sides
+    (causal, windows: ``bmax <= q + hi_rel + 1``, ``bmin >= q + lo_rel``) are folded in."""
     shp = cfg.shp
     n_qt = cfg.n_qt
     bmin = nl.ndarray((PMAX, n_qt), dtype=nl.float32, buffer=nl.sbuf)
@@ -283,13 +529,13 @@ def _load_bounds(cfg, bound_min, bound_max):
     else:
         nisa.memset(dst=bmin, value=0.0, engine=nisa.engine.gpsimd)
         nisa.memset(dst=bmax, value=float(shp.seqlen_k), engine=nisa.engine.gpsimd)
-    if shp.causal:
+    if cfg.band_hi:
         qpos1 = nl.ndarray((PMAX, n_qt), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.iota(dst=qpos1, pattern=[[PMAX, n_qt]], offset=1, channel_multiplier=1)  # q + 1
+        nisa.iota(dst=qpos1, pattern=[[PMAX, n_qt]], offset=cfg.hi_rel + 1, channel_multiplier=1)  # q + hi_rel + 1
         nisa.tensor_tensor(dst=bmax, data1=bmax, data2=qpos1, op=nl.minimum)
-    if shp.window:
+    if cfg.band_lo:
         qlo = nl.ndarray((PMAX, n_qt), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.iota(dst=qlo, pattern=[[PMAX, n_qt]], offset=1 - shp.window, channel_multiplier=1)  # q - W + 1
+        nisa.iota(dst=qlo, pattern=[[PMAX, n_qt]], offset=cfg.lo_rel, channel_multiplier=1)  # q + lo_rel
         nisa.tensor_tensor(dst=bmin, data1=bmin, data2=qlo, op=nl.maximum)
     return bmin, bmax
 
@@ -364,7 +610,7 @@ def _transpose_v(cfg, v_tiles, n_ch):
     return vt
 
 
-def _scores(cfg, q_sec, k_tiles, b, kvh, t0, heads, tiles, kb, pm, bounds, idx, steps):
+def _scores(cfg, q_sec, k_tiles, b, kvh, t0, heads, tiles, kb, pm, bounds, idx, steps, rt):
     """Phase 1 (scoring and masking): S = Q^T K of every visible (unit, score tile) of key block ``kb``, through
     the score steps, masked and copied to SBUF (float32), its row max into ``pm[:, u, i]``. Returns ``s[u][i]`` (None where
     the unit sees nothing of score tile i)."""
@@ -388,9 +634,10 @@ def _scores(cfg, q_sec, k_tiles, b, kvh, t0, heads, tiles, kb, pm, bounds, idx, 
                                    moving=k_tiles[qi][:, col:col + w])
                 src = s_ps
                 for f in steps.score:
-                    src = f(cfg, (b, kvh * cfg.group + heads[u], q0, ks), src)
+                    src = f(cfg, (b, kvh * cfg.group + heads[u], heads[u], q0, ks), src, rt)
                 s_sb = nl.ndarray((PMAX, w), dtype=nl.float32, buffer=nl.sbuf)
-                full = not shp.packing and tile_fully_visible(q0, q0 + PMAX, ks, ks + w, shp.causal, shp.window)
+                full = not shp.packing and band_tile_fully_visible(q0, q0 + PMAX, ks, ks + w, cfg.lo_rel,
+                                                                   cfg.hi_rel)
                 mask = steps.mask_full if full else steps.mask_partial
                 j = None
                 if idx is not None:
@@ -446,7 +693,7 @@ def _transpose_p(cfg, p_sb, n_ch, dma_turn):
     return pt_sb
 
 
-def _exp_pv(cfg, s, b, kvh, heads, tiles, kb, vt, bias, alpha, rs, o_acc, started, steps):
+def _exp_pv(cfg, s, b, kvh, heads, tiles, kb, vt, bias, alpha, rs, o_acc, started, steps, rt, ust):
     """Phase 3 (exponent and PV): per visible (unit, score tile) ``P = exp(c S + bias)`` with its row sum into
     ``rs[:, u, i]`` in ONE activation, the probability steps, P^T, PV accumulated over the whole key block in one
     PSUM tile; then per unit the O update."""
@@ -462,8 +709,8 @@ def _exp_pv(cfg, s, b, kvh, heads, tiles, kb, vt, bias, alpha, rs, o_acc, starte
                 nisa.activation(dst=p_sb, op=nl.exp, data=s[u][i], bias=bias[:, u:u + 1], scale=cfg.exp_scale,
                                 reduce_op=nl.add, reduce_res=rs[:, u, i], reduce_cmd=nisa.reduce_cmd.reset_reduce)
                 for f in steps.prob:
-                    p_sb = f(cfg, (b, kvh * cfg.group + heads[u], tiles[u] * PMAX, (kt0 + i) * K_TILE + lo * PMAX),
-                             p_sb)
+                    p_sb = f(cfg, (b, kvh * cfg.group + heads[u], heads[u], tiles[u] * PMAX,
+                                   (kt0 + i) * K_TILE + lo * PMAX), p_sb, rt, ust[u])
                 pt_sb = _transpose_p(cfg, p_sb, hi - lo, (u + kt0 + i) % 2 == 0)
                 if o_ps is None:
                     o_ps = nl.ndarray((PMAX, cfg.d_v), dtype=nl.float32, buffer=nl.psum)
@@ -484,7 +731,7 @@ def _update_sum(cfg, l_sum, alpha, rs):
 
 
 def _key_block(cfg, k_ref, v_ref, b, kvh, q_sec, t0, heads, tiles, kb, gaps_next, pm, l_sum, o_acc, started,
-               bounds, steps):
+               bounds, steps, rt, ust):
     """One key block of a block of units: load K and V (the union of the units' visible chunks), V^T, then the
     four phases. Returns the statistics after it: ``(pm_next, l, bias)``."""
     kt0, kt_n, vis, c_lo, c_hi, gaps = kb
@@ -508,7 +755,9 @@ def _key_block(cfg, k_ref, v_ref, b, kvh, q_sec, t0, heads, tiles, kb, gaps_next
         idx = nl.ndarray((PMAX, width), dtype=nl.float32, buffer=nl.sbuf)
         nisa.iota(dst=idx, pattern=[[1, width]], offset=key0, channel_multiplier=0)  # key index per column
 
-    s = _scores(cfg, q_sec, k_tiles, b, kvh, t0, heads, tiles, kb, pm, bounds, idx, steps)
+    for f in steps.kb:
+        f(cfg, kt0, rt)
+    s = _scores(cfg, q_sec, k_tiles, b, kvh, t0, heads, tiles, kb, pm, bounds, idx, steps, rt)
     n = len(heads)
     pm_next = nl.ndarray((PMAX, n, cfg.kb_tiles + 1), dtype=nl.float32, buffer=nl.sbuf)
     if gaps_next:
@@ -517,13 +766,13 @@ def _key_block(cfg, k_ref, v_ref, b, kvh, q_sec, t0, heads, tiles, kb, gaps_next
     rs = nl.ndarray((PMAX, n, cfg.kb_tiles + 1), dtype=nl.float32, buffer=nl.sbuf)
     if gaps:
         nisa.memset(dst=rs, value=0.0, engine=nisa.engine.gpsimd)
-    _exp_pv(cfg, s, b, kvh, heads, tiles, kb, vt, bias, alpha, rs, o_acc, started, steps)
+    _exp_pv(cfg, s, b, kvh, heads, tiles, kb, vt, bias, alpha, rs, o_acc, started, steps, rt, ust)
     l_new = _update_sum(cfg, l_sum, alpha, rs)
     return pm_next, l_new, bias
 
 
 # ----------------------------------------------------------------------------------------------------- blocks, sections
-def _finish_block(cfg, pm, l_sum, bias, o_acc, j0, o_sec, lse_sec):
+def _finish_block(cfg, pm, l_sum, bias, o_acc, t0, j0, o_sec, lse_sec, steps, rt):
     """Finishing, all units at once: ``o = O / l`` and ``lse = c m + log(l)`` (= log(l) - bias); rows that saw no
     key (and have no sink) get 0 and +inf. O is normalised per unit, transposed back to ``[d, q]`` into the
     section's O staging, the LSE columns go to the section's LSE staging."""
@@ -535,25 +784,36 @@ def _finish_block(cfg, pm, l_sum, bias, o_acc, j0, o_sec, lse_sec):
     recip = nl.ndarray((PMAX, n), dtype=nl.float32, buffer=nl.sbuf)
     nisa.reciprocal(dst=recip, data=l_safe)
     nisa.select_reduce(dst=recip, predicate=keep, on_true=recip, on_false=0.0)  # 0 for empty rows
+    if cfg.o_factor != 1.0:
+        nisa.tensor_scalar(dst=recip, data=recip, op0=nl.multiply, operand0=cfg.o_factor)
     log_l = nl.ndarray((PMAX, n), dtype=nl.float32, buffer=nl.sbuf)
     nisa.activation(dst=log_l, op=nl.log, data=l_safe)
     lse_real = nl.ndarray((PMAX, n), dtype=nl.float32, buffer=nl.sbuf)
     nisa.tensor_tensor(dst=lse_real, data1=log_l, data2=bias, op=nl.subtract)
+    for f in steps.lse:
+        f(cfg, t0, j0, lse_real, rt)
     nisa.select_reduce(dst=lse_sec[:, j0:j0 + n], predicate=keep, on_true=lse_real, on_false=POS_INF)
     # Per unit on ScalarE (its exponents leave it idle at the end of a block, VectorE is the busier engine):
     # O * (1/l) into o's dtype, then O^T per V/O partition tile into the staging.
     for u in range(n):
         o_n = nl.ndarray((PMAX, cfg.d_v), dtype=cfg.io_dtype, buffer=nl.sbuf)
-        nisa.activation(dst=o_n, op=nl.copy, data=o_acc[:, u, :], scale=recip[:, u:u + 1])
+        if cfg.scalar_busy:
+            nisa.tensor_scalar(dst=o_n, data=o_acc[:, u, :], op0=nl.multiply, operand0=recip[:, u:u + 1])
+        else:
+            nisa.activation(dst=o_n, op=nl.copy, data=o_acc[:, u, :], scale=recip[:, u:u + 1])
         col = (j0 + u) * PMAX
         for vi in range(len(cfg.v_tiles)):
             v0, vsz = cfg.v_tiles[vi]
             ot_ps = nl.ndarray((vsz, PMAX), dtype=cfg.io_dtype, buffer=nl.psum)
             nisa.nc_transpose(dst=ot_ps, data=o_n[:, v0:v0 + vsz])
-            nisa.activation(dst=o_sec[vi][:, col:col + PMAX], op=nl.copy, data=ot_ps)
+            if cfg.scalar_busy:
+                nisa.tensor_copy(dst=o_sec[vi][:, col:col + PMAX], src=ot_ps)
+            else:
+                nisa.activation(dst=o_sec[vi][:, col:col + PMAX], op=nl.copy, data=ot_ps)
 
 
-def _attend_block(cfg, k_ref, v_ref, b, kvh, q_sec, t0, j0, j1, bounds, sink_stats, steps, o_sec, lse_sec):
+def _attend_block(cfg, k_ref, v_ref, b, kvh, q_sec, t0, j0, j1, bounds, sink_stats, steps, rt, sec_state, o_sec,
+                  lse_sec):
     """Units ``j0 .. j1 - 1`` of the section starting at query tile ``t0`` (unit j: query tile ``t0 + j // group``,
     head ``j % group``) against every key block one of them sees."""
     g = cfg.group
@@ -565,9 +825,9 @@ def _attend_block(cfg, k_ref, v_ref, b, kvh, q_sec, t0, j0, j1, bounds, sink_sta
         heads.append(j % g)
         tiles.append(t0 + j // g)
         started.append(False)
+    # (a bottom-right band can leave whole query tiles without a visible key: seqlen_q > seqlen_k with causal,
+    # windows that end before the first key or start after the last; such units are finished as empty rows)
     plan = _key_blocks(cfg, tiles)
-    # causal / window never hide a unit's diagonal chunk (seqlen_q == seqlen_k there); nothing else skips tiles
-    assert len(plan) > 0, "internal: a block of units sees no key"
     # pm[:, u, i]: row max of score tile i of the current key block; pm[:, u, KB]: the running max m
     pm = nl.ndarray((PMAX, n, cfg.kb_tiles + 1), dtype=nl.float32, buffer=nl.sbuf)
     l_sum = nl.ndarray((PMAX, n), dtype=nl.float32, buffer=nl.sbuf)
@@ -575,21 +835,35 @@ def _attend_block(cfg, k_ref, v_ref, b, kvh, q_sec, t0, j0, j1, bounds, sink_sta
         nisa.memset(dst=pm, value=FP32_MIN, engine=nisa.engine.gpsimd)
         nisa.memset(dst=l_sum, value=0.0, engine=nisa.engine.gpsimd)
     else:
-        if plan[0][5]:
+        if len(plan) == 0 or plan[0][5]:
             nisa.memset(dst=pm, value=FP32_MIN, engine=nisa.engine.gpsimd)
         m0, l0 = sink_stats
         nisa.tensor_copy(dst=pm[:, :, cfg.kb_tiles], src=_per_unit(m0, j0, n, g))
         nisa.tensor_copy(dst=l_sum, src=_per_unit(l0, j0, n, g))
     o_acc = nl.ndarray((PMAX, n, cfg.d_v), dtype=cfg.acc_dtype, buffer=nl.sbuf)
+    ust = []
+    for u in range(n):
+        st = None
+        if sec_state is not None:
+            st = sec_state[:, j0 + u, :]
+        ust.append(st)
     bias = None
     for k in range(len(plan)):
         gaps_next = k + 1 < len(plan) and plan[k + 1][5]
         pm, l_sum, bias = _key_block(cfg, k_ref, v_ref, b, kvh, q_sec, t0, heads, tiles, plan[k], gaps_next, pm,
-                                     l_sum, o_acc, started, bounds, steps)
-    _finish_block(cfg, pm, l_sum, bias, o_acc, j0, o_sec, lse_sec)
+                                     l_sum, o_acc, started, bounds, steps, rt, ust)
+    for u in range(n):
+        if not started[u]:
+            # no visible key for this unit's rows: O = 0 (o = 0; with sinks lse = their logsumexp)
+            nisa.memset(dst=o_acc[:, u, :], value=0.0, engine=nisa.engine.gpsimd)
+    if bias is None:
+        bias = nl.ndarray((PMAX, n), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_scalar(dst=bias, data=pm[:, :, cfg.kb_tiles], op0=nl.multiply, operand0=-cfg.exp_scale,
+                           op1=nl.minimum, operand1=FP32_MAX)
+    _finish_block(cfg, pm, l_sum, bias, o_acc, t0, j0, o_sec, lse_sec, steps, rt)
 
 
-def _attend_section(cfg, q_ref, k_ref, v_ref, o_ref, lse_ref, b, kvh, t0, t1, bounds, sink_stats, steps):
+def _attend_section(cfg, q_ref, k_ref, v_ref, o_ref, lse_ref, b, kvh, t0, t1, bounds, sink_stats, steps, rt):
     """Query tiles ``[t0, t1)`` of every query head of kv head ``kvh``: Q loaded and O, LSE stored once per head."""
     g = cfg.group
     n = t1 - t0
@@ -602,7 +876,10 @@ def _attend_section(cfg, q_ref, k_ref, v_ref, o_ref, lse_ref, b, kvh, t0, t1, bo
             nisa.dma_copy(dst=qt, src=q_ref[b, kvh * g + h, d0:d0 + dsz, t0 * PMAX:t1 * PMAX])
             if cfg.q_scale != 1.0:
                 # s Q rounded to the input dtype, as attention_bwd computes it (ScalarE has room, VectorE not)
-                nisa.activation(dst=qt, op=nl.copy, data=qt, scale=cfg.q_scale)
+                if cfg.scalar_busy:
+                    nisa.tensor_scalar(dst=qt, data=qt, op0=nl.multiply, operand0=cfg.q_scale)
+                else:
+                    nisa.activation(dst=qt, op=nl.copy, data=qt, scale=cfg.q_scale)
             row.append(qt)
         q_sec.append(row)
     # O^T and LSE staging in unit order (column block j = unit j), stored per head by strided reads
@@ -612,10 +889,14 @@ def _attend_section(cfg, q_ref, k_ref, v_ref, o_ref, lse_ref, b, kvh, t0, t1, bo
         o_stage = nl.ndarray((vsz, n * g * PMAX), dtype=cfg.io_dtype, buffer=nl.sbuf)
         o_sec.append(o_stage)
     lse_sec = nl.ndarray((PMAX, n * g), dtype=nl.float32, buffer=nl.sbuf)
+    sec_state = None
+    if steps.section is not None:
+        sec_state = steps.section(cfg, b, kvh, t0, n, rt)
     blocks = _blocks(cfg, n)
     for i in range(len(blocks)):
         j0, j1 = blocks[i]
-        _attend_block(cfg, k_ref, v_ref, b, kvh, q_sec, t0, j0, j1, bounds, sink_stats, steps, o_sec, lse_sec)
+        _attend_block(cfg, k_ref, v_ref, b, kvh, q_sec, t0, j0, j1, bounds, sink_stats, steps, rt, sec_state, o_sec,
+                      lse_sec)
     for h in range(g):
         hq = kvh * g + h
         for vi in range(len(cfg.v_tiles)):
@@ -627,12 +908,15 @@ def _attend_section(cfg, q_ref, k_ref, v_ref, o_ref, lse_ref, b, kvh, t0, t1, bo
 
 
 def fwd_problem(q_ref, k_ref, v_ref, sinks_ref=None, bound_min=None, bound_max=None, use_causal_mask=False,
-                mixed_precision=True, softmax_scale=None, sliding_window=None):
+                mixed_precision=True, softmax_scale=None, sliding_window=None, softcap=0.0, alibi_slopes=None,
+                window_size=None, dropout_p=0.0, dropout_seed=None):
     """``None`` when ``attention_fwd`` accepts these arguments, else the first problem as a message. The kernel
     asserts on it; ``nki_attn.kernel_api.attention_fwd`` raises it as ``ValueError`` before launching."""
     problem = attention_problem(q_ref, k_ref, v_ref, sinks=sinks_ref, bound_min=bound_min, bound_max=bound_max,
                                 use_causal_mask=use_causal_mask, softmax_scale=softmax_scale,
-                                sliding_window=sliding_window)
+                                sliding_window=sliding_window, softcap=softcap, alibi_slopes=alibi_slopes,
+                                window_size=window_size, dropout_p=dropout_p, dropout_seed=dropout_seed,
+                                supports=FWD_FEATURES, kernel="attention_fwd")
     if problem is None and not isinstance(mixed_precision, bool):
         problem = f"mixed_precision={mixed_precision!r} must be True or False"
     return problem
@@ -640,37 +924,48 @@ def fwd_problem(q_ref, k_ref, v_ref, sinks_ref=None, bound_min=None, bound_max=N
 
 @nki.jit
 def attention_fwd(q_ref, k_ref, v_ref, sinks_ref=None, bound_min=None, bound_max=None, use_causal_mask=False,
-                  mixed_precision=True, softmax_scale=None, sliding_window=None):
+                  mixed_precision=True, softmax_scale=None, sliding_window=None, softcap=0.0, alibi_slopes=None,
+                  window_size=None, dropout_p=0.0, dropout_seed=None):
     """Flash-attention forward; returns ``(o, lse)`` in shared HBM.
 
     Args:
-        q_ref: ``[bs, nheads, d_head, seqlen_q]`` float32 / bfloat16 / float16.
-        k_ref, v_ref: ``[bs, nheads_kv, d_head, seqlen_k]``, q's dtype; query head h reads kv head
+        q_ref: ``[bs, nheads, d_qk, seqlen_q]`` float32 / bfloat16 / float16 (d_qk 1..256).
+        k_ref: ``[bs, nheads_kv, d_qk, seqlen_k]``, v_ref: ``[bs, nheads_kv, d_v, seqlen_k]`` (d_v 1..256), q's
+            dtype; query head h reads kv head
             ``h // (nheads // nheads_kv)``.
         sinks_ref: optional ``[bs, nheads]`` or ``[bs, nheads, num_sinks]`` logits (not scaled) that join the
             softmax denominator and produce no output.
         bound_min, bound_max: optional float32 ``[seqlen_q]`` packing bounds: key j is visible to query i iff
             ``bound_min[i] <= j < bound_max[i]``.
-        use_causal_mask: mask key j > query i (needs seqlen_q == seqlen_k).
+        use_causal_mask: mask key j > query i + seqlen_k - seqlen_q (bottom-right aligned).
         mixed_precision: True keeps the O accumulator in float32; False keeps it in the input dtype. The
             softmax statistics (max, sum, LSE) are float32 either way; P is the input dtype for the PV matmul.
         softmax_scale: multiplies q.k; default ``1 / sqrt(d_head)``.
-        sliding_window: W >= 1 (causal only): query i sees keys ``i - W + 1 .. i``.
+        sliding_window: W >= 1 (causal only): query i sees keys ``i + off - W + 1 .. i + off``.
+        softcap: c > 0 caps the scaled logits to ``c tanh(S / c)`` (0 = off).
+        alibi_slopes: optional float32 ``[bs, nheads]``: adds ``-slope |i + off - j|`` after the cap.
+        window_size: None or ``(left, right)`` (-1 = unbounded): keys ``i + off - left .. i + off + right``,
+            causal or not; not with sliding_window.
+        dropout_p: drop probability in [0, 1) (trace-time); dropout_seed: int32/uint32 ``[2]`` HBM
+            ``(seed, offset)``, given iff dropout_p > 0; the keep mask is ``golden.dropout.keep_mask``'s, the LSE
+            stays pre-dropout.
 
     Returns:
-        o: like q; lse: float32 ``[bs, nheads, 128, seqlen_q // 128]``.
+        o: ``[bs, nheads, d_v, seqlen_q]`` in q's dtype; lse: float32 ``[bs, nheads, 128, seqlen_q // 128]``.
     """
     problem = fwd_problem(q_ref, k_ref, v_ref, sinks_ref, bound_min, bound_max, use_causal_mask, mixed_precision,
-                          softmax_scale, sliding_window)
+                          softmax_scale, sliding_window, softcap, alibi_slopes, window_size, dropout_p, dropout_seed)
     assert problem is None, problem
     shp = attention_shape(q_ref, k_ref, sinks=sinks_ref, bound_min=bound_min, use_causal_mask=use_causal_mask,
                           softmax_scale=softmax_scale, sliding_window=sliding_window)
     range_select_ok = nisa.get_nc_version() >= nisa.nc_version.gen3  # range_select exists on trn2+
     acc_dtype = nl.float32 if mixed_precision else q_ref.dtype
-    cfg = _FwdConfig(shp, q_ref.dtype, acc_dtype, range_select_ok)
+    d_v = v_ref.shape[2]
+    var = _Variants(softcap, alibi_slopes is not None, window_size, dropout_p)
+    cfg = _FwdConfig(shp, q_ref.dtype, acc_dtype, range_select_ok, d_v, var)
     steps = _tile_steps(cfg)
 
-    o_ref = nl.ndarray((shp.bs, shp.nheads, shp.d_head, shp.seqlen_q), dtype=q_ref.dtype, buffer=nl.shared_hbm)
+    o_ref = nl.ndarray((shp.bs, shp.nheads, d_v, shp.seqlen_q), dtype=q_ref.dtype, buffer=nl.shared_hbm)
     lse_ref = nl.ndarray((shp.bs, shp.nheads, PMAX, cfg.n_qt), dtype=nl.float32, buffer=nl.shared_hbm)
 
     # LNC sharding over bs * nheads_kv: core `pid` of `n_prog` takes a contiguous range of (batch, kv head)
@@ -685,6 +980,13 @@ def attention_fwd(q_ref, k_ref, v_ref, sinks_ref=None, bound_min=None, bound_max
     start = pid * per_core
     stop = min(n_items, start + per_core)
 
+    seed_sb = None
+    if cfg.dropout_p > 0:
+        seed_sb = load_dropout_seed(dropout_seed)
+    pos_tab = None
+    if cfg.alibi_mm:
+        pos_tab = nl.ndarray((35, cfg.kb_tiles * K_TILE), dtype=nl.bfloat16, buffer=nl.sbuf)
+        nisa.memset(dst=pos_tab, value=0.0, engine=nisa.engine.gpsimd)  # rows 3-31 stay 0
     bounds = None
     if cfg.masked and cfg.mask != "affine":
         bounds = _load_bounds(cfg, bound_min, bound_max)
@@ -697,7 +999,13 @@ def attention_fwd(q_ref, k_ref, v_ref, sinks_ref=None, bound_min=None, bound_max
         sink_stats = None
         if shp.num_sinks > 0:
             sink_stats = _sink_stats(cfg, sinks_ref, b, kvh)
+        slopes = None
+        alibi_st = None
+        if cfg.alibi:
+            slopes, alibi_st = _load_slopes(cfg, alibi_slopes, b, kvh)
+        rt = _ItemData(slopes, seed_sb, alibi_st, pos_tab)
         for i in range(len(sections)):
             t0, t1 = sections[i]
-            _attend_section(cfg, q_ref, k_ref, v_ref, o_ref, lse_ref, b, kvh, t0, t1, bounds, sink_stats, steps)
+            _attend_section(cfg, q_ref, k_ref, v_ref, o_ref, lse_ref, b, kvh, t0, t1, bounds, sink_stats, steps,
+                            rt)
     return o_ref, lse_ref

@@ -127,3 +127,13 @@ def tile_fully_visible(q0, q1, k0, k1, causal, window):
     ``tile_visible``)."""
     lo_rel, hi_rel = _legacy_band(q0, q1, k0, k1, causal, window)
     return band_tile_fully_visible(q0, q1, k0, k1, lo_rel, hi_rel)
+
+
+def head_dim_tiles(d):
+    """Partition tiles of a head dimension ``d`` (1..256): ``[(first row, rows), ...]``, full tiles of 128 rows
+    and one remainder tile (199 -> ``[(0, 128), (128, 71)]``). Q/K (``d_qk``) and V/O (``d_v``) get one list
+    each."""
+    tiles = []
+    for start in range(0, d, 128):
+        tiles.append((start, min(128, d - start)))
+    return tiles

@@ -3,35 +3,62 @@
 ``attention_problem`` runs at trace time, before any instruction is emitted, and returns the first problem as a
 message naming the argument, its value and the rule it breaks (``None`` when the arguments are valid). Kernel code
 cannot raise, so the kernels ``assert`` on it (as the NKI Library's ``kernel_assert`` does); host code raises the
-same message as ``ValueError`` before launching (``nki_attn.kernel_api``). ``attention_shape`` returns the shape
-facts the kernels need as an ``AttentionShape``.
+same message as ``ValueError`` before launching (``nki_attn.kernel_api``). ``attention_shape`` returns the facts
+the kernels need as an ``AttentionShape`` (sizes, head-dim partition tiles, the mask band, the variant flags).
+
+**Features.** The variants of docs/semantics.md (causal and windows with ``seqlen_q != seqlen_k``, any head dim
+1..256, ``d_qk != d_v``, softcap, ALiBi, two-sided ``window_size``, dropout) are checked here for every kernel,
+but a kernel only accepts those it names in ``supports`` (a tuple of ``FEATURES`` names); for the others
+``attention_problem`` returns a "not supported by this kernel" message instead of letting it compute something
+wrong. ``supports=()`` (the default) is the original kernel contract: causal needs equal lengths, the head dim
+splits into equal tiles, ``d_v == d_qk``, and no new keyword may leave its default.
 """
 import math
 
 from ..backend import nl
+from .tiling import attention_band, head_dim_tiles
 
 PMAX = 128
 MAX_D_HEAD = 256
 _DTYPES = ("float32", "bfloat16", "float16")  # for messages
 
+# Names a kernel may list in ``supports``:
+#   causal_unequal  use_causal_mask / sliding_window / window_size with seqlen_q != seqlen_k (bottom-right)
+#   head_dim_any    head dims 1..256 tiled as 128 + remainder (otherwise: equal tiles of <= 128 rows)
+#   d_v             v / o / dy head dim d_v different from q / k head dim d_qk
+#   softcap, alibi, window_size, dropout   the keywords of the same names
+FEATURES = ("causal_unequal", "head_dim_any", "d_v", "softcap", "alibi", "window_size", "dropout")
+_FLOAT_MAX = 3.4028234663852886e38
+DROPOUT_SEED_SHAPE = (2,)  # (seed, offset); (1,) is (seed,) with offset 0: kernels/dropout.py, docs/semantics.md
+
 
 class AttentionShape(nl.NKIObject):
-    """Validated shape facts of one attention call.
+    """Validated facts of one attention call (all Python values, fixed at trace time).
 
-    bs, nheads, nheads_kv, d_head, seqlen_q, seqlen_k: sizes from q ``[bs, nheads, d_head, seqlen_q]`` and
-    k/v ``[bs, nheads_kv, d_head, seqlen_k]``; group = nheads // nheads_kv (query heads per kv head);
-    d_tiles, d_tile: head_dim split into ``d_tiles`` equal partition tiles of ``d_tile`` <= 128 rows;
-    num_sinks: sink logits per head (0 without sinks); sinks_3d: sinks given as ``[bs, nheads, num_sinks]``;
-    scale: the softmax scale applied to q.k; window: sliding window (0 when none); packing: bounds given.
+    Sizes: q ``[bs, nheads, d_qk, seqlen_q]``, k ``[bs, nheads_kv, d_qk, seqlen_k]``, v ``[bs, nheads_kv, d_v,
+    seqlen_k]``; group = nheads // nheads_kv (query heads per kv head); ``d_head`` = d_qk (the older name).
+    qk_tiles / v_tiles: partition tiles ``[(first row, rows), ...]`` of d_qk / d_v, 128 + remainder
+    (``tiling.head_dim_tiles``). d_tiles, d_tile: the older equal split of d_qk (``d_tiles`` tiles of ``d_tile``
+    rows; exact only when d_qk splits evenly, which ``supports`` without ``head_dim_any`` guarantees).
+    num_sinks: sink logits per head (0 without sinks); sinks_3d: sinks given as ``[bs, nheads, num_sinks]``.
+    scale: the softmax scale applied to q.k (default ``1/sqrt(d_qk)``).
+    causal, window (sliding window, 0 when none), window_size (``(left, right)``, -1 = unbounded, or None),
+    packing (bounds given). off = seqlen_k - seqlen_q; band ``(lo_rel, hi_rel)``: key j is visible to query i
+    iff ``i + lo_rel <= j <= i + hi_rel`` (``tiling.attention_band``, before packing bounds); banded: the band
+    masks something. softcap (0.0 = off), alibi (slopes given), dropout_p (0.0 = off), dropout (p > 0).
     """
 
     def __init__(self, bs, nheads, nheads_kv, d_head, seqlen_q, seqlen_k, d_tiles, num_sinks, sinks_3d, scale,
-                 causal, window, packing):
+                 causal, window, packing, d_v, window_size, softcap, alibi, dropout_p):
         self.bs = bs
         self.nheads = nheads
         self.nheads_kv = nheads_kv
         self.group = nheads // nheads_kv
         self.d_head = d_head
+        self.d_qk = d_head
+        self.d_v = d_v
+        self.qk_tiles = head_dim_tiles(d_head)
+        self.v_tiles = head_dim_tiles(d_v)
         self.seqlen_q = seqlen_q
         self.seqlen_k = seqlen_k
         self.d_tiles = d_tiles
@@ -41,7 +68,18 @@ class AttentionShape(nl.NKIObject):
         self.scale = scale
         self.causal = causal
         self.window = window
+        self.window_size = window_size
         self.packing = packing
+        self.off = seqlen_k - seqlen_q
+        band = attention_band(causal, window, window_size, seqlen_q, seqlen_k)
+        self.lo_rel = band[0]
+        self.hi_rel = band[1]
+        self.band = band
+        self.banded = not (band[0] <= 1 - seqlen_q and band[1] >= seqlen_k - 1)
+        self.softcap = softcap
+        self.alibi = alibi
+        self.dropout_p = dropout_p
+        self.dropout = dropout_p > 0.0
 
 
 def _shape(t):
@@ -66,36 +104,52 @@ def supported_dtype(dtype):
     return name == str(nl.float32) or name == str(nl.bfloat16) or name == str(nl.float16)
 
 
+def _is_int(x):
+    # (NKI's isinstance(True, int) is False, Python's True: the bool test keeps both readings equal)
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x):
+    return (isinstance(x, int) or isinstance(x, float)) and not isinstance(x, bool)
+
+
+def _is_array(x):
+    # what the kernels receive for a tensor argument: not a Python scalar, sequence or string
+    return not (_is_number(x) or isinstance(x, bool) or isinstance(x, str) or isinstance(x, tuple)
+                or isinstance(x, list))
+
+
 def _rank4_problem(name, t):
     if len(t.shape) != 4:
         return f"{name} must be 4-D [bs, heads, d_head, seqlen], got shape {_shape(t)}"
     return None
 
 
-def attention_problem(q, k, v, o=None, dy=None, lse=None, sinks=None, bound_min=None, bound_max=None,
-                      use_causal_mask=False, softmax_scale=None, sliding_window=None):
-    """Check the arguments of attention_fwd / attention_bwd: ``None`` when they are valid, else the first
-    problem as a message naming the argument, its value and the rule. The kernels ``assert`` on it (kernel
-    code cannot raise); the host-side entry points (``nki_attn.kernel_api``, the torch API) raise it as
-    ``ValueError`` before launching.
+def _unsupported(name, value, kernel):
+    return f"{name}={value!r} is not supported by {kernel} (leave it at its default)"
 
-    Layouts: q, o, dy ``[bs, nheads, d_head, seqlen_q]``; k, v ``[bs, nheads_kv, d_head, seqlen_k]``;
-    lse float32 ``[bs, nheads, 128, seqlen_q // 128]``; sinks ``[bs, nheads]`` or ``[bs, nheads, num_sinks]``;
-    bound_min, bound_max float32 ``[seqlen_q]``.
-    """
+
+def _shape_problem(q, k, v, o, dy, lse, supports):
+    """Ranks, sizes, head dims and dtypes of the tensors (first problem or None)."""
     for item in (("q", q), ("k", k), ("v", v)):
         name, t = item
         problem = _rank4_problem(name, t)
         if problem is not None:
             return problem
-    bs, nheads, d_head, seqlen_q = _shape(q)
+    bs, nheads, d_qk, seqlen_q = _shape(q)
     bs_k, nheads_kv, d_k, seqlen_k = _shape(k)
-    if _shape(v) != _shape(k):
+    d_v = _shape(v)[2]
+    if "d_v" in supports:
+        want_v = (bs_k, nheads_kv, d_v, seqlen_k)
+        if _shape(v) != want_v:
+            return (f"v shape {_shape(v)} must be [bs, nheads_kv, d_v, seqlen_k] with k's bs, nheads_kv and "
+                    f"seqlen_k: {want_v}")
+    elif _shape(v) != _shape(k):
         return f"v shape {_shape(v)} must equal k shape {_shape(k)}"
     if bs_k != bs:
         return f"k batch {bs_k} must equal q batch {bs}"
-    if d_k != d_head:
-        return f"k d_head {d_k} must equal q d_head {d_head}"
+    if d_k != d_qk:
+        return f"k d_head {d_k} must equal q d_head {d_qk}"
     if nheads_kv < 1 or nheads % nheads_kv != 0:
         return f"nheads={nheads} (q) must be divisible by nheads_kv={nheads_kv} (k, v) for GQA/MQA"
     for item in (("seqlen_q", seqlen_q), ("seqlen_k", seqlen_k)):
@@ -103,11 +157,15 @@ def attention_problem(q, k, v, o=None, dy=None, lse=None, sinks=None, bound_min=
         if n <= 0 or n % PMAX != 0:
             return (f"{name}={n} must be a positive multiple of {PMAX} (pad the sequence and mask the padding; "
                     f"the torch API does this for you)")
-    if d_head > MAX_D_HEAD:
-        return f"d_head={d_head} exceeds the supported maximum {MAX_D_HEAD}"
-    d_tiles = -(-d_head // PMAX)
-    if d_head % d_tiles != 0:
-        return f"d_head={d_head} cannot be split into {d_tiles} equal partition tiles of at most {PMAX}"
+    for item in (("d_head", d_qk), ("d_v", d_v)):
+        name, d = item
+        if d < 1:
+            return f"{name}={d} must be >= 1"
+        if d > MAX_D_HEAD:
+            return f"{name}={d} exceeds the supported maximum {MAX_D_HEAD}"
+        d_tiles = -(-d // PMAX)
+        if "head_dim_any" not in supports and d % d_tiles != 0:
+            return f"{name}={d} cannot be split into {d_tiles} equal partition tiles of at most {PMAX}"
     dt = str(q.dtype)
     if not supported_dtype(q.dtype):
         return f"q dtype {dt} is not supported; use one of {_DTYPES}"
@@ -115,24 +173,46 @@ def attention_problem(q, k, v, o=None, dy=None, lse=None, sinks=None, bound_min=
         name, t = item
         if t is not None and str(t.dtype) != dt:
             return f"{name} dtype {t.dtype} must equal q dtype {dt}"
+    want_o = (bs, nheads, d_v, seqlen_q)
     for item in (("o", o), ("dy", dy)):
         name, t = item
-        if t is not None and _shape(t) != _shape(q):
-            return f"{name} shape {_shape(t)} must equal q shape {_shape(q)}"
+        if t is not None and _shape(t) != want_o:
+            if want_o == _shape(q):
+                return f"{name} shape {_shape(t)} must equal q shape {_shape(q)}"
+            return f"{name} shape {_shape(t)} must be [bs, nheads, d_v, seqlen_q] = {want_o}"
     if lse is not None:
         want = (bs, nheads, PMAX, seqlen_q // PMAX)
         if _shape(lse) != want:
             return f"lse shape {_shape(lse)} must be [bs, nheads, 128, seqlen_q // 128] = {want}"
         if str(lse.dtype) != str(nl.float32):
             return f"lse dtype {lse.dtype} must be float32"
-    if use_causal_mask and seqlen_q != seqlen_k:
+    return None
+
+
+def _mask_problem(seqlen_q, seqlen_k, use_causal_mask, sliding_window, window_size, bound_min, bound_max,
+                  supports, kernel):
+    """Causal, sliding window, window_size and packing bounds (first problem or None)."""
+    if "causal_unequal" not in supports and use_causal_mask and seqlen_q != seqlen_k:
         return f"use_causal_mask=True needs seqlen_q == seqlen_k, got {seqlen_q} and {seqlen_k}"
     if sliding_window is not None:
-        # (NKI's isinstance(True, int) is False, Python's True: the bool test keeps both readings equal)
-        if isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window < 1:
+        if not _is_int(sliding_window) or sliding_window < 1:
             return f"sliding_window={sliding_window!r} must be None or an int >= 1"
         if not use_causal_mask:
             return f"sliding_window={sliding_window} is only supported with use_causal_mask=True"
+    if window_size is not None:
+        if "window_size" not in supports:
+            return _unsupported("window_size", window_size, kernel)
+        pair = isinstance(window_size, tuple) or isinstance(window_size, list)
+        if not pair or len(window_size) != 2 or not _is_int(window_size[0]) or not _is_int(window_size[1]):
+            return f"window_size={window_size!r} must be None or a pair (left, right) of ints, -1 = unbounded"
+        if window_size[0] < -1 or window_size[1] < -1:
+            return f"window_size={window_size!r}: each side must be >= 0, or -1 for unbounded"
+        if sliding_window is not None:
+            return (f"window_size={window_size!r} and sliding_window={sliding_window} were both given; use one "
+                    f"(sliding_window=W is window_size=(W - 1, 0) with use_causal_mask=True)")
+        if "causal_unequal" not in supports and seqlen_q != seqlen_k:
+            return (f"window_size={window_size!r} needs seqlen_q == seqlen_k on this kernel, got {seqlen_q} and "
+                    f"{seqlen_k}")
     if (bound_min is None) != (bound_max is None):
         if bound_min is not None:
             return "bound_min was given without bound_max; sequence packing needs both"
@@ -144,6 +224,73 @@ def attention_problem(q, k, v, o=None, dy=None, lse=None, sinks=None, bound_min=
                 return f"{name} shape {_shape(t)} must be [seqlen_q] = ({seqlen_q},)"
             if str(t.dtype) != str(nl.float32):
                 return f"{name} dtype {t.dtype} must be float32"
+    return None
+
+
+def _variant_problem(bs, nheads, softcap, alibi_slopes, dropout_p, dropout_seed, supports, kernel):
+    """softcap, alibi_slopes, dropout_p and dropout_seed (first problem or None)."""
+    if not _is_number(softcap) or not (softcap >= 0.0 and softcap <= _FLOAT_MAX):
+        return f"softcap={softcap!r} must be a finite number >= 0 (0.0 disables soft-capping)"
+    if softcap > 0.0 and "softcap" not in supports:
+        return _unsupported("softcap", softcap, kernel)
+    if alibi_slopes is not None:
+        if "alibi" not in supports:
+            return _unsupported("alibi_slopes", "a tensor", kernel)
+        if not _is_array(alibi_slopes):
+            return f"alibi_slopes={alibi_slopes!r} must be None or a float32 tensor [bs, nheads]"
+        if _shape(alibi_slopes) != (bs, nheads):
+            return (f"alibi_slopes shape {_shape(alibi_slopes)} must be [bs, nheads] = {(bs, nheads)} (the torch "
+                    f"API broadcasts FlashAttention's [nheads])")
+        if str(alibi_slopes.dtype) != str(nl.float32):
+            return f"alibi_slopes dtype {alibi_slopes.dtype} must be float32"
+    if not _is_number(dropout_p) or not (dropout_p >= 0.0 and dropout_p < 1.0):
+        return f"dropout_p={dropout_p!r} must be a number in [0, 1) (the kept probabilities are scaled by 1/(1-p))"
+    if dropout_p > 0.0:
+        if "dropout" not in supports:
+            return _unsupported("dropout_p", dropout_p, kernel)
+        if dropout_seed is None:
+            return f"dropout_p={dropout_p} needs dropout_seed (an int32 or uint32 HBM tensor), got None"
+        if not _is_array(dropout_seed):
+            return f"dropout_seed={dropout_seed!r} must be an int32 or uint32 HBM tensor, not a Python value"
+        name = str(dropout_seed.dtype)
+        if name != str(nl.int32) and name != str(nl.uint32):
+            return f"dropout_seed dtype {dropout_seed.dtype} must be int32 or uint32"
+        if _shape(dropout_seed) != DROPOUT_SEED_SHAPE and _shape(dropout_seed) != (1,):
+            return (f"dropout_seed shape {_shape(dropout_seed)} must be {DROPOUT_SEED_SHAPE}: (seed, offset), or "
+                    f"(1,): (seed,) with offset 0")
+    elif dropout_seed is not None:
+        return "dropout_seed was given with dropout_p=0.0; pass dropout_seed only when dropout_p > 0"
+    return None
+
+
+def attention_problem(q, k, v, o=None, dy=None, lse=None, sinks=None, bound_min=None, bound_max=None,
+                      use_causal_mask=False, softmax_scale=None, sliding_window=None, softcap=0.0,
+                      alibi_slopes=None, window_size=None, dropout_p=0.0, dropout_seed=None, supports=(),
+                      kernel="this kernel"):
+    """Check the arguments of attention_fwd / attention_bwd: ``None`` when they are valid, else the first
+    problem as a message naming the argument, its value and the rule. The kernels ``assert`` on it (kernel
+    code cannot raise); the host-side entry points (``nki_attn.kernel_api``, the torch API) raise it as
+    ``ValueError`` before launching.
+
+    Layouts: q ``[bs, nheads, d_qk, seqlen_q]``; k ``[bs, nheads_kv, d_qk, seqlen_k]``; v ``[bs, nheads_kv, d_v,
+    seqlen_k]``; o, dy ``[bs, nheads, d_v, seqlen_q]``; lse float32 ``[bs, nheads, 128, seqlen_q // 128]``;
+    sinks ``[bs, nheads]`` or ``[bs, nheads, num_sinks]``; bound_min, bound_max float32 ``[seqlen_q]``;
+    alibi_slopes float32 ``[bs, nheads]``; dropout_seed an int32 / uint32 tensor ``[2]`` = (seed, offset) (or ``[1]``, offset 0)
+    (docs/semantics.md, "Dropout").
+    Scalars: softcap >= 0 (0 = off); window_size None or ``(left, right)`` ints >= -1 (-1 = unbounded), not
+    with sliding_window; dropout_p in [0, 1) with dropout_seed given iff dropout_p > 0.
+    ``supports``: the ``FEATURES`` the calling kernel implements (module docstring); ``kernel`` names it in the
+    "not supported" messages.
+    """
+    problem = _shape_problem(q, k, v, o, dy, lse, supports)
+    if problem is not None:
+        return problem
+    bs, nheads, _, seqlen_q = _shape(q)
+    seqlen_k = _shape(k)[3]
+    problem = _mask_problem(seqlen_q, seqlen_k, use_causal_mask, sliding_window, window_size, bound_min,
+                            bound_max, supports, kernel)
+    if problem is not None:
+        return problem
     if sinks is not None:
         ss = _shape(sinks)
         ok = (len(ss) == 2 and ss == (bs, nheads)) or (len(ss) == 3 and ss[0] == bs and ss[1] == nheads
@@ -153,18 +300,21 @@ def attention_problem(q, k, v, o=None, dy=None, lse=None, sinks=None, bound_min=
         if not supported_dtype(sinks.dtype):
             return f"sinks dtype {sinks.dtype} is not supported; use one of {_DTYPES}"
     if softmax_scale is not None:
-        number = isinstance(softmax_scale, int) or isinstance(softmax_scale, float)
-        if isinstance(softmax_scale, bool) or not number or not softmax_scale > 0:
+        if not _is_number(softmax_scale) or not softmax_scale > 0:
             return f"softmax_scale={softmax_scale!r} must be None or a positive number"
-    return None
+    return _variant_problem(bs, nheads, softcap, alibi_slopes, dropout_p, dropout_seed, supports, kernel)
 
 
 def attention_shape(q, k, sinks=None, bound_min=None, use_causal_mask=False, softmax_scale=None,
-                    sliding_window=None):
-    """The ``AttentionShape`` of arguments that ``attention_problem`` accepted."""
+                    sliding_window=None, v=None, softcap=0.0, alibi_slopes=None, window_size=None, dropout_p=0.0):
+    """The ``AttentionShape`` of arguments that ``attention_problem`` accepted (``v`` gives d_v; without it
+    d_v = d_qk)."""
     bs, nheads, d_head, seqlen_q = _shape(q)
     nheads_kv = _shape(k)[1]
     seqlen_k = _shape(k)[3]
+    d_v = d_head
+    if v is not None:
+        d_v = _shape(v)[2]
     d_tiles = -(-d_head // PMAX)
     num_sinks = 0
     sinks_3d = False
@@ -173,15 +323,23 @@ def attention_shape(q, k, sinks=None, bound_min=None, use_causal_mask=False, sof
         num_sinks = sinks.shape[2] if sinks_3d else 1
     scale = 1.0 / math.sqrt(d_head) if softmax_scale is None else float(softmax_scale)
     window = 0 if sliding_window is None else sliding_window
+    pair = None
+    if window_size is not None:
+        pair = (window_size[0], window_size[1])
     return AttentionShape(bs, nheads, nheads_kv, d_head, seqlen_q, seqlen_k, d_tiles, num_sinks, sinks_3d, scale,
-                          bool(use_causal_mask), window, bound_min is not None)
+                          bool(use_causal_mask), window, bound_min is not None, d_v, pair, float(softcap),
+                          alibi_slopes is not None, float(dropout_p))
 
 
 def validate_attention(q, k, v, o=None, dy=None, lse=None, sinks=None, bound_min=None, bound_max=None,
-                       use_causal_mask=False, softmax_scale=None, sliding_window=None):
+                       use_causal_mask=False, softmax_scale=None, sliding_window=None, softcap=0.0,
+                       alibi_slopes=None, window_size=None, dropout_p=0.0, dropout_seed=None, supports=(),
+                       kernel="this kernel"):
     """Kernel-side check of the arguments of attention_fwd / attention_bwd (assert on ``attention_problem``)
     and their ``AttentionShape``."""
     problem = attention_problem(q, k, v, o, dy, lse, sinks, bound_min, bound_max, use_causal_mask, softmax_scale,
-                                sliding_window)
+                                sliding_window, softcap, alibi_slopes, window_size, dropout_p, dropout_seed,
+                                supports, kernel)
     assert problem is None, problem
-    return attention_shape(q, k, sinks, bound_min, use_causal_mask, softmax_scale, sliding_window)
+    return attention_shape(q, k, sinks, bound_min, use_causal_mask, softmax_scale, sliding_window, v, softcap,
+                           alibi_slopes, window_size, dropout_p)

@@ -660,16 +660,37 @@ def tensor_tensor(dst, data1, data2, op, engine=engine.unknown, name=None):
                 fail(instr, nm, f"bit-vector op nl.{op.name} needs integer dtypes, got {t.dtype}")
         res = op.binary(_read_int(data1), _read_int(data2))
     elif ints and eng is eng_cls.gpsimd:
-        a = _read_int(data1).astype(np.int64)
-        b = _read_int(data2).astype(np.int64)
-        res = op.binary(a.astype(np.float64), b.astype(np.float64))
-        res = np.asarray(res)
+        res = _gpsimd_int(op, _read_int(data1).astype(np.int64), _read_int(data2).astype(np.int64))
     else:
         res = op.binary(_read(data1), _read(data2))
     _write(dst, res)
     if eng is eng_cls.vector:
         _poison_vector_acc()
     _trace(instr, eng, dst, [data1, data2])
+
+
+_INT_EXACT = {
+    "add": np.add, "subtract": np.subtract,
+    "maximum": np.maximum, "minimum": np.minimum,
+}
+
+
+def _gpsimd_int(op, a, b):
+    """GpSimdE int32/uint32 ``tensor_tensor``: "native integer arithmetic ... exact results for all 32-bit integer
+    values" (ISA, tensor_tensor). Results that do not fit 32 bits are not specified (AMBIGUOUS, docs/simulator.md);
+    the simulator wraps them modulo 2**32 (two's complement), as an integer ALU does. ``a``, ``b``: int64 arrays
+    holding the operands' values. Returns int64 (comparisons: 1/0)."""
+    if op.name == "multiply":
+        # low 64 bits of the product (uint64 multiplication wraps mod 2**64); the low 32 are exact
+        prod = a.astype(np.uint64) * b.astype(np.uint64)
+        return (prod & np.uint64(0xFFFFFFFF)).astype(np.int64)
+    fn = _INT_EXACT.get(op.name)
+    if fn is not None:
+        return fn(a, b) & 0xFFFFFFFF
+    if op.name in ("equal", "not_equal", "greater", "greater_equal", "less", "less_equal"):
+        return np.asarray(op.binary(a, b)).astype(np.int64)
+    # other operators (power, logical ops, divide): through float64, as before
+    return np.asarray(op.binary(a.astype(np.float64), b.astype(np.float64)))
 
 
 def _scalar_op(op, x, operand, reverse):

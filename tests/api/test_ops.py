@@ -155,11 +155,16 @@ def test_ops_refuse_kernel_rule_violations_on_the_host():
     q = rand(1, 2, 64, 256)
     with pytest.raises(ValueError, match=r"seqlen_q=200"):
         ops.attention_fwd(q[..., :200], q[..., :200], q[..., :200])
-    with pytest.raises(ValueError, match=r"use_causal_mask=True: needs seqlen_q == seqlen_k"):
-        ops.attention_fwd(q, q[..., :128], q[..., :128], use_causal_mask=True)
-    with pytest.raises(ValueError, match=r"sliding_window=4: needs use_causal_mask=True"):
+    with pytest.raises(ValueError, match=r"attention_fwd: window_size=\(4, 4\) and sliding_window=3 were both "
+                                         r"given"):
+        ops.attention_fwd(q, q[..., :128], q[..., :128], use_causal_mask=True, sliding_window=3, window_size=(4, 4))
+    with pytest.raises(ValueError, match=r"attention_fwd: softcap=-1.0 must be a finite number >= 0"):
+        ops.attention_fwd(q, q, q, softcap=-1.0)
+    with pytest.raises(ValueError, match=r"attention_fwd: sliding_window=4 is only supported with "
+                                         r"use_causal_mask=True"):
         ops.attention_fwd(q, q, q, sliding_window=4)
-    with pytest.raises(ValueError, match=r"lse="):
+    with pytest.raises(ValueError, match=r"attention_bwd: lse shape \(1, 2, 128, 1\) must be "
+                                         r"\[bs, nheads, 128, seqlen_q // 128\] = \(1, 2, 128, 2\)"):
         ops.attention_bwd(q, q, q, q, q, torch.zeros(1, 2, 128, 1))
 
 

@@ -21,6 +21,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import nki_attn.integrations.transformers as nki_hf  # noqa: E402
+from nki_attn import kernel_api  # noqa: E402
 
 K = 10.0
 FLOOR = 2.0 ** -22
@@ -36,10 +37,14 @@ def _configs():
         "llama": (LlamaConfig(**COMMON), "sdpa"),
         "qwen3": (Qwen3Config(**COMMON, use_sliding_window=True, sliding_window=16, max_window_layers=1), "sdpa"),
         "mistral": (MistralConfig(**COMMON, sliding_window=16), "sdpa"),
-        # Gemma-2's attention logit soft-capping is not in the kernels yet (it raises NotImplementedError, tested
-        # below): configured off here. The final-logit soft-capping is outside attention and stays on.
+        # Gemma-2 without attention soft-capping (the final-logit soft-capping is outside attention and stays
+        # on); "gemma2_softcap" below adds Gemma-2's attention soft-capping (50.0) on top of its sliding window.
         "gemma2": (Gemma2Config(**COMMON, sliding_window=16, query_pre_attn_scalar=16, attn_logit_softcapping=None,
                                 layer_types=["sliding_attention", "full_attention"]), "eager"),
+        # a small cap (the scaled scores of this tiny model stay far below 50, where tanh is the identity)
+        "gemma2_softcap": (Gemma2Config(**COMMON, sliding_window=16, query_pre_attn_scalar=16,
+                                        attn_logit_softcapping=0.5,
+                                        layer_types=["sliding_attention", "full_attention"]), "eager"),
         # every expert routed (top-2 of 2): a router near-tie cannot flip the expert choice between runs
         "gpt_oss": (GptOssConfig(**COMMON, num_local_experts=2, num_experts_per_tok=2, sliding_window=16,
                                  layer_types=["sliding_attention", "full_attention"]), "eager"),
@@ -52,10 +57,12 @@ EXACT = "exact_reference"
 def exact_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, sliding_window=None,
                     softcap=None, is_causal=None, s_aux=None, **kwargs):
     """Attention by the definition in the inputs' dtype (the float64 truth): [b, h, s, d] in, [b, s, h, d] out."""
-    assert dropout == 0.0 and softcap is None
+    assert dropout == 0.0
     group = query.shape[1] // key.shape[1]
     k, v = key.repeat_interleave(group, 1), value.repeat_interleave(group, 1)
     s = (query @ k.transpose(-1, -2)) * scaling
+    if softcap is not None:
+        s = softcap * torch.tanh(s / softcap)
     sq, sk = s.shape[-2:]
     if attention_mask is None:  # no cache in these tests: sq == sk
         i, j = torch.arange(sq)[:, None], torch.arange(sk)[None, :]
@@ -118,9 +125,11 @@ def _check(name, ours, truth, base, worst):
 
 
 @pytest.mark.parametrize("pad", [True, False], ids=["padded", "unpadded"])
-@pytest.mark.parametrize("model", ["llama", "qwen3", "mistral", "gemma2", "gpt_oss"])
+@pytest.mark.parametrize("model", ["llama", "qwen3", "mistral", "gemma2", "gemma2_softcap", "gpt_oss"])
 def test_tiny_model_matches_reference(model, pad):
     cfg, ref_impl = _configs()[model]
+    if model == "gemma2_softcap" and not kernel_api.supports("softcap"):
+        pytest.skip("the kernels of this build have no soft-capping (test_softcap_and_dropout_when_unsupported)")
     torch.manual_seed(0)
     state = _model(cfg, ref_impl).state_dict()
     if model == "gpt_oss":
@@ -165,19 +174,50 @@ def test_tiny_llama_trains_like_sdpa():
         assert abs(a - b) <= 1e-5 * abs(b), f"loss curves diverge: {ours} vs {theirs}"
 
 
-def test_softcap_and_dropout_raise_clearly():
+def test_softcap_and_dropout_when_unsupported():
+    """Kernels without soft-capping / dropout: the variant raises NotImplementedError naming it (never ignored)."""
     from transformers import AutoModelForCausalLM, Gemma2Config, LlamaConfig
-    cfg = Gemma2Config(**COMMON, sliding_window=16, query_pre_attn_scalar=16, attn_logit_softcapping=50.0,
-                       layer_types=["sliding_attention", "full_attention"])
-    model = AutoModelForCausalLM.from_config(cfg, attn_implementation=nki_hf.NAME)
-    with pytest.raises(NotImplementedError, match="softcap"):
-        model(input_ids=torch.zeros(1, 8, dtype=torch.long))
-    model = AutoModelForCausalLM.from_config(LlamaConfig(**COMMON, attention_dropout=0.1),
-                                             attn_implementation=nki_hf.NAME).train()
-    with pytest.raises(NotImplementedError, match="dropout_p"):
-        model(input_ids=torch.zeros(1, 8, dtype=torch.long))
-    model.eval()  # transformers passes dropout 0 in eval mode
-    assert model(input_ids=torch.zeros(1, 8, dtype=torch.long)).logits.shape == (1, 8, COMMON["vocab_size"])
+    if kernel_api.supports("softcap") and kernel_api.supports("dropout"):
+        pytest.skip("the kernels implement both (test_tiny_model_matches_reference[gemma2_softcap], "
+                    "test_dropout_training_is_seeded)")
+    if not kernel_api.supports("softcap"):
+        cfg = Gemma2Config(**COMMON, sliding_window=16, query_pre_attn_scalar=16, attn_logit_softcapping=50.0,
+                           layer_types=["sliding_attention", "full_attention"])
+        model = AutoModelForCausalLM.from_config(cfg, attn_implementation=nki_hf.NAME)
+        with pytest.raises(NotImplementedError, match="softcap"):
+            model(input_ids=torch.zeros(1, 8, dtype=torch.long))
+    if not kernel_api.supports("dropout"):
+        model = AutoModelForCausalLM.from_config(LlamaConfig(**COMMON, attention_dropout=0.1),
+                                                 attn_implementation=nki_hf.NAME).train()
+        with pytest.raises(NotImplementedError, match="dropout_p"):
+            model(input_ids=torch.zeros(1, 8, dtype=torch.long))
+        model.eval()  # transformers passes dropout 0 in eval mode
+        assert model(input_ids=torch.zeros(1, 8, dtype=torch.long)).logits.shape == (1, 8, COMMON["vocab_size"])
+
+
+def test_dropout_training_is_seeded():
+    """attention_dropout 0.1 in training: the same torch.manual_seed gives bit-identical loss and gradients, a
+    different seed a different loss; eval mode (dropout 0) matches SDPA's eval-mode logits."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+    if not kernel_api.supports("dropout"):
+        pytest.skip("the kernels of this build have no dropout (test_softcap_and_dropout_when_unsupported)")
+    cfg = LlamaConfig(**COMMON, attention_dropout=0.1)
+    torch.manual_seed(0)
+    state = AutoModelForCausalLM.from_config(copy.deepcopy(cfg), attn_implementation="sdpa").state_dict()
+    ids, am, labels = _batch(cfg.vocab_size, False)
+
+    def step(seed):
+        model = AutoModelForCausalLM.from_config(copy.deepcopy(cfg), attn_implementation=nki_hf.NAME)
+        model.load_state_dict(state)
+        model.train()
+        torch.manual_seed(seed)
+        loss = model(input_ids=ids, labels=labels).loss
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+    (l1, g1), (l2, g2), (l3, _) = step(1), step(1), step(2)
+    assert torch.equal(l1, l2) and all(torch.equal(a, b) for a, b in zip(g1, g2))
+    assert not torch.equal(l1, l3)
 
 
 def test_mask_with_gaps_is_refused():

@@ -39,7 +39,7 @@ def test_malformed_shapes_are_usage_errors(shape, capsys, no_work):
     (["--out", "."], "--out"),
     (["--drift", "3", "--drift-dir", "/proc/nki-attn-not-creatable"], "--drift-dir"),
     (["--dtypes", "int8"], "--dtypes"),
-    (["--features", "dropout"], "--features"),
+    (["--features", "rope"], "--features"),
     (["-j", "0"], "--jobs"),
     (["--determinism", "-1"], "--determinism"),
     (["--lnc", "2", "--target", "trn1"], "--lnc"),
