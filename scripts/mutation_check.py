@@ -1,0 +1,558 @@
+"""Mutation testing of the kernels: plant one realistic bug at a time and check that the focused tests catch it.
+
+    python scripts/mutation_check.py                      # every mutation, 2 at a time, table + JSON
+    python scripts/mutation_check.py --check-targets      # only check that every snippet is found exactly once
+    python scripts/mutation_check.py --only 'i19_*,b_dq*' # a subset (comma-separated names or globs)
+    python scripts/mutation_check.py --list               # the mutations, their files and tests
+
+Each mutation is a short, exact source snippet of one file, its replacement (the planted bug), a description,
+and the focused tests that should catch it. The script copies the repository's files (tracked and untracked,
+not ignored; uncommitted edits included) to a scratch directory per job, applies ONE mutation there, runs
+``pytest -x -q`` on the mutation's tests with the scratch copy first on the path, restores the file, and records:
+
+- killed: a test failed (the first failing test is recorded: ``-x`` stops there);
+- survived: every test passed with the bug in place;
+- timeout: the tests ran longer than ``--timeout`` (counted as killed, shown apart);
+- broken target: the snippet is not found exactly once in the current file. The kernels change often; a
+  broken target means the mutation must be retargeted to the new code. It is reported loudly, never run, and
+  counted as an error (exit 1).
+
+The working tree is never modified. Before the mutations, each distinct test selection is run once on the
+unmutated copy (``--no-baseline`` skips it): a selection that fails without a bug would make every kill
+meaningless, so the script stops there.
+
+Exit status 0 when no target is broken, the baseline passes and the kill rate (killed + timeout over the
+mutations run) is at least ``--min-kill-rate`` (default 1.0: every planted bug caught); else 1. The JSON report
+(``--json``, default ``mutation_check.json`` in the current directory) holds every mutation's outcome, killer,
+duration and output tail. Run by hand (it takes tens of minutes), not in CI; docs/validation.md, "Mutation
+testing", has the measured result.
+
+Retargeting: keep each ``old`` snippet short and unique (one line, or two when one is not unique) and change
+only what the bug needs, so that a rewrite of the surrounding code leaves most mutations valid and a broken one
+is fixed by editing one string.
+"""
+import argparse
+import concurrent.futures
+import fnmatch
+import json
+import os
+import platform
+import queue
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+FWD = "nki_attn/kernels/attention_fwd.py"
+BWD = "nki_attn/kernels/attention_bwd.py"
+TILING = "nki_attn/kernels/tiling.py"
+VALIDATION = "nki_attn/kernels/validation.py"
+API = "nki_attn/attention.py"
+
+# Focused test selections (pytest arguments), fastest-failing files first: with -x the run stops at the first
+# failure, so a killed mutation costs only the tests before its killer.
+T_TILING = ["tests/kernels/test_tiling_bruteforce.py", "tests/kernels/test_band_bruteforce.py"]
+T_FWD = ["tests/kernels/test_fwd_coverage.py", "tests/kernels/test_fwd_blocking.py"]
+T_BWD = ["tests/kernels/test_bwd_coverage.py", "tests/kernels/test_bwd_grouping.py"]
+T_VARLEN = ["tests/api/test_varlen_unequal.py"]
+T_VALIDATION = ["tests/kernels/test_attention_bwd.py::test_validation_errors",
+                "tests/kernels/test_attention_fwd.py::test_validation_errors",
+                "tests/kernels/test_coverage_gaps.py"]
+
+
+class Mutation:
+    """One planted bug: in ``path`` (relative to the repository root) replace the exact snippet ``old`` (found
+    exactly once) by ``new``; ``tests`` are the pytest arguments that should catch it."""
+
+    def __init__(self, name, path, old, new, description, tests):
+        self.name = name
+        self.path = path
+        self.old = old
+        self.new = new
+        self.description = description
+        self.tests = list(tests)
+
+
+M = Mutation
+MUTATIONS = [
+    # ---- the five bugs issue #19 found missed by the suite (retargeted to the current kernels)
+    M("i19_1_dq_scratch_from_3_sections", BWD, "self.n_sections > 1", "self.n_sections > 2",
+      "issue #19 bug 1: the fp32 dQ scratch only from 3 K/V sections (bf16 dQ partial sums with 2)", T_BWD),
+    M("i19_2_varlen_no_bottom_right", API, "rel = pos + (len_k - len_q)", "rel = pos",
+      "issue #19 bug 2: varlen causal/window without the per-sequence bottom-right offset len_k - len_q",
+      T_VARLEN),
+    M("i19_3_fully_visible_lo_off_by_one", TILING, "return k0 < q1 - 1 + lo_rel", "return k0 < q1 - 2 + lo_rel",
+      "issue #19 bug 3: the lower-mask test (tile_fully_visible's window side) one key short",
+      T_TILING + T_BWD + T_FWD),
+    M("i19_4_visible_lt_as_le", TILING, "k1 - 1 >= q0 + lo_rel", "k1 - 1 > q0 + lo_rel",
+      "issue #19 bug 4: tile_visible's window-side comparison off by one (a tile with one visible key skipped)",
+      T_TILING + T_BWD + T_FWD),
+    M("i19_5_d_in_last_section", BWD, "    if blk.first:\n        _rowsum_o_dy",
+      "    if blk.last:\n        _rowsum_o_dy",
+      "issue #19 bug 5 (retargeted): D = rowsum(O*dO) in a tile's last visible section, read before written by "
+      "the earlier sections and dsinks", T_BWD),
+    # ---- backward: sections, blocks, dQ partial sums
+    M("b_first_section_is_0", BWD, "first = c.first_sec[i] == s", "first = s == 0",
+      "a query tile's first section taken as section 0, not its first visible one (D unset, dQ reloads garbage)",
+      T_BWD),
+    M("b_last_section_is_final", BWD, "last = c.last_sec[i] == s", "last = s == c.n_sections - 1",
+      "a query tile's last section taken as the final section (dQ never scaled/written when a window ends "
+      "earlier)", T_BWD),
+    M("b_dq_reload_from_out_dq", BWD, "            if c.dq_scratch:\n                t = nl.ndarray(",
+      "            if to_scratch:\n                t = nl.ndarray(",
+      "wrong dQ scratch reload: the last section reloads out_dq instead of the fp32 scratch", T_BWD),
+    M("b_dq_matmul_overwrites_reload", BWD, "accumulate=not (dq_fresh and v.dq_first and ch == 0))",
+      "accumulate=not (v.dq_first and ch == 0))",
+      "wrong start flag: a later section's first dQ matmul overwrites the reloaded partial sum", T_BWD),
+    M("b_dq_scale_in_first_section", BWD, "    if blk.last:\n        scale = c.scale",
+      "    if blk.first:\n        scale = c.scale",
+      "wrong scale placement: dQ scaled in a tile's first section instead of its last", T_BWD),
+    M("b_dvdk_segments_overwrite", BWD, "segs.append((j * PMAX, e * PMAX, acc))",
+      "segs.append((j * PMAX, e * PMAX, False))",
+      "wrong accumulation start flag: every member's dV/dK matmul overwrites the group's PSUM", T_BWD),
+    M("b_dvdk_section_offset", BWD, "a = kt.u0 - k_lo", "a = kt.u0",
+      "dV/dK eviction at the absolute key offset instead of the section-relative one", T_BWD),
+    M("b_visible_tiles_drop_last_chunk", BWD, "k1 = c0 + PMAX  # causal", "k1 = c0  # causal",
+      "off-by-one tile bound: a visible key tile trimmed by its last 128-key chunk", T_BWD),
+    M("b_block_head_offset", BWD, "h_abs0 = hk * c.group + blk.h0", "h_abs0 = hk * c.group",
+      "wrong block index: a block of a split GQA group loads the group's first heads", T_BWD),
+    # ---- backward: masks
+    M("b_causal_mask_off_by_one", BWD, "offset=q0 - v.k0 - a)", "offset=q0 - v.k0 - a + 1)",
+      "causal element mask on P off by one (each query sees the next key)", T_BWD),
+    M("b_window_mask_one_wider", BWD, "offset=v.k0 + c.window - 1 - q0)", "offset=v.k0 + c.window - q0)",
+      "window element mask on P one key wider", T_BWD),
+    M("b_window_mask_extent", BWD, "e = min(v.kw, q0 + PMAX - c.window - v.k0)",
+      "e = min(v.kw, q0 - c.window - v.k0)",
+      "window element mask applied to too few columns (extent computed from the first query of the tile)",
+      T_BWD),
+    M("b_packing_window_bound", BWD, "operand0=float(1 - c.window),", "operand0=float(-c.window),",
+      "window folded into the packing bounds one key wider (trn2 range_select path)", T_BWD),
+    M("b_packing_causal_bound", BWD, "op0=nl.add, operand0=1.0, op1=nl.minimum",
+      "op0=nl.add, operand0=0.0, op1=nl.minimum",
+      "causal folded into the packing bounds drops the diagonal", T_BWD),
+    # ---- backward: GQA and sinks
+    M("b_neg_lse_heads", BWD, "lse_ref[b, hk * c.group:(hk + 1) * c.group, :, :]",
+      "lse_ref[b, hk * c.nheads_kv:hk * c.nheads_kv + c.group, :, :]",
+      "wrong GQA head mapping of the LSE load (nheads_kv for the group size)", T_BWD),
+    M("b_dsinks_logit_offset", BWD, "offset=(b * c.nheads + hk * g_n) * ns))",
+      "offset=(b * c.nheads + hk * c.nheads_kv) * ns))",
+      "wrong dsinks: sink logits of kv head hk read at hk * nheads_kv instead of hk * group", T_BWD),
+    M("b_dsinks_store_heads", BWD, "out_dsinks[b, hk * g_n:(hk + 1) * g_n, :]",
+      "out_dsinks[b, hk * c.nheads_kv:hk * c.nheads_kv + g_n, :]",
+      "wrong dsinks: stored at hk * nheads_kv instead of hk * group (3-D sinks)", T_BWD),
+    M("b_dsinks_sign", BWD, "data=prod, axis=2, negate=True)", "data=prod, axis=2, negate=False)",
+      "wrong dsinks: sign of dS_sink = -exp(sink - LSE) * D dropped", T_BWD),
+    # ---- forward: online softmax
+    M("f_no_o_rescale", FWD, "operand0=alpha[:, u:u + 1], op1=nl.add, operand1=o_ps)",
+      "operand0=1.0, op1=nl.add, operand1=o_ps)",
+      "missing rescale: O not multiplied by alpha when the running max grows", T_FWD),
+    M("f_no_l_rescale", FWD, "nisa.tensor_tensor(dst=rs[:, :, kb], data1=l_sum, data2=alpha, op=nl.multiply)",
+      "nisa.tensor_copy(dst=rs[:, :, kb], src=l_sum)",
+      "missing rescale: l not multiplied by alpha when the running max grows", T_FWD),
+    M("f_alpha_reversed", FWD, "data1=pm[:, :, kb], data2=pm_next[:, :, kb], op=nl.subtract",
+      "data1=pm_next[:, :, kb], data2=pm[:, :, kb], op=nl.subtract",
+      "alpha = exp(m' - m) instead of exp(m - m')", T_FWD),
+    M("f_start_flag_never_set", FWD, "            started[u] = True", "            started[u] = False",
+      "wrong start flag: every key block overwrites O instead of accumulating", T_FWD),
+    M("f_lse_sign", FWD, "data1=log_l, data2=bias, op=nl.subtract", "data1=log_l, data2=bias, op=nl.add",
+      "lse = log(l) + bias instead of log(l) - bias (= c m + log l)", T_FWD),
+    M("f_empty_rows_lse_zero", FWD, "on_true=lse_real, on_false=POS_INF)", "on_true=lse_real, on_false=0.0)",
+      "a row with no visible key gets LSE 0 instead of +inf", T_FWD),
+    M("f_scale_twice", FWD, "self.exp_scale = shp.scale if in_exp else 1.0", "self.exp_scale = shp.scale",
+      "wrong scale placement: the softmax scale applied in the exponent and folded into Q", T_FWD),
+    # ---- forward: masks and tile bounds
+    M("f_chunk_range_drops_last", FWD, "            hi = c + 1\n", "            hi = c\n",
+      "off-by-one tile bound: a unit's visible chunk run loses its last chunk", T_FWD),
+    M("f_window_bound_off_by_one", FWD, "offset=1 - shp.window, channel_multiplier=1)",
+      "offset=-shp.window, channel_multiplier=1)",
+      "window key bound one key wider (trn2+ range_select bounds)", T_FWD),
+    M("f_causal_bound_drops_diagonal", FWD, "offset=1, channel_multiplier=1)  # q + 1",
+      "offset=0, channel_multiplier=1)  # q + 1",
+      "causal key bound q instead of q + 1 (the diagonal masked)", T_FWD),
+    M("f_trn1_window_affine", FWD, "offset=ks + shp.window - 1 - q0)", "offset=ks + shp.window - q0)",
+      "trn1 affine window mask one key wider",
+      ["tests/kernels/test_coverage_gaps.py::test_trn1_affine_window_mask"] + T_FWD),
+    M("f_packing_tiles_full", FWD, "full = not shp.packing and tile_fully_visible(", "full = tile_fully_visible(",
+      "dropped mask: packing tiles treated as fully visible when causal/window would allow it", T_FWD),
+    # ---- forward: blocks, sections, offsets
+    M("f_kv_load_offset", FWD, "key0 = kt0 * K_TILE + c_lo * PMAX", "key0 = kt0 * K_TILE",
+      "K/V of a key block loaded from the block start, not from its first visible chunk", T_FWD),
+    M("f_v_chunk_index", FWD, "moving=vt[:, i * ch + lo + c - c_lo, :]", "moving=vt[:, i * ch + c - c_lo, :]",
+      "wrong V^T chunk in the PV matmul (the unit's first visible chunk of the tile ignored)", T_FWD),
+    M("f_block_column", FWD, "col = (j0 + u) * PMAX", "col = u * PMAX",
+      "wrong block index: a block's O goes to the section's first units' columns", T_FWD),
+    M("f_section_tile", FWD, "tiles.append(t0 + j // g)", "tiles.append(j // g)",
+      "wrong section index: a unit's query tile taken relative to its section", T_FWD),
+    # ---- forward: GQA and sinks
+    M("f_q_head_mapping", FWD, "src=q_ref[b, kvh * g + h,", "src=q_ref[b, kvh * cfg.shp.nheads_kv + h,",
+      "wrong GQA head mapping: Q of kv head kvh read at kvh * nheads_kv + h", T_FWD),
+    M("f_sink_offset", FWD, "offset=(b * shp.nheads + kvh * g) * ns))",
+      "offset=(b * shp.nheads + kvh * shp.nheads_kv) * ns))",
+      "wrong GQA head mapping of the sink logits (nheads_kv for the group size)", T_FWD),
+    M("f_sink_sum_dropped", FWD, "nisa.tensor_copy(dst=l_sum, src=_per_unit(l0, j0, n, g))",
+      "nisa.memset(dst=l_sum, value=0.0, engine=nisa.engine.gpsimd)",
+      "sinks dropped from the softmax denominator (their max kept)", T_FWD),
+    # ---- tiling (band functions the kernels' tile plans use)
+    M("t_legacy_window_one_wider", TILING, "lo_rel = 1 - window", "lo_rel = -window",
+      "the window band one key wider in the equal-length tile tests", T_TILING + T_BWD + T_FWD),
+    M("t_key_range_end", TILING, "k_end = min(seqlen_k, q1 + hi_rel)", "k_end = min(seqlen_k, q1 - 1 + hi_rel)",
+      "band_key_range one key short at its end", T_TILING),
+    M("t_band_right_side", TILING, "hi_rel = min(hi_rel, off + right)", "hi_rel = min(hi_rel, off + right + 1)",
+      "two-sided window band one key wider on the right", T_TILING),
+    # ---- validation
+    M("v_causal_lengths_one_sided", VALIDATION, "if use_causal_mask and seqlen_q != seqlen_k:",
+      "if use_causal_mask and seqlen_q < seqlen_k:",
+      "causal with seqlen_q > seqlen_k accepted (only seqlen_q < seqlen_k refused)", T_VALIDATION),
+    M("v_window_zero_accepted", VALIDATION, "or sliding_window < 1:", "or sliding_window < 0:",
+      "sliding_window=0 accepted", T_VALIDATION),
+]
+
+
+# Mutations of code no launch reaches today (equivalent mutants: no test can kill them), kept for when it becomes
+# live; run with --with-pending. b_no_key_rows_d_unset: the backward's ``no_key_tiles`` (query tiles with no
+# visible key at trace time) is always empty while the tile plan only knows causal / window on equal lengths (every
+# query tile sees its diagonal); bottom-right causal with seqlen_q > seqlen_k (issue #14's band tiling) makes it
+# reachable: then move it into MUTATIONS.
+PENDING = [
+    M("b_no_key_rows_d_unset", BWD, "        nisa.memset(dst=dsum, value=0.0)\n", "",
+      "D of query tiles that see no key left unset (dsinks reads it)", T_BWD),
+]
+
+
+# ----------------------------------------------------------------------------------------------- targets
+class BrokenTarget(Exception):
+    """A mutation's snippet is not found exactly once in its file: the mutation must be retargeted."""
+
+
+def target_count(text, old):
+    """How many times the snippet ``old`` occurs in ``text`` (non-overlapping)."""
+    return text.count(old)
+
+
+def apply_mutation(text, m):
+    """``text`` with the mutation's snippet replaced; BrokenTarget unless it occurs exactly once."""
+    n = target_count(text, m.old)
+    if n != 1:
+        where = "not found" if n == 0 else f"found {n} times (must be unique)"
+        raise BrokenTarget(f"{m.name}: snippet {m.old!r} {where} in {m.path}")
+    return text.replace(m.old, m.new, 1)
+
+
+def check_targets(root, mutations):
+    """``{name: None or problem}`` for every mutation against the files under ``root``."""
+    out = {}
+    for m in mutations:
+        p = os.path.join(root, m.path)
+        if not os.path.isfile(p):
+            out[m.name] = f"{m.name}: file {m.path} does not exist"
+            continue
+        with open(p) as f:
+            text = f.read()
+        try:
+            apply_mutation(text, m)
+            out[m.name] = None
+        except BrokenTarget as e:
+            out[m.name] = str(e)
+    return out
+
+
+def select(mutations, only):
+    """The mutations whose name matches one of the comma-separated names/globs of ``only`` (all when None)."""
+    if not only:
+        return list(mutations)
+    pats = [p.strip() for p in only.split(",") if p.strip()]
+    picked = [m for m in mutations if any(fnmatch.fnmatchcase(m.name, p) for p in pats)]
+    if not picked:
+        raise SystemExit(f"--only {only!r} matches no mutation (see --list)")
+    return picked
+
+
+# ----------------------------------------------------------------------------------------------- scratch copies
+def repo_files(repo):
+    """Paths (relative) of the repository's files: tracked and untracked-but-not-ignored, as the working tree has
+    them (uncommitted edits included). Without git: every file outside .git and caches."""
+    try:
+        r = subprocess.run(["git", "-C", repo, "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+                           capture_output=True, check=True)
+        files = [f for f in r.stdout.decode().split("\0") if f]
+        return sorted(f for f in files if os.path.isfile(os.path.join(repo, f)))
+    except (OSError, subprocess.CalledProcessError):
+        out = []
+        for d, dirs, names in os.walk(repo):
+            dirs[:] = [x for x in dirs if x not in (".git", "__pycache__", ".pytest_cache")]
+            for n in names:
+                out.append(os.path.relpath(os.path.join(d, n), repo))
+        return sorted(out)
+
+
+def make_scratch(repo, dest):
+    """Copy the repository's files into the (new or empty) directory ``dest``; returns ``dest``."""
+    for rel in repo_files(repo):
+        src = os.path.join(repo, rel)
+        dst = os.path.join(dest, rel)
+        os.makedirs(os.path.dirname(dst), exist_ok=True)
+        shutil.copy2(src, dst)
+    return dest
+
+
+def scratch_env(root):
+    """Environment of a test run in the scratch copy: it comes first on the path (ahead of an editable install),
+    no bytecode is written (a mutated and a restored file can share an mtime), no plugin autoloading surprises."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env["PYTHONDONTWRITEBYTECODE"] = "1"
+    return env
+
+
+def check_scratch_imports(root):
+    """Fail unless ``import nki_attn`` in the scratch environment loads the scratch copy."""
+    r = subprocess.run([sys.executable, "-c", "import nki_attn, os; print(os.path.realpath(nki_attn.__file__))"],
+                       cwd=root, env=scratch_env(root), capture_output=True, text=True)
+    path = r.stdout.strip()
+    if r.returncode != 0 or not path.startswith(os.path.realpath(root)):
+        raise SystemExit(f"the scratch copy {root} does not import its own nki_attn (got {path!r}, "
+                         f"{r.stderr[-500:]!r})")
+
+
+# ----------------------------------------------------------------------------------------------- running
+def pytest_command(tests, stop_first=True, workers=0):
+    """pytest on ``tests``: quiet, no cache, stop at the first failure (a mutation run), ``workers`` xdist
+    processes (0: in process)."""
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", str(workers)]
+    if stop_first:
+        cmd.append("-x")
+    return cmd + list(tests)
+
+
+def test_union(mutations):
+    """The distinct pytest arguments of the mutations' tests, in first-use order (the baseline run)."""
+    out = []
+    for m in mutations:
+        for t in m.tests:
+            if t not in out:
+                out.append(t)
+    return out
+
+
+def classify(returncode, output):
+    """``(status, killer)`` of a pytest run: status killed / survived / error; killer the first failing test
+    (or the collection error) for a kill."""
+    lines = output.splitlines()
+    # "FAILED tests/x.py::test[id] - message": the test id may contain spaces, the message follows " - "
+    failed = [ln.split(" ", 1)[1].split(" - ")[0].strip() for ln in lines
+              if ln.startswith(("FAILED ", "ERROR ")) and " " in ln]
+    if returncode == 0:
+        return "survived", None
+    if returncode == 1:
+        return "killed", failed[0] if failed else "(a test failed)"
+    if returncode == 2 and ("error during collection" in output or "errors during collection" in output
+                            or failed):
+        # the mutated module does not import: a crash the tests see, so a kill
+        return "killed", "collection error: " + (failed[0] if failed else "?")
+    return "error", f"pytest exit status {returncode}"
+
+
+def run_tests(root, tests, timeout, stop_first=True, workers=0):
+    """Run pytest on ``tests`` in ``root``: ``(status, killer, seconds, returncode, output tail)``."""
+    t0 = time.perf_counter()
+    try:
+        r = subprocess.run(pytest_command(tests, stop_first, workers), cwd=root, env=scratch_env(root),
+                           capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        out = (e.stdout or b"")
+        out = out.decode(errors="replace") if isinstance(out, bytes) else out
+        return "timeout", f"(over {timeout:.0f} s)", time.perf_counter() - t0, None, out[-2000:]
+    out = r.stdout + r.stderr
+    status, killer = classify(r.returncode, out)
+    return status, killer, time.perf_counter() - t0, r.returncode, out[-2000:]
+
+
+def run_mutation(root, m, timeout):
+    """Apply ``m`` in the scratch copy ``root``, run its tests, restore the file. Returns the result dict."""
+    p = os.path.join(root, m.path)
+    with open(p) as f:
+        original = f.read()
+    res = {"name": m.name, "path": m.path, "description": m.description, "tests": m.tests}
+    try:
+        mutated = apply_mutation(original, m)
+    except BrokenTarget as e:
+        res.update(status="broken-target", killer=None, seconds=0.0, returncode=None, output=str(e))
+        return res
+    try:
+        with open(p, "w") as f:
+            f.write(mutated)
+        status, killer, secs, rc, out = run_tests(root, m.tests, timeout)
+    finally:
+        with open(p, "w") as f:
+            f.write(original)
+    res.update(status=status, killer=killer, seconds=round(secs, 1), returncode=rc, output=out)
+    return res
+
+
+def summarize(results):
+    """Counts and kill rate: killed + timeout over the mutations that ran (broken targets and errors are not in
+    the denominator; they fail the run on their own)."""
+    counts = {}
+    for r in results:
+        counts[r["status"]] = counts.get(r["status"], 0) + 1
+    ran = counts.get("killed", 0) + counts.get("timeout", 0) + counts.get("survived", 0)
+    caught = counts.get("killed", 0) + counts.get("timeout", 0)
+    return {"counts": counts, "ran": ran, "caught": caught, "kill_rate": caught / ran if ran else 0.0}
+
+
+def exit_status(summary, min_kill_rate, baseline_ok=True):
+    """0 when nothing is broken, no run errored, the baseline passed and the kill rate reaches the minimum."""
+    c = summary["counts"]
+    if c.get("broken-target", 0) or c.get("error", 0) or not baseline_ok:
+        return 1
+    return 0 if summary["kill_rate"] >= min_kill_rate - 1e-12 else 1
+
+
+def table(results):
+    """Markdown table of the results, in the list's order."""
+    lines = ["| # | mutation | file | bug | result | caught by | s |", "|---|---|---|---|---|---|---|"]
+    for i, r in enumerate(results, 1):
+        killer = r.get("killer") or ""
+        lines.append(f"| {i} | `{r['name']}` | {os.path.basename(r['path'])} | {r['description']} | "
+                     f"**{r['status']}** | {('`' + killer + '`') if killer else '-'} | {r['seconds']:.0f} |")
+    return "\n".join(lines)
+
+
+def banner(msg):
+    bar = "!" * 100
+    print(f"\n{bar}\n{msg}\n{bar}\n", file=sys.stderr, flush=True)
+
+
+def run_all(repo, mutations, jobs, timeout, baseline=True, log=print):
+    """Check targets, make ``jobs`` scratch copies, run the baseline and the mutations. Returns
+    ``(results, baseline_results)``."""
+    broken = check_targets(repo, mutations)
+    results = {}
+    for m in mutations:
+        if broken[m.name]:
+            results[m.name] = {"name": m.name, "path": m.path, "description": m.description, "tests": m.tests,
+                               "status": "broken-target", "killer": None, "seconds": 0.0, "returncode": None,
+                               "output": broken[m.name]}
+    if any(broken.values()):
+        banner("BROKEN TARGETS (retarget these mutations to the current code; counted as errors):\n  "
+               + "\n  ".join(v for v in broken.values() if v))
+    runnable = [m for m in mutations if not broken[m.name]]
+    base = tempfile.mkdtemp(prefix="mutation_check_")
+    roots = queue.Queue()
+    try:
+        for j in range(jobs):
+            root = make_scratch(repo, os.path.join(base, f"job{j}"))
+            roots.put(root)
+        check_scratch_imports(os.path.join(base, "job0"))
+        baseline_results = []
+        if baseline and runnable:
+            union = test_union(runnable)
+            log(f"baseline: {len(union)} test argument(s) on the unmutated copy, pytest -n {jobs}")
+            root = os.path.join(base, "job0")
+            st, failed, secs, rc, out = run_tests(root, union, timeout * 2, stop_first=False, workers=jobs)
+            b = {"tests": union, "status": "passed" if st == "survived" else st, "failed": failed,
+                 "seconds": round(secs, 1), "output": out}
+            baseline_results.append(b)
+            log(f"  baseline {b['status']} in {b['seconds']:.0f} s" + (f" ({failed})" if failed else ""))
+            if b["status"] != "passed":
+                banner("BASELINE FAILS: the tests fail without any mutation; fix that first\n" + out[-1500:])
+                return [results.get(m.name, {"name": m.name, "path": m.path, "description": m.description,
+                                             "tests": m.tests, "status": "not-run", "killer": None,
+                                             "seconds": 0.0, "returncode": None, "output": ""})
+                        for m in mutations], baseline_results
+        lock = threading.Lock()
+        done = [0]
+
+        def one(m):
+            root = roots.get()
+            try:
+                r = run_mutation(root, m, timeout)
+            finally:
+                roots.put(root)
+            with lock:
+                done[0] += 1
+                log(f"[{done[0]}/{len(runnable)}] {r['status']:>13} {r['seconds']:6.0f} s  {m.name}"
+                    + (f"  <- {r['killer']}" if r["killer"] else ""))
+            return r
+        with concurrent.futures.ThreadPoolExecutor(jobs) as ex:
+            for r in ex.map(one, runnable):
+                results[r["name"]] = r
+        return [results[m.name] for m in mutations], baseline_results
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--repo", default=REPO, help="repository root to copy (default: this script's repository)")
+    ap.add_argument("--only", help="comma-separated mutation names or globs (default: all)")
+    ap.add_argument("--jobs", type=int, default=2, help="mutations run at once, 1 or 2 (default 2)")
+    ap.add_argument("--timeout", type=float, default=900.0, help="seconds per pytest run (default 900)")
+    ap.add_argument("--min-kill-rate", type=float, default=1.0, help="exit 1 below this kill rate (default 1.0)")
+    ap.add_argument("--json", default="mutation_check.json", help="report path (default mutation_check.json)")
+    ap.add_argument("--no-baseline", action="store_true", help="skip the unmutated run of each test selection")
+    ap.add_argument("--with-pending", action="store_true",
+                    help="also run PENDING (mutations of code no launch reaches yet; they survive)")
+    ap.add_argument("--list", action="store_true", help="list the mutations and exit")
+    ap.add_argument("--check-targets", action="store_true",
+                    help="only check that every snippet occurs exactly once; exit 1 when one does not")
+    args = ap.parse_args(argv)
+    if args.jobs not in (1, 2):
+        ap.error(f"--jobs={args.jobs}: must be 1 or 2 (the machine has 2 cores and is shared)")
+    if not 0.0 <= args.min_kill_rate <= 1.0:
+        ap.error(f"--min-kill-rate={args.min_kill_rate}: must be within [0, 1]")
+    pool = MUTATIONS + (PENDING if args.with_pending else [])
+    names = [m.name for m in pool]
+    if len(set(names)) != len(names):
+        raise SystemExit("duplicate mutation names")
+    muts = select(pool, args.only)
+    if args.list or args.check_targets:
+        broken = check_targets(args.repo, muts)
+        for m in muts:
+            flag = "BROKEN " if broken[m.name] else "ok     "
+            print(f"{flag}{m.name:36s} {m.path:36s} {m.description}")
+            if args.list:
+                print(f"{'':43s}tests: {' '.join(m.tests)}")
+        bad = [v for v in broken.values() if v]
+        if bad:
+            banner("BROKEN TARGETS:\n  " + "\n  ".join(bad))
+        print(f"{len(muts)} mutations, {len(bad)} broken target(s)")
+        return 1 if bad else 0
+
+    t0 = time.perf_counter()
+    print(f"{len(muts)} mutations, {args.jobs} at a time, timeout {args.timeout:.0f} s per run", flush=True)
+    results, base = run_all(args.repo, muts, args.jobs, args.timeout, baseline=not args.no_baseline,
+                            log=lambda s: print(s, flush=True))
+    summary = summarize(results)
+    baseline_ok = all(b["status"] == "passed" for b in base)
+    rc = exit_status(summary, args.min_kill_rate, baseline_ok)
+    print()
+    print(table(results))
+    c = summary["counts"]
+    print(f"\nkill rate {summary['caught']}/{summary['ran']} = {summary['kill_rate']:.1%} (killed "
+          f"{c.get('killed', 0)}, timeout {c.get('timeout', 0)}, survived {c.get('survived', 0)}, broken targets "
+          f"{c.get('broken-target', 0)}, errors {c.get('error', 0)}); {time.perf_counter() - t0:.0f} s")
+    for r in results:
+        if r["status"] == "survived":
+            print(f"SURVIVED: {r['name']}: {r['description']}")
+    if c.get("broken-target"):
+        banner(f"{c['broken-target']} BROKEN TARGET(S): retarget them (see above); the run counts as failed")
+    for r in results:
+        if r["status"] == "error":
+            print(f"ERROR: {r['name']}: {r['killer']}\n{r['output'][-1500:]}", file=sys.stderr)
+    report = {"summary": summary, "min_kill_rate": args.min_kill_rate, "exit_status": rc, "baseline": base,
+              "results": results, "jobs": args.jobs, "timeout": args.timeout,
+              "python": platform.python_version(), "seconds": round(time.perf_counter() - t0, 1)}
+    with open(args.json, "w") as f:
+        json.dump(report, f, indent=1)
+    print(f"report: {args.json}")
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())
