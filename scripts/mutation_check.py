@@ -116,8 +116,10 @@ MUTATIONS = [
       "wrong accumulation start flag: every member's dV/dK matmul overwrites the group's PSUM", T_BWD),
     M("b_dvdk_section_offset", BWD, "a = kt.u0 - k_lo", "a = kt.u0",
       "dV/dK eviction at the absolute key offset instead of the section-relative one", T_BWD),
-    M("b_visible_tiles_drop_last_chunk", BWD, "k1 = c0 + PMAX  # the band", "k1 = c0  # the band",
-      "off-by-one tile bound: a visible key tile trimmed by its last 128-key chunk (band tile plan)", T_BWD),
+    M("b_visible_tiles_drop_last_chunk", BWD, "for c0 in range(t0, t1, PMAX):",
+      "for c0 in range(t0, t1 - PMAX, PMAX):",
+      "off-by-one tile bound: the band tile plan never looks at a key tile's last 128-key chunk (visits trimmed "
+      "by it, one-chunk tiles skipped)", T_BWD),
     M("b_block_head_offset", BWD, "h_abs0 = hk * c.group + blk.h0", "h_abs0 = hk * c.group",
       "wrong block index: a block of a split GQA group loads the group's first heads", T_BWD),
     # ---- backward: masks
@@ -126,9 +128,9 @@ MUTATIONS = [
     M("b_window_mask_one_wider", BWD, "offset=v.k0 - q0 - c.lo_rel)", "offset=v.k0 - q0 - c.lo_rel + 1)",
       "band's lower side (sliding window) element mask on P one key wider", T_BWD),
     M("b_window_mask_extent", BWD, "e = min(v.kw, q0 + PMAX - 1 + c.lo_rel - v.k0)",
-      "e = min(v.kw, q0 + c.lo_rel - v.k0)",
-      "band's lower-side mask applied to too few columns (extent computed from the first query of the tile)",
-      T_BWD),
+      "e = min(v.kw, PMAX)",
+      "band's lower-side mask applied to too few columns (only the visit's first 128-key chunk, though the "
+      "window edge of the tile's last rows lies further right)", T_BWD),
     M("b_packing_window_bound", BWD, "operand0=float(c.lo_rel), op1=nl.maximum",
       "operand0=float(c.lo_rel - 1), op1=nl.maximum",
       "band's lower side (window) folded into the packing bounds one key wider (trn2 range_select path)", T_BWD),
