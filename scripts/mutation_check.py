@@ -116,24 +116,26 @@ MUTATIONS = [
       "wrong accumulation start flag: every member's dV/dK matmul overwrites the group's PSUM", T_BWD),
     M("b_dvdk_section_offset", BWD, "a = kt.u0 - k_lo", "a = kt.u0",
       "dV/dK eviction at the absolute key offset instead of the section-relative one", T_BWD),
-    M("b_visible_tiles_drop_last_chunk", BWD, "k1 = c0 + PMAX  # causal", "k1 = c0  # causal",
-      "off-by-one tile bound: a visible key tile trimmed by its last 128-key chunk", T_BWD),
+    M("b_visible_tiles_drop_last_chunk", BWD, "for c0 in range(t0, t1, PMAX):",
+      "for c0 in range(t0, t1 - PMAX, PMAX):",
+      "off-by-one tile bound: the band tile plan never looks at a key tile's last 128-key chunk (visits trimmed "
+      "by it, one-chunk tiles skipped)", T_BWD),
     M("b_block_head_offset", BWD, "h_abs0 = hk * c.group + blk.h0", "h_abs0 = hk * c.group",
       "wrong block index: a block of a split GQA group loads the group's first heads", T_BWD),
     # ---- backward: masks
-    M("b_causal_mask_off_by_one", BWD, "offset=q0 - v.k0 - a)", "offset=q0 - v.k0 - a + 1)",
-      "causal element mask on P off by one (each query sees the next key)", T_BWD),
-    M("b_window_mask_one_wider", BWD, "offset=v.k0 + c.window - 1 - q0)", "offset=v.k0 + c.window - q0)",
-      "window element mask on P one key wider", T_BWD),
-    M("b_window_mask_extent", BWD, "e = min(v.kw, q0 + PMAX - c.window - v.k0)",
-      "e = min(v.kw, q0 - c.window - v.k0)",
-      "window element mask applied to too few columns (extent computed from the first query of the tile)",
-      T_BWD),
-    M("b_packing_window_bound", BWD, "operand0=float(1 - c.window),", "operand0=float(-c.window),",
-      "window folded into the packing bounds one key wider (trn2 range_select path)", T_BWD),
-    M("b_packing_causal_bound", BWD, "op0=nl.add, operand0=1.0, op1=nl.minimum",
-      "op0=nl.add, operand0=0.0, op1=nl.minimum",
-      "causal folded into the packing bounds drops the diagonal", T_BWD),
+    M("b_causal_mask_off_by_one", BWD, "offset=q0 + c.hi_rel - v.k0 - a)", "offset=q0 + c.hi_rel - v.k0 - a + 1)",
+      "band's upper side (causal) element mask on P off by one (each query sees the next key)", T_BWD),
+    M("b_window_mask_one_wider", BWD, "offset=v.k0 - q0 - c.lo_rel)", "offset=v.k0 - q0 - c.lo_rel + 1)",
+      "band's lower side (sliding window) element mask on P one key wider", T_BWD),
+    M("b_window_mask_extent", BWD, "e = min(v.kw, q0 + PMAX - 1 + c.lo_rel - v.k0)",
+      "e = min(v.kw, PMAX)",
+      "band's lower-side mask applied to too few columns (only the visit's first 128-key chunk, though the "
+      "window edge of the tile's last rows lies further right)", T_BWD),
+    M("b_packing_window_bound", BWD, "operand0=float(c.lo_rel), op1=nl.maximum",
+      "operand0=float(c.lo_rel - 1), op1=nl.maximum",
+      "band's lower side (window) folded into the packing bounds one key wider (trn2 range_select path)", T_BWD),
+    M("b_packing_causal_bound", BWD, "operand0=float(c.hi_rel + 1),", "operand0=float(c.hi_rel),",
+      "band's upper side (causal) folded into the packing bounds drops the diagonal", T_BWD),
     # ---- backward: GQA and sinks
     M("b_neg_lse_heads", BWD, "lse_ref[b, hk * c.group:(hk + 1) * c.group, :, :]",
       "lse_ref[b, hk * c.nheads_kv:hk * c.nheads_kv + c.group, :, :]",
@@ -146,6 +148,9 @@ MUTATIONS = [
       "wrong dsinks: stored at hk * nheads_kv instead of hk * group (3-D sinks)", T_BWD),
     M("b_dsinks_sign", BWD, "data=prod, axis=2, negate=True)", "data=prod, axis=2, negate=False)",
       "wrong dsinks: sign of dS_sink = -exp(sink - LSE) * D dropped", T_BWD),
+    M("b_no_key_rows_d_unset", BWD, "        nisa.memset(dst=dsum, value=0.0)\n", "",
+      "D of query tiles that see no key left unset (bottom-right causal, seqlen_q > seqlen_k; dsinks reads it)",
+      T_BWD),
     # ---- forward: online softmax
     M("f_no_o_rescale", FWD, "operand0=alpha[:, u:u + 1], op1=nl.add, operand1=o_ps)",
       "operand0=1.0, op1=nl.add, operand1=o_ps)",
@@ -162,22 +167,23 @@ MUTATIONS = [
       "lse = log(l) + bias instead of log(l) - bias (= c m + log l)", T_FWD),
     M("f_empty_rows_lse_zero", FWD, "on_true=lse_real, on_false=POS_INF)", "on_true=lse_real, on_false=0.0)",
       "a row with no visible key gets LSE 0 instead of +inf", T_FWD),
-    M("f_scale_twice", FWD, "self.exp_scale = shp.scale if in_exp else 1.0", "self.exp_scale = shp.scale",
-      "wrong scale placement: the softmax scale applied in the exponent and folded into Q", T_FWD),
+    M("f_scale_twice", FWD, "base = shp.scale if in_exp else 1.0", "base = shp.scale",
+      "wrong scale placement: a non-power-of-two softmax scale applied in the exponent and folded into Q", T_FWD),
     # ---- forward: masks and tile bounds
     M("f_chunk_range_drops_last", FWD, "            hi = c + 1\n", "            hi = c\n",
       "off-by-one tile bound: a unit's visible chunk run loses its last chunk", T_FWD),
-    M("f_window_bound_off_by_one", FWD, "offset=1 - shp.window, channel_multiplier=1)",
-      "offset=-shp.window, channel_multiplier=1)",
-      "window key bound one key wider (trn2+ range_select bounds)", T_FWD),
-    M("f_causal_bound_drops_diagonal", FWD, "offset=1, channel_multiplier=1)  # q + 1",
-      "offset=0, channel_multiplier=1)  # q + 1",
-      "causal key bound q instead of q + 1 (the diagonal masked)", T_FWD),
-    M("f_trn1_window_affine", FWD, "offset=ks + shp.window - 1 - q0)", "offset=ks + shp.window - q0)",
-      "trn1 affine window mask one key wider",
+    M("f_window_bound_off_by_one", FWD, "offset=cfg.lo_rel, channel_multiplier=1)",
+      "offset=cfg.lo_rel - 1, channel_multiplier=1)",
+      "band's lower side (window) key bound one key wider (trn2+ range_select bounds)", T_FWD),
+    M("f_causal_bound_drops_diagonal", FWD, "offset=cfg.hi_rel + 1, channel_multiplier=1)",
+      "offset=cfg.hi_rel, channel_multiplier=1)",
+      "band's upper side (causal) key bound q + hi_rel instead of q + hi_rel + 1 (the diagonal masked)", T_FWD),
+    M("f_trn1_window_affine", FWD, "offset=ks - q0 - cfg.lo_rel)", "offset=ks - q0 - cfg.lo_rel + 1)",
+      "trn1 affine mask of the band's lower side (window) one key wider",
       ["tests/kernels/test_coverage_gaps.py::test_trn1_affine_window_mask"] + T_FWD),
-    M("f_packing_tiles_full", FWD, "full = not shp.packing and tile_fully_visible(", "full = tile_fully_visible(",
-      "dropped mask: packing tiles treated as fully visible when causal/window would allow it", T_FWD),
+    M("f_packing_tiles_full", FWD, "full = not shp.packing and band_tile_fully_visible(",
+      "full = band_tile_fully_visible(",
+      "dropped mask: packing tiles treated as fully visible when the band would allow it", T_FWD),
     # ---- forward: blocks, sections, offsets
     M("f_kv_load_offset", FWD, "key0 = kt0 * K_TILE + c_lo * PMAX", "key0 = kt0 * K_TILE",
       "K/V of a key block loaded from the block start, not from its first visible chunk", T_FWD),
@@ -204,23 +210,19 @@ MUTATIONS = [
     M("t_band_right_side", TILING, "hi_rel = min(hi_rel, off + right)", "hi_rel = min(hi_rel, off + right + 1)",
       "two-sided window band one key wider on the right", T_TILING),
     # ---- validation
-    M("v_causal_lengths_one_sided", VALIDATION, "if use_causal_mask and seqlen_q != seqlen_k:",
-      "if use_causal_mask and seqlen_q < seqlen_k:",
-      "causal with seqlen_q > seqlen_k accepted (only seqlen_q < seqlen_k refused)", T_VALIDATION),
+    M("v_dropout_p_one_accepted", VALIDATION, "dropout_p >= 0.0 and dropout_p < 1.0)",
+      "dropout_p >= 0.0 and dropout_p <= 1.0)",
+      "dropout_p=1.0 accepted (the kept values' 1 / (1 - p) divides by zero)",
+      ["tests/kernels/test_validation_variants.py::test_spec_arguments_refused"] + T_VALIDATION),
     M("v_window_zero_accepted", VALIDATION, "or sliding_window < 1:", "or sliding_window < 0:",
       "sliding_window=0 accepted", T_VALIDATION),
 ]
 
 
 # Mutations of code no launch reaches today (equivalent mutants: no test can kill them), kept for when it becomes
-# live; run with --with-pending. b_no_key_rows_d_unset: the backward's ``no_key_tiles`` (query tiles with no
-# visible key at trace time) is always empty while the tile plan only knows causal / window on equal lengths (every
-# query tile sees its diagonal); bottom-right causal with seqlen_q > seqlen_k (issue #14's band tiling) makes it
-# reachable: then move it into MUTATIONS.
-PENDING = [
-    M("b_no_key_rows_d_unset", BWD, "        nisa.memset(dst=dsum, value=0.0)\n", "",
-      "D of query tiles that see no key left unset (dsinks reads it)", T_BWD),
-]
+# live; run with --with-pending. Empty now: b_no_key_rows_d_unset (the backward's no-key query tiles) became
+# reachable with bottom-right causal and seqlen_q > seqlen_k and moved into MUTATIONS.
+PENDING = []
 
 
 # ----------------------------------------------------------------------------------------------- targets

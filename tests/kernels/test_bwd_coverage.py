@@ -215,3 +215,10 @@ def test_everything_at_once():
 def test_unequal_lengths_several_sections():
     # non-causal seqlen_q != seqlen_k, with the last section shorter than the others
     run_case(k_section_len=256, h=4, hk=2, sq=256, sk=640, causal=False, sinks=1, seed=11)
+
+
+@pytest.mark.parametrize("sinks", [1, 2])
+def test_causal_queries_longer_sinks(sinks):
+    # bottom-right causal with seqlen_q - seqlen_k = 256: query tiles 0 and 1 see no key at all (their O is 0, D
+    # must be 0); dsinks sums D over every query row, so it reads the rows no section ever visits
+    run_case(h=2, hk=1, sq=512, sk=256, causal=True, sinks=sinks, seed=13)
