@@ -282,29 +282,36 @@ class ExternalCandidate:
         return ExternalCandidate(self.spec, lnc)
 
     def fwd(self, q, k, v, sinks=None, bound_min=None, bound_max=None, use_causal_mask=False, mixed_precision=True,
-            softmax_scale=None, sliding_window=None):
+            softmax_scale=None, sliding_window=None, **variants):
+        """``variants``: the issue #14 keywords a row uses (``softcap``, ``alibi_slopes``, ``window_size``,
+        ``dropout_p``, ``dropout_seed``), passed by name; a candidate whose signature lacks one is Unsupported."""
         if self._fwd is None:
             return self.ours.fwd(q, k, v, sinks, bound_min, bound_max, use_causal_mask=use_causal_mask,
                                  mixed_precision=mixed_precision, softmax_scale=softmax_scale,
-                                 sliding_window=sliding_window)
+                                 sliding_window=sliding_window, **variants)
         if self.spec.fwd_contract == "cte":
+            if variants:
+                raise Unsupported(f"the attention_cte adapter passes none of {sorted(variants)}")
             return cte_forward(self._fwd, q, k, v, sinks, bound_min, bound_max, use_causal_mask, softmax_scale,
                                sliding_window)
         res = call(self._fwd, _trimmed((q, k, v, sinks, bound_min, bound_max)),
-                   _options(self._fwd, use_causal_mask, mixed_precision, softmax_scale, sliding_window),
+                   {**_options(self._fwd, use_causal_mask, mixed_precision, softmax_scale, sliding_window),
+                    **variants},
                    "candidate forward")
         if not isinstance(res, (tuple, list)) or len(res) != 2:
             raise CandidateError(f"candidate forward must return (o, lse); got {_describe(res)}")
         return res[0], res[1]
 
     def bwd(self, q, k, v, o, dy, lse, sinks=None, bound_min=None, bound_max=None, use_causal_mask=False,
-            mixed_precision=True, softmax_scale=None, sliding_window=None):
+            mixed_precision=True, softmax_scale=None, sliding_window=None, **variants):
+        """``variants`` as in ``fwd``."""
         if self._bwd is None:
             return self.ours.bwd(q, k, v, o, dy, lse, sinks, bound_min, bound_max, use_causal_mask=use_causal_mask,
                                  mixed_precision=mixed_precision, softmax_scale=softmax_scale,
-                                 sliding_window=sliding_window)
+                                 sliding_window=sliding_window, **variants)
         res = call(self._bwd, _trimmed((q, k, v, o, dy, lse, sinks, bound_min, bound_max)),
-                   _options(self._bwd, use_causal_mask, mixed_precision, softmax_scale, sliding_window),
+                   {**_options(self._bwd, use_causal_mask, mixed_precision, softmax_scale, sliding_window),
+                    **variants},
                    "candidate backward")
         want = 4 if sinks is not None else 3
         if not isinstance(res, (tuple, list)) or len(res) != want:

@@ -141,7 +141,8 @@ def test_every_project_kernel_passes_the_frontend_gathering():
         assert not g.problems, name
     # the gathering reaches the validation, tiling and config code, not just the kernel function
     names = {d.name for d in frontend.gather(kernels["attention_bwd.attention_bwd"]).definitions}
-    assert {"attention_problem", "tile_visible", "BwdConfig", "AttentionShape", "bwd_problem"} <= names
+    assert {"attention_problem", "attention_band", "band_tile_visible", "BwdConfig", "AttentionShape",
+            "bwd_problem"} <= names
 
 
 @pytest.mark.parametrize("frontend", ["full", "gather", "off"])
