@@ -229,6 +229,8 @@ def cte_forward(fn, q, k, v, sinks=None, bound_min=None, bound_max=None, use_cau
     """
     b, h, d, sq = q.shape
     hk, sk = k.shape[1], k.shape[3]
+    if v.shape[2] != d:
+        raise Unsupported(f"attention_cte takes one head_dim for q, k and v; the row has d_qk={d}, d_v={v.shape[2]}")
     scale = softmax_scale or d ** -0.5
     q3 = q.reshape(b * h, d, sq)
     k3 = k.reshape(b * hk, d, sk)
