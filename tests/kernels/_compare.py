@@ -21,6 +21,7 @@ Use from a test module in tests/kernels: ``sys.path.insert(0, os.path.dirname(__
 """
 import math
 
+import ml_dtypes
 import numpy as np
 import torch
 
@@ -28,6 +29,14 @@ K_FACTOR = 2.0
 UNIT_ROUNDOFF = {"float32": 2.0 ** -24, "bfloat16": 2.0 ** -8, "float16": 2.0 ** -11, "float64": 2.0 ** -53}
 # Secondary absolute bands, max|kernel - ref| <= atol + rtol * max|ref| (see docs/tolerances.md).
 ABS_BANDS = {"float32": (1e-4, 1e-5), "bfloat16": (0.0, 2e-2), "float16": (0.0, 2.5e-3)}
+
+
+def to_np(x):
+    """torch tensor -> numpy array of the same dtype (bfloat16 via ml_dtypes)."""
+    x = x.detach().contiguous()
+    if x.dtype == torch.bfloat16:
+        return x.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    return x.numpy()
 
 
 def dtype_name(dt):

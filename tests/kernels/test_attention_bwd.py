@@ -10,13 +10,13 @@ import os
 import sys
 import types
 
-import ml_dtypes
 import numpy as np
 import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 import _compare  # noqa: E402
+from _compare import to_np  # noqa: E402
 
 from golden.attention_bwd_torch import attention_bwd_torch_ref  # noqa: E402
 from golden.attention_fwd_torch import compute_o_lse, packing_bounds  # noqa: E402
@@ -27,14 +27,6 @@ from nki_attn.sim.errors import NkiValidationError  # noqa: E402
 
 TORCH_DT = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 NAMES = ("dq", "dk", "dv", "dsinks")
-
-
-def to_np(x):
-    """torch tensor -> numpy array of the same dtype (bfloat16 via ml_dtypes)."""
-    x = x.detach().contiguous()
-    if x.dtype == torch.bfloat16:
-        return x.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
-    return x.numpy()
 
 
 class Case:

@@ -13,13 +13,13 @@ Two helpers hold this module's knowledge of kernel internals: ``run_bwd`` (the o
 import os
 import sys
 
-import ml_dtypes
 import numpy as np
 import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 import _compare  # noqa: E402
+from _compare import to_np  # noqa: E402
 
 from golden.attention_bwd_torch import attention_bwd_torch_ref  # noqa: E402
 from golden.attention_fwd_torch import compute_o_lse, packing_bounds  # noqa: E402
@@ -55,14 +55,6 @@ def hbm_round_trips(rec):
 
 
 # ----------------------------------------------------------------------------------------------- cases
-def to_np(x):
-    """torch tensor -> numpy array of the same dtype (bfloat16 via ml_dtypes)."""
-    x = x.detach().contiguous()
-    if x.dtype == torch.bfloat16:
-        return x.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
-    return x.numpy()
-
-
 class Case:
     """One backward call: kernel arguments and the references (float64 golden, golden in dtype, the kernel's own
     formula in float32 from the kernel's inputs)."""
