@@ -40,15 +40,7 @@ from nki_attn.kernels.attention_fwd import attention_fwd  # noqa: E402
 from bench_sim_speed import best_of  # noqa: E402 - the sibling script in scripts/
 
 
-def cpu_model():
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
+from nki_attn.harness.report import cpu_model  # noqa: E402
 
 
 def make_inputs(b, h, hkv, s, d, seed=0):

@@ -57,12 +57,8 @@ def table(out_dir):
 
 
 def write(text, path=os.path.join(ROOT, "docs", "tolerances.md")):
-    begin, end = "<!-- blas-orders:begin -->", "<!-- blas-orders:end -->"
-    doc = open(path).read()
-    head, rest = doc.split(begin, 1)
-    _, tail = rest.split(end, 1)
-    with open(path, "w") as f:
-        f.write(head + begin + "\n" + text + "\n" + end + tail)
+    from nki_attn.harness.report import replace_marked_section
+    replace_marked_section(path, "blas-orders", text)
 
 
 def main(argv=None):

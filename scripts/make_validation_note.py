@@ -73,12 +73,8 @@ def tolerance_table(reports, paths):
 
 
 def update_tolerances(table, path="docs/tolerances.md"):
-    begin, end = "<!-- harness-tolerances:begin -->", "<!-- harness-tolerances:end -->"
-    text = open(path).read()
-    head, rest = text.split(begin, 1)
-    _, tail = rest.split(end, 1)
-    with open(path, "w") as f:
-        f.write(head + begin + "\n" + table + "\n" + end + tail)
+    from nki_attn.harness.report import replace_marked_section
+    replace_marked_section(path, "harness-tolerances", table)
 
 
 KEEP_MARK = "<!-- sections below are not generated: make_validation_note.py keeps them -->"

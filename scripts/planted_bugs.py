@@ -112,12 +112,7 @@ def measure(seqlens=(256, 2048)):
 
 
 def write(table, path):
-    begin, end = "<!-- planted-bugs:begin -->", "<!-- planted-bugs:end -->"
-    text = open(path).read()
-    head, rest = text.split(begin, 1)
-    _, tail = rest.split(end, 1)
-    with open(path, "w") as f:
-        f.write(head + begin + "\n" + table + "\n" + end + tail)
+    report.replace_marked_section(path, "planted-bugs", table)
 
 
 def main(argv=None):

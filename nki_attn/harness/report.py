@@ -20,6 +20,17 @@ def load_average():
         return None
 
 
+def replace_marked_section(path, name, text):
+    """Rewrite the part of the text file ``path`` between ``<!-- {name}:begin -->`` and ``<!-- {name}:end -->``
+    with ``text`` (the markers stay): how scripts put their generated tables into the docs."""
+    begin, end = f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
+    doc = open(path).read()
+    head, rest = doc.split(begin, 1)
+    _, tail = rest.split(end, 1)
+    with open(path, "w") as f:
+        f.write(head + begin + "\n" + text + "\n" + end + tail)
+
+
 def cpu_model():
     """The CPU's model name (from /proc/cpuinfo on Linux, else the platform module)."""
     try:
