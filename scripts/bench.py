@@ -33,8 +33,9 @@ def kernel_inputs(batch, heads, kv_heads, seqlen, d_head, dtype="bfloat16", seed
     harness's inputs, from ``nki_attn.harness.runner.make_inputs`` (``variant``: further ``Case`` fields)."""
     from nki_attn.harness.cases import Case
     from nki_attn.harness.runner import make_inputs
-    case = Case(name="bench", batch=batch, heads=heads, kv_heads=kv_heads, seqlen_q=seqlen, seqlen_k=seqlen,
-                d_head=d_head, dtype=dtype, **variant)
+    fields = dict(name="bench", batch=batch, heads=heads, kv_heads=kv_heads, seqlen_q=seqlen, seqlen_k=seqlen,
+                  d_head=d_head, dtype=dtype)
+    case = Case(**{**fields, **variant})
     return make_inputs(case, seed=seed)
 
 
