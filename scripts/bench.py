@@ -337,7 +337,8 @@ def run_sim_overhead(a):
           f"(OPENBLAS_NUM_THREADS={os.environ.get('OPENBLAS_NUM_THREADS', 'unset')}), "
           f"python {platform.python_version()}")
     print(f"shape: B={a.batch} H={a.heads} HKV={hkv} S={a.seqlen} D={a.head_dim} bf16 "
-          f"{'causal' if causal else 'non-causal'}; best of {a.repeats} alternating runs; 1-min load average {load:.1f}")
+          f"{'causal' if causal else 'non-causal'}; best of {a.repeats} alternating runs; "
+          f"1-min load average {load:.1f}")
     print(f"torch golden fwd+bwd:    {t_gold:8.2f} s  (runs: {', '.join(f'{t:.2f}' for t in gold)})")
     print(f"simulated kernels f+b:   {t_sim:8.2f} s  (runs: {', '.join(f'{t:.2f}' for t in sim)})")
     print(f"ratio simulated/golden:  {t_sim / t_gold:8.2f}x  (target <= 3x)")

@@ -517,7 +517,8 @@ def cmd_threshold(a):
     transfer(s) with the public NeuronLink / EFA figures of SCENARIOS."""
     d, dt = a.head_dim, DTYPES[a.dtype]
     item = torch.empty(0, dtype=dt).element_size()
-    out = {"args": {k: v for k, v in vars(a).items() if k not in ("run", "command", "ring_command")}, "scenarios": SCENARIOS, "configs": []}
+    args = {k: v for k, v in vars(a).items() if k not in ("run", "command", "ring_command")}
+    out = {"args": args, "scenarios": SCENARIOS, "configs": []}
     print(f"Kernel times MODELED on {a.target} (nki_attn.profiler, perfect overlap of engines), one NeuronCore per "
           f"rank; d {d} {a.dtype}; per step the ring computes a full s x s block, zigzag an s/2 x s or s x s/2 "
           f"block")
@@ -591,7 +592,8 @@ RING_CASES = {
         _rc("zigzag-causal-mqa", layout="zigzag", hk=1), _rc("zigzag-window-sinks", layout="zigzag", window=(150, 0),
                                                              sinks=1)],
     4: [_rc("ring-causal-gqa"), _rc("ring-window-sinks-fp32", window=(100, 0), dtype="fp32", sinks=2),
-        _rc("ring-uneven-causal", lengths=[128, 100, 156, 128]), _rc("ring-bidir-window", causal=False, window=(60, 70)),
+        _rc("ring-uneven-causal", lengths=[128, 100, 156, 128]),
+        _rc("ring-bidir-window", causal=False, window=(60, 70)),
         _rc("zigzag-causal-gqa", layout="zigzag"),
         _rc("zigzag-window-sinks-fp32", layout="zigzag", window=(100, 0), dtype="fp32", sinks=1)],
 }
@@ -853,7 +855,8 @@ CANDIDATE_NOTES = {
         "docstring: float32 for the softmax, bfloat16 for the other operations). Its float32 and float16 rows "
         "therefore carry bfloat16-size errors (of the order of one bfloat16 unit roundoff of max|ref|, last "
         "column: hundreds of times the float32 bounds, a few times the float16 ones): the harness judges each "
-        "row by its dtype, so they fail, and the backward they feed fails with them. This is a verdict on precision, not a crash; its bfloat16 rows pass.",
+        "row by its dtype, so they fail, and the backward they feed fails with them. This is a verdict on precision, not a "
+        "crash; its bfloat16 rows pass.",
         "`empty_row` (packing that leaves query rows with no visible key): for such rows `attention_cte` returns "
         "o = the mean of v over the masked keys and -max = 3.4e38 (its mask fills scores with the most negative "
         "float32, and a softmax over equal scores is uniform), where the golden, like this project's kernels, "
@@ -1017,7 +1020,8 @@ def cmd_validation_note(args, out=None):
                   f"- **{s['passed']}/{s['rows']} rows pass**; worst ratio to a bound (either rule) "
                   f"{s['worst_ratio']:.3f}" + ("" if s["pass"] else f"; FAILED: {s['failed_rows']}"), ""]
         if rep.get("schema_version", 1) < 3:
-            lines.append(f"- **an older report** (schema {rep.get('schema_version', 1)}): made by an earlier version of "
+            lines.append(f"- **an older report** (schema {rep.get('schema_version', 1)}): made by an earlier "
+                         "version of "
                          "the kernels and the harness, before the systematic-error rule (rule 2) and the current "
                          "band policy; its rows were judged by rule 1 and the band where required. Regenerate it "
                          "with the command in docs/harness.md to bring it up to date.")

@@ -80,3 +80,21 @@ def test_the_checks_catch_what_they_are_for(tmp_path):
     assert PARENT_PATH.search("(../README.md)").group(1) == "../README.md"
     assert _slug("What the model leaves out") == "what-the-model-leaves-out"
     assert _slug("## `harness_report.json` (schema version 2)".lstrip("# ")) == "harness_reportjson-schema-version-2"
+
+
+# an issue number a reader of the repository cannot look up: "#13", "issue 16", "issue-14d", "Issue #19"
+ISSUE_REF = re.compile(r"(?:^|[^&\w/\]])#\d+\b|\bissues?[ -]#?\d+\w*|\bissue[ -]?#", re.I)
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_no_issue_numbers(doc):
+    found = [m.group(0).strip() for m in ISSUE_REF.finditer(doc.read_text())]
+    assert not found, f"{doc.relative_to(ROOT)} cites issue numbers: {found} (say what the thing is instead)"
+
+
+def test_the_issue_pattern_catches_what_it_is_for():
+    for text in ("the variants of issue #14", "(#13)", "issue 16's planted bug", "issue-14d", "Issue #19 bug 1",
+                 "#9 in the list"):
+        assert ISSUE_REF.search(text), text
+    for text in ("[link](file.md#section-2)", "&#39;", "x#1", "a tissue 3", "sha256[:12]", "issues remain"):
+        assert not ISSUE_REF.search(text), text
