@@ -13,8 +13,9 @@ Every device time printed is MODELED by nki_attn.profiler (the cost model over t
 trace, docs/performance.md), never measured; wall-clock times are this machine's CPU running the simulator.
 
 A study is two functions registered in COMMANDS: ``args_<name>(parser)`` adds its options and
-``run_<name>(args)`` runs it (its docstring's first line is the help). Heavy imports stay inside the run
-functions, so that ``--blas-threads`` (sim-overhead) can set OPENBLAS_NUM_THREADS before numpy loads.
+``run_<name>(args)`` runs it and returns the exit status (its docstring's first line is the help). Heavy imports
+stay inside the run functions, so that ``--blas-threads`` (sim-overhead) can set OPENBLAS_NUM_THREADS before
+numpy loads. A new study (e.g. the simulator's speed benchmark) is one more such pair and one COMMANDS line.
 """
 import argparse
 import contextlib
