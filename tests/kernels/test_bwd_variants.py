@@ -2,7 +2,7 @@
 
 Soft-capping, ALiBi, two-sided ``window_size``, causal and windows with seqlen_q != seqlen_k (bottom-right),
 d_qk != d_v, any head dim 1..256 (128 + remainder partition tiles), and their combinations, each against the
-float64 golden (``golden.attention_bwd_torch.attention_bwd_torch_ref``) with the rule of docs/validation.md
+float64 golden (``golden.attention_bwd_torch.attention_bwd_torch_ref``) with the rule of docs/tolerances.md
 (``_compare.check_close``: K * (golden error in the dtype + error of the kernel's formula from its own inputs) +
 one rounding) plus the fixed absolute band; then the argument checks of the new keywords and what each variant
 adds to the instruction trace. Sizes stay small: the simulator is slow and the machine is shared.
@@ -38,7 +38,7 @@ def alibi_slopes(bs, h):
 def bwd_from_stats(q, k, v, o, dy, lse, opts, sinks=None, drop=None, compute_dtype=torch.float32):
     """The backward kernel's formula with every variant, evaluated by torch in ``compute_dtype`` from exactly the
     inputs the kernel gets (O in the input dtype, LSE in float32): the ``err_inputs`` baseline of
-    docs/validation.md. logits = cap * tanh(scale S / cap) + ALiBi, masked by the band and packing bounds;
+    docs/tolerances.md. logits = cap * tanh(scale S / cap) + ALiBi, masked by the band and packing bounds;
     P = exp(logits - LSE); D = rowsum(O * dO); dS = P (dP - D) (1 - tanh^2); dV = P^T dO; dK = scale dS^T Q;
     dQ = scale dS K (dropout: dP and the dV operand times M / (1 - p)); dsinks = -sum_rows exp(sink - LSE) D."""
     f = lambda x: torch.as_tensor(x, dtype=torch.float64).to(compute_dtype)  # noqa: E731

@@ -7,7 +7,7 @@ multiples of 128 (1, 72, 199), dropout with the golden's keep mask from the same
 BLOOM: ALiBi); the trace-time facts (tile skipping follows the band, a bounded window costs linear in S, the
 default launch emits no variant instruction); and the clear errors for what stays unsupported.
 
-Accuracy: the project's criterion (tests/kernels/_compare.py, derived in docs/validation.md "Forward") for o and
+Accuracy: the project's criterion (tests/kernels/_compare.py, derived in docs/tolerances.md "Forward") for o and
 the finite entries of lse, ``ref`` = the golden on float64 copies of the inputs, ``golden`` = the golden in the
 kernel's dtype; rows that see no key must be +inf in lse exactly where the reference has them (and o = 0 there).
 Sizes are small: the simulator is slow and the machine shared.
