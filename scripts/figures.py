@@ -747,6 +747,27 @@ def cmd_tolerances(a):
     for (dt, out), r in sorted(worst.items()):
         ratio = r["err_ring"] / r["err_single"] if r["err_single"] else math.inf
         print(f"{dt:<10}{out:<8}{r['used']:>11.2f}  {ratio:>11.2f}  {r['case']} ({r['world_size']} ranks)")
+    outputs = ("out", "lse", "dq", "dk", "dv", "dsinks")
+    runs = sum(a.seeds * len(RING_CASES[w]) for w in a.world_sizes)
+    lines = [f"Measured by `python scripts/figures.py ring tolerances --seeds {a.seeds}` (the default-run "
+             f"configurations of the distributed tests on {' and '.join(map(str, a.world_sizes))} ranks with seeds "
+             f"0-{a.seeds - 1}: {runs} runs, every output): the largest fraction of the bound used, and in brackets "
+             f"the ring's error over the single-process error in that case.", "",
+             "| dtype | " + " | ".join(outputs) + " |", "|---|" + "---|" * len(outputs)]
+    for dt, name in (("bf16", "bfloat16"), ("fp32", "float32")):
+        cells = []
+        for out in outputs:
+            r = worst.get((dt, out))
+            ratio = r and (r["err_ring"] / r["err_single"] if r["err_single"] else math.inf)
+            cells.append(f"{r['used']:.2f} ({ratio:.2f}x)" if r else "-")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    top = max(worst.values(), key=lambda r: r["used"])
+    lines += ["", f"No output used more than {100 * top['used']:.0f} % of its bound ({top['case']} {top['output']}, "
+                  f"{top['world_size']} ranks)."]
+    text = "\n".join(lines)
+    print("\n" + text)
+    if a.write:
+        _write("distributed.md", "tolerances", text)
     return 0
 
 
@@ -1143,6 +1164,7 @@ def main(argv=None):
     o.add_argument("--seeds", type=int, default=3)
     o.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4], choices=sorted(RING_CASES))
     o.add_argument("--timeout", type=float, default=3600)
+    o.add_argument("--write", action="store_true", help="write the table into docs/distributed.md")
 
     v = add(sub, "validation-note", cmd_validation_note)
     v.add_argument("reports", nargs="+", help="harness reports of our kernels (reports/harness_report_full.json, "
