@@ -98,3 +98,23 @@ def test_the_issue_pattern_catches_what_it_is_for():
         assert ISSUE_REF.search(text), text
     for text in ("[link](file.md#section-2)", "&#39;", "x#1", "a tissue 3", "sha256[:12]", "issues remain"):
         assert not ISSUE_REF.search(text), text
+
+
+def test_every_script_command_names_an_existing_script_and_subcommand():
+    """Each ``python scripts/X.py [subcommand]`` in the docs names a script that exists and, for a script with
+    subcommands, one of its subcommands (the table of replaced scripts in performance.md names the old files
+    without ``python``)."""
+    import ast
+    bad = []
+    for doc in DOCS:
+        for m in re.finditer(r"python (scripts/[\w-]+\.py)(?: ([a-z][\w-]*))?", doc.read_text()):
+            script = ROOT / m.group(1)
+            if not script.is_file():
+                bad.append(f"{doc.name}: {m.group(0)}: no such script")
+                continue
+            text = script.read_text()
+            if m.group(2) and "add_subparsers" in text:
+                names = {n.value for n in ast.walk(ast.parse(text)) if isinstance(n, ast.Constant)}
+                if m.group(2) not in names:
+                    bad.append(f"{doc.name}: {m.group(0)}: no subcommand {m.group(2)}")
+    assert not bad, bad
