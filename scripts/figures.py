@@ -749,10 +749,13 @@ def cmd_tolerances(a):
         print(f"{dt:<10}{out:<8}{r['used']:>11.2f}  {ratio:>11.2f}  {r['case']} ({r['world_size']} ranks)")
     outputs = ("out", "lse", "dq", "dk", "dv", "dsinks")
     runs = sum(a.seeds * len(RING_CASES[w]) for w in a.world_sizes)
-    lines = [f"Measured by `python scripts/figures.py ring tolerances --seeds {a.seeds}` (the default-run "
-             f"configurations of the distributed tests on {' and '.join(map(str, a.world_sizes))} ranks with seeds "
-             f"0-{a.seeds - 1}: {runs} runs, every output): the largest fraction of the bound used, and in brackets "
-             f"the ring's error over the single-process error in that case.", "",
+    import textwrap
+    lines = [textwrap.fill(f"Measured by `python scripts/figures.py ring tolerances --seeds {a.seeds}` (the "
+                           f"default-run configurations of the distributed tests on "
+                           f"{' and '.join(map(str, a.world_sizes))} ranks with seeds 0-{a.seeds - 1}, inputs from "
+                           f"the harness's builder: {runs} runs, every output): the largest fraction of the bound "
+                           f"used, and in brackets the ring's error over the single-process error in that case.",
+                           115, break_on_hyphens=False), "",
              "| dtype | " + " | ".join(outputs) + " |", "|---|" + "---|" * len(outputs)]
     for dt, name in (("bf16", "bfloat16"), ("fp32", "float32")):
         cells = []
