@@ -23,7 +23,7 @@ import torch
 import golden
 
 from . import tolerance
-from .candidate import CandidateError, Unsupported
+from .errors import CandidateError, Unsupported
 
 _TORCH = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _TILE = 128
@@ -94,6 +94,13 @@ def make_inputs(case, seed=None):
         # the API shares sinks across the batch, so API rows draw one set and repeat it
         shape = (1 if case.via_api else b, h) + (() if case.num_sinks == 1 else (case.num_sinks,))
         sinks = torch.randn(*shape, generator=g, dtype=torch.float64).to(torch.float32)
+        if case.sinks_inf == "head":
+            sinks[:, 0] = float("-inf")
+        elif case.sinks_inf == "first":  # sink 0 of every head (with one sink per head: every sink)
+            if sinks.dim() == 3:
+                sinks[..., 0] = float("-inf")
+            else:
+                sinks.fill_(float("-inf"))
         ins["sinks"] = sinks.expand(b, *shape[1:]).contiguous()
     if case.cu_seqlens:
         cu = torch.tensor(case.cu_seqlens, dtype=torch.int64)
@@ -102,6 +109,9 @@ def make_inputs(case, seed=None):
         ins["alibi_slopes"] = bloom_alibi_slopes(h).expand(b, h).contiguous()
     elif case.alibi == "random":  # as FlashAttention's tests draw them: U[0, 0.3) per (batch, head)
         ins["alibi_slopes"] = (torch.rand(b, h, generator=g, dtype=torch.float64) * 0.3).to(torch.float32)
+    elif case.alibi == "random_h":  # the same per head, shared by the batch
+        slopes = (torch.rand(h, generator=g, dtype=torch.float64) * 0.3).to(torch.float32)
+        ins["alibi_slopes"] = slopes.expand(b, h).contiguous()
     if case.dropout:
         ins["dropout_seed"] = dropout_seed(case)
     return ins
@@ -367,7 +377,10 @@ def run_api(ins, case):
     if case.softcap:
         common["softcap"] = case.softcap
     if case.alibi:
-        common["alibi_slopes"] = ins["alibi_slopes"]
+        # FlashAttention's two slope layouts: [h] (shared by the batch) for random_h and for packed rows (whose
+        # one batch row holds every sequence: varlen's [b, h] would mean per sequence), [b, h] otherwise
+        common["alibi_slopes"] = ins["alibi_slopes"][0].contiguous() if case.alibi == "random_h" \
+            or case.cu_seqlens else ins["alibi_slopes"]
     if case.cu_seqlens:
         if case.batch != 1 or case.seqlen_q != case.seqlen_k:
             raise ValueError(f"row {case.name}: packed rows need batch 1 and seqlen_q == seqlen_k")
@@ -414,10 +427,11 @@ def run_case(case, candidate):
                 raise CandidateError(f"the candidate returned no {name}")
             # lse and dsinks are float32 but carry the row dtype's input rounding: judged by the row dtype.
             scale = _dsinks_input_scale(ref, ins, case) if name == "dsinks" else 0.0
+            zs = zero_scale(name, ins, case) if name in ("dq", "dk") and not torch.any(ref[name]) else 0.0
             checks[name] = tolerance.compare(name, _np(got[name]), _np(ref[name]), _np(base[name]), case.dtype,
                                              n=lengths[name], input_scale=scale,
                                              inputs=_np(from_inputs[name]) if name in from_inputs else None,
-                                             vec_axis=VECTOR_AXIS.get(name))
+                                             vec_axis=VECTOR_AXIS.get(name), zero_scale=zs)
         row["outputs"] = checks
         row["status"] = "pass" if all(c["ok"] for c in checks.values()) else "fail"
         row["worst_ratio"] = max(max(tolerance.ratios(c)) for c in checks.values())
@@ -430,6 +444,18 @@ def run_case(case, candidate):
     row["pass"] = row["status"] == "pass"
     row["seconds"] = round(time.perf_counter() - t0, 3)
     return row
+
+
+def zero_scale(name, ins, case):
+    """The size of the terms whose cancellation makes dq or dk identically zero (``tolerance.compare``'s
+    ``zero_scale``): softmax_scale * max|dP| * max|K| for dq (max|Q| for dk), dP = dO V^T over every (query, key)
+    pair of a GQA group (an upper bound of the visible ones), times 1 / (1 - dropout_p) with dropout."""
+    q, k, v, dy = (ins[n].to(torch.float64) for n in ("q", "k", "v", "dy"))
+    group = case.heads // case.kv_heads
+    dp = max(float(torch.einsum("bhdq,bdk->bhqk", dy[:, g * group:(g + 1) * group], v[:, g]).abs().max())
+             for g in range(case.kv_heads)) if q.numel() and k.numel() else 0.0
+    other = k if name == "dq" else q
+    return (case.scale or case.d_head ** -0.5) * dp * float(other.abs().max()) / (1.0 - case.dropout)
 
 
 def _dsinks_input_scale(ref, ins, case):
