@@ -15,7 +15,7 @@ What a case draws (all independently, sizes kept small so that 2000 cases are pr
 * batch 1-2; kv heads 1-2 and a GQA group of 1-4; head_dim 1..256 (mostly <= 96) and d_v != head_dim;
 * causal; a causal sliding window, or a two-sided ``window_size`` with either side -1 (unbounded), 0 or a
   length; soft-capping (c in [0.5, 5], 30 or 50); ALiBi slopes per (batch, head) ``[b, h]``, per head ``[h]``,
-  or BLOOM's; 1-3 sinks per head, some of them -inf (a whole head's, or the first of every head); a softmax
+  BLOOM's, or of either sign; 1-3 sinks per head, some of them -inf (a whole head's, or the first of every head); a softmax
   scale (random, or 2 and 4, the powers of two the forward applies in its exponent);
 * packing (``cu_seqlens``) with empty sequences and trailing query rows that see no key;
 * dropout (kernel-path cases), checked through the keep mask the golden regenerates from the case's seed.
@@ -30,7 +30,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 # Feature tags of ``features_of``: what a run's coverage counts, and what the tests require N draws to cover.
 FEATURES = ("float32", "bfloat16", "float16", "seqlen_q=1", "seqlen_k=1", "unaligned", "kernel_path", "sq!=sk",
             "gqa", "mqa", "batch2", "dv!=dqk", "head_dim>128", "causal", "window", "window_size",
-            "window_unbounded_side", "softcap", "alibi[b,h]", "alibi[h]", "alibi_bloom", "sinks", "sinks2+",
+            "window_unbounded_side", "softcap", "alibi[b,h]", "alibi[h]", "alibi_bloom", "alibi_signed", "sinks", "sinks2+",
             "sink_-inf", "head_all_-inf", "scale", "packing", "empty_sequence", "empty_rows", "dropout")
 
 
@@ -102,7 +102,7 @@ def draw(seed, i, dtypes=DTYPES):
     if rng.random() < 0.3:
         f["softcap"] = rng.choice((round(rng.uniform(0.5, 5.0), 3), 30.0, 50.0))
     if rng.random() < 0.25:
-        f["alibi"] = rng.choice(("random", "random_h", "bloom"))
+        f["alibi"] = rng.choice(("random", "random_h", "bloom", "signed"))
     if rng.random() < 0.3:
         f["num_sinks"] = rng.choice((1, 1, 2, 3))
         if rng.random() < 0.4:
@@ -152,7 +152,8 @@ def features_of(case):
     if case.sinks_inf == "head" or (case.sinks_inf == "first" and case.num_sinks == 1):
         t.add("head_all_-inf")
     if case.alibi:
-        t.add({"random": "alibi[b,h]", "random_h": "alibi[h]", "bloom": "alibi_bloom"}[case.alibi])
+        t.add({"random": "alibi[b,h]", "random_h": "alibi[h]", "bloom": "alibi_bloom",
+               "signed": "alibi_signed"}[case.alibi])
     cu = case.cu_seqlens
     if cu:
         if any(b == a for a, b in zip(cu[:-1], cu[1:])):

@@ -109,6 +109,8 @@ def make_inputs(case, seed=None):
         ins["alibi_slopes"] = bloom_alibi_slopes(h).expand(b, h).contiguous()
     elif case.alibi == "random":  # as FlashAttention's tests draw them: U[0, 0.3) per (batch, head)
         ins["alibi_slopes"] = (torch.rand(b, h, generator=g, dtype=torch.float64) * 0.3).to(torch.float32)
+    elif case.alibi == "signed":  # either sign: U[-0.3, 0.3) per (batch, head)
+        ins["alibi_slopes"] = ((torch.rand(b, h, generator=g, dtype=torch.float64) - 0.5) * 0.6).to(torch.float32)
     elif case.alibi == "random_h":  # the same per head, shared by the batch
         slopes = (torch.rand(h, generator=g, dtype=torch.float64) * 0.3).to(torch.float32)
         ins["alibi_slopes"] = slopes.expand(b, h).contiguous()
