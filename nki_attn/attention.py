@@ -952,12 +952,16 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
             mask for all heads) whose visible keys form one contiguous run per query (causal, sliding-window,
             padding, packed-sequence masks); other masks (gaps, per-head, additive float) raise
             NotImplementedError.
-        dropout_p: must be 0.0.
+        dropout_p: float in [0, 1), as in ``flash_attn_func`` (applied whenever > 0, as torch does: pass 0.0 for
+            evaluation); the keep mask's seed is drawn from torch's global generator (``torch.manual_seed`` makes
+            it reproducible) and the backward regenerates the same mask.
         is_causal: bool, top-left aligned as torch (key j masked for query i when j > i); not with attn_mask.
         scale: scale of q·k, finite > 0; default ``1/sqrt(head_dim)``.
         enable_gqa: bool; must be True when heads_kv < heads (heads % heads_kv == 0), as torch.
     Returns:
-        ``[..., heads, seqlen_q, head_dim]`` in query's dtype.
+        ``[..., heads, seqlen_q, head_dim_v]`` in query's dtype. A query row that the mask leaves without any
+        visible key gives 0 (and passes no gradient), as torch's SDPA does since PyTorch 2.5; earlier versions
+        return NaN there.
     """
     fn = "scaled_dot_product_attention"
     p = _check_dropout(fn, dropout_p)

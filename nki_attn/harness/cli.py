@@ -354,7 +354,7 @@ def _fuzz_text(fz):
     c = fz["counts"]
     lines = [f"fuzz seed {fz['seed']}: {fz['n']} cases, {c['pass']} pass, {c['fail']} fail, {c['error']} error, "
              f"{c['unsupported']} unsupported ({fz['wall_seconds']} s)"]
-    for reason, n in list(fz["unsupported_reasons"].items())[:5]:
+    for reason, n in list(fz["unsupported_reasons"].items())[:8]:
         lines.append(f"  unsupported x{n}: {reason}")
     for f in fz["failures"]:
         lines.append(f"FAILED ({f['status']}{': ' + ', '.join(f['failed_outputs']) if f['failed_outputs'] else ''})"

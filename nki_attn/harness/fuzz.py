@@ -275,14 +275,14 @@ def shrink(case, fails, budget=40):
 
 
 def summary(rows, cases, seed, failures, wall_seconds):
-    """The report's ``fuzz`` section: seed, counts by status, feature coverage, unsupported messages (first 100
+    """The report's ``fuzz`` section: seed, counts by status, feature coverage, unsupported messages (first 200
     characters, counted), and per failure its case, replay line and shrunk case."""
     counts = {s: 0 for s in ("pass", "fail", "error", "unsupported")}
     reasons = {}
     for r in rows:
         counts[r["status"]] = counts.get(r["status"], 0) + 1
         if r["status"] == "unsupported":
-            key = r.get("error", "")[:100]
+            key = r.get("error", "")[:200]
             reasons[key] = reasons.get(key, 0) + 1
     return {"n": len(cases), "seed": seed, "counts": counts, "coverage": coverage(cases),
             "unsupported_reasons": dict(sorted(reasons.items(), key=lambda kv: -kv[1])),

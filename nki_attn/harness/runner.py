@@ -151,7 +151,7 @@ def _kwargs(case):
 
 
 def _variant_kwargs(case, ins):
-    """The issue #14 keywords of a row, only those it uses (so candidates without them still run other rows)."""
+    """The variant keywords of a row, only those it uses (so candidates without them still run other rows)."""
     kw = {}
     if case.softcap:
         kw["softcap"] = case.softcap
@@ -351,10 +351,45 @@ def candidate_bounds(case, seqlen_q_padded):
 def run_padded(candidate, ins, case):
     """A row of any length run by a kernels-only candidate: q, dy padded with zero query rows and k, v with zero
     keys to multiples of 128, bounds from ``candidate_bounds``; forward + backward as for aligned rows; outputs
-    cut back to the unpadded problem in ``reference``'s layouts. The candidate must support packing bounds."""
+    cut back to the unpadded problem in ``reference``'s layouts. The candidate must support packing bounds.
+
+    Padding at the end keeps the diagonal offset seqlen_k - seqlen_q only when both lengths pad by the same
+    amount (seqlen_k - seqlen_q a multiple of 128); otherwise the zero rows and keys go in FRONT
+    (``_pad_front``), which keeps every offset i + seqlen_k - seqlen_q - j (bottom-right masks, windows, ALiBi
+    distances) whatever the two paddings are."""
+    if (case.seqlen_k - case.seqlen_q) % _TILE:
+        pad, cut = _pad_front(ins, case)
+        return cut(_run_kernels(candidate, pad, case))
     pad, cut = _pad_to_tiles(ins, case)
     pad["bound_min"], pad["bound_max"] = candidate_bounds(case, pad["q"].shape[-1])
     return cut(_run_kernels(candidate, pad, case))
+
+
+def _pad_front(ins, case):
+    """The row's problem for a candidate with seqlen_q and seqlen_k padded to multiples of 128 by ``P_q`` zero
+    query rows and ``P_k`` zero keys in front: query i becomes i + P_q and key j becomes j + P_k, so
+    ``i + sk - sq - j`` is unchanged; bounds ``[P_k, sk_p)`` hide the padded keys from every row (packed rows
+    never come here: their seqlen_q == seqlen_k). Returns (padded inputs, cut) as ``_pad_to_tiles``."""
+    sq, sk = case.seqlen_q, case.seqlen_k
+    sq_p, sk_p = -(-sq // _TILE) * _TILE, -(-sk // _TILE) * _TILE
+    pq, pk = sq_p - sq, sk_p - sk
+    pad = dict(ins)
+    for n, front in (("q", pq), ("dy", pq), ("k", pk), ("v", pk)):
+        pad[n] = torch.nn.functional.pad(ins[n], (front, 0))
+    pad["bound_min"] = torch.full((sq_p,), float(pk), dtype=torch.float32)
+    pad["bound_max"] = torch.full((sq_p,), float(sk_p), dtype=torch.float32)
+
+    def cut(out):
+        res = dict(out)
+        b, h = out["o"].shape[:2]
+        res["o"], res["dq"] = out["o"][..., pq:], out["dq"][..., pq:]
+        res["dk"], res["dv"] = out["dk"][..., pk:], out["dv"][..., pk:]
+        res["lse"] = out["lse"].permute(0, 1, 3, 2).reshape(b, h, sq_p)[..., pq:]  # row t * 128 + p at [p, t]
+        if "dsinks" in out:
+            res["dsinks"] = out["dsinks"].sum(dim=0)  # the API's sinks are shared by the batch
+        return res
+
+    return pad, cut
 
 
 def run_api(ins, case):

@@ -67,7 +67,7 @@ def test_scaled_gradients_are_caught_where_rule_1_cannot_see_them():
 
 def test_wrapper_of_our_kernel_passes_from_a_fresh_process(tmp_path):
     # the README's command, on the README's example file, from the command line: every row passes but the one the
-    # example refuses (two sinks per head) and the rows that need a keyword its signature lacks (the issue #14
+    # example refuses (two sinks per head) and the rows that need a keyword its signature lacks (the
     # variants: softcap, alibi_slopes, window_size, dropout), which are unsupported, not failed
     out = tmp_path / "r.json"
     proc = subprocess.run([sys.executable, "-m", "nki_attn.cli", "check", "--preset", "quick", "-j", "2",
