@@ -281,6 +281,18 @@ class ExternalCandidate:
             softmax_scale=None, sliding_window=None, **variants):
         """``variants``: the variant keywords a row uses (``softcap``, ``alibi_slopes``, ``window_size``,
         ``dropout_p``, ``dropout_seed``), passed by name; a candidate whose signature lacks one is Unsupported."""
+        if self._bwd is not None:
+            # a backward that cannot take the row's arguments refuses it before any forward work is spent: the
+            # bind the backward's own call will make, with the forward's tensors standing in for o, dy and lse
+            sig = _signature(self._bwd)
+            if sig is not None:
+                try:
+                    sig.bind(*_trimmed((q, k, v, q, q, q, sinks, bound_min, bound_max)),
+                             **_options(self._bwd, use_causal_mask, mixed_precision, softmax_scale, sliding_window),
+                             **variants)
+                except TypeError as exc:
+                    raise Unsupported(f"candidate backward: its signature does not take this row's arguments "
+                                      f"({exc})") from None
         if self._fwd is None:
             return self.ours.fwd(q, k, v, sinks, bound_min, bound_max, use_causal_mask=use_causal_mask,
                                  mixed_precision=mixed_precision, softmax_scale=softmax_scale,
