@@ -384,7 +384,8 @@ def main(args):
     determinism = _determinism(args, rows_in, rows, spec) if args.determinism else None
     drift = _drift(args, spec) if args.drift else None
     meta = {"backend": BACKEND, "target": os.environ.get("NEURON_PLATFORM_TARGET_OVERRIDE", "trn2"),
-            "preset": None if (args.shapes or args.case or args.fuzz) else args.preset, "lnc": args.lnc, "jobs": args.jobs,
+            "preset": None if (args.shapes or args.case or args.fuzz) else args.preset, "lnc": args.lnc,
+            "jobs": args.jobs,
             "candidate": spec.describe(), "candidate_spec": None if spec.builtin else spec.as_dict(),
             "notes": sorted({c.note for c in rows_in if c.note}),
             "wall_seconds": round(time.perf_counter() - t0, 1),

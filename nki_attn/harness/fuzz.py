@@ -15,8 +15,8 @@ What a case draws (all independently, sizes kept small so that 2000 cases are pr
 * batch 1-2; kv heads 1-2 and a GQA group of 1-4; head_dim 1..256 (mostly <= 96) and d_v != head_dim;
 * causal; a causal sliding window, or a two-sided ``window_size`` with either side -1 (unbounded), 0 or a
   length; soft-capping (c in [0.5, 5], 30 or 50); ALiBi slopes per (batch, head) ``[b, h]``, per head ``[h]``,
-  BLOOM's, or of either sign; 1-3 sinks per head, some of them -inf (a whole head's, or the first of every head); a softmax
-  scale (random, or 2 and 4, the powers of two the forward applies in its exponent);
+  BLOOM's, or of either sign; 1-3 sinks per head, some of them -inf (a whole head's, or the first of every
+  head); a softmax scale (random, or 2 and 4, the powers of two the forward applies in its exponent);
 * packing (``cu_seqlens``) with empty sequences and trailing query rows that see no key;
 * dropout (kernel-path cases), checked through the keep mask the golden regenerates from the case's seed.
 """
@@ -30,8 +30,8 @@ DTYPES = ("float32", "bfloat16", "float16")
 # Feature tags of ``features_of``: what a run's coverage counts, and what the tests require N draws to cover.
 FEATURES = ("float32", "bfloat16", "float16", "seqlen_q=1", "seqlen_k=1", "unaligned", "kernel_path", "sq!=sk",
             "gqa", "mqa", "batch2", "dv!=dqk", "head_dim>128", "causal", "window", "window_size",
-            "window_unbounded_side", "softcap", "alibi[b,h]", "alibi[h]", "alibi_bloom", "alibi_signed", "sinks", "sinks2+",
-            "sink_-inf", "head_all_-inf", "scale", "packing", "empty_sequence", "empty_rows", "dropout")
+            "window_unbounded_side", "softcap", "alibi[b,h]", "alibi[h]", "alibi_bloom", "alibi_signed", "sinks",
+            "sinks2+", "sink_-inf", "head_all_-inf", "scale", "packing", "empty_sequence", "empty_rows", "dropout")
 
 
 def _length(rng, aligned):

@@ -90,7 +90,7 @@ def test_shrinking_respects_its_budget_and_the_constraints():
     assert n == 3 == len(seen) and small == seen[-1]
     seen.clear()
     fuzz.shrink(big, lambda c: seen.append(c) or False, budget=1000)  # nothing fails: every reduction tried once
-    assert len(seen) == len(fuzz.smaller(big)) > 10
+    assert len(seen) == len(fuzz.smaller(big)) >= 8
     assert all(fuzz.valid(c) for c in seen)
     # dropout keeps kernel-path lengths, packing keeps seqlen_q == seqlen_k and offsets inside the sequence
     assert all(c.seqlen_q % 128 == 0 for c in seen if c.dropout)
