@@ -106,3 +106,15 @@ def test_alibi_slopes_of_either_sign_are_accepted_and_non_finite_refused():
     for bad in (float("nan"), float("inf")):
         with pytest.raises(ValueError, match="alibi_slopes.*finite"):
             nki_attn.flash_attn_func(q, k, v, alibi_slopes=torch.tensor([0.1, bad]))
+
+
+def test_api_row_whose_packed_sequences_are_all_empty():
+    """Packing in which every sequence is empty (no query row sees a key) with sinks, through the API: o = 0,
+    lse = logsumexp(sinks), and dsinks 0 although the API's graph never reaches the sinks (no grad at all)."""
+    from nki_attn.harness.cases import Case
+    from nki_attn.harness.runner import KernelCandidate, run_case
+    case = Case(name="fuzz1-154", batch=1, heads=1, kv_heads=1, seqlen_q=7, seqlen_k=7, d_head=48, d_v=25,
+                dtype="float32", causal=True, num_sinks=3, sinks_inf="head", cu_seqlens=(0, 0, 0, 0, 0))
+    row = run_case(case, KernelCandidate())
+    assert row["status"] == "pass", row.get("error")
+    assert row["outputs"]["dsinks"]["max_abs"] == 0.0
