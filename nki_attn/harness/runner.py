@@ -469,7 +469,8 @@ def run_case(case, candidate):
                 raise CandidateError(f"the candidate returned no {name}")
             # lse and dsinks are float32 but carry the row dtype's input rounding: judged by the row dtype.
             scale = _dsinks_input_scale(ref, ins, case) if name == "dsinks" else 0.0
-            zs = zero_scale(name, ins, case) if name in ("dq", "dk") and not torch.any(ref[name]) else 0.0
+            zs = zero_scale(name, ins, case, lengths[name]) if name in ("dq", "dk") and not torch.any(ref[name]) \
+                else 0.0
             checks[name] = tolerance.compare(name, _np(got[name]), _np(ref[name]), _np(base[name]), case.dtype,
                                              n=lengths[name], input_scale=scale,
                                              inputs=_np(from_inputs[name]) if name in from_inputs else None,
@@ -488,16 +489,18 @@ def run_case(case, candidate):
     return row
 
 
-def zero_scale(name, ins, case):
-    """The size of the terms whose cancellation makes dq or dk identically zero (``tolerance.compare``'s
-    ``zero_scale``): softmax_scale * max|dP| * max|K| for dq (max|Q| for dk), dP = dO V^T over every (query, key)
-    pair of a GQA group (an upper bound of the visible ones), times 1 / (1 - dropout_p) with dropout."""
+def zero_scale(name, ins, case, n):
+    """The size dq or dk would have if the terms whose cancellation makes it identically zero did not cancel
+    (``tolerance.compare``'s ``zero_scale``): a sum of ``n`` (its reduction length) terms of random sign, each
+    at most softmax_scale * max|dP| * max|K| for dq (max|Q| for dk), is about sqrt(n) times that; dP = dO V^T
+    over every (query, key) pair of a GQA group (an upper bound of the visible ones), times 1 / (1 - dropout_p)
+    with dropout."""
     q, k, v, dy = (ins[n].to(torch.float64) for n in ("q", "k", "v", "dy"))
     group = case.heads // case.kv_heads
     dp = max(float(torch.einsum("bhdq,bdk->bhqk", dy[:, g * group:(g + 1) * group], v[:, g]).abs().max())
              for g in range(case.kv_heads)) if q.numel() and k.numel() else 0.0
     other = k if name == "dq" else q
-    return (case.scale or case.d_head ** -0.5) * dp * float(other.abs().max()) / (1.0 - case.dropout)
+    return n ** 0.5 * (case.scale or case.d_head ** -0.5) * dp * float(other.abs().max()) / (1.0 - case.dropout)
 
 
 def _dsinks_input_scale(ref, ins, case):

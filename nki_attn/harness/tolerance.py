@@ -158,7 +158,8 @@ def compare(name, got, ref64, base, dtype, n=1, input_scale=0.0, inputs=None, ve
             o, dq, dk, dv in the kernels' layout; None for lse and dsinks.
         zero_scale: used only when the reference is identically zero (dq and dk of a problem in which every
             query row sees exactly one key and no sink: P = 1, so dP = D and dS = 0 by cancellation): the size
-            of the terms that cancel (``runner.zero_scale``), which then stands in for max|X64| in the floor.
+            the output would have if its terms did not cancel (``runner.zero_scale``), which then stands in for
+            max|X64| in the floor.
             A zero max|X64| would otherwise demand an exact 0 from any candidate, whose D and dP are float32
             reductions in different orders; no other output is affected.
     Returns:

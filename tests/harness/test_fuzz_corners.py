@@ -118,3 +118,23 @@ def test_api_row_whose_packed_sequences_are_all_empty():
     row = run_case(case, KernelCandidate())
     assert row["status"] == "pass", row.get("error")
     assert row["outputs"]["dsinks"]["max_abs"] == 0.0
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_gradients_that_cancel_to_exactly_zero_get_a_floor(dtype):
+    """One query and one key: P = 1, so dP = D and the float64 dq, dk are exactly 0, while any float32
+    implementation leaves a rounding residue. Their floor is measured by the size the cancelling terms would
+    add up to (runner.zero_scale), not by max|ref| = 0: our kernels pass, and the bound stays a small fraction
+    of that size (FLOOR[dtype] plus the accumulation term)."""
+    from nki_attn.harness import tolerance
+    from nki_attn.harness.cases import Case
+    from nki_attn.harness.runner import KernelCandidate, make_inputs, run_case, zero_scale
+    case = Case(name="fuzz1-e", batch=1, heads=2, kv_heads=2, seqlen_q=1, seqlen_k=1, d_head=8, dtype=dtype)
+    row = run_case(case, KernelCandidate())
+    assert row["status"] == "pass", row
+    ins = make_inputs(case)
+    for name in ("dq", "dk"):
+        out = row["outputs"][name]
+        zs = zero_scale(name, ins, case, out["n"])
+        assert out["bound"] == pytest.approx(tolerance.floor_rel(dtype, out["n"]) * zs)
+        assert 0 < out["bound"] < 0.01 * zs
