@@ -492,12 +492,13 @@ def run_case(case, candidate):
 def zero_scale(name, ins, case, n):
     """The size dq or dk would have if the terms whose cancellation makes it identically zero did not cancel
     (``tolerance.compare``'s ``zero_scale``): a sum of ``n`` (its reduction length) terms of random sign, each
-    at most softmax_scale * max|dP| * max|K| for dq (max|Q| for dk), is about sqrt(n) times that; dP = dO V^T
-    over every (query, key) pair of a GQA group (an upper bound of the visible ones), times 1 / (1 - dropout_p)
-    with dropout."""
+    at most softmax_scale * T * max|K| for dq (max|Q| for dk), is about sqrt(n) times that. T = max sum_d
+    |dO_d| |V_d| over every (query, key) pair of a GQA group (an upper bound of the visible ones) is the size of
+    the two float32 dot products dP = dO . V and D = O . dO (O = V where P = 1) whose rounding residues the
+    cancellation leaves, times 1 / (1 - dropout_p) with dropout."""
     q, k, v, dy = (ins[n].to(torch.float64) for n in ("q", "k", "v", "dy"))
     group = case.heads // case.kv_heads
-    dp = max(float(torch.einsum("bhdq,bdk->bhqk", dy[:, g * group:(g + 1) * group], v[:, g]).abs().max())
+    dp = max(float(torch.einsum("bhdq,bdk->bhqk", dy[:, g * group:(g + 1) * group].abs(), v[:, g].abs()).max())
              for g in range(case.kv_heads)) if q.numel() and k.numel() else 0.0
     other = k if name == "dq" else q
     return n ** 0.5 * (case.scale or case.d_head ** -0.5) * dp * float(other.abs().max()) / (1.0 - case.dropout)
