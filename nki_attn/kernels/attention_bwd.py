@@ -41,7 +41,7 @@ dV, dK and dQ partial sums stay in PSUM:
 
 from ..backend import nisa, nki, nl
 from .dropout import dropout_row_keys, dropout_scale_keys, dropout_scale_tile, load_dropout_seed
-from .tiling import band_needs_hi_mask, band_needs_lo_mask, band_tile_visible
+from .band import band_needs_hi_mask, band_needs_lo_mask, band_tile_visible
 from .validation import PMAX, attention_problem, attention_shape, sbuf_bytes_per_partition
 
 FP32_MIN = -3.4028235e38
