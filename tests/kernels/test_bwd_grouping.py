@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from test_attention_bwd import Case, run_case  # noqa: E402
 
 from nki_attn.kernels import attention_bwd as kb  # noqa: E402
-from nki_attn.kernels.tiling import tile_visible  # noqa: E402
+from nki_attn.kernels.band import band_tile_visible  # noqa: E402
 from nki_attn.sim import trace  # noqa: E402
 
 P = 128
@@ -73,11 +73,11 @@ def check_plan(cfg):
                     assert (g, i) not in seen
                     continue
                 # the member visits exactly its visible key tiles, in order
-                got = [(v.k0, v.kw, v.cmask, v.wmask) for v in seen[(g, i)]]
+                got = [v.kt for v in seen[(g, i)]]
                 assert got == want
                 # brute force: the visited 128-key chunks are exactly the visible ones
                 vis = {c for c in range(k_lo, k_lo + k_len, P)
-                       if tile_visible(i * P, (i + 1) * P, c, c + P, cfg.causal, cfg.window)}
+                       if band_tile_visible(i * P, (i + 1) * P, c, c + P, cfg.lo_rel, cfg.hi_rel)}
                 chunks = [c for v in seen[(g, i)] for c in range(v.k0, v.k0 + v.kw, P)]
                 assert sorted(chunks) == sorted(vis) and len(chunks) == len(set(chunks))
                 assert seen[(g, i)][0].dq_first and not any(v.dq_first for v in seen[(g, i)][1:])
