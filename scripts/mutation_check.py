@@ -118,8 +118,8 @@ MUTATIONS = [
       "wrong accumulation start flag: every member's dV/dK matmul overwrites the group's PSUM", T_BWD),
     M("b_dvdk_section_offset", BWD, "a = kt.u0 - k_lo", "a = kt.u0",
       "dV/dK eviction at the absolute key offset instead of the section-relative one", T_BWD),
-    M("k_classify_drops_last_chunk", BAND, "for c0 in range(t0, t1, CHUNK):",
-      "for c0 in range(t0, t1 - CHUNK, CHUNK):",
+    M("k_classify_drops_last_chunk", BAND, "for c0 in range(t0, t1, PMAX):",
+      "for c0 in range(t0, t1 - PMAX, PMAX):",
       "off-by-one tile bound: the band planner never looks at a key tile's last 128-key chunk (visits trimmed "
       "by it, one-chunk tiles skipped)", T_TILING + T_BWD + T_FWD),
     M("b_block_head_offset", BWD, "h_abs0 = item.kvh * c.group + blk.h0", "h_abs0 = item.kvh * c.group",
@@ -172,7 +172,7 @@ MUTATIONS = [
     M("f_scale_twice", FWD, "base = 1.0 if self.fold_scale_into_q else shp.scale", "base = shp.scale",
       "wrong scale placement: a non-power-of-two softmax scale applied in the exponent and folded into Q", T_FWD),
     # ---- forward: masks and tile bounds
-    M("k_classify_run_drops_last", BAND, "            k1 = c0 + CHUNK\n", "            k1 = c0\n",
+    M("k_classify_run_drops_last", BAND, "            k1 = c0 + PMAX\n", "            k1 = c0\n",
       "off-by-one tile bound: a member's visible chunk run loses its last chunk", T_TILING + T_FWD + T_BWD),
     M("f_window_bound_off_by_one", FWD, "offset=cfg.lo_rel, channel_multiplier=1)",
       "offset=cfg.lo_rel - 1, channel_multiplier=1)",

@@ -1,7 +1,8 @@
 """The band planner: which (query tile, key tile) pairs a call's mask leaves visible, decided at trace time.
 
 Pure functions of Python ints, in NKI's kernel subset: both kernels call them while tracing, and host code can
-call them too (the only import is ``nl``, for the ``NKIObject`` base the kernel subset requires of classes). Positions are absolute token indices: a query tile covers rows ``[q0, q1)``,
+call them too (they import ``nl`` only for the ``NKIObject`` base the kernel subset requires of classes, and
+``steps.PMAX``, the 128-key chunk). Positions are absolute token indices: a query tile covers rows ``[q0, q1)``,
 a key tile columns ``[k0, k1)``.
 
 **The band.** Causal masking, the NKI Library's sliding window and FlashAttention's two-sided ``window_size`` all
@@ -25,8 +26,7 @@ problem (the host's view; the kernels classify the tiles of their own loops with
 """
 
 from ..backend import nl
-
-CHUNK = 128  # keys per chunk: the granularity of the visible range (one partition tile of keys)
+from .steps import PMAX
 
 SKIP = "skip"
 FULL = "full"
@@ -132,11 +132,11 @@ def classify_keys(q0, q1, t0, t1, lo_rel, hi_rel, packing=False):
     contiguous run), with the band sides that still cut it."""
     k0 = t0
     k1 = t0
-    for c0 in range(t0, t1, CHUNK):
-        if band_tile_visible(q0, q1, c0, c0 + CHUNK, lo_rel, hi_rel):
+    for c0 in range(t0, t1, PMAX):
+        if band_tile_visible(q0, q1, c0, c0 + PMAX, lo_rel, hi_rel):
             if k1 == k0:
                 k0 = c0
-            k1 = c0 + CHUNK
+            k1 = c0 + PMAX
     if k1 == k0:
         return KeyTile(k0, k0, False, False, SKIP)
     needs_lo = band_needs_lo_mask(q0, q1, k0, k1, lo_rel)
