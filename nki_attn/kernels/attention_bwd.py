@@ -2,8 +2,9 @@
 
 ``attention_bwd(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref=None, bound_min=None, bound_max=None,
 use_causal_mask=False, mixed_precision=False, softmax_scale=None, sliding_window=None, softcap=0.0,
-alibi_slopes=None, window_size=None, dropout_p=0.0, dropout_seed=None, k_section_len=None)`` returns ``(dq, dk, dv)`` or, with sinks, ``(dq, dk, dv, dsinks)``: the layouts and semantics of
-``golden.attention_bwd_torch.attention_bwd_torch_ref`` (see docs/semantics.md). docs/kernel-bwd.md explains the
+alibi_slopes=None, window_size=None, dropout_p=0.0, dropout_seed=None, k_section_len=None, group_max=None,
+block_members_max=None, p_cast_on_gpsimd=None, ds_dma_transpose=None)`` returns ``(dq, dk, dv)`` or, with
+sinks, ``(dq, dk, dv, dsinks)``: the layouts and semantics of ``golden.attention_bwd_torch.attention_bwd_torch_ref`` (see docs/semantics.md). docs/kernel-bwd.md explains the
 design; each step below is named there after the function that implements it. Kernel code stays in NKI's
 compile-time subset (checked by the simulator's frontend check): invalid arguments fail an ``assert`` on
 ``bwd_problem``'s message; ``nki_attn.kernel_api.attention_bwd`` raises it as ``ValueError`` before launching.
@@ -11,8 +12,8 @@ compile-time subset (checked by the simulator's frontend check): invalid argumen
 Layouts (head_dim on the partition axis in HBM): q, dq ``[bs, nheads, d_qk, seqlen_q]``; o, dy ``[bs, nheads,
 d_v, seqlen_q]``; k, dk ``[bs, nheads_kv, d_qk, seqlen_k]``; v, dv ``[bs, nheads_kv, d_v, seqlen_k]`` (d_qk, d_v
 in 1..256, tiled as 128 + remainder partition rows); alibi_slopes float32 ``[bs, nheads]``; dropout_seed int32 /
-uint32 ``[2]`` (``nki_attn.kernels.dropout``); lse float32 ``[bs, nheads, 128, seqlen_q // 128]`` (``lse[b, h, p, t]`` is
-the log-sum-exp of query row ``t * 128 + p``, ``+inf`` for a row that sees no key); dsinks float32 shaped like
+uint32 ``[2]`` (``nki_attn.kernels.dropout``); lse float32 ``[bs, nheads, 128, seqlen_q // 128]``
+(``lse[b, h, p, t]`` is the log-sum-exp of query row ``t * 128 + p``, ``+inf`` for a row that sees no key); dsinks float32 shaped like
 sinks.
 
 The FlashAttention-2 recipe, per (batch, kv head) work item. A *member* is one (query head, 128-row query tile)
@@ -161,29 +162,14 @@ def sbuf_usage(d_head, d_tiles, itemsize, section_len, group, seqlen_q, mixed_pr
             "per_visit": per_visit, "total": total, "d_tile": min(d_head, PMAX)}
 
 
-# PSUM tiles of the kernel (each <= 2 KiB per partition, so one bank each) and when they are live.
-PSUM_TILES = {
-    "dV": "P^T dO of a group for one key tile, [d_tile, <=512] fp32 per V head-dim tile (key tile of a group)",
-    "dK": "Q^T dS of a group for one key tile, [d_tile, <=512] fp32 per Q/K head-dim tile (key tile of a group)",
-    "dQ": "dS K of the group's members, [d_tile, members x d_tiles x 128 <= 512] fp32 (whole group)",
-    "S": "S = Q^T K, [128, <=512] fp32 (one visit)",
-    "dP": "dP = dO V^T, [128, <=512] fp32 (one visit)",
-    "dS^T": "TensorE transposes of dS, [128, <=512] input dtype (one visit; none when DMA transposes)",
-    "T": "transposes of Q, dO (group start) and K (section start), D sums (block start): never with dV/dK",
-}
-
-
 def psum_banks(d_tiles, v_tiles=None):
     """PSUM banks that can be live at once: a visit's S, dP, dS^T with its group's dV (one per V head-dim tile)
     and dK (one per Q/K head-dim tile) and dQ: d_tiles + v_tiles + 4 (6 for head dims <= 128, 8 for 256). The
-    transposes at group, block and section start (T) are never live together with dV/dK, which are allocated
-    per key tile inside the group."""
+    transposes at group, block and section start (Q^T, dO^T, K^T, the D sums) are never live together with dV/dK,
+    which are allocated per key tile inside the group."""
     if v_tiles is None:
         v_tiles = d_tiles
     return d_tiles + v_tiles + 4
-
-
-PSUM_PEAK_BANKS = psum_banks(2)  # the largest over the supported head dims (d_head 256): 8 of the 8 banks
 
 
 def _visible_tiles(c, q0, k_lo, k_len):
@@ -202,8 +188,8 @@ class BwdVisit(nl.NKIObject):
     """One member's visit of one key tile of its group (trace-time plan).
 
     m: the member's index in the group; k0, kw: the visible keys [k0, k0+kw) (128-aligned); kt: its
-    ``band.KeyTile`` (kind, and which band sides cut it); off: k0 - u0, the visit's first column in the group's dV/dK PSUM
-    tiles of this key tile; segs: ``[(a, b, acc)]`` column ranges [a, b) of those PSUM tiles (relative to u0)
+    ``band.KeyTile`` (kind, and which band sides cut it); off: k0 - u0, the visit's first column in the group's
+    dV/dK PSUM tiles of this key tile; segs: ``[(a, b, acc)]`` column ranges [a, b) of those PSUM tiles (relative to u0)
     the dV/dK matmuls write, ``acc`` False where no earlier member of the group wrote (a matmul must overwrite
     first, then accumulate); dq_first: the member's first visit in the group (its first dQ matmul overwrites);
     dsT_dma: dS is transposed by one DMA transpose instead of TensorE."""
@@ -1071,24 +1057,6 @@ class _BlockBufs(nl.NKIObject):
         self.dq_prev = dq_prev
 
 
-class _BwdItem(nl.NKIObject):
-    """The backward's work item: the shared ``steps.Item`` fields it uses and its row statistics: ``neg_lse``
-    / ``dsum`` ``[128, group, nq]`` (-LSE and D of every member), ``ones`` the D matmul's ones column and
-    ``ident`` the dQ reload's identity (launch-wide)."""
-
-    def __init__(self, b, kvh, slopes, slopes_pos, seed, bounds, neg_lse, dsum, ones, ident):
-        self.b = b
-        self.kvh = kvh
-        self.slopes = slopes
-        self.slopes_pos = slopes_pos
-        self.seed = seed
-        self.bounds = bounds
-        self.neg_lse = neg_lse
-        self.dsum = dsum
-        self.ones = ones
-        self.ident = ident
-
-
 def _group(c, item, steps, sec, blk, bb, grp):
     """All visits of one group: dV/dK of each key tile and the members' dQ accumulate in PSUM."""
     tr = _transpose_members(c, grp, bb.q, bb.dy)
@@ -1260,7 +1228,8 @@ def _work_item(c, hbm, steps, b, hk, alibi_slopes, bounds, seed, ones, ident):
         neg, pos = _alibi_coefs(c, load_slopes(alibi_slopes, c.nheads, c.group, b, hk))
     neg_lse = _load_neg_lse(c, hbm.lse, b, hk)
     dsum = nl.ndarray((PMAX, c.group, c.nq), dtype=nl.float32, buffer=nl.sbuf)  # D, same layout as -LSE
-    item = _BwdItem(b, hk, neg, pos, seed, bounds, neg_lse, dsum, ones, ident)
+    item = Item(b, hk, slopes=neg, slopes_pos=pos, seed=seed, bounds=bounds, neg_lse=neg_lse, dsum=dsum, ones=ones,
+                ident=ident)
     if c.no_key_tiles:
         # query tiles that see no key: D = 0 (their O is 0), dQ = 0
         nisa.memset(dst=dsum, value=0.0)
@@ -1278,12 +1247,28 @@ def _work_item(c, hbm, steps, b, hk, alibi_slopes, bounds, seed, ones, ident):
         _dsinks(c, hbm.sinks, hbm.dsinks, b, hk, neg_lse, dsum)
 
 
-def attention_bwd_core(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref=None, bound_min=None,
-                       bound_max=None, use_causal_mask=False, mixed_precision=False, softmax_scale=None,
-                       sliding_window=None, softcap=0.0, alibi_slopes=None, window_size=None, dropout_p=0.0,
-                       dropout_seed=None, k_section_len=None, group_max=None, block_members_max=None,
-                       p_cast_on_gpsimd=None, ds_dma_transpose=None):
-    """Body of attention_bwd (inlined at trace time); the arguments are ``attention_bwd``'s."""
+@nki.jit
+def attention_bwd(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref=None, bound_min=None, bound_max=None,
+                  use_causal_mask=False, mixed_precision=False, softmax_scale=None, sliding_window=None,
+                  softcap=0.0, alibi_slopes=None, window_size=None, dropout_p=0.0, dropout_seed=None,
+                  k_section_len=None, group_max=None, block_members_max=None, p_cast_on_gpsimd=None,
+                  ds_dma_transpose=None):
+    """Flash-attention backward: ``(dq, dk, dv)`` or ``(dq, dk, dv, dsinks)``. See the module docstring.
+
+    Tuning keywords (trace-time; None = the default; any value gives the same gradients, the modeled time
+    changes; docs/kernel-bwd.md, "Tuning keywords"):
+
+    - ``k_section_len``: keys per K/V section, a multiple of 128 (default: the largest multiple of 512 that fits
+      the SBUF section budget, at most ``K_SECTION_MAX``);
+    - ``group_max``: members per group for a head dim of one partition tile (``GROUP_MAX``, 4; halved per extra
+      head-dim tile), whose dV, dK and dQ partial sums stay in PSUM together;
+    - ``block_members_max``: members per block at most (``BLOCK_MEMBERS_MAX``, 8), loaded with one DMA per tensor;
+    - ``p_cast_on_gpsimd``: the fp32 -> matmul-dtype cast of P on GpSimdE (True, ``P_CAST_ON_GPSIMD``) or ScalarE,
+      from trn2 on;
+    - ``ds_dma_transpose``: allow dS transposes by DMA where the plan finds they pay (True, ``DS_DMA_TRANSPOSE``).
+
+    Invalid arguments fail the kernel's assert with the message of ``bwd_problem``;
+    ``nki_attn.kernel_api.attention_bwd`` raises it as ``ValueError`` instead."""
     problem = bwd_problem(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref, bound_min, bound_max,
                           use_causal_mask, mixed_precision, softmax_scale, sliding_window, softcap, alibi_slopes,
                           window_size, dropout_p, dropout_seed, k_section_len, group_max, block_members_max,
@@ -1323,31 +1308,3 @@ def attention_bwd_core(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref=No
     if c.num_sinks:
         return out_dq, out_dk, out_dv, out_dsinks
     return out_dq, out_dk, out_dv
-
-
-@nki.jit
-def attention_bwd(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref=None, bound_min=None, bound_max=None,
-                  use_causal_mask=False, mixed_precision=False, softmax_scale=None, sliding_window=None,
-                  softcap=0.0, alibi_slopes=None, window_size=None, dropout_p=0.0, dropout_seed=None,
-                  k_section_len=None, group_max=None, block_members_max=None, p_cast_on_gpsimd=None,
-                  ds_dma_transpose=None):
-    """Flash-attention backward: ``(dq, dk, dv)`` or ``(dq, dk, dv, dsinks)``. See the module docstring.
-
-    Tuning keywords (trace-time; None = the default; any value gives the same gradients, the modeled time
-    changes; docs/kernel-bwd.md, "Tuning keywords"):
-
-    - ``k_section_len``: keys per K/V section, a multiple of 128 (default: the largest multiple of 512 that fits
-      the SBUF section budget, at most ``K_SECTION_MAX``);
-    - ``group_max``: members per group for a head dim of one partition tile (``GROUP_MAX``, 4; halved per extra
-      head-dim tile), whose dV, dK and dQ partial sums stay in PSUM together;
-    - ``block_members_max``: members per block at most (``BLOCK_MEMBERS_MAX``, 8), loaded with one DMA per tensor;
-    - ``p_cast_on_gpsimd``: the fp32 -> matmul-dtype cast of P on GpSimdE (True, ``P_CAST_ON_GPSIMD``) or ScalarE,
-      from trn2 on;
-    - ``ds_dma_transpose``: allow dS transposes by DMA where the plan finds they pay (True, ``DS_DMA_TRANSPOSE``).
-
-    Invalid arguments fail the kernel's assert with the message of ``bwd_problem``;
-    ``nki_attn.kernel_api.attention_bwd`` raises it as ``ValueError`` instead."""
-    return attention_bwd_core(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref, bound_min, bound_max,
-                              use_causal_mask, mixed_precision, softmax_scale, sliding_window, softcap,
-                              alibi_slopes, window_size, dropout_p, dropout_seed, k_section_len, group_max,
-                              block_members_max, p_cast_on_gpsimd, ds_dma_transpose)

@@ -2,11 +2,12 @@
 
     attention_fwd(q_ref, k_ref, v_ref, sinks_ref=None, bound_min=None, bound_max=None, use_causal_mask=False,
                   mixed_precision=True, softmax_scale=None, sliding_window=None, softcap=0.0, alibi_slopes=None,
-                  window_size=None, dropout_p=0.0, dropout_seed=None) -> (o, lse)
+                  window_size=None, dropout_p=0.0, dropout_seed=None, kb_tiles=None, block_members_max=None,
+                  slab_tiles=None) -> (o, lse)
 
 Layouts (head_dim on the partition axis): q ``[bs, nheads, d_qk, seqlen_q]``, k ``[bs, nheads_kv, d_qk,
-seqlen_k]``, v ``[bs, nheads_kv, d_v, seqlen_k]``, o ``[bs, nheads, d_v, seqlen_q]``, lse float32 ``[bs, nheads, 128, seqlen_q // 128]`` with
-``lse[b, h, p, t]`` the log-sum-exp of query row ``t * 128 + p`` (``+inf`` for a row that sees no key and has no
+seqlen_k]``, v ``[bs, nheads_kv, d_v, seqlen_k]``, o ``[bs, nheads, d_v, seqlen_q]``, lse float32 ``[bs, nheads,
+128, seqlen_q // 128]`` with ``lse[b, h, p, t]`` the log-sum-exp of query row ``t * 128 + p`` (``+inf`` for a row that sees no key and has no
 sink; its ``o`` is 0). Semantics follow ``golden/attention_fwd_torch.py``; docs/kernel-fwd.md explains the design.
 Kernel code stays in NKI's compile-time subset (checked by the simulator's frontend check): invalid arguments fail
 an ``assert`` on ``fwd_problem``'s message; ``nki_attn.kernel_api.attention_fwd`` raises it as ``ValueError``.
@@ -14,23 +15,25 @@ an ``assert`` on ``fwd_problem``'s message; ``nki_attn.kernel_api.attention_fwd`
 Algorithm (FlashAttention-2, Q outer). The work is sharded over ``bs * nheads_kv`` (LNC2: ``nl.program_id``).
 For one (batch, kv head) the query tiles are processed in *slabs* (as many 128-row tiles as the SBUF budget
 holds for every query head of the GQA group): Q is loaded, O and the LSE are stored, once per (head, slab).
-A slab's *members* (query tile, query head) are processed in *blocks* of up to ``BLOCK_MEMBERS_MAX``; a block streams
-the keys in *key blocks* of ``KB_TILES`` key tiles of 512 keys, loading K and V and transposing V once for all
-its members. Per key block, with ``c`` the factor the exponent applies (1 when the softmax scale is folded into Q,
+A slab's *members* (query head, query tile) are processed in *blocks* of up to ``block_members_max``; a block
+streams the keys in *key blocks* of ``kb_tiles`` key tiles of 512 keys, loading K and V and transposing V once
+for all its members (the words are both kernels', docs/kernel-fwd.md "Vocabulary"). Per key block, with ``c`` the factor the exponent applies (1 when the softmax scale is folded into Q,
 the scale itself when it is a power of two)::
 
     phase 1, per member and key tile:  S = Q^T K (TensorE, fp32 PSUM);  S -> SBUF, masked, tile row max
-    phase 2, all members at once:        m' = max(m, tile maxima);  alpha = exp(c (m - m'));  bias = -c m'
+    phase 2, all members at once:      m' = max(m, tile maxima);  alpha = exp(c (m - m'));  bias = -c m'
     phase 3, per member and key tile:  P = exp(c S + bias), row sums (ONE activation);  P^T;  O_psum += P V
-             per member:                 O = O * alpha + O_psum  (PV accumulated over the key block in PSUM)
-    phase 4, all members at once:        l = l * alpha + row sums
+             per member:               O = O * alpha + O_psum  (PV accumulated over the key block in PSUM)
+    phase 4, all members at once:      l = l * alpha + row sums
 
 and per block at the end ``o = O / l``, ``lse = c m + log(l)``; rows whose max is still the mask value (no visible
 key, no sink) are forced to ``o = 0``, ``lse = +inf`` by selects on a keep flag. The statistics of all members of a
 block live in the columns of ``[128, members]`` tiles, so each statistics instruction serves the whole block.
 
-Variants (soft-capping, ALiBi, bands, dropout) are tile steps chosen once per launch (``_tile_steps``,
-docs/kernel-fwd.md "Variants"); the default launch runs none of them.
+Variants (soft-capping, ALiBi, bands, dropout) are steps of the protocol shared with the backward
+(``nki_attn.kernels.steps``), chosen once per launch (``_select_steps``; docs/kernel-fwd.md "Variants"); the
+default launch runs none of them. Which (query tile, key tile) pairs are computed, and which are masked, is the
+band planner's decision (``nki_attn.kernels.band``), also shared.
 """
 import math
 

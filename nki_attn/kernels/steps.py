@@ -68,10 +68,11 @@ class Item(nl.NKIObject):
     coefficient ``-slope / e`` ``[128, group]`` (e: the exponent's scale), ``slopes_pos`` its negation (backward);
     ``alibi_st`` / ``pos_tab`` the forward's TensorE ALiBi operands; ``bounds`` ``(bmin, bmax)`` key bounds
     ``[128, n_qt]``; ``seed`` the dropout seed tile; ``sinks`` the forward's starting statistics ``(m0, l0)``
-    from the sinks."""
+    from the sinks; the backward's row statistics ``neg_lse`` / ``dsum`` ``[128, group, nq]`` (-LSE and D of
+    every member), its D matmul's ``ones`` column and its dQ reload's ``ident`` identity (launch-wide)."""
 
     def __init__(self, b, kvh, slopes=None, slopes_pos=None, seed=None, bounds=None, alibi_st=None, pos_tab=None,
-                 sinks=None):
+                 sinks=None, neg_lse=None, dsum=None, ones=None, ident=None):
         self.b = b
         self.kvh = kvh
         self.slopes = slopes
@@ -81,6 +82,10 @@ class Item(nl.NKIObject):
         self.alibi_st = alibi_st
         self.pos_tab = pos_tab
         self.sinks = sinks
+        self.neg_lse = neg_lse
+        self.dsum = dsum
+        self.ones = ones
+        self.ident = ident
 
 
 class Hbm(nl.NKIObject):
