@@ -163,7 +163,7 @@ MUTATIONS = [
     M("f_alpha_reversed", FWD, "data1=pm[:, :, kb], data2=pm_next[:, :, kb], op=nl.subtract",
       "data1=pm_next[:, :, kb], data2=pm[:, :, kb], op=nl.subtract",
       "alpha = exp(m' - m) instead of exp(m - m')", T_FWD),
-    M("f_start_flag_never_set", FWD, "            started[u] = True", "            started[u] = False",
+    M("f_start_flag_never_set", FWD, "            blk.started[u] = True", "            blk.started[u] = False",
       "wrong start flag: every key block overwrites O instead of accumulating", T_FWD),
     M("f_lse_sign", FWD, "data1=log_l, data2=bias, op=nl.subtract", "data1=log_l, data2=bias, op=nl.add",
       "lse = log(l) + bias instead of log(l) - bias (= c m + log l)", T_FWD),

@@ -1220,12 +1220,12 @@ def _alibi_coefs(c, sl):
     return neg, pos
 
 
-def _work_item(c, hbm, steps, b, hk, alibi_slopes, bounds, seed, ones, ident):
+def _work_item(c, hbm, steps, b, hk, bounds, seed, ones, ident):
     """All gradients of one (batch, kv head): KV sections outer, blocks and groups of members inner."""
     neg = None
     pos = None
     if c.alibi:
-        neg, pos = _alibi_coefs(c, load_slopes(alibi_slopes, c.nheads, c.group, b, hk))
+        neg, pos = _alibi_coefs(c, load_slopes(hbm.alibi_slopes, c.nheads, c.group, b, hk))
     neg_lse = _load_neg_lse(c, hbm.lse, b, hk)
     dsum = nl.ndarray((PMAX, c.group, c.nq), dtype=nl.float32, buffer=nl.sbuf)  # D, same layout as -LSE
     item = Item(b, hk, slopes=neg, slopes_pos=pos, seed=seed, bounds=bounds, neg_lse=neg_lse, dsum=dsum, ones=ones,
@@ -1288,7 +1288,7 @@ def attention_bwd(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref=None, b
     if c.dq_scratch:
         dq_scratch = nl.ndarray((1, c.group, c.d_qk, c.seqlen_q), dtype=nl.float32, buffer=nl.private_hbm)
     hbm = Hbm(q_ref, k_ref, v_ref, o=o_ref, dy=dy_ref, lse=lse_ref, sinks=sinks_ref, dq=out_dq, dk=out_dk,
-              dv=out_dv, dsinks=out_dsinks, dq_scratch=dq_scratch)
+              dv=out_dv, dsinks=out_dsinks, dq_scratch=dq_scratch, alibi_slopes=alibi_slopes)
     seed = None
     if c.dropout:
         seed = load_dropout_seed(dropout_seed)
@@ -1304,7 +1304,7 @@ def attention_bwd(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref=None, b
     if c.n_sections > 1:
         ident = _identity(c)
     for w in range(start, end):
-        _work_item(c, hbm, steps, w // c.nheads_kv, w % c.nheads_kv, alibi_slopes, bounds, seed, ones, ident)
+        _work_item(c, hbm, steps, w // c.nheads_kv, w % c.nheads_kv, bounds, seed, ones, ident)
     if c.num_sinks:
         return out_dq, out_dk, out_dv, out_dsinks
     return out_dq, out_dk, out_dv

@@ -543,14 +543,17 @@ class _Slab(nl.NKIObject):
 
 class _Block(nl.NKIObject):
     """The work of one block: members ``[j0, j1)`` of its slab (member j: query tile ``t0 + j // group``, head
-    ``j % group``), their ``heads`` and query ``tiles``, and ``plan`` (``_key_blocks``)."""
+    ``j % group``), their ``heads`` and query ``tiles``, ``plan`` (``_key_blocks``); its O accumulator ``o_acc``
+    ``[128, members, d_v]`` and ``started[u]``: member u's O holds a key block's PV already."""
 
-    def __init__(self, j0, j1, heads, tiles, plan):
+    def __init__(self, j0, j1, heads, tiles, plan, o_acc, started):
         self.j0 = j0
         self.j1 = j1
         self.heads = heads
         self.tiles = tiles
         self.plan = plan
+        self.o_acc = o_acc
+        self.started = started
 
 
 # ----------------------------------------------------------------------------------------------------- key block phases
@@ -656,7 +659,7 @@ def _transpose_p(cfg, p_sb, n_ch, dma_turn):
     return pt_sb
 
 
-def _exp_pv(cfg, item, steps, kb, s, tl, vt, bias, alpha, rs, o_acc, started):
+def _exp_pv(cfg, item, steps, blk, kb, s, tl, vt, bias, alpha, rs):
     """Phase 3 (exponent and PV): per visible (member, key tile) ``P = exp(c S + bias)`` with its row sum into
     ``rs[:, u, i]`` in ONE activation, the probability steps, P^T, PV accumulated over the whole key block in one
     PSUM tile; then per member the O update."""
@@ -679,8 +682,8 @@ def _exp_pv(cfg, item, steps, kb, s, tl, vt, bias, alpha, rs, o_acc, started):
                 for c in range(n_ch):
                     nisa.nc_matmul(dst=o_ps, stationary=pt_sb[:, c, :], moving=vt[:, i * ch + lo + c - kb.c_lo, :])
         if o_ps is not None:
-            _rescale_o(o_acc, u, alpha, o_ps, not started[u])
-            started[u] = True
+            _rescale_o(blk.o_acc, u, alpha, o_ps, not blk.started[u])
+            blk.started[u] = True
 
 
 def _update_sum(cfg, l_sum, alpha, rs):
@@ -692,7 +695,7 @@ def _update_sum(cfg, l_sum, alpha, rs):
     return l_new
 
 
-def _key_block(cfg, hbm, item, steps, slab, blk, kb, gaps_next, pm, l_sum, o_acc, started):
+def _key_block(cfg, hbm, item, steps, slab, blk, kb, gaps_next, pm, l_sum):
     """One key block ``kb`` of block ``blk``: load K and V (the union of the members' visible chunks), V^T, then
     the four phases. Returns the statistics after it: ``(pm_next, l, bias)``."""
     b = item.b
@@ -728,17 +731,18 @@ def _key_block(cfg, hbm, item, steps, slab, blk, kb, gaps_next, pm, l_sum, o_acc
     rs = nl.ndarray((PMAX, n, cfg.kb_tiles + 1), dtype=nl.float32, buffer=nl.sbuf)
     if kb.gaps:
         nisa.memset(dst=rs, value=0.0, engine=nisa.engine.gpsimd)
-    _exp_pv(cfg, item, steps, kb, s, tl, vt, bias, alpha, rs, o_acc, started)
+    _exp_pv(cfg, item, steps, blk, kb, s, tl, vt, bias, alpha, rs)
     l_new = _update_sum(cfg, l_sum, alpha, rs)
     return pm_next, l_new, bias
 
 
 # ----------------------------------------------------------------------------------------------------- blocks, slabs
-def _finish_block(cfg, item, steps, slab, blk, pm, l_sum, bias, o_acc):
+def _finish_block(cfg, item, steps, slab, blk, pm, l_sum, bias):
     """Finishing, all members at once: ``o = O / l`` and ``lse = c m + log(l)`` (= log(l) - bias); rows that saw
     no key (and have no sink) get 0 and +inf. O is normalised per member, transposed back to ``[d, q]`` into the
     slab's O staging, the LSE columns go to the slab's LSE staging."""
     j0 = blk.j0
+    o_acc = blk.o_acc
     n = pm.shape[1]
     keep = nl.ndarray((PMAX, n), dtype=nl.uint8, buffer=nl.sbuf)
     nisa.tensor_scalar(dst=keep, data=pm[:, :, cfg.kb_tiles], op0=nl.greater, operand0=EMPTY_MAX)
@@ -789,8 +793,7 @@ def _attend_block(cfg, hbm, item, steps, slab, j0, j1):
         started.append(False)
     # (a bottom-right band can leave whole query tiles without a visible key: seqlen_q > seqlen_k with causal,
     # windows that end before the first key or start after the last; such members are finished as empty rows)
-    blk = _Block(j0, j1, heads, tiles, _key_blocks(cfg, tiles))
-    plan = blk.plan
+    plan = _key_blocks(cfg, tiles)
     # pm[:, u, i]: row max of key tile i of the current key block; pm[:, u, KB]: the running max m
     pm = nl.ndarray((PMAX, n, cfg.kb_tiles + 1), dtype=nl.float32, buffer=nl.sbuf)
     l_sum = nl.ndarray((PMAX, n), dtype=nl.float32, buffer=nl.sbuf)
@@ -804,11 +807,11 @@ def _attend_block(cfg, hbm, item, steps, slab, j0, j1):
         nisa.tensor_copy(dst=pm[:, :, cfg.kb_tiles], src=_per_member(cfg, m0, j0, n))
         nisa.tensor_copy(dst=l_sum, src=_per_member(cfg, l0, j0, n))
     o_acc = nl.ndarray((PMAX, n, cfg.d_v), dtype=cfg.acc_dtype, buffer=nl.sbuf)
+    blk = _Block(j0, j1, heads, tiles, plan, o_acc, started)
     bias = None
     for k in range(len(plan)):
         gaps_next = k + 1 < len(plan) and plan[k + 1].gaps
-        pm, l_sum, bias = _key_block(cfg, hbm, item, steps, slab, blk, plan[k], gaps_next, pm, l_sum, o_acc,
-                                     started)
+        pm, l_sum, bias = _key_block(cfg, hbm, item, steps, slab, blk, plan[k], gaps_next, pm, l_sum)
     for u in range(n):
         if not started[u]:
             # no visible key for this member's rows: O = 0 (o = 0; with sinks lse = their logsumexp)
@@ -817,7 +820,7 @@ def _attend_block(cfg, hbm, item, steps, slab, j0, j1):
         bias = nl.ndarray((PMAX, n), dtype=nl.float32, buffer=nl.sbuf)
         nisa.tensor_scalar(dst=bias, data=pm[:, :, cfg.kb_tiles], op0=nl.multiply, operand0=-cfg.exp_scale,
                            op1=nl.minimum, operand1=FP32_MAX)
-    _finish_block(cfg, item, steps, slab, blk, pm, l_sum, bias, o_acc)
+    _finish_block(cfg, item, steps, slab, blk, pm, l_sum, bias)
 
 
 def _attend_slab(cfg, hbm, item, steps, t0, t1):

@@ -92,10 +92,11 @@ class Hbm(nl.NKIObject):
     """The HBM tensors of one launch, inputs and outputs (None when the kernel has no such tensor): q ``[bs,
     nheads, d_qk, seqlen_q]``, k ``[bs, nheads_kv, d_qk, seqlen_k]``, v ``[bs, nheads_kv, d_v, seqlen_k]``, o /
     dy ``[bs, nheads, d_v, seqlen_q]``, lse ``[bs, nheads, 128, seqlen_q // 128]``, sinks; the backward's
-    gradients dq, dk, dv, dsinks shaped like their inputs and its fp32 dQ scratch."""
+    gradients dq, dk, dv, dsinks shaped like their inputs and its fp32 dQ scratch; alibi_slopes ``[bs,
+    nheads]``."""
 
     def __init__(self, q, k, v, o=None, dy=None, lse=None, sinks=None, dq=None, dk=None, dv=None, dsinks=None,
-                 dq_scratch=None):
+                 dq_scratch=None, alibi_slopes=None):
         self.q = q
         self.k = k
         self.v = v
@@ -108,6 +109,7 @@ class Hbm(nl.NKIObject):
         self.dv = dv
         self.dsinks = dsinks
         self.dq_scratch = dq_scratch
+        self.alibi_slopes = alibi_slopes
 
 
 class Steps(nl.NKIObject):
