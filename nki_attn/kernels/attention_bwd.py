@@ -353,7 +353,7 @@ class BwdConfig(nl.NKIObject):
         self.group = a.group
         self.d_head = a.d_head
         # Q/K head dim (S, dK, dQ, K^T) and V/O head dim (dP, dV, D, dO^T) are tiled separately, each into
-        # partition tiles of 128 rows + remainder (``tiling.head_dim_tiles``: 199 -> 128 + 71).
+        # partition tiles of 128 rows + remainder (``steps.head_dim_tiles``: 199 -> 128 + 71).
         self.d_qk = a.d_qk
         self.d_v = a.d_v
         self.qk_rows = a.qk_tiles
