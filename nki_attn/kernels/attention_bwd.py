@@ -1255,8 +1255,8 @@ def attention_bwd(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref=None, b
                   ds_dma_transpose=None):
     """Flash-attention backward: ``(dq, dk, dv)`` or ``(dq, dk, dv, dsinks)``. See the module docstring.
 
-    Tuning keywords (trace-time; None = the default; any value gives the same gradients, the modeled time
-    changes; docs/kernel-bwd.md, "Tuning keywords"):
+    Tuning keywords (trace-time; None = the default; the modeled time changes, the gradients only by float32
+    summation order; docs/kernel-bwd.md, "Tuning keywords"):
 
     - ``k_section_len``: keys per K/V section, a multiple of 128 (default: the largest multiple of 512 that fits
       the SBUF section budget, at most ``K_SECTION_MAX``);

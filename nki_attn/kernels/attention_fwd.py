@@ -944,8 +944,8 @@ def attention_fwd(q_ref, k_ref, v_ref, sinks_ref=None, bound_min=None, bound_max
             stays pre-dropout.
         kb_tiles, block_members_max, slab_tiles: tuning (trace-time ints >= 1, None = the default): key tiles
             per key block (``KB_TILES``), members per block at most (``BLOCK_MEMBERS_MAX``), query tiles per slab
-            (default: the most the SBUF holds, balanced). Any value gives the same result; the modeled time
-            changes (docs/kernel-fwd.md, "Tuning keywords").
+            (default: the most the SBUF holds, balanced). The modeled time changes, the result only by float32
+            summation order (docs/kernel-fwd.md, "Tuning keywords").
 
     Returns:
         o: ``[bs, nheads, d_v, seqlen_q]`` in q's dtype; lse: float32 ``[bs, nheads, 128, seqlen_q // 128]``.

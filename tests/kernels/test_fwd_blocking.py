@@ -322,3 +322,22 @@ def test_power_of_two_scale_in_the_exponent_is_bit_identical_to_folding_it_into_
     with sim.checking(frontend=False):  # the monkeypatched helper is not NKI code
         o_q, l_q = attention_fwd(q, k, v, **kw)
     assert torch.equal(o_exp, o_q) and torch.equal(l_exp, l_q)
+
+
+# ----------------------------------------------------------------------------------------------- tuning keywords
+def test_tuning_keywords_change_the_plan_not_the_result():
+    """kb_tiles, block_members_max and slab_tiles reach the config (the plan and the instruction stream change)
+    and leave the result equal to the default launch's up to float32 summation order (the online softmax
+    rescales at other key-block boundaries); invalid values fail the kernel's assert naming the keyword."""
+    q, k, v = make_qkv(nheads=4, nheads_kv=1, d=64, sq=1024, seed=60)
+    (o0, l0), rec0 = traced(q, k, v, use_causal_mask=True)
+    for kw in (dict(kb_tiles=1), dict(block_members_max=2), dict(slab_tiles=3)):
+        (o1, l1), rec1 = traced(q, k, v, use_causal_mask=True, **kw)
+        assert len(rec1) != len(rec0), kw
+        np.testing.assert_allclose(np.asarray(o1), np.asarray(o0), rtol=0, atol=1e-6)
+        np.testing.assert_allclose(np.asarray(l1), np.asarray(l0), rtol=0, atol=1e-5)
+    cfg = fwd._setup_config(q, k, v, None, None, True, True, None, None, 0.0, None, None, 0.0, 2, 3, 1)
+    assert (cfg.kb_tiles, cfg.block_members_max, cfg.members, cfg.slab_tiles) == (2, 3, 3, 1)
+    for name, bad in (("kb_tiles", 0), ("block_members_max", True), ("slab_tiles", 1.5)):
+        with pytest.raises(AssertionError, match=rf"{name}={bad!r} must be None \(the default\) or an int >= 1"):
+            attention_fwd(q, k, v, **{name: bad})
