@@ -17,8 +17,9 @@ For one (batch, kv head) the query tiles are processed in *slabs* (as many 128-r
 holds for every query head of the GQA group): Q is loaded, O and the LSE are stored, once per (head, slab).
 A slab's *members* (query head, query tile) are processed in *blocks* of up to ``block_members_max``; a block
 streams the keys in *key blocks* of ``kb_tiles`` key tiles of 512 keys, loading K and V and transposing V once
-for all its members (the words are both kernels', docs/kernel-fwd.md "Vocabulary"). Per key block, with ``c`` the factor the exponent applies (1 when the softmax scale is folded into Q,
-the scale itself when it is a power of two)::
+for all its members (the words are both kernels', docs/kernel-fwd.md "Vocabulary"). Per key block, with ``c``
+the factor the exponent applies (1 when the softmax scale is folded into Q, the scale itself when it is a power of
+two)::
 
     phase 1, per member and key tile:  S = Q^T K (TensorE, fp32 PSUM);  S -> SBUF, masked, tile row max
     phase 2, all members at once:      m' = max(m, tile maxima);  alpha = exp(c (m - m'));  bias = -c m'
