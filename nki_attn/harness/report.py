@@ -173,6 +173,7 @@ def table(report):
                      f"max gap {dr['max_rel_gap']:.2e} (<= {dr['bound']['max']}) -> {'PASS' if dr['pass'] else 'FAIL'}")
     verdict = "PASS" if s["pass"] else "FAIL"
     if s.get("unsupported"):  # say how much was judged, so a refused row never reads as a passed one
-        verdict += f" ({s.get('judged', s['rows'] - s['unsupported'])} rows; {s['unsupported']} unsupported)"
+        judged = s.get("judged", s["rows"] - s["unsupported"])
+        verdict += f" ({judged} row{'' if judged == 1 else 's'}; {s['unsupported']} unsupported)"
     lines.append(f"OVERALL: {verdict} (candidate: {report.get('candidate', '?')})")
     return "\n".join(lines)

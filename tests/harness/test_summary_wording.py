@@ -30,6 +30,10 @@ def test_unsupported_rows_are_counted_in_the_verdict():
     assert "OVERALL: PASS (candidate" not in text
 
 
+def test_one_judged_row_is_singular():
+    assert "OVERALL: PASS (1 row; 2 unsupported)" in _table([_row("r0", "pass")] + [_row("u", "unsupported", "no")] * 2)
+
+
 def test_without_unsupported_rows_the_verdict_is_unchanged():
     text = _table([_row("r0", "pass"), _row("r1", "fail")])
     assert text.splitlines()[-1] == "OVERALL: FAIL (candidate: bwd my.py:bwd)"
