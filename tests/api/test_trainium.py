@@ -55,6 +55,26 @@ def test_the_real_nki_is_picked_when_importable(fake_real_nki):
     assert code == 0 and out.split()[0] == "nki", err
 
 
+def test_another_package_named_nki_is_named_not_taken_for_the_real_one(tmp_path):
+    (tmp_path / "nki").mkdir()
+    (tmp_path / "nki" / "__init__.py").write_text("")  # no nki.language, no nki.isa
+    code, _, err = _backend_in_subprocess(None, str(tmp_path))
+    assert code != 0 and "is not the Neuron SDK's NKI" in err and "NKI_ATTN_BACKEND=sim" in err
+    code, out, err = _backend_in_subprocess("sim", str(tmp_path))
+    assert code == 0 and out.split()[0] == "sim", err
+
+
+def test_pypis_placeholder_nki_counts_as_absent(tmp_path):
+    """PyPI's `nki` 0.0.1 raises ImportError on import, pointing to the Neuron repository."""
+    (tmp_path / "nki").mkdir()
+    (tmp_path / "nki" / "__init__.py").write_text('raise ImportError("WRONG PACKAGE. Please install the package '
+                                                   'from Neuron Repository")\n')
+    code, out, err = _backend_in_subprocess(None, str(tmp_path))
+    assert code == 0 and out.split()[0] == "sim", err
+    code, _, err = _backend_in_subprocess("nki", str(tmp_path))
+    assert code != 0 and "the real 'nki' package is not importable" in err
+
+
 def test_sim_forces_the_simulator_even_with_the_real_nki(fake_real_nki):
     code, out, err = _backend_in_subprocess("sim", fake_real_nki)
     assert code == 0 and out.split()[0] == "sim", err
