@@ -398,8 +398,8 @@ def test_flash_attn_varlen_output(seqlen_q, seqlen_k, d, causal, local, alibi, m
 
     outs = [out, reference(), reference(upcast=False, reorder_ops=True)]
     g = torch.randn_like(out)
-    ours, ref, pt = ([o, *(lambda dq, dkv: (dq, *dkv.unbind(1)))(*torch.autograd.grad(o, (q, kv), g, retain_graph=True))]
-                     for o in outs)
+    grads = [torch.autograd.grad(o, (q, kv), g, retain_graph=True) for o in outs]
+    ours, ref, pt = ([o, dq, *dkv.unbind(1)] for o, (dq, dkv) in zip(outs, grads))
     assert_flash_attention_rule(ours, ref, pt)
 
 

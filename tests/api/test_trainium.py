@@ -39,9 +39,9 @@ def fake_real_nki(tmp_path):
 
 
 def test_the_docs_command_prints_the_backend():
+    env = {**{k: v for k, v in os.environ.items() if k != "NKI_ATTN_BACKEND"}, "PYTHONPATH": str(ROOT)}
     r = subprocess.run([sys.executable, "-c", "import nki_attn.backend as b; print(b.BACKEND)"],
-                       capture_output=True, text=True, timeout=120,
-                       env={**{k: v for k, v in os.environ.items() if k != "NKI_ATTN_BACKEND"}, "PYTHONPATH": str(ROOT)})
+                       capture_output=True, text=True, timeout=120, env=env)
     assert r.returncode == 0 and r.stdout.strip() == "sim"  # no real nki on this machine
     assert 'python -c "import nki_attn.backend as b; print(b.BACKEND)"' in DOC.read_text()
 
