@@ -34,7 +34,7 @@ from nki_attn.harness.report import cpu_model, load_average, replace_marked_sect
 README = ROOT / "README.md"
 # Where the committed reports live: the harness reports and this script's timings. The one place to change if
 # they move.
-REPORTS_DIR = ROOT / "docs"
+REPORTS_DIR = ROOT / "reports"
 TIMINGS = REPORTS_DIR / "readme_timings.json"
 PRESET_REPORTS = {"full": "harness_report_full.json", "models": "harness_report_models.json"}
 
@@ -144,15 +144,15 @@ def presets_paragraph(timings, reports):
     items = []
     if "quick" in timings:
         t = timings["quick"]
-        items.append(f"quick {_duration(t['seconds'])} with `-j 2` ({_load(t)}, {t['date']})")
+        items.append(f"quick {_duration(t['seconds'])} with `-j 2` ({_where(t)})")
     for name, rep in reports.items():
         s = rep["summary"]
+        where = _where({**rep["machine"], "load_average": rep["load_average"], "date": rep["created"][:10]})
         items.append(f"{name} ({s['rows']} rows, {s['passed']} pass) {_duration(rep['wall_seconds'])} with "
-                     f"`-j {rep['jobs']}` ({_load(rep)}, {rep['created'][:10]}; the committed report "
+                     f"`-j {rep['jobs']}` ({where}; the committed report "
                      f"`{(REPORTS_DIR / PRESET_REPORTS[name]).relative_to(ROOT).as_posix()}`)")
-    return ("Real times on the 2-core machine the committed reports come from, shared with other jobs (1-minute "
-            "load average at the start and end of each run; each report records its own): " + "; ".join(items)
-            + ".")
+    return ("Real times on machines shared with other jobs (1-minute load average at the start and end of each "
+            "run; each report records its own): " + "; ".join(items) + ".")
 
 
 SECTIONS = {"readme-times": lambda t, r: times_sentence(t), "readme-presets": presets_paragraph}
