@@ -12,6 +12,10 @@ cited ones.
 """
 from dataclasses import dataclass, field, fields
 
+# The name every modeled figure carries (docs say which model produced them).
+MODEL = "cost model v2 (dependency-aware schedule; parameters from the public docs, calibrated on the published " \
+        "trn2 fp32 / trn1 bf16 matmul tutorial and fused Mamba timings)"
+
 
 def _p(source, meaning):
     """A dataclass field that carries its source and meaning (rendered into the docs table)."""
@@ -98,6 +102,26 @@ class Generation:
     dma_transpose_hbm_eff: float = _p("A3 (DMA transpose <= 90% of DMA throughput from HBM)",
                                       "dma_transpose bandwidth fraction, HBM source")
     dma_transpose_sbuf_eff: float = _p("A3 (<= 50% SBUF -> SBUF)", "dma_transpose bandwidth fraction, SBUF source")
+    dge_transpose_split: bool = _p("ISA dma_transpose (hardware-DGE path: 3-D/4-D src.shape[0] in {1, 2, 4, 8, "
+                                   "16}; only dge_mode unknown/hwdge allowed for direct transposes); AMBIGUOUS "
+                                   "whether the compiler splits (a sensitivity parameter)",
+                                   "a direct dma_transpose takes the hardware-DGE path, split into "
+                                   "ceil(src partitions / 16) instructions, each paying dge_instr_ns and its own "
+                                   "queue pieces")
+    # --- the schedule
+    sem_wait_ns: float = _p("calibrated on the matmul tutorials (insensitive across 0-1300 ns: their "
+                            "cross-engine chains are pipelined); the only documented figure is DMABW's ~1300 ns "
+                            "cross-engine semaphore-to-start latency, the sensitivity maximum",
+                            "added to the ready time of an instruction waiting on another engine's result")
+    access_overhead_cycles: int = _p("A2 ('Tensor access overhead ... a static overhead approximately 60 cycles "
+                                     "on NeuronCore-v2 ... engines can typically hide some of this latency'); "
+                                     "v3/v4 silent (v2 kept)",
+                                     "engine cycles after a compute instruction ends before its result is "
+                                     "visible: latency, not occupancy (hidden unless a consumer waits)")
+    gpsimd_vector_factor: float = _p("sensitivity only (the docs give GpSimd no rule of thumb); 0 = the default "
+                                     "rule N x inputs cycles at the GpSimdE clock",
+                                     "when > 0, GpSimdE costs this x what VectorE would take for the same "
+                                     "instruction")
     hbm_bytes_per_ns: float = _p("d: device HBM / cores: 820 GB/s / 2 (A2), 3 TB/s / 8 (A3), 4.7 TB/s / 8 (A4)",
                                  "HBM bandwidth per core (GB/s), for HBM utilisation only")
     peak_tflops_documented: float = _p("A2, A3, A4 (bf16/fp16 dense)", "documented TensorE peak (TFLOPS)")
@@ -117,7 +141,8 @@ _COMMON = dict(pe_dim=128, mm_min_cycles=64, load_stationary_speedup=4, fp32_mat
                vector_reciprocal_factor=8, min_ii_cycles=64, static_overhead_cycles=100,
                static_overhead_applies="dependent", dma_queues=16, dma_partitions_per_queue=8,
                dma_min_piece_ns=850.0, dma_fixed_ns=0.0, dma_latency_ns=1300.0, dge_instances=2,
-               dma_transpose_hbm_eff=0.9, dma_transpose_sbuf_eff=0.5)
+               dma_transpose_hbm_eff=0.9, dma_transpose_sbuf_eff=0.5,
+               dge_transpose_split=True, sem_wait_ns=0.0, access_overhead_cycles=60, gpsimd_vector_factor=0.0)
 
 TRN1 = Generation(name="trn1", nc_version=2, tensor_ghz=2.8, fp32_transpose_factor=4, vector_ghz=1.12,
                   vector_width_other=128, vector_fast_copy=1, vector_half_copy=1, vector_fast_tt=1,

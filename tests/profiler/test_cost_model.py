@@ -356,9 +356,18 @@ def test_dma_transpose_runs_at_90_percent_from_hbm(trn):
     src = tile((2048, 64), nl.bfloat16, nl.hbm)
     dst = nl.ndarray((64, 2048), nl.bfloat16, buffer=nl.sbuf)
     r = only_record(lambda: nisa.dma_transpose(dst=dst, src=src))
-    c = instruction_cost(r, g)
+    from dataclasses import replace
+    c = instruction_cost(r, replace(g, dge_transpose_split=False))
     assert len(c.queues) == 8  # 64 destination partitions
-    assert c.ns == pytest.approx(8 * 2048 * 2 / (23 * 0.9))
+    # the copy's occupancy (8 partitions x 4 KiB per queue at 23 B/ns, above the floor) at 90 % throughput
+    assert c.ns == pytest.approx(8 * 2048 * 2 / 23 / 0.9)
+    assert c.dge == 1 and c.shared == ((DGE, 600.0),)  # direct transposes take the hardware DGE path
+    # Split as the hardware DGE requires: a 2-D source needs 16 partitions, so 2048 / 16 = 128 instructions, each
+    # 256 B per queue: the 850 ns piece floor at 90 %, 128 times per queue, and 128 DGE instructions.
+    c = instruction_cost(r, g)
+    assert len(c.queues) == 128 * 8 and c.dge == 128
+    assert c.ns == pytest.approx(128 * 850 / 0.9)
+    assert c.shared == ((DGE, 128 * 600.0),)
 
 
 def test_hardware_dge_dma_holds_a_dge_block_not_its_trigger_engine(trn):
