@@ -226,9 +226,16 @@ def dma_cost(rec, gen):
         from_hbm = any(s.buffer == "hbm" for s in rec.srcs)
         eff = gen.dma_transpose_hbm_eff if from_hbm else gen.dma_transpose_sbuf_eff
         n_instr = transpose_instructions(rec, gen)
-        queues = tuple((q, dma_piece_ns(b / n_instr, gen, bw) / eff) for _ in range(n_instr)
-                       for q, b in dma_pieces(rec, gen))
-        dge, n_dge = "hwdge", n_instr
+        if gen.dma_transpose_whole_piece:
+            queues = tuple((q, dma_piece_ns(b / n_instr, gen, bw) / eff) for _ in range(n_instr)
+                           for q, b in dma_pieces(rec, gen))
+        else:  # the earlier rule: only the bandwidth scaled, so small transposes cost what the copy costs
+            queues = tuple((q, dma_piece_ns(b / n_instr, gen, bw * eff)) for _ in range(n_instr)
+                           for q, b in dma_pieces(rec, gen))
+        # Direct transposes only take the hardware-DGE path (ISA); the earlier model (no split) did not charge it
+        # unless the kernel forced dge_mode=hwdge.
+        n_dge = n_instr if (gen.dge_charge_transposes or dge == "hwdge") else 0
+        dge = "hwdge" if n_dge else dge
     else:
         queues = tuple((q, dma_piece_ns(b, gen, bw)) for q, b in dma_pieces(rec, gen))
         n_dge = 1 if dge == "hwdge" else 0

@@ -153,10 +153,13 @@ class Schedule:
                         ready, pred, wait = free[(core, tr)], last_on.get((core, tr)), None
                 ev.start, ev.end = ready, ready + cost.ns
                 ev.done = ev.end + cost.latency_ns
+                # A semaphore wait that bound the start runs on the waiting engine's sequencer: the engine shows
+                # it as active time (neuron-profile's engine active time; calibrated on the trn2 matmul v2).
+                hold = sem if wait == SEM_WAIT and pred is not None and ready - sem >= free[(core, eng)] else 0.0
                 for tr in tracks:
                     free[(core, tr)] = ev.end
                     last_on[(core, tr)] = ev
-                    ev.pieces.append((tr, ev.start, ev.end))
+                    ev.pieces.append((tr, ev.start - (hold if tr == eng else 0.0), ev.end))
             ev.pred, ev.wait = pred, wait
 
             for s in rec.srcs:

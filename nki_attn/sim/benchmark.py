@@ -65,14 +65,18 @@ class Benchmarked:
     """A kernel wrapped by ``benchmark``; calling it runs the kernel and sets ``benchmark_result``."""
 
     def __init__(self, kernel, warmup=10, iters=100, save_neff_name=None, save_trace_name=None,
-                 additional_compile_opt=None, useful_flops=None, n_cores=None):
+                 additional_compile_opt=None, useful_flops=None, n_cores=None, host=False):
         if not isinstance(warmup, int) or warmup < 0:
             raise ValueError(f"warmup={warmup!r} must be a non-negative int")
         if not isinstance(iters, int) or iters < 1:
             raise ValueError(f"iters={iters!r} must be a positive int")
         # A bare function is an ``nki.jit`` kernel still to be wrapped; anything else callable (a Kernel, or a
         # host function that launches one) is called as is.
-        self.kernel = kernel if isinstance(kernel, Kernel) or not _is_plain_function(kernel) else Kernel(kernel)
+        # ``host=True``: a host function that launches kernels itself (called as is); otherwise a bare function is
+        # an ``nki.jit`` kernel still to be wrapped.
+        self.host = host
+        self.kernel = kernel if host or isinstance(kernel, Kernel) or not _is_plain_function(kernel) \
+            else Kernel(kernel)
         self.warmup, self.iters = warmup, iters
         self.save_neff_name, self.save_trace_name = save_neff_name, save_trace_name
         self.additional_compile_opt = additional_compile_opt
@@ -96,7 +100,7 @@ class Benchmarked:
 
     def __getitem__(self, lnc):
         return Benchmarked(self.kernel[lnc], self.warmup, self.iters, self.save_neff_name, self.save_trace_name,
-                           self.additional_compile_opt, self.useful_flops, lnc)
+                           self.additional_compile_opt, self.useful_flops, lnc, self.host)
 
 
 def benchmark(kernel=None, **kwargs):
@@ -109,9 +113,11 @@ def benchmark(kernel=None, **kwargs):
     return Benchmarked(kernel, **kwargs)
 
 
-def run_benchmark(kernel, args, kwargs=None, warmup=10, iters=100, useful_flops=None, save_trace_name=None):
+def run_benchmark(kernel, args, kwargs=None, warmup=10, iters=100, useful_flops=None, save_trace_name=None,
+                  host=True):
     """Benchmark ``kernel(*args, **kwargs)`` with the NKI in use: a real ``nki.benchmark`` when one is importable
-    (Trainium host with an NKI that provides it: measured latencies), else this simulator's (modeled). Returns
+    (Trainium host with an NKI that provides it: measured latencies), else this simulator's (modeled). ``host``:
+    ``kernel`` is a host function that launches kernels (our kernel_api functions, a library's wrapper). Returns
     ``(outputs, benchmark_result)``."""
     from . import real_nki_available
     if real_nki_available():
@@ -123,6 +129,6 @@ def run_benchmark(kernel, args, kwargs=None, warmup=10, iters=100, useful_flops=
             res.modeled = False
             return out, res
     wrapped = Benchmarked(kernel, warmup=warmup, iters=iters, useful_flops=useful_flops,
-                          save_trace_name=save_trace_name)
+                          save_trace_name=save_trace_name, host=host)
     out = wrapped(*args, **(kwargs or {}))
     return out, wrapped.benchmark_result
