@@ -22,18 +22,20 @@ them with their sources):
   Partitions used do not matter.
 - **DMA**: a transfer is split over the queues that serve its SBUF partitions (partition ``p`` -> queue
   ``p // dma_partitions_per_queue``; HBM -> HBM transfers over all queues evenly); each piece occupies its queue
-  ``max(dma_min_piece_ns, bytes / dma_queue_bytes_per_ns) + dma_fixed_ns`` (bandwidth scaled by the transpose
-  efficiency for ``dma_transpose``). The DMA engine's busy time is its busiest queue's. The ~1300 ns
-  semaphore-to-start latency (``dma_latency_ns``) is reported, not charged: queued transfers hide it.
+  ``max(dma_min_piece_ns, bytes / dma_queue_bytes_per_ns) + dma_fixed_ns``; a ``dma_transpose`` piece costs that
+  divided by the transpose efficiency, and a direct transpose is split into hardware-DGE instructions
+  (``transpose_instructions``). The DMA engine's busy time is its busiest queue's. The ~1300 ns
+  semaphore-to-start latency (``dma_latency_ns``) is not occupancy: the schedule (schedule.py) delays each
+  transfer by it.
 - **Shared resources** (engines that cannot work at once): the SBUF port VectorE shares with GpSimdE
   (``vector_gpsimd_port``: every VectorE instruction on v2, the perf-mode ones on v3+, plus all GpSimdE
   instructions), the PSUM port of v2 (VectorE and ScalarE instructions touching PSUM,
   ``vector_scalar_psum_shared``), and the hardware DGE (``dge_instr_ns`` per ``dge_mode=hwdge`` DMA, spread over
   ``dge_instances``). Each is busy for the sum of the time of the instructions that need it.
 
-A profile sums instruction times per engine and core; the modeled kernel time is reported two ways: the busiest
-engine or shared resource (perfect overlap, a lower bound) and the sum over engines (no overlap, an upper bound for
-this model).
+A profile sums instruction times per engine and core and schedules the trace (schedule.py): ``time_ns``, the
+headline, is the dependency-aware schedule's; ``time_overlap_ns`` (the busiest engine or shared resource, a lower
+bound) and ``time_serial_ns`` (the sum over engines; latencies and waits are not in it) are kept.
 """
 import math
 from collections import defaultdict
