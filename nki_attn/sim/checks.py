@@ -25,46 +25,10 @@ from collections import Counter
 import numpy as np
 
 from . import context
+from .context import checking, mode_overrides  # noqa: F401 - public here
 from .errors import NkiValidationError
 
-# ----------------------------------------------------------------------------------------------------- modes
-_mode_stack = []
-_mode_lock = threading.Lock()
-
-
-@contextlib.contextmanager
-def checking(strict=None, capacity=None, frontend=None):
-    """Set the checking modes of every launch started inside the ``with`` block.
-
-    ``strict``: raise at the first read of never-written memory (default: env ``NKI_ATTN_SIM_STRICT``, off).
-    ``capacity``: raise when live SBUF/PSUM exceeds the target's capacity (default: env
-    ``NKI_ATTN_SIM_CAPACITY``, on). ``frontend``: the NKI frontend check (``nki_attn.sim.frontend``): ``"full"``
-    or ``True`` (gathering, launch and tracing rules), ``"gather"`` (no tracing rules), ``"off"`` or ``False``
-    (default: env ``NKI_ATTN_SIM_FRONTEND``, full). ``None`` keeps the enclosing setting. Peaks are recorded
-    either way.
-    """
-    entry = {"strict": strict, "capacity": capacity, "frontend": frontend}
-    with _mode_lock:
-        _mode_stack.append(entry)
-    try:
-        yield
-    finally:
-        with _mode_lock:
-            _mode_stack.remove(entry)
-
-
-def mode_overrides():
-    """The innermost ``checking()`` value of each mode (``None`` where no block set it)."""
-    out = {"strict": None, "capacity": None, "frontend": None}
-    with _mode_lock:
-        for entry in _mode_stack:
-            for k, v in entry.items():
-                if v is not None:
-                    out[k] = v
-    return out
-
-
-# ----------------------------------------------------------------------------------------------------- regions
+# The checking modes live in context (a launch reads them there); checking() is public here.
 def _storage_shape_in(t):
     """The storage shape counted in elements of ``t.dtype`` (a bit-cast view rescales the last dim)."""
     st = t.storage

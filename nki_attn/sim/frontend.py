@@ -31,6 +31,7 @@ import __future__
 import ast
 import builtins
 import inspect
+import linecache
 import math
 import operator
 import os
@@ -40,6 +41,7 @@ import threading
 import types
 import weakref
 
+from .context import frontend_mode
 from .errors import NkiValidationError
 
 INT32_MIN, INT32_MAX = -(1 << 31), (1 << 31) - 1
@@ -228,25 +230,10 @@ def _snippet(node, limit=60):
 
 
 # ----------------------------------------------------------------------------------------------------- modes
-_MODES = {"": "full", "1": "full", "on": "full", "full": "full", "true": "full", "yes": "full",
-          "gather": "gather", "0": "off", "off": "off", "false": "off", "no": "off"}
-
-
 def mode():
     """``"full"``, ``"gather"`` or ``"off"``: the innermost ``checking(frontend=...)``, else env
     ``NKI_ATTN_SIM_FRONTEND`` (default full)."""
-    from .checks import mode_overrides
-    over = mode_overrides()["frontend"]
-    raw = over if over is not None else os.environ.get("NKI_ATTN_SIM_FRONTEND", "")
-    if raw is True:
-        return "full"
-    if raw is False:
-        return "off"
-    key = str(raw).strip().lower()
-    if key not in _MODES:
-        raise NkiValidationError(f"NKI_ATTN_SIM_FRONTEND={raw!r} is not a frontend mode; use 1 (all checks, the "
-                                 f"default), gather (no tracing checks) or 0 (off)")
-    return _MODES[key]
+    return frontend_mode()
 
 
 # ----------------------------------------------------------------------------------------------------- what is API
@@ -1626,7 +1613,6 @@ def _module_imports(file):
         return _IMPORTED[file]
     names = set()
     try:
-        import linecache
         tree = ast.parse("".join(linecache.getlines(file)))
     except (SyntaxError, ValueError):
         tree = None

@@ -14,6 +14,7 @@ from . import context
 from . import dtypes as _dt
 from . import ops as _ops
 from .errors import fail
+from . import tensor as _tensor_module
 from .tensor import NkiTensor
 
 _F32 = np.float32
@@ -1175,3 +1176,14 @@ def select_reduce(dst, predicate, on_true, on_false, reduce_res=None, reduce_cmd
     if reduce_res is not None:
         _write_col(instr, reduce_res, acc[:p], p)
     _trace(instr, engine.vector, dst, [predicate, on_true])
+
+
+def _item_copy(dst, value):
+    """``dst[...] = value`` on a tensor: a Vector copy between on-chip tensors, a DMA otherwise."""
+    if dst.on_chip and value.on_chip:
+        tensor_copy(dst=dst, src=value)
+    else:
+        dma_copy(dst=dst, src=value)
+
+
+_tensor_module._COPY[0] = _item_copy

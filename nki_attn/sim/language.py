@@ -3,6 +3,7 @@ the experimental ``nl``-level helpers (``nl.load``, ``nl.add``, ...), which allo
 ``nki.isa`` instructions exactly as documented.
 """
 import contextlib
+import dataclasses
 import math
 
 import numpy as np
@@ -16,6 +17,7 @@ from .errors import NkiValidationError
 from .ops import *  # noqa: F401,F403 - nl.add, nl.exp, ... are public names of this module
 from .ops import Op as _Op
 from .tensor import DynSlice, NkiTensor, hbm, private_hbm, psum, sbuf, shared_hbm  # noqa: F401
+from .tensor import VirtualRegister  # noqa: F401 - nl.VirtualRegister
 from .tensor import allocate as _allocate
 
 fp32 = float32  # legacy short names (nl.fp32.min is legacy; use -3.4028235e38)
@@ -189,22 +191,6 @@ def static_range(start, stop=None, step=1):
     return range(start, stop, step) if stop is not None else range(start)
 
 
-class VirtualRegister:
-    """A 32-bit engine register (runtime loops); the simulator holds its value."""
-
-    def __init__(self, value=0):
-        self.value = int(value)
-
-    def __int__(self):
-        raise TypeError("a VirtualRegister cannot drive Python control flow (int()) at trace time")
-
-    def __index__(self):
-        raise TypeError("a VirtualRegister cannot drive Python control flow (range()) at trace time")
-
-    def __bool__(self):
-        raise TypeError("a VirtualRegister cannot drive Python control flow (if/while) at trace time")
-
-
 def fori_loop(lower, upper, body_fun, step=1):
     """Runtime loop: ``body_fun(i)`` for i in [lower, upper) with a read-only register ``i``."""
     lo = lower.value if isinstance(lower, VirtualRegister) else int(lower)
@@ -253,7 +239,6 @@ def _nki_fields(cls):
 
 
 def _nki_default(cls, name):
-    import dataclasses
     f = getattr(cls, "__dataclass_fields__", {}).get(name)
     if f is not None and f.default_factory is not dataclasses.MISSING:
         return f.default_factory()

@@ -151,7 +151,8 @@ def _launch(fn, lnc, args, kwargs):
         raise NkiValidationError(f"kernel[{n}]: LNC2 exists on trn2/trn3 only; the target is "
                                  f"{context.target_name(lau.version)}")
     prev = getattr(context._local, "state", None)
-    states = [context.CoreState(lau, pid) for pid in range(n)]
+    states = [context.CoreState(lau, pid, checks.MemAccount(lau.version, pid, lau.capacity)
+                                if lau.track_memory else None) for pid in range(n)]
     context.set_current(states[0])
     try:
         record = []

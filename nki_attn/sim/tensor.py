@@ -321,15 +321,12 @@ class NkiTensor:
         return NkiTensor(self.storage, [shape[i] for i in keep], [strides[i] for i in keep], offset, self.dtype)
 
     def __setitem__(self, key, value):
-        # Undocumented in the API reference but used by the migration guide (buf[...] = nl.load(x)): a copy.
-        from . import isa
+        # Undocumented in the API reference but used by the migration guide (buf[...] = nl.load(x)): a copy, by
+        # the instruction nki_attn.sim.isa installs (isa imports this module, not the other way round).
         dst = self[key]
         if not isinstance(value, NkiTensor):
             raise NkiValidationError(f"assignment to {self.name}[...] needs an NkiTensor value, got {type(value)}")
-        if dst.on_chip and value.on_chip:
-            isa.tensor_copy(dst=dst, src=value)
-        else:
-            isa.dma_copy(dst=dst, src=value)
+        _COPY[0](dst, value)
 
     def slice(self, dim, start, end, step=1):
         """``t.slice(dim, start, end, step)``: requires ``0 <= start < end <= shape[dim]`` and ``step >= 1``."""
@@ -496,8 +493,27 @@ class NkiTensor:
     reinterpret_cast = view
 
 
+class VirtualRegister:
+    """A 32-bit engine register (runtime loops); the simulator holds its value."""
+
+    def __init__(self, value=0):
+        self.value = int(value)
+
+    def __int__(self):
+        raise TypeError("a VirtualRegister cannot drive Python control flow (int()) at trace time")
+
+    def __index__(self):
+        raise TypeError("a VirtualRegister cannot drive Python control flow (range()) at trace time")
+
+    def __bool__(self):
+        raise TypeError("a VirtualRegister cannot drive Python control flow (if/while) at trace time")
+
+
+
+_COPY = [None]  # the copy NkiTensor item assignment makes (nki_attn.sim.isa.install_item_copy sets it)
+
+
 def _scalar_value(x):
-    from .language import VirtualRegister
     if isinstance(x, VirtualRegister):
         return int(x.value)
     if isinstance(x, NkiTensor):
