@@ -187,6 +187,8 @@ class CoreState:
         # This core's live SBUF/PSUM account (nki_attn.sim.checks.MemAccount, given by the launch that tracks
         # memory; None for eager instructions).
         self.mem = mem
+        # The instruction stream being recorded for replay (nki_attn.sim.replay.Recording), or None.
+        self.recorder = None
 
 
 _local = threading.local()

@@ -6,6 +6,7 @@ the value and the limit; then computes in float32 as the engines do and rounds t
 round-to-nearest-even on the write. See docs/simulator.md for what is and is not modelled.
 """
 import enum
+import functools
 
 import numpy as np
 
@@ -1187,3 +1188,32 @@ def _item_copy(dst, value):
 
 
 _tensor_module._COPY[0] = _item_copy
+
+
+def _recorded(fn):
+    """``fn`` recording itself into the launch's replay stream (nki_attn.sim.replay) when its core records one;
+    instructions called by instructions are part of their caller."""
+
+    def instruction(*args, **kwargs):
+        rec = context.current().recorder
+        if rec is None or rec.depth:
+            return fn(*args, **kwargs)
+        rec.depth = 1
+        try:
+            out = fn(*args, **kwargs)
+        finally:
+            rec.depth = 0
+        rec.instruction(fn, args, kwargs, out)
+        return out
+
+    functools.update_wrapper(instruction, fn)
+    return instruction
+
+
+INSTRUCTIONS = ("dma_copy", "tensor_copy", "memset", "iota", "dma_transpose", "nc_matmul", "nc_transpose",
+                "tensor_tensor", "tensor_scalar", "scalar_tensor_tensor", "tensor_tensor_scan", "nc_stream_shuffle",
+                "tensor_reduce", "tensor_partition_reduce", "reciprocal", "activation", "activation_reduce",
+                "tensor_scalar_reduce", "affine_select", "range_select", "tensor_copy_predicated", "select_reduce")
+for _name in INSTRUCTIONS:
+    globals()[_name] = _recorded(globals()[_name])
+del _name

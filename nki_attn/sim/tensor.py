@@ -517,6 +517,9 @@ def _scalar_value(x):
     if isinstance(x, VirtualRegister):
         return int(x.value)
     if isinstance(x, NkiTensor):
+        rec = context.current().recorder
+        if rec is not None:
+            rec.invalidate(f"the value of {x.name} decides a view at trace time")
         if x.size != 1:
             raise NkiValidationError(f"scalar_offset tensor {x.name} must have one element, has {x.size}")
         return int(x.np().reshape(-1)[0])
@@ -565,6 +568,8 @@ def allocate(shape, dtype, buffer, name="", address=None):
         _track(st, launch, state, address)
     if launch.tracer is not None:
         launch.tracer.on_alloc(st)
+    if state.recorder is not None:
+        state.recorder.add_storage(st)
     return NkiTensor(st, shape, _contig_strides(shape), 0)
 
 
