@@ -120,15 +120,24 @@ def _convert_args(values, buffer, record, path="arg"):
     return out
 
 
+_BLAS = []  # the threadpoolctl controller, made once (finding the loaded BLAS libraries takes milliseconds)
+
+
 def _one_blas_thread():
     """Context limiting numpy's BLAS to one thread. A simulated matmul is at most 128x128x512: threading it
     buys nothing on an idle machine and, with several processes (pytest -n, harness -j) on few cores,
     oversubscription made launches 3-7x slower (docs/performance.md)."""
-    try:
-        from threadpoolctl import threadpool_limits
-    except ImportError:  # optional at run time: only speed depends on it
+    if not _BLAS:
+        try:
+            from threadpoolctl import ThreadpoolController
+        except ImportError:  # optional at run time: only speed depends on it
+            _BLAS.append(None)
+        else:
+            _BLAS.append(ThreadpoolController().select(user_api="blas"))
+    blas = _BLAS[0]
+    if blas is None or all(lib.get("num_threads") == 1 for lib in blas.info()):
         return contextlib.nullcontext()
-    return threadpool_limits(limits=1, user_api="blas")
+    return blas.limit(limits=1)
 
 
 def launch(fn, lnc, args, kwargs):

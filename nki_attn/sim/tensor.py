@@ -120,7 +120,7 @@ class DynSlice:
 class NkiTensor:
     """A view onto a ``Storage``: ``shape``, element ``strides`` and element ``offset`` into the flat storage."""
 
-    __slots__ = ("storage", "shape", "strides", "offset", "dtype", "_flat")
+    __slots__ = ("storage", "shape", "strides", "offset", "dtype", "_flat", "_np")
 
     def __init__(self, storage, shape, strides, offset, dtype=None):
         self.storage = storage
@@ -128,6 +128,7 @@ class NkiTensor:
         self.strides = tuple(int(s) for s in strides)
         self.offset = int(offset)
         self.dtype = dtype if dtype is not None else storage.dtype
+        self._np = None
         if self.dtype is storage.dtype or self.dtype == storage.dtype:
             self._flat = storage.data
         else:
@@ -230,10 +231,15 @@ class NkiTensor:
                     f"view of {self.name} crosses a partition boundary (free offsets {flo}..{fhi} of {fs})")
 
     def np(self):
-        """Writable numpy view of the elements (no copy)."""
-        itemsize = self._flat.itemsize
-        return np.lib.stride_tricks.as_strided(
-            self._flat[self.offset:], shape=self.shape, strides=tuple(s * itemsize for s in self.strides))
+        """Writable numpy view of the elements (no copy). Made once per view: a view's storage array, offset and
+        strides never change (replayed instructions reuse their operands' views)."""
+        arr = self._np
+        if arr is None:
+            flat = self._flat
+            itemsize = flat.itemsize
+            arr = self._np = np.ndarray(self.shape, flat.dtype, buffer=flat, offset=self.offset * itemsize,
+                                        strides=tuple(s * itemsize for s in self.strides))
+        return arr
 
     def flat_indices(self):
         """Flat storage element indices covered by the view, in view order (for access tracking)."""
