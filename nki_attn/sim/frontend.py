@@ -166,7 +166,7 @@ RULES = {
              "NKI's math provides ceil, floor, gcd, log2, log10, pow, sqrt and the constants pi, e, inf and nan. "
              "Compute the others from these (e.g. math.log(x) as math.log2(x) / math.log2(math.e))."),
     "method": ("method or attribute NKI values do not have", "traced", "KLR Trace/Term.lean (Term.attr), Python.lean",
-               "NKI lists have append, clear, copy, extend, index, pop (no index) and remove/reverse; dicts have "
+               "NKI lists have append, clear, copy, extend, index, pop (without an index), remove and reverse; dicts have "
                "clear, copy, get, items, keys, pop, setdefault and values; str, tuple, int, float and bool values "
                "have no methods or attributes. Use a builtin or a loop instead."),
     "operator": ("operator NKI's tracer does not evaluate", "traced", "KLR Trace/Term.lean (binop), Python.lean (in)",
