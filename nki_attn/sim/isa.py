@@ -127,7 +127,13 @@ _WRITE_OPERANDS = frozenset(("dst", "reduce_res"))
 
 
 def _onchip(instr, name, t, allow=("sbuf", "psum")):
-    """Operand of a compute engine: on-chip, in an allowed buffer, <= 128 partitions, legal start partition."""
+    """Operand of a compute engine: on-chip, in an allowed buffer, <= 128 partitions, legal start partition.
+    These depend on the view alone, so a view that passed them for ``allow`` is not checked again (a replayed
+    instruction reuses its operands' views); the strict-mode read check runs every time."""
+    if type(t) is NkiTensor and t._ok is allow:
+        if t.storage.written is not None and name not in _WRITE_OPERANDS:
+            _checks.check_read(instr, name, t)
+        return t
     _tensor(instr, name, t)
     kind = t.buffer.kind
     if kind == "hbm":
@@ -144,6 +150,7 @@ def _onchip(instr, name, t, allow=("sbuf", "psum")):
             if p0 not in starts:
                 fail(instr, name, f"an access of {p} partitions must start at partition {starts}, starts at {p0}")
             break
+    t._ok = allow
     if t.storage.written is not None and name not in _WRITE_OPERANDS:
         _checks.check_read(instr, name, t)
     return t

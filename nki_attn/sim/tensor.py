@@ -120,7 +120,7 @@ class DynSlice:
 class NkiTensor:
     """A view onto a ``Storage``: ``shape``, element ``strides`` and element ``offset`` into the flat storage."""
 
-    __slots__ = ("storage", "shape", "strides", "offset", "dtype", "_flat", "_np")
+    __slots__ = ("storage", "shape", "strides", "offset", "dtype", "_flat", "_np", "_ok")
 
     def __init__(self, storage, shape, strides, offset, dtype=None):
         self.storage = storage
@@ -129,6 +129,7 @@ class NkiTensor:
         self.offset = int(offset)
         self.dtype = dtype if dtype is not None else storage.dtype
         self._np = None
+        self._ok = None  # the `allow` of the engine-operand checks this view passed (nki_attn.sim.isa._onchip)
         if self.dtype is storage.dtype or self.dtype == storage.dtype:
             self._flat = storage.data
         else:
