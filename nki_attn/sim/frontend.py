@@ -1452,8 +1452,10 @@ class _Instrumenter(ast.NodeTransformer):
     augmented assignments as the rebinding ``x = x op e`` that Simplify.lean makes of them), ``in``
     (``contains``) and ``math`` names. Nested scopes are left alone (the gathering stage refuses them)."""
 
-    def __init__(self, file, scope, shadowed, globals_):
-        self.file, self.scope, self.shadowed, self.globals = file, scope, shadowed, globals_
+    def __init__(self, file, scope, local_names, globals_):
+        self.file, self.scope, self.globals = file, scope, globals_
+        self.locals_only = local_names
+        self.shadowed = local_names | set(globals_)  # names that are not builtins here
         self.changed = False
 
     def visit_Lambda(self, node):
@@ -1691,8 +1693,7 @@ def instrumented_code(info):
             if not same:
                 UNCHECKED.add(fn)
             else:
-                ins = _Instrumenter(info.file, info.scope, info.locals | set(fn.__globals__), fn.__globals__)
-                ins.locals_only = info.locals
+                ins = _Instrumenter(info.file, info.scope, info.locals, fn.__globals__)
                 tree = ins.visit(info.node())
                 if ins.changed:
                     new = _compile_like(fn, tree, info.file)
