@@ -6,7 +6,8 @@ right after it, and each ratio is taken from figures of the same run, sides alte
 1. ``kernels``: simulated ``attention_fwd`` + ``attention_bwd`` (bf16, causal, batch 1) against the torch golden
    forward + backward (``golden/``) and against torch SDPA forward + backward on CPU, at each ``--seqlens``. The
    simulated figure is given twice: the first call of a signature (the kernel body runs: a trace, recorded) and a
-   repeated call (a replay of the recording, ``nki_attn.sim.replay``), with their ratio.
+   repeated call (a replay of the recording, ``nki_attn.sim.replay``; when the signature is not replayable, a
+   second trace, and the row says why), with their ratio.
 2. ``llama``: one training step (forward, loss, backward) of a 2-layer, 64-hidden Llama (4 heads, 128 tokens)
    built from a config with ``attn_implementation="nki_attn"`` against ``"sdpa"``; the first nki_attn step (traces)
    and the steady one (replays).
@@ -158,7 +159,7 @@ def bench_kernels(seqlens, heads, head_dim, repeats):
         rows.append((s, g, d, f, r))
     s, f, r = process_first
     print(f"  first call in the process (frontend gathering and instrumenting, then the trace) at seqlen {s}: "
-          f"{f:.3f} s, {f / r:.1f}x the replayed second call")
+          f"{f:.3f} s, {f / r:.1f}x the second call")
     return rows
 
 

@@ -15,8 +15,9 @@ frontend's gathering, the tracing rules, capacity) was checked by the traced lau
 Not recorded, so always traced: LNC2 launches (two cores interleave), launches inside ``trace.recording()`` (the
 cost model wants every instruction), and launches whose trace read tensor data into Python (a data-dependent
 ``scalar_offset``), wrote memory outside an instruction (the ``nl``-level helpers that fill tiles directly,
-``nl.rand``), got a value back from an instruction, or allocated more than ``NKI_ATTN_SIM_REPLAY_MB`` (default
-256) MiB in all (a replay keeps every storage of the trace). ``NKI_ATTN_SIM_REPLAY=0`` turns replay off.
+``nl.rand``), got a value back from an instruction, or whose program would hold more than ``NKI_ATTN_SIM_REPLAY_MB``
+(default 256) MiB (a program keeps its storages between calls; storages whose live ranges in the stream do not
+overlap share memory, so that is about the kernel's peak live memory). ``NKI_ATTN_SIM_REPLAY=0`` turns replay off.
 """
 import collections
 import enum
@@ -129,10 +130,9 @@ class Recording:
         self.slots = []
         self.by_uid = {}
         self.ops = []
+        self.last_use = {}  # slot -> index in ops of the last instruction that uses it
         self.depth = 0
         self.invalid = None
-        self.bytes = 0
-        self.budget = budget_bytes()
 
     def invalidate(self, why):
         if self.invalid is None:
@@ -143,9 +143,6 @@ class Recording:
         if arg is None:
             self.ops.append((_ALLOC, len(self.slots)))
         self.slots.append(_Slot(st, arg))
-        self.bytes += st.data.nbytes
-        if self.bytes > self.budget:
-            self.invalidate(f"the trace allocates more than NKI_ATTN_SIM_REPLAY_MB={self.budget >> 20} MiB")
 
     def describe(self, v):
         t = type(v)
@@ -154,6 +151,7 @@ class Recording:
             if slot is None:
                 self.invalidate(f"an operand ({v.name}) on storage the trace did not allocate")
                 return None
+            self.last_use[slot] = len(self.ops)
             return _View(slot, v)
         if t is tuple or t is list:
             return t(self.describe(e) for e in v)
@@ -182,16 +180,62 @@ def no_replay(why):
 
 
 # ----------------------------------------------------------------------------------------------------- programs
+class _Pool:
+    """Memory of a program: storages whose live ranges in the stream do not overlap share their arrays, so a
+    program holds about the kernel's peak live memory, not the sum of its allocations."""
+
+    def __init__(self):
+        self.free = {}  # (dtype, size) -> [(index after which it is free, array)]
+        self.bytes = 0
+
+    def take(self, dtype, size, start, end):
+        """An array for a storage live from ``start`` to ``end`` (indices in the stream)."""
+        key = (np.dtype(dtype).str, size)
+        entries = self.free.setdefault(key, [])
+        for i, (free_after, arr) in enumerate(entries):
+            if free_after < start:
+                entries[i] = (end, arr)
+                return arr
+        arr = np.empty(size, dtype=dtype)
+        self.bytes += arr.nbytes
+        entries.append((end, arr))
+        return arr
+
+
 class Program:
     """A recording made executable: its own storages (kept between calls) and views."""
 
     def __init__(self, rec, arg_views, result, stats, strict):
+        forever = len(rec.ops) + 1
+        start = {op[1]: i for i, op in enumerate(rec.ops) if op[0] == _ALLOC}
+        pinned = set()  # arguments and results live through the whole launch
+
+        def pin(v):
+            if type(v) is _View:
+                pinned.add(v.slot)
+            elif type(v) in (tuple, list):
+                for e in v:
+                    pin(e)
+            elif type(v) is dict:
+                for e in v.values():
+                    pin(e)
+        pin(arg_views)
+        pin(result)
+        pool = _Pool()
         self.storages = []
-        for s in rec.slots:
-            st = Storage(s.shape, s.dtype, s.buffer, name=s.name, precise=s.store_dtype == s.dtype.np)
+        for k, s in enumerate(rec.slots):
+            first = start.get(k, -1)
+            last = forever if k in pinned or s.arg is not None else rec.last_use.get(k, first)
+            n = int(np.prod(s.shape))
+            data = pool.take(s.store_dtype, n, first, last)
+            st = Storage(s.shape, s.dtype, s.buffer, name=s.name, data=data, precise=s.store_dtype == s.dtype.np)
+            if st.mm_written is not None:
+                st.mm_written = pool.take(bool, n, first, last)
+                st.other_written = pool.take(np.uint8, n, first, last).view(bool)
             if strict:
-                st.written = np.zeros(st.data.size, dtype=bool)
+                st.written = pool.take(np.int8, n, first, last).view(bool)
             self.storages.append(st)
+        self.bytes = pool.bytes
         self.fills = [np.nan if st.data.dtype.kind == "f" or s.dtype.kind == "float" else INT_SENTINEL
                       for s, st in zip(rec.slots, self.storages)]
         self.steps = []
@@ -271,6 +315,10 @@ def store(key, rec, arg_tensors, result, stats, strict):
                 _REFUSED.popitem(last=False)
             return None
     prog = Program(rec, arg_views, result_view, stats, strict)
+    if prog.bytes > budget_bytes():
+        with _LOCK:
+            _REFUSED[key] = f"its storages need {prog.bytes >> 20} MiB, over NKI_ATTN_SIM_REPLAY_MB"
+        return None
     with _LOCK:
         _PROGRAMS[key] = prog
         while len(_PROGRAMS) > _MAX_PROGRAMS:
