@@ -13,7 +13,8 @@ frontend's gathering, the tracing rules, capacity) was checked by the traced lau
 (argument values, module globals) still run at every call.
 
 Not recorded, so always traced: LNC2 launches (two cores interleave), launches inside ``trace.recording()`` (the
-cost model wants every instruction), and launches whose trace read tensor data into Python (a data-dependent
+cost model wants every instruction), launches with the frontend check off (``NKI_ATTN_SIM_FRONTEND=0``: without
+its launch stage nothing tells a changed module global, e.g. a patched kernel constant), and launches whose trace read tensor data into Python (a data-dependent
 ``scalar_offset``), wrote memory outside an instruction (the ``nl``-level helpers that fill tiles directly,
 ``nl.rand``), got a value back from an instruction, or whose program would hold more than ``NKI_ATTN_SIM_REPLAY_MB``
 (default 256) MiB (a program keeps its storages between calls; storages whose live ranges in the stream do not
@@ -84,15 +85,20 @@ def _sig(v, depth=0):
 
 def signature(fn, lnc, args, kwargs):
     """The cache key of a launch, or None when it is not replayable (LNC2, an active instruction recorder, replay
-    off, an argument without a signature)."""
+    off, the frontend check off, an argument without a signature)."""
     if lnc not in (None, 1) or not enabled() or context.active_recorder() is not None:
         return None
     modes = context.mode_overrides()
     strict = modes["strict"] if modes["strict"] is not None else context._env_flag("NKI_ATTN_SIM_STRICT", False)
     capacity = modes["capacity"] if modes["capacity"] is not None else context._env_flag("NKI_ATTN_SIM_CAPACITY",
                                                                                          True)
+    frontend = context.frontend_mode()
+    if frontend == "off":
+        # the launch stage (module globals unchanged since the first call) is what makes a kernel a function of
+        # its signature; without it (host-side experiments patching kernel constants) every launch is traced
+        return None
     config = (context.target_version(), context._env_flag("NKI_PRECISE_FP", True), bool(strict), bool(capacity),
-              context.frontend_mode())
+              frontend)
     try:
         return (fn, lnc, config, _sig(tuple(args)), tuple((k, _sig(v)) for k, v in kwargs.items()))
     except Uncacheable:

@@ -1,5 +1,7 @@
 """Trace once, replay (nki_attn.sim.replay): a launch with a signature seen before replays the recorded
 instructions, bit-identically to tracing it again; what cannot be replayed is traced every time."""
+import sys
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -195,3 +197,31 @@ def test_what_cannot_be_replayed_is_traced(monkeypatch):
     replay.clear()
     psum_reuse(a)
     assert "NKI_ATTN_SIM_REPLAY_MB" in next(iter(replay.info()[1].values()))
+
+
+SCALE = 2.0
+
+
+@sim.jit
+def reads_scale(a):
+    """a * SCALE, SCALE a module global."""
+    out = nl.ndarray((8, 8), nl.float32, buffer=nl.shared_hbm)
+    t = nl.ndarray((8, 8), nl.float32, buffer=nl.sbuf)
+    nisa.dma_copy(dst=t, src=a)
+    nisa.tensor_scalar(dst=t, data=t, op0=nl.multiply, operand0=SCALE)
+    nisa.dma_copy(dst=out, src=t)
+    return out
+
+
+def test_a_changed_global_is_never_replayed(monkeypatch):
+    a = np.ones((8, 8), dtype=np.float32)
+    np.testing.assert_array_equal(reads_scale(a), 2 * a)
+    np.testing.assert_array_equal(reads_scale(a), 2 * a)
+    assert _replays() == 1
+    monkeypatch.setattr(sys.modules[__name__], "SCALE", 3.0)
+    with pytest.raises(sim.NkiValidationError, match="SCALE was 2.0 at the first call"):
+        reads_scale(a)                                  # the frontend's launch check, before any replay
+    with sim.checking(frontend=False):                  # no launch check: traced, so the new value counts
+        np.testing.assert_array_equal(reads_scale(a), 3 * a)
+        np.testing.assert_array_equal(reads_scale(a), 3 * a)
+    assert _replays() == 1
