@@ -58,7 +58,7 @@ def _mask_view(mask, t):
     size cannot be expressed as a strided view, so it gets a gather/scatter pair instead (rare)."""
     st = t.storage
     if t.dtype.itemsize == st.dtype.itemsize:
-        return np.lib.stride_tricks.as_strided(mask[t.offset:], shape=t.shape, strides=t.strides), None
+        return t.over(mask), None
     vs, ss = t.dtype.itemsize, st.dtype.itemsize
     idx = t.flat_indices()
     if vs < ss:
@@ -100,8 +100,8 @@ def note_write(instr, operand, t, keep=None, matmul=False):
     st = t.storage
     st.dirty = True
     if st.mm_written is not None:
-        mm = np.lib.stride_tricks.as_strided(st.mm_written[t.offset:], shape=t.shape, strides=t.strides)
-        other = np.lib.stride_tricks.as_strided(st.other_written[t.offset:], shape=t.shape, strides=t.strides)
+        mm = t.over(st.mm_written)
+        other = t.over(st.other_written)
         if matmul:
             mm[...] = True
             other[...] = False

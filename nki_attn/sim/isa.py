@@ -206,7 +206,7 @@ def _cast_for(dst, vals):
 
 
 def _flags(storage_flags, t):
-    return np.lib.stride_tricks.as_strided(storage_flags[t.offset:], shape=t.shape, strides=t.strides)
+    return t.over(storage_flags)
 
 
 def _wrote(instr, dst, keep=None, matmul=False):

@@ -4,7 +4,7 @@ An ``NkiTensor`` is a strided view (shape, element strides, element offset) onto
 array. On-chip storage (SBUF, PSUM) is laid out partition-major, ``flat = p * free_size + f``, so a view's
 partition stride must equal the storage free size: partitions are always contiguous and never strided. HBM
 storage is linear with no partition axis. Views never copy; instructions read and write through them with
-``numpy.lib.stride_tricks.as_strided`` after a bounds check done once when the view is made.
+numpy strided views (made once per view) after a bounds check done once when the view is made.
 """
 import itertools
 import math
@@ -120,7 +120,7 @@ class DynSlice:
 class NkiTensor:
     """A view onto a ``Storage``: ``shape``, element ``strides`` and element ``offset`` into the flat storage."""
 
-    __slots__ = ("storage", "shape", "strides", "offset", "dtype", "_flat", "_np", "_ok")
+    __slots__ = ("storage", "shape", "strides", "offset", "dtype", "_flat", "_np", "_ok", "_fe")
 
     def __init__(self, storage, shape, strides, offset, dtype=None):
         self.storage = storage
@@ -129,6 +129,7 @@ class NkiTensor:
         self.offset = int(offset)
         self.dtype = dtype if dtype is not None else storage.dtype
         self._np = None
+        self._fe = None
         self._ok = None  # the `allow` of the engine-operand checks this view passed (nki_attn.sim.isa._onchip)
         if self.dtype is storage.dtype or self.dtype == storage.dtype:
             self._flat = storage.data
@@ -173,7 +174,17 @@ class NkiTensor:
     @property
     def free_elems(self):
         """Elements per partition (on-chip), i.e. the product of the free dims."""
-        return math.prod(self.shape[1:]) if self.ndim > 1 else 1
+        n = self._fe
+        if n is None:
+            n = self._fe = math.prod(self.shape[1:]) if len(self.shape) > 1 else 1
+        return n
+
+    def over(self, arr):
+        """The elements of this view in ``arr``, a flat array with one entry per storage element (the per-element
+        flags of nki_attn.sim.checks and isa), as a writable strided view."""
+        itemsize = arr.itemsize
+        return np.ndarray(self.shape, arr.dtype, buffer=arr, offset=self.offset * itemsize,
+                          strides=tuple(s * itemsize for s in self.strides))
 
     def _flat_free_size(self):
         fs = self.storage.free_size
