@@ -41,6 +41,7 @@ def enabled():
 
 
 def budget_bytes():
+    """Env ``NKI_ATTN_SIM_REPLAY_MB`` in bytes: the most memory one program may keep (default 256 MiB)."""
     try:
         return int(float(os.environ.get("NKI_ATTN_SIM_REPLAY_MB", "256")) * (1 << 20))
     except ValueError:
@@ -298,6 +299,7 @@ _LOCK = threading.Lock()
 
 
 def lookup(key):
+    """The program recorded for signature ``key``, or None."""
     with _LOCK:
         prog = _PROGRAMS.get(key)
         if prog is not None:
@@ -306,6 +308,7 @@ def lookup(key):
 
 
 def should_record(key):
+    """False when a launch of signature ``key`` was recorded before and could not be replayed."""
     with _LOCK:
         return key not in _REFUSED
 
