@@ -247,18 +247,19 @@ def write_plot(prof, path, title):
     rows = prof.engine_rows()
     names = [r[0] for r in rows]
     busy = [r[2] / 1e3 for r in rows]
-    fig, ax = plt.subplots(figsize=(7, 3.4))
+    fig, ax = plt.subplots(figsize=(7, 3.7))
     bars = ax.barh(names[::-1], busy[::-1], color="#4c72b0")
     for bar, (_, n, b, share, _) in zip(bars, rows[::-1]):
         ax.text(bar.get_width(), bar.get_y() + bar.get_height() / 2, f" {b / 1e3:.1f} us ({n} instr)",
-                va="center", fontsize=8)
+                va="center", fontsize=8, bbox=dict(facecolor="white", edgecolor="none", pad=0.5, alpha=0.85))
     ax.axvline(prof.time_overlap_ns / 1e3, color="#c44e52", ls="--", lw=1,
                label=f"perfect overlap {prof.time_overlap_ns / 1e3:.1f} us")
     ax.set_xlabel("modeled busy time (us) - modeled, not measured")
     ax.set_title(f"{title}\n{prof.gen.name}: no overlap {prof.time_serial_ns / 1e3:.1f} us, TensorE util "
                  f"{prof.tensor_utilisation(True):.0%} (overlap)", fontsize=9)
     ax.set_xlim(0, max(busy + [prof.time_overlap_ns / 1e3]) * 1.35)
-    ax.legend(fontsize=8, loc="upper right")
+    # Below the axes: inside them the legend hid the longest bar's label.
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.2), frameon=False)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
