@@ -248,7 +248,10 @@ class Program:
         self.steps = []
         for op in rec.ops:
             if op[0] == _ALLOC:
-                self.steps.append((None, op[1], None))
+                # what a fresh allocation holds: the sentinel, no PSUM history, nothing written (strict mode)
+                st = self.storages[op[1]]
+                flags = tuple(f for f in (st.mm_written, st.other_written, st.written) if f is not None)
+                self.steps.append((None, (st, self.fills[op[1]], flags), None))
             else:
                 self.steps.append((op[1], self.make(op[2]), self.make(op[3])))
         self.args = [self.make(v) for v in arg_views]  # the argument tensors, in launch order
@@ -276,17 +279,13 @@ class Program:
             st.dirty = False
             if st.written is not None:
                 st.written[:] = True
-        storages, fills = self.storages, self.fills
         for fn, args, kwargs in self.steps:
             if fn is None:
-                st = storages[args]
-                st.data.fill(fills[args])
+                st, fill, flags = args
+                st.data.fill(fill)
                 st.dirty = False
-                if st.mm_written is not None:
-                    st.mm_written.fill(False)
-                    st.other_written.fill(False)
-                if st.written is not None:
-                    st.written.fill(False)
+                for f in flags:
+                    f.fill(False)
             else:
                 fn(*args, **kwargs)
         self.replays += 1
