@@ -214,7 +214,7 @@ def inputs_baseline(ins, ref, case):
     reference LSE rounded to float32 (the inputs a backward kernel is handed): D = rowsum(O * dO),
     P = exp(S - LSE), dS = P * (dP - D), dV = P^T dO, dQ = scale dS K, dK = scale dS^T Q, dsinks =
     -sum_rows P_sink D. Its error is what any implementation of that formula gets from those inputs, which
-    the golden baseline (it normalises its own P and never reads O) does not make (docs/tolerances.md).
+    the golden baseline (it normalises its own P and never reads O) does not make (docs/validation.md).
 
     Works on the unpadded problem for every row; returns dq, dk, dv (and dsinks) in ``reference``'s layouts.
     """
