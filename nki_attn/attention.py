@@ -411,7 +411,7 @@ def _attention(fn, q, k, v, mask, scale, sinks, want_probs, scale_name="softmax_
     alibi = _kernel_alibi(variants.alibi, b, hq)
     out, lse = _flash_fwd(q, k, v, sinks, mask.lo, mask.hi, mask.left, mask.right, mask.shift, scale,
                           variants.softcap, alibi, variants.dropout_p, variants.seed)
-    probs = _probs(q, k, mask, scale, lse, variants, alibi) if want_probs else None
+    probs = _probs(q, k, mask, scale, sinks, variants, alibi) if want_probs else None
     return out, lse, probs
 
 
@@ -508,11 +508,15 @@ _flash_fwd.register_autograd(_flash_backward, setup_context=_flash_setup_context
 _flash_bwd.register_autograd(ops._bwd_backward, setup_context=ops._bwd_setup_context)
 
 
-def _probs(q, k, mask, scale, lse, variants=_NO_VARIANTS, alibi=None):
-    """S_dmask: softmax probabilities [b, h, sq, sk] (float32) recomputed from q, k and the kernel's lse (soft-cap
-    and ALiBi included), zero where masked; with dropout, FlashAttention's encoding: negative where the element
-    was dropped (None when the keep mask cannot be regenerated, golden.dropout missing). None above
-    MAX_PROBS_ELEMENTS. Not differentiable."""
+def _probs(q, k, mask, scale, sinks=None, variants=_NO_VARIANTS, alibi=None):
+    """S_dmask: softmax probabilities [b, h, sq, sk] (float32) recomputed from q, k (soft-cap and ALiBi included)
+    and normalised by their own float32 log-sum-exp over the visible keys and the sinks [h(, n)], zero where
+    masked; with dropout, FlashAttention's encoding: negative where the element was dropped (None when the keep
+    mask cannot be regenerated, golden.dropout missing). None above MAX_PROBS_ELEMENTS. Not differentiable.
+
+    Normalised here rather than by the kernel's lse: in 16-bit dtypes that lse comes from differently rounded
+    scores, so exp(score - lse) rows would sum to 1 only within the dtype's rounding (0.97-1.02 measured);
+    normalised, a row's |S_dmask| plus its sinks' share sums to 1 within float32 rounding."""
     b, sq, hq, _ = q.shape
     sk, hk = k.shape[1], k.shape[2]
     if b * hq * sq * sk > MAX_PROBS_ELEMENTS:
@@ -529,8 +533,14 @@ def _probs(q, k, mask, scale, lse, variants=_NO_VARIANTS, alibi=None):
             dist = (i + (pl.sk_k - pl.sq_k) - j).abs().to(torch.float32)
             s = s - alibi[:, :, None, None] * dist
         vis = _visibility(mask, q.device)
-        p = torch.exp(s - lse.detach()[..., None])
-        p = torch.where(vis, p, torch.zeros_like(p))
+        s = s.masked_fill(~vis, float("-inf"))
+        terms = s
+        if sinks is not None:
+            sink = sinks.detach().float().reshape(hq, -1)                                   # [h, n]
+            terms = torch.cat([s, sink[None, :, None, :].expand(b, hq, sq, sink.shape[1])], dim=-1)
+        row_lse = torch.logsumexp(terms, dim=-1, keepdim=True)  # -inf for a row with no key and no sink
+        p = torch.exp(s - row_lse)
+        p = torch.where(vis, p, torch.zeros_like(p))  # also the NaN of -inf - (-inf) in empty rows
         if variants.dropout_p > 0.0:
             keep = _keep_mask(variants, b, hq, pl, sq, sk)
             if keep is None:
@@ -600,7 +610,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
         ``(out, softmax_lse, S_dmask)``: softmax_lse float32 ``[batch, nheads, seqlen_q]`` (+inf for a row that
         sees no key and has no sink), S_dmask float32 ``[batch, nheads, seqlen_q, seqlen_k]``, the attention
         probabilities over the keys (sinks excluded; zero where masked; with dropout, negative where dropped, as
-        FlashAttention encodes it) recomputed from q, k and the kernel's lse, or None when it would exceed
+        FlashAttention encodes it) recomputed from q, k and normalised in float32, or None when it would exceed
         ``MAX_PROBS_ELEMENTS``. With ``return_lse``: ``(out, lse)``. lse takes no gradient (a non-zero one
         raises NotImplementedError).
     """
@@ -942,12 +952,16 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
             mask for all heads) whose visible keys form one contiguous run per query (causal, sliding-window,
             padding, packed-sequence masks); other masks (gaps, per-head, additive float) raise
             NotImplementedError.
-        dropout_p: must be 0.0.
+        dropout_p: float in [0, 1), as in ``flash_attn_func`` (applied whenever > 0, as torch does: pass 0.0 for
+            evaluation); the keep mask's seed is drawn from torch's global generator (``torch.manual_seed`` makes
+            it reproducible) and the backward regenerates the same mask.
         is_causal: bool, top-left aligned as torch (key j masked for query i when j > i); not with attn_mask.
         scale: scale of q·k, finite > 0; default ``1/sqrt(head_dim)``.
         enable_gqa: bool; must be True when heads_kv < heads (heads % heads_kv == 0), as torch.
     Returns:
-        ``[..., heads, seqlen_q, head_dim]`` in query's dtype.
+        ``[..., heads, seqlen_q, head_dim_v]`` in query's dtype. A query row that the mask leaves without any
+        visible key gives 0 (and passes no gradient), as torch's SDPA does since PyTorch 2.5; earlier versions
+        return NaN there.
     """
     fn = "scaled_dot_product_attention"
     p = _check_dropout(fn, dropout_p)

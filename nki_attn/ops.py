@@ -164,6 +164,16 @@ def resolve_scale(fn, softmax_scale, d_head, name="softmax_scale"):
     return float(softmax_scale)
 
 
+def check_slopes(fn, alibi_slopes):
+    """ALiBi slopes' values (the kernels check shapes; values are only seen here, in the ops' bodies, where the
+    tensors are real): every slope finite. Any sign is accepted, as FlashAttention does: the bias
+    ``-slope * distance`` penalises distant keys for a positive slope and favours them for a negative one."""
+    if alibi_slopes is not None and not bool(torch.isfinite(alibi_slopes).all()):
+        bad = alibi_slopes[~torch.isfinite(alibi_slopes)]
+        _fail(fn, "alibi_slopes", f"a tensor with {bad.numel()} non-finite value(s), e.g. {float(bad[0])}",
+              "every slope must be finite (any sign: a negative slope favours distant keys)")
+
+
 # ----------------------------------------------------------------------------------------------------- the ops
 def _variant_kwargs(softcap, alibi_slopes, window_size, dropout_p, dropout_seed):
     """The variant keywords for the kernel call; those at their default are left out, so kernels built before
@@ -188,6 +198,7 @@ def _fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: Optional[t
             alibi_slopes: Optional[torch.Tensor] = None, window_size: Optional[list[int]] = None,
             dropout_p: float = 0.0, dropout_seed: Optional[torch.Tensor] = None
             ) -> tuple[torch.Tensor, torch.Tensor]:
+    check_slopes("attention_fwd", alibi_slopes)
     fwd, _ = _kernels()
     o, lse = _launcher(fwd)(q.contiguous(), k.contiguous(), v.contiguous(), sinks, bound_min, bound_max,
                             use_causal_mask=use_causal_mask, mixed_precision=mixed_precision,
