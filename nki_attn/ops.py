@@ -42,7 +42,8 @@ import torch
 from . import kernel_api
 from .spec import PMAX, AttentionSpec, window_intervals
 
-__all__ = ["attention", "attention_backward", "kernel_plan", "kernel_bounds", "padded_length", "KernelPlan"]
+__all__ = ["attention", "attention_backward", "kernel_plan", "kernel_keywords", "kernel_bounds", "padded_length",
+           "spec_intervals", "KernelPlan"]
 
 _CONTIG = torch.contiguous_format
 
