@@ -114,7 +114,7 @@ def add_parser(sub):
     """Register ``check`` on an argparse subparsers object."""
     p = sub.add_parser("check", help="check forward + backward kernels against the float64 golden",
                        description="Run harness rows: forward + backward kernels against a float64 golden with "
-                                   "derived tolerances (docs/harness.md, docs/tolerances.md). Exit status 0 only "
+                                   "derived tolerances (docs/harness.md, docs/validation.md). Exit status 0 only "
                                    "when every row (and determinism/drift when asked) passes; 2 for usage errors.",
                        formatter_class=HelpFormatter)
     p.add_argument("--preset", default="quick", choices=sorted(_cases.PRESETS), help=PRESET_HELP)
