@@ -7,8 +7,8 @@ argument raises ``TypeError`` / ``ValueError`` (``NotImplementedError`` for what
 the message ``"<entry point>: <argument>=<value>: <rule>"``.
 
 Public: ``AttentionSpec``, ``flash_spec`` (the checks of ``flash_attn_func``, for callers that bring their own
-entry point), ``window_pair``, ``window_intervals``, ``resolve_scale``, ``dropout_seed_tensor``, ``fail``,
-``PMAX``, ``MAX_D_HEAD``, ``MAX_EXACT_KEY``, ``DTYPES``.
+entry point), ``window_pair``, ``window_intervals``, ``resolve_scale``, ``check_device``, ``dropout_seed_tensor``,
+``fail``, ``PMAX``, ``MAX_D_HEAD``, ``MAX_EXACT_KEY``, ``DTYPES``.
 """
 import dataclasses
 import math
@@ -26,7 +26,7 @@ MAX_EXACT_KEY = 1 << 24  # key bounds are float32 in the kernels: key indices up
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 SEED_MAX = (1 << 32) - 1
 
-__all__ = ["AttentionSpec", "flash_spec", "window_pair", "window_intervals", "resolve_scale",
+__all__ = ["AttentionSpec", "flash_spec", "window_pair", "window_intervals", "resolve_scale", "check_device",
            "dropout_seed_tensor", "fail", "PMAX", "MAX_D_HEAD", "MAX_EXACT_KEY", "DTYPES"]
 
 
@@ -247,11 +247,13 @@ def _check_qkv(fn, q, k, v, rank, names=("q", "k", "v")):
     if k.shape[:-1] != v.shape[:-1]:
         fail(fn, f"{names[2]}.shape", tuple(v.shape), f"must equal {names[1]}.shape {tuple(k.shape)} except in "
                                                       f"the last dim (head_dim_v may differ from head_dim)")
-    _check_device(q, names[0])
+    check_device(q, names[0])
 
 
-def _check_device(t, name="q"):
-    """CPU tensors run on the simulator, XLA tensors on the real nki; ``meta`` tensors only get shapes."""
+def check_device(t, name="q"):
+    """Where tensor ``t`` can run: CPU tensors on the simulator, XLA (Neuron) tensors on the real nki, ``meta``
+    tensors only get shapes; RuntimeError when the selected backend cannot take ``t``, ValueError for any other
+    device (naming ``name``)."""
     if t.device.type == "cpu":
         if BACKEND != "sim":
             raise RuntimeError("CPU tensors run on the simulator; set NKI_ATTN_BACKEND=sim to use it alongside the "
