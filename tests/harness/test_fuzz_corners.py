@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import nki_attn
+from nki_attn import kernel_api
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 NEG_INF = float("-inf")
@@ -43,7 +44,7 @@ def test_empty_rows_with_all_inf_sinks_through_the_kernels():
     q = torch.randn(1, 2, 16, 256, generator=g)
     k, v = torch.randn(1, 1, 16, 128, generator=g), torch.randn(1, 1, 16, 128, generator=g)
     sinks = torch.tensor([[NEG_INF, 0.5]])
-    o, lse = nki_attn.ops.attention_fwd(q, k, v, sinks, use_causal_mask=True, softcap=10.0)
+    o, lse = kernel_api.attention_fwd(q, k, v, sinks, use_causal_mask=True, softcap=10.0)
     rows = lse.permute(0, 1, 3, 2).reshape(1, 2, 256)  # row t * 128 + p at [p, t]
     assert torch.isinf(rows[0, 0, :128]).all() and (rows[0, 0, :128] > 0).all()
     assert torch.allclose(rows[0, 1, :128], torch.full((128,), 0.5))  # only the sink: lse = the sink's logit
