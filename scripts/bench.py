@@ -191,6 +191,8 @@ def run_frontend_overhead(a):
     (the frontend's work before a launch); one tracing check (timed alone) times the checks one fwd + bwd pair
     makes, an estimate independent of the machine's load; and whole launches with the check off / gather / full
     (CPU time, modes alternated so that a load change hits all three alike; best and median)."""
+    # every launch here must run the kernel body: a replayed launch (nki_attn.sim.replay) runs no tracing check
+    os.environ["NKI_ATTN_SIM_REPLAY"] = "0"
     from nki_attn.sim import checking, frontend
 
     t0 = time.process_time()
@@ -236,9 +238,10 @@ def run_frontend_overhead(a):
     print(f"one tracing check (beyond the subscript itself): {1e9 * per_check:.0f} ns")
 
     def count_checks(run):
-        """Calls of the tracing checks (subscripts, isinstance, dict) made by ``run()`` in full mode, counted by a
+        """Calls of the tracing checks (subscripts, item stores, builtins, attributes, operators, 'in') made by
+        ``run()`` in full mode, counted by a
         profile hook on their code objects (nothing is patched)."""
-        codes = {getattr(frontend._Checks, m).__code__ for m in ("sub", "key", "isinstance_", "dict_")}
+        codes = {getattr(frontend._Checks, m).__code__ for m in ("sub", "key", "bi", "attr", "binop", "contains")}
         counts = [0]
 
         def hook(frame, event, arg):
