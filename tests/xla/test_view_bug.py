@@ -76,3 +76,44 @@ def test_fresh_contiguous_copies(shape, perm):
     y = fresh_contiguous(view)
     assert y.is_contiguous() and torch.equal(y, view)
     assert y.untyped_storage().data_ptr() != x.untyped_storage().data_ptr()
+
+
+# The op layer's own layout changes, as the real-nki path runs them: inside custom ops whose implementation gets
+# the XLA tensors themselves (on the simulator the ops see CPU copies, where any copy is a real copy).
+@torch.library.custom_op("nki_attn_xla_test::to_kernel", mutates_args=())
+def _to_kernel_op(x: torch.Tensor, pad_to: int, front: int) -> torch.Tensor:
+    from nki_attn.ops import _to_kernel
+    return _to_kernel(x, pad_to, front)
+
+
+@_to_kernel_op.register_fake
+def _(x, pad_to, front):
+    return x.new_empty(x.shape[0], x.shape[2], x.shape[3], pad_to)
+
+
+@torch.library.custom_op("nki_attn_xla_test::from_kernel", mutates_args=())
+def _from_kernel_op(x: torch.Tensor, front: int, n: int) -> torch.Tensor:
+    from nki_attn.ops import _from_kernel
+    return _from_kernel(x, front, n)
+
+
+@_from_kernel_op.register_fake
+def _(x, front, n):
+    return x.new_empty(x.shape[0], n, x.shape[1], x.shape[2])
+
+
+@pytest.mark.parametrize("n,pad_to,front", [(128, 128, 0), (100, 128, 0), (100, 256, 28)])
+def test_op_layout_changes_survive_xla(xla_device, n, pad_to, front):
+    """FlashAttention layout -> kernel layout -> back, each step one custom op running on the XLA tensors: the
+    round trip returns the input exactly. Fails if the op layer hands out ``.contiguous()`` of a permuted view."""
+    x = torch.randn(2, n, 3, 8, generator=torch.Generator().manual_seed(n + pad_to))
+
+    def round_trip(t):
+        return _from_kernel_op(_to_kernel_op(t, pad_to, front), front, n)
+
+    def back_and_forth(t):  # kernel layout -> FlashAttention layout -> kernel layout
+        return _to_kernel_op(_from_kernel_op(t, 0, t.shape[-1]), t.shape[-1], 0)
+
+    kx = torch.randn(2, 3, 8, pad_to, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(round_trip(x.to(xla_device)).cpu(), x)
+    assert torch.equal(back_and_forth(kx.to(xla_device)).cpu(), kx)
