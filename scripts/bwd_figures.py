@@ -157,9 +157,9 @@ def figures():
 
 def tolerance_sweep():
     """Worst case over SWEEP of the quantities docs/tolerances.md bounds."""
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "kernels"))
-    import _compare
-    from test_attention_bwd import NAMES, Case
+    from tests.kernels import conftest as _compare
+    from tests.kernels.conftest import GRAD_NAMES as NAMES
+    from tests.kernels.conftest import Case
     lines = ["| dtype | mixed | output | worst K needed | worst err / (u max abs ref) | worst err / band | "
              "case of worst K |", "|---|---|---|---|---|---|---|"]
     for dtype in ("float32", "bfloat16", "float16"):
@@ -170,15 +170,16 @@ def tolerance_sweep():
                 sec = kw.pop("section", None)
                 for seed in range(3):
                     c = Case(dtype=dtype, mixed=mixed, seed=seed, **kw)
-                    out = c.run(k_section_len=sec)
+                    out = c.bwd(k_section_len=sec)
+                    r = c.bwd_refs()
                     u = _compare.UNIT_ROUNDOFF[dtype]
                     atol, rtol = _compare.ABS_BANDS[dtype]
                     for name, got in zip(NAMES, out):
                         key = f"out_{name}_ref"
-                        ref = c.ref[key]
+                        ref = r["ref"][key]
                         e = _compare.max_err(got, ref)
-                        eg = _compare.max_err(c.golden[key], ref)
-                        ei = _compare.max_err(c.fs32[name], ref)
+                        eg = _compare.max_err(r["golden"][key], ref)
+                        ei = _compare.max_err(r["inputs"][name], ref)
                         mx = float(np.max(np.abs(_compare.as_f64(ref))))
                         need = (e - u * mx) / (eg + ei)
                         w = worst.setdefault(name, [-1e9, 0.0, 0.0, None])

@@ -195,10 +195,11 @@ class Case:
     """One attention problem: inputs, kernel arguments, and the references both kernels are judged against.
 
     Inputs are N(0, 1) (times ``q_mul`` for q, so soft-capping reaches its non-linear range) rounded to ``dtype``
-    and kept in float64; sinks the same times ``sink_mul``, or all ``sink_value``. Layouts are the kernels': q ``[bs, h, d, sq]``,
-    k ``[bs, hk, d, sk]``, v ``[bs, hk, dv, sk]``, dy like o ``[bs, h, dv, sq]``, sinks ``[bs, h]`` (one) or
-    ``[bs, h, sinks]``. ``cu``: packed sequence boundaries (``golden.packing_bounds``, rows past the last are
-    padding that sees nothing). ``dropout_seed``: the ``(seed, offset)`` pair of ``golden.dropout.make_seed``.
+    and kept in float64; sinks the same times ``sink_mul``, or all ``sink_value``. Layouts are the kernels':
+    q ``[bs, h, d, sq]``, k ``[bs, hk, d, sk]``, v ``[bs, hk, dv, sk]``, dy like o ``[bs, h, dv, sq]``, sinks
+    ``[bs, h]`` (one) or ``[bs, h, sinks]``. ``cu``: packed sequence boundaries (``golden.packing_bounds``, rows
+    past the last are padding that sees nothing). ``dropout_seed``: the ``(seed, offset)`` pair of
+    ``golden.dropout.make_seed``.
 
     ``fwd()`` / ``check_fwd(o, lse)``: the forward kernel on these inputs and its check against the golden on the
     float64 inputs (``ref``) and in the dtype (``golden``). ``bwd()`` / ``check_bwd(grads)``: the backward kernel
@@ -208,7 +209,8 @@ class Case:
 
     def __init__(self, bs=1, h=1, hk=1, d=64, dv=None, sq=256, sk=None, dtype="float32", mixed=False,
                  causal=False, window=None, window_size=None, softcap=0.0, alibi=False, sinks=0, sink_mul=1.0,
-                 cu=None, scale=None, dropout_p=0.0, dropout_seed=(1234, 7), q_mul=1.0, sink_value=None, seed=0):
+                 cu=None, scale=None, dropout_p=0.0, dropout_seed=(1234, 7), q_mul=1.0, sink_value=None,
+                 seed=0):
         sk = sq if sk is None else sk
         dv = d if dv is None else dv
         self.dtype, self.mixed, self.tdt = dtype, mixed, DTYPES[dtype]
@@ -234,7 +236,7 @@ class Case:
             self.opts.update(dropout_p=dropout_p, dropout_seed=golden_dropout.make_seed(*dropout_seed))
         self.q, self.k, self.v, self.dy = (x.to(self.tdt) for x in (self.q64, self.k64, self.v64, self.dy64))
         self.sinks = None if self.sinks64 is None else self.sinks64.to(self.tdt)
-        # the kernels' keywords: only the ones set, so a row without a variant calls the kernel as before it
+        # the kernels' keywords: only the variants a case sets; the others stay at the kernels' defaults
         self.kwargs = {key: val for key, val in self.opts.items() if val is not None
                        and not (key in ("softcap", "dropout_p") and val == 0.0)}
         self.kwargs["use_causal_mask"] = causal
@@ -318,7 +320,8 @@ class Case:
         stats = {}
         for name, got in zip(GRAD_NAMES, out):
             key = f"out_{name}_ref"
-            stats[name] = check_close(name, got, r["ref"][key], r["golden"][key], self.dtype, inputs_err=inputs[name])
+            stats[name] = check_close(name, got, r["ref"][key], r["golden"][key], self.dtype,
+                                      inputs_err=inputs[name])
             absolute_band(name, got, r["ref"][key], self.dtype)
         return stats
 
@@ -365,7 +368,8 @@ def run_and_check(q, k, v, *, sinks=None, bound_min=None, bound_max=None, causal
 DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 VARIANT_TOKENS = {
     "causal": r"causal", "swa": r"swa(\d+)", "win": r"win(-?\d+):(-?\d+)", "cap": r"cap([\d.]+)",
-    "alibi": r"alibi", "sinks": r"sinks(\d+)", "sinkmul": r"sinkmul([\d.]+)", "sinkval": r"sinkval([\d.]+)", "cu": r"cu([\d-]+)",
+    "alibi": r"alibi", "sinks": r"sinks(\d+)", "sinkmul": r"sinkmul([\d.]+)", "sinkval": r"sinkval([\d.]+)",
+    "cu": r"cu([\d-]+)",
     "scale": r"scale([\d.]+)", "drop": r"drop([\d.]+)", "qmul": r"qmul([\d.]+)", "sec": r"sec(\d+)",
     "seed": r"seed(\d+)",
 }

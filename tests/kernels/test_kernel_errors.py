@@ -56,7 +56,7 @@ ERRORS = [
     ("fwd", "seqlen_k", lambda: fwd_args(sk=300), "seqlen_k=300"),
     ("fwd", "d_head_too_big", lambda: fwd_args(d=264), "exceeds"),
     ("fwd", "d_v_too_big", lambda: fwd_args(dv=300), "d_v=300 exceeds"),
-    ("fwd", "d_head_zero", lambda: fwd_args(d=0), "d_head"),
+    ("fwd", "d_head_zero", lambda: fwd_args(d=0, dv=64), "d_head"),
     ("fwd", "dtype_int32", lambda: fwd_args(q_ref=torch.ones(1, 2, 64, 256, dtype=torch.int32),
                                             k_ref=torch.ones(1, 1, 64, 256, dtype=torch.int32),
                                             v_ref=torch.ones(1, 1, 64, 256, dtype=torch.int32)), "not supported"),

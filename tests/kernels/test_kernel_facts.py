@@ -6,7 +6,6 @@ import numpy as np
 import pytest
 import torch
 
-from golden import packing_bounds
 from golden.dropout import make_seed
 from nki_attn import kernel_api
 from nki_attn.kernels.attention_fwd import attention_fwd

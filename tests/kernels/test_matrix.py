@@ -7,8 +7,8 @@ at most K = 2 times the golden's own error in the dtype (plus, backward, the err
 inputs) plus one rounding; a fixed absolute band for the backward; +inf LSE exactly where the reference has it, and
 exact zeros for rows that see no key and keys no row sees.
 
-``ROWS`` (the default run) puts every variant on at least one shape and dtype: each row is there for a reason the
-comment names (a window next to a tile edge, a head dim with a remainder partition tile, a key block boundary...).
+``ROWS`` (the default run) puts every variant on at least one shape and dtype, in groups whose comments say what
+they exercise (windows at tile edges, head dims with a remainder partition tile, several key blocks, K/V sections...).
 ``PRODUCT`` (marked ``slow``) is the full cross product of the core axes. ``test_chain`` feeds the forward kernel's
 own O and LSE to the backward kernel.
 """
@@ -20,7 +20,8 @@ import pytest
 
 from nki_attn.kernels.attention_bwd import attention_bwd
 
-from .conftest import GRAD_NAMES, VARIANT_TOKENS, Case, as_t64, bwd_from_stats, case_kwargs, check_close, empty_rows, max_err
+from .conftest import (GRAD_NAMES, VARIANT_TOKENS, Case, as_t64, bwd_from_stats, case_kwargs, check_close, empty_rows,
+                       max_err)
 
 S = pytest.mark.slow
 # (kernels, dtype, variant, shape, heads)
@@ -269,14 +270,17 @@ def test_chain(dtype, variant, shape, heads):
         assert np.all(dq.transpose(0, 1, 3, 2)[empty.numpy()] == 0.0)
 
 
-def test_default_rows_cover_every_variant_dtype_and_kernel():
-    """Each token of the vocabulary, each dtype and both kernels appear in a default (not slow) row, so
-    trimming ROWS cannot silently drop a variant from the default run."""
-    default = [r for r in ROWS if len(r) == 5]
-    tokens = {next(n for n, pat in VARIANT_TOKENS.items() if re.fullmatch(pat, t))
-              for r in default for t in r[2].split("+") if t != "plain"}
-    assert tokens == set(VARIANT_TOKENS)
+VARIANTS = {"causal", "swa", "win", "cap", "alibi", "sinks", "cu", "scale", "drop"}
+
+
+def test_default_rows_cover_every_variant_and_dtype_in_both_kernels():
+    """Each variant of the vocabulary and each dtype appear in a default (not slow) row of each kernel, so trimming
+    ROWS cannot silently drop one from the default run."""
     for kernel in "fb":
-        assert {r[1].split("-")[0] for r in default if kernel in r[0]} == {"fp32", "bf16", "fp16"}
-        variants = {t for r in default if kernel in r[0] for t in r[2].split("+")}
-        assert {"causal", "alibi", "win64:64"} <= variants
+        rows = [r for r in ROWS if len(r) == 5 and kernel in r[0]]
+        tokens = {next(n for n, pat in VARIANT_TOKENS.items() if re.fullmatch(pat, t))
+                  for r in rows for t in r[2].split("+") if t != "plain"}
+        assert VARIANTS <= tokens, (kernel, VARIANTS - tokens)
+        assert {r[1].split("-")[0] for r in rows} == {"fp32", "bf16", "fp16"}
+    assert set(VARIANT_TOKENS) == {t for r in ROWS for t in VARIANT_TOKENS
+                                   if any(re.fullmatch(VARIANT_TOKENS[t], x) for x in r[2].split("+"))}
