@@ -35,8 +35,15 @@ def _import_real():
 _real = None if _choice == "sim" else _import_real()
 if _real is not None:
     nki = _real
-    nl = importlib.import_module("nki.language")
-    nisa = importlib.import_module("nki.isa")
+    try:
+        nl = importlib.import_module("nki.language")
+        nisa = importlib.import_module("nki.isa")
+    except ImportError as exc:
+        # Some other module named nki shadows the Neuron SDK's: name it instead of a bare ModuleNotFoundError.
+        raise ImportError(
+            f"an 'nki' package is importable ({_real.__file__}) but has no nki.language / nki.isa, so it is not "
+            "the Neuron SDK's NKI. Install nki from the Neuron pip repository (docs/trainium.md), remove the "
+            "other package from the path, or set NKI_ATTN_BACKEND=sim to use the built-in simulator.") from exc
     BACKEND = "nki"
 elif _choice == "nki":
     raise ImportError(

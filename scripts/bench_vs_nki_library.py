@@ -6,7 +6,7 @@ aws-neuron/nki-library repository (its package lives under src/nkilib_src)::
     python scripts/bench_vs_nki_library.py --nkilib /path/to/nki-library \\
         [--max-bwd-ratio 0.70] [--max-fwd-ratio 0.80] [--max-bwd-floor-ratio 2.5] [--json out.json]
 
-For each shape of issue #13 it runs, on the simulator with the instruction trace on and identical inputs (bf16,
+For each of its four shapes it runs, on the simulator with the instruction trace on and identical inputs (bf16,
 mixed precision, target trn2 unless ``--target`` says otherwise):
 
 - backward: our ``attention_bwd`` and the library's ``attention_bwd`` (same signature and layouts; ``o`` and

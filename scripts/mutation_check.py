@@ -78,21 +78,21 @@ class Mutation:
 
 M = Mutation
 MUTATIONS = [
-    # ---- the five bugs issue #19 found missed by the suite (retargeted to the current kernels)
+    # ---- the five bugs an audit of the suite found it missed (retargeted to the current kernels)
     M("i19_1_dq_scratch_from_3_sections", BWD, "self.n_sections > 1", "self.n_sections > 2",
-      "issue #19 bug 1: the fp32 dQ scratch only from 3 K/V sections (bf16 dQ partial sums with 2)", T_BWD),
+      "missed-bug audit, bug 1: the fp32 dQ scratch only from 3 K/V sections (bf16 dQ partial sums with 2)", T_BWD),
     M("i19_2_varlen_no_bottom_right", API, "rel = pos + (len_k - len_q)", "rel = pos",
-      "issue #19 bug 2: varlen causal/window without the per-sequence bottom-right offset len_k - len_q",
+      "missed-bug audit, bug 2: varlen causal/window without the per-sequence bottom-right offset len_k - len_q",
       T_VARLEN),
     M("i19_3_fully_visible_lo_off_by_one", TILING, "return k0 < q1 - 1 + lo_rel", "return k0 < q1 - 2 + lo_rel",
-      "issue #19 bug 3: the lower-mask test (tile_fully_visible's window side) one key short",
+      "missed-bug audit, bug 3: the lower-mask test (tile_fully_visible's window side) one key short",
       T_TILING + T_BWD + T_FWD),
     M("i19_4_visible_lt_as_le", TILING, "k1 - 1 >= q0 + lo_rel", "k1 - 1 > q0 + lo_rel",
-      "issue #19 bug 4: tile_visible's window-side comparison off by one (a tile with one visible key skipped)",
+      "missed-bug audit, bug 4: tile_visible's window-side comparison off by one (a tile with one visible key skipped)",
       T_TILING + T_BWD + T_FWD),
     M("i19_5_d_in_last_section", BWD, "    if blk.first:\n        _rowsum_o_dy",
       "    if blk.last:\n        _rowsum_o_dy",
-      "issue #19 bug 5 (retargeted): D = rowsum(O*dO) in a tile's last visible section, read before written by "
+      "missed-bug audit, bug 5 (retargeted): D = rowsum(O*dO) in a tile's last visible section, read before written by "
       "the earlier sections and dsinks", T_BWD),
     # ---- backward: sections, blocks, dQ partial sums
     M("b_first_section_is_0", BWD, "first = c.first_sec[i] == s", "first = s == 0",

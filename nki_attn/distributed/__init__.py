@@ -9,7 +9,7 @@ rank computes the attention rows of its own queries while the keys and values tr
   and 2R-1-r of 2R); ``zigzag_shard`` / ``zigzag_unshard``; ``work_balance_report`` compares the per-rank work
   of both layouts.
 - ``run_local``: run a function on N local processes in a gloo group over loopback (tests, examples).
-- ``record_steps``: per-step bytes sent and kernel time, for scripts/ring_figures.py.
+- ``record_steps``: per-step bytes sent and kernel time, for scripts/figures.py ring.
 
 Any process-group backend with point-to-point isend/irecv works; gloo on CPU is what has been run (the kernels on
 the simulator). docs/distributed.md explains the algorithm, layouts, tolerances and what was verified where.

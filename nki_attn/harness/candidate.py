@@ -285,7 +285,7 @@ class ExternalCandidate:
 
     def fwd(self, q, k, v, sinks=None, bound_min=None, bound_max=None, use_causal_mask=False, mixed_precision=True,
             softmax_scale=None, sliding_window=None, **variants):
-        """``variants``: the issue #14 keywords a row uses (``softcap``, ``alibi_slopes``, ``window_size``,
+        """``variants``: the attention-variant keywords a row uses (``softcap``, ``alibi_slopes``, ``window_size``,
         ``dropout_p``, ``dropout_seed``), passed by name; a candidate whose signature lacks one is Unsupported."""
         if self._fwd is None:
             return self.ours.fwd(q, k, v, sinks, bound_min, bound_max, use_causal_mask=use_causal_mask,

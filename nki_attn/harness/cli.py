@@ -114,7 +114,7 @@ def add_parser(sub):
     """Register ``check`` on an argparse subparsers object."""
     p = sub.add_parser("check", help="check forward + backward kernels against the float64 golden",
                        description="Run harness rows: forward + backward kernels against a float64 golden with "
-                                   "derived tolerances (docs/harness.md, docs/tolerances.md). Exit status 0 only "
+                                   "derived tolerances (docs/harness.md, docs/validation.md). Exit status 0 only "
                                    "when every row (and determinism/drift when asked) passes; 2 for usage errors.",
                        formatter_class=HelpFormatter)
     p.add_argument("--preset", default="quick", choices=sorted(_cases.PRESETS), help=PRESET_HELP)
@@ -221,7 +221,7 @@ class Progress:
             width = 24
             filled = int(width * self.done / self.total) if self.total else width
             self.stream.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total} "
-                              f"{elapsed:6.1f}s {text[:60]:60s}")
+                              f"{elapsed:6.1f}s {_report.clip(text, 60):60s}")
             if self.done == self.total:
                 self.stream.write("\n")
         else:
@@ -244,7 +244,7 @@ def _row_text(row):
     status = row.get("status", "pass" if row["pass"] else ("error" if "error" in row else "fail"))
     secs = f" {row['seconds']:.1f}s" if row.get("seconds") is not None else ""
     ratio = f" worst err/bound {row['worst_ratio']:.3f}" if "worst_ratio" in row else ""
-    why = f" ({row['error'][:100]})" if status in ("error", "unsupported") and row.get("error") else ""
+    why = f" ({_report.clip(row['error'], 100)})" if status in ("error", "unsupported") and row.get("error") else ""
     return f"{row['case']['name']} {status.upper()}{ratio}{secs}{why}"
 
 

@@ -31,6 +31,19 @@ def replace_marked_section(path, name, text):
         f.write(head + begin + "\n" + text + "\n" + end + tail)
 
 
+def clip(text, width):
+    """``text`` shortened to at most ``width`` characters at a word boundary, with "..." when cut (a single word
+    longer than ``width`` is kept whole rather than cut mid-word)."""
+    text = " ".join(str(text).split())
+    if len(text) <= width:
+        return text
+    cut = text.rfind(" ", 0, max(width - 3, 1) + 1)
+    if cut <= 0:
+        cut = text.find(" ")
+        return text if cut < 0 else text[:cut] + "..."
+    return text[:cut].rstrip(" ,;:") + "..."
+
+
 def cpu_model():
     """The CPU's model name (from /proc/cpuinfo on Linux, else the platform module)."""
     try:
@@ -127,7 +140,7 @@ def table(report):
         name = r["case"]["name"][:44]
         status = r.get("status", "pass" if r["pass"] else "fail")
         if status in ("error", "unsupported"):
-            lines.append(f"{name:44s} {status.upper()} {r.get('error', '')[:160]}")
+            lines.append(f"{name:44s} {status.upper()} {clip(r.get('error', ''), 160)}")
             continue
         cells = []
         for c in _COLS:
@@ -147,16 +160,20 @@ def table(report):
         lines.append("no row could be judged: the candidate refused every row")
     for d in report.get("determinism") or []:
         if d.get("status") == "unsupported":
-            lines.append(f"determinism {d['case']}: unsupported by the candidate ({d.get('error', '')[:120]})")
+            lines.append(f"determinism {d['case']}: unsupported by the candidate ({clip(d.get('error', ''), 120)})")
             continue
         lnc = d["lnc2_note"] if d.get("lnc2_note") else f"LNC2 equal: {d['lnc2_equal']}"
         lines.append(f"determinism {d['case']}: {d['identical_runs']}/{d['runs']} identical runs, {lnc} -> "
                      f"{'PASS' if d['pass'] else 'FAIL'}")
     dr = report.get("drift")
     if dr and dr.get("status") in ("unsupported", "error"):
-        lines.append(f"drift: {dr['status']} ({dr.get('error', '')[:160]})")
+        lines.append(f"drift: {dr['status']} ({clip(dr.get('error', ''), 160)})")
     elif dr:
         lines.append(f"drift {dr['steps']} steps: tail gap {dr['tail_mean_rel_gap']:.2e} (<= {dr['bound']['tail']}), "
                      f"max gap {dr['max_rel_gap']:.2e} (<= {dr['bound']['max']}) -> {'PASS' if dr['pass'] else 'FAIL'}")
-    lines.append(f"OVERALL: {'PASS' if s['pass'] else 'FAIL'} (candidate: {report.get('candidate', '?')})")
+    verdict = "PASS" if s["pass"] else "FAIL"
+    if s.get("unsupported"):  # say how much was judged, so a refused row never reads as a passed one
+        judged = s.get("judged", s["rows"] - s["unsupported"])
+        verdict += f" ({judged} row{'' if judged == 1 else 's'}; {s['unsupported']} unsupported)"
+    lines.append(f"OVERALL: {verdict} (candidate: {report.get('candidate', '?')})")
     return "\n".join(lines)

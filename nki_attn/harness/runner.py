@@ -139,7 +139,7 @@ def _kwargs(case):
 
 
 def _variant_kwargs(case, ins):
-    """The issue #14 keywords of a row, only those it uses (so candidates without them still run other rows)."""
+    """The attention-variant keywords of a row, only those it uses (so candidates without them still run other rows)."""
     kw = {}
     if case.softcap:
         kw["softcap"] = case.softcap
@@ -202,7 +202,7 @@ def inputs_baseline(ins, ref, case):
     reference LSE rounded to float32 (the inputs a backward kernel is handed): D = rowsum(O * dO),
     P = exp(S - LSE), dS = P * (dP - D), dV = P^T dO, dQ = scale dS K, dK = scale dS^T Q, dsinks =
     -sum_rows P_sink D. Its error is what any implementation of that formula gets from those inputs, which
-    the golden baseline (it normalises its own P and never reads O) does not make (docs/tolerances.md).
+    the golden baseline (it normalises its own P and never reads O) does not make (docs/validation.md).
 
     Works on the unpadded problem for every row; returns dq, dk, dv (and dsinks) in ``reference``'s layouts.
     """

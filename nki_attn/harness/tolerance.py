@@ -1,4 +1,4 @@
-"""Tolerance rules of the harness (the derivation and the measured margins are in docs/tolerances.md).
+"""Tolerance rules of the harness (the derivation and the measured margins are in docs/validation.md).
 
 Every candidate output X is compared with a float64 reference X64 computed by the golden module on the same
 (rounded) inputs. The baseline is the golden run in the row's dtype. Two rules:
@@ -36,7 +36,7 @@ Every candidate output X is compared with a float64 reference X64 computed by th
    a scaling far below that, because rounding noise averages out of c and a scaling does not.
 
 The seed's band ``atol + rtol * max|X64|`` is reported for every output (``band_ok``) but no longer judged:
-rule 2 catches what it used to catch (docs/tolerances.md, "The band").
+rule 2 catches what it used to catch (docs/validation.md, "The band").
 """
 import math
 
@@ -48,7 +48,7 @@ K = {"float32": 10.0, "bfloat16": 2.0, "float16": 2.0}
 # n-independent floor relative to max|X64|: a few roundings to the dtype (u = 2^-24 fp32, 2^-8 bf16, 2^-11 fp16).
 FLOOR = {"float32": 2.0 ** -22, "bfloat16": 2.0 ** -9, "float16": 2.0 ** -12}
 # Unit roundoff of the accumulation (float32 PSUM in the kernels, float32 statistics in the golden) and the
-# number of standard deviations the length term allows (docs/tolerances.md, "The floor").
+# number of standard deviations the length term allows (docs/validation.md, "The floor").
 U_ACC = 2.0 ** -24
 LAMBDA = 1.0
 # Standard deviations allowed to the random-walk sum of the O roundings in dsinks (Hoeffding: a failure
@@ -126,7 +126,7 @@ def projection(err, ref, vec_axis=None):
         ``n = err - c * ref`` the error's noise around that scaling (the factor undoes what fitting c removed
         from it): the size ``c`` reaches by chance when the vectors' errors have no common direction;
         ``n_eff = <ref, ref>^2 / sum_v ||ref_v||^4``, how many vectors carry the reference's weight. All 0 when
-        the reference is 0; sigma is inf when n_eff <= 1. Derivation: docs/tolerances.md, "Systematic error".
+        the reference is 0; sigma is inf when n_eff <= 1. Derivation: docs/validation.md, "Systematic error".
     """
     err = np.asarray(err, dtype=np.float64)
     ref = np.asarray(ref, dtype=np.float64)

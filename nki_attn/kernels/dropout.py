@@ -21,7 +21,7 @@ Only integer instructions whose result the NKI docs define exactly are used: bit
 ``tensor_tensor`` on VectorE (raw bits), int32/uint32 ``tensor_tensor`` multiplies on GpSimdE ("native integer
 arithmetic", exact: every product here is below 2**32), ``iota`` (int32 arithmetic) and float32 arithmetic on
 integers below 2**24 (exact). Immediates stay below 2**24, so they are the same number whether an instruction
-encodes them as int32 or float32. Cost per [128 x 512] tile (modeled): scripts/dropout_cost.py.
+encodes them as int32 or float32. Cost per [128 x 512] tile (modeled): scripts/bench.py dropout-cost.
 
 Kernel code: NKI's compile-time subset (the simulator's frontend check enforces it).
 """

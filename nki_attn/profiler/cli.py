@@ -54,6 +54,7 @@ def add_parser(sub):
     p.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
     p.add_argument("--json", metavar="F", help="write the profile as JSON to F")
     p.add_argument("--plot", metavar="F.png", help="write a bar chart of engine busy time to F.png (matplotlib)")
+    add_variant_arguments(p)
     p.set_defaults(func=run, _parser=p)
     return p
 
@@ -71,6 +72,7 @@ def validate(args, parser):
         parser.error("--lnc 2: the demo kernel does not split its work between LNC2 cores")
     if args.kv_heads is not None and args.heads % args.kv_heads:
         parser.error(f"--heads {args.heads} must be a multiple of --kv-heads {args.kv_heads}")
+    validate_variant(args, parser)
 
 
 # ----------------------------------------------------------------------------------------------------- inputs
@@ -138,6 +140,8 @@ def run_kernel(args):
 
     from ..sim import trace
 
+    if is_variant(args):
+        return run_variant_kernel(args)
     kernel = _launch(_load(args.kernel), args.lnc)
     if args.kernel == "demo":
         rng = np.random.default_rng(args.seed)
@@ -162,6 +166,8 @@ def run_kernel(args):
 def useful_flops(args):
     """FLOPs the run is credited with: attention FLOPs (visible pairs; bwd 2.5x) or the demo's matmul FLOPs."""
     from .flops import useful_attention_flops
+    if is_variant(args):
+        return variant_flops(args)
     if args.kernel == "demo":
         return 2 * 128 * args.seqlen * args.head_dim
     return useful_attention_flops(args.batch, args.heads, args.seqlen, args.seqlen, args.head_dim,
@@ -181,6 +187,10 @@ def describe(args):
         bits.append(f"window={args.window}")
     if args.sinks:
         bits.append(f"sinks={args.sinks}")
+    bits += [f"{k}={v}" if v is not True else k for k, v in (getattr(args, "features", None) or {}).items()]
+    if getattr(args, "mixed_precision", None) is not None:
+        bits.append(f"mixed_precision={args.mixed_precision}")
+    bits += [f"{k}={v!r}" for k, v in (getattr(args, "knobs", None) or {}).items()]
     return " ".join(bits)
 
 
@@ -237,18 +247,19 @@ def write_plot(prof, path, title):
     rows = prof.engine_rows()
     names = [r[0] for r in rows]
     busy = [r[2] / 1e3 for r in rows]
-    fig, ax = plt.subplots(figsize=(7, 3.4))
+    fig, ax = plt.subplots(figsize=(7, 3.7))
     bars = ax.barh(names[::-1], busy[::-1], color="#4c72b0")
     for bar, (_, n, b, share, _) in zip(bars, rows[::-1]):
         ax.text(bar.get_width(), bar.get_y() + bar.get_height() / 2, f" {b / 1e3:.1f} us ({n} instr)",
-                va="center", fontsize=8)
+                va="center", fontsize=8, bbox=dict(facecolor="white", edgecolor="none", pad=0.5, alpha=0.85))
     ax.axvline(prof.time_overlap_ns / 1e3, color="#c44e52", ls="--", lw=1,
                label=f"perfect overlap {prof.time_overlap_ns / 1e3:.1f} us")
     ax.set_xlabel("modeled busy time (us) - modeled, not measured")
     ax.set_title(f"{title}\n{prof.gen.name}: no overlap {prof.time_serial_ns / 1e3:.1f} us, TensorE util "
                  f"{prof.tensor_utilisation(True):.0%} (overlap)", fontsize=9)
     ax.set_xlim(0, max(busy + [prof.time_overlap_ns / 1e3]) * 1.35)
-    ax.legend(fontsize=8, loc="upper right")
+    # Below the axes: inside them the legend hid the longest bar's label.
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.2), frameon=False)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -286,13 +297,217 @@ def run(args):
     prof = profile(records, generation(args.target), useful_flops(args), n_cores=args.lnc)
     title = describe(args) + (f" lnc={args.lnc}" if args.lnc != 1 else "")
     print(format_report(prof, title, wall))
+    versus = compare_with_default(args, prof) if getattr(args, "vs", None) else None
     if args.json:
         out = prof.to_dict()
         out.update(description=title, sim_wall_seconds=wall,
                    args={k: v for k, v in vars(args).items() if k not in ("func", "_parser")})
+        if versus:
+            out["vs_default"] = versus
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)
         print(f"wrote {args.json}")
     if args.plot and write_plot(prof, args.plot, title):
         print(f"wrote {args.plot}")
     return 0
+
+
+# ----------------------------------------------------------------------------------------------------- variants
+def _pair(text):
+    left, _, right = str(text).partition(",")
+    return int(left), int(right)
+
+
+# The variant set of --features: name -> (value when none is given (None: a value is required), parser, meaning).
+FEATURES = {
+    "softcap": (50.0, float, "logit soft-capping c * tanh(S / c), c = 50 (Gemma-2's) unless given"),
+    "alibi": (True, None, "ALiBi with BLOOM's geometric slopes per head"),
+    "window_size": (None, _pair, "two-sided local window L,R (-1: that side unbounded)"),
+    "dropout": (0.1, float, "dropout on the probabilities at rate P = 0.1 unless given (seed from the inputs)"),
+    "d_qk": (None, int, "head dim of q and k instead of --head-dim"),
+    "d_v": (None, int, "head dim of v, o and dO instead of --head-dim"),
+    "seqlen_q": (None, int, "query length instead of --seqlen"),
+    "seqlen_k": (None, int, "key length instead of --seqlen"),
+}
+# kernel parameters that are inputs or that the options above set: everything else with a default is a knob
+_NOT_KNOBS = {"sinks_ref", "bound_min", "bound_max", "alibi_slopes", "dropout_seed", "use_causal_mask",
+              "sliding_window", "softcap", "window_size", "dropout_p", "mixed_precision", "softmax_scale"}
+
+
+def add_variant_arguments(p):
+    """The options that make ``nki-attn profile`` cost a variant or an ablation against the default path."""
+    g = p.add_argument_group("variants and ablations (fwd / bwd kernels)")
+    g.add_argument("--features", nargs="+", metavar="F", default=None,
+                   help="variant set, each NAME or NAME=VALUE: " + "; ".join(
+                       f"{n}{'' if d is True else ('=' + str(d) if d is not None else '=V')}: {h}"
+                       for n, (d, _, h) in FEATURES.items()))
+    g.add_argument("--set", dest="set_knobs", action="append", metavar="KNOB=VALUE", default=None,
+                   help="pass KNOB=VALUE to the kernel as a keyword argument (a design switch of the kernel, "
+                        "e.g. k_section_len=512; repeatable; the valid names are listed when one is wrong)")
+    g.add_argument("--mixed-precision", choices=("true", "false"), default=None,
+                   help="the kernels' mixed_precision argument (default: the kernel's own default)")
+    g.add_argument("--vs", choices=("default",), default=None,
+                   help="also run the default path (no --features, no --set) and print both modeled times and "
+                        "their ratio")
+
+
+def _parse_value(text):
+    import ast
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return text
+
+
+def kernel_knobs(kind):
+    """``{name: default}`` of the keyword arguments ``--set`` may pass to the ``kind`` ("fwd"/"bwd") kernel,
+    read from its signature."""
+    import inspect
+    k = _load(kind)
+    for attr in ("kernel", "fn", "__wrapped__"):  # through the host wrapper and the jit object to the function
+        k = getattr(k, attr, k)
+    return {n: p.default for n, p in inspect.signature(k).parameters.items()
+            if p.default is not inspect.Parameter.empty and n not in _NOT_KNOBS}
+
+
+def validate_variant(args, parser):
+    """Parse --features / --set / --mixed-precision into ``args.features``, ``args.knobs``,
+    ``args.mixed_precision``; parser.error naming the offending value."""
+    raw = getattr(args, "features", None)
+    if isinstance(raw, dict):  # already parsed (a script building its own arguments)
+        feats = raw
+    else:
+        feats = {}
+        for item in raw or ():
+            name, has, value = item.partition("=")
+            if name not in FEATURES:
+                parser.error(f"--features {item}: unknown feature {name!r}; choose from {sorted(FEATURES)}")
+            default, conv, _ = FEATURES[name]
+            if not has and default is None:
+                parser.error(f"--features {item}: {name} needs a value ({name}=V)")
+            try:
+                feats[name] = conv(value) if has and conv else default
+            except ValueError:
+                parser.error(f"--features {item}: bad value {value!r} for {name}")
+    args.features = feats
+    mp = getattr(args, "mixed_precision", None)
+    args.mixed_precision = {"true": True, "false": False}.get(mp, mp)
+    knobs = {}
+    items = getattr(args, "set_knobs", None) or ()
+    if items:
+        if args.kernel == "demo":
+            parser.error("--set: the demo kernel has no knobs")
+        valid = kernel_knobs(args.kernel)
+        for item in items:
+            name, has, value = item.partition("=")
+            if not has or name not in valid:
+                parser.error(f"--set {item}: attention_{args.kernel} has no keyword argument {name!r} to set; "
+                             f"valid: {', '.join(f'{n} (default {d!r})' for n, d in valid.items()) or 'none'}")
+            knobs[name] = _parse_value(value)
+    args.knobs = getattr(args, "knobs", None) or knobs
+    if is_variant(args) or getattr(args, "vs", None):
+        if args.kernel == "demo":
+            parser.error("--features / --mixed-precision / --vs apply to the fwd and bwd kernels, not the demo")
+        if feats.get("window_size") and args.window:
+            parser.error("give --window (causal sliding window) or --features window_size=L,R, not both")
+
+
+def is_variant(args):
+    """True when the run has variant features, knobs or an explicit mixed_precision."""
+    return bool(getattr(args, "features", None) or getattr(args, "knobs", None)
+                or getattr(args, "mixed_precision", None) is not None)
+
+
+def _variant_case(args):
+    """The harness row (``nki_attn.harness.cases.Case``) describing the profiled problem and its variants."""
+    from ..harness.cases import Case
+    f = args.features
+    return Case(name=f"profile-{args.kernel}", batch=args.batch, heads=args.heads,
+                kv_heads=args.kv_heads or args.heads, seqlen_q=f.get("seqlen_q", args.seqlen),
+                seqlen_k=f.get("seqlen_k", args.seqlen), d_head=f.get("d_qk", args.head_dim),
+                d_v=f.get("d_v", args.head_dim), dtype=DTYPES[args.dtype], causal=bool(args.causal),
+                window=args.window or 0, num_sinks=args.sinks, softcap=f.get("softcap", 0.0),
+                alibi="bloom" if f.get("alibi") else "", window_size=tuple(f.get("window_size", ())),
+                dropout=f.get("dropout", 0.0))
+
+
+def run_variant_kernel(args):
+    """``run_kernel`` for a run with --features / --set: inputs from the harness's ``make_inputs`` (kernel
+    layout, torch), the kernel called with the variant keywords and the knobs; (records, sim_wall_seconds)."""
+    from golden.attention_fwd_torch import attention_fwd_torch_ref
+
+    from ..harness.runner import make_inputs
+    from ..sim import trace
+
+    case = _variant_case(args)
+    x = make_inputs(case, seed=args.seed)
+    kw = dict(sinks_ref=x["sinks"], use_causal_mask=case.causal, sliding_window=case.window or None)
+    if case.softcap:
+        kw["softcap"] = case.softcap
+    if case.alibi:
+        kw["alibi_slopes"] = x["alibi_slopes"]
+    if case.window_size:
+        kw["window_size"] = case.window_size
+    if case.dropout:
+        kw.update(dropout_p=case.dropout, dropout_seed=x["dropout_seed"])
+    if args.mixed_precision is not None:
+        kw["mixed_precision"] = args.mixed_precision
+    kernel = _launch(_load(args.kernel), args.lnc)
+    if args.kernel == "fwd":
+        def call():
+            return kernel(x["q"], x["k"], x["v"], **kw, **args.knobs)
+    else:  # o and lse from the golden forward with the same variant, outside the recording
+        o, lse = attention_fwd_torch_ref(x["q"], x["k"], x["v"], **kw)
+
+        def call():
+            return kernel(x["q"], x["k"], x["v"], o, x["dy"], lse.float(), **kw, **args.knobs)
+    with trace.recording() as rec:
+        t0 = time.perf_counter()
+        call()
+        wall = time.perf_counter() - t0
+    return rec.records, wall
+
+
+def variant_flops(args):
+    """Useful FLOPs of a variant run: 2 * (d_qk + d_v) per visible (query, key) pair (the golden's mask) per
+    query head, 2.5x that for the backward."""
+    from golden.attention_fwd_torch import visibility_mask
+    c = _variant_case(args)
+    pairs = int(visibility_mask(c.seqlen_q, c.seqlen_k, c.causal, c.window or None, None, None,
+                                window_size=c.window_size or None).sum())
+    fwd = 2 * c.batch * c.heads * pairs * (c.d_head + c.dv)
+    return fwd * 5 // 2 if args.kernel == "bwd" else fwd
+
+
+def compare_with_default(args, prof):
+    """Run the default path (the same call without --features and --set) and print both modeled times, their
+    ratio and the ratio per useful FLOP; returns them as a dict."""
+    from .model import profile
+    from .params import generation
+    from ..sim.trace import ENGINES
+
+    base = argparse.Namespace(**{**vars(args), "features": {}, "knobs": {}, "vs": None})
+    prev = os.environ.get("NEURON_PLATFORM_TARGET_OVERRIDE")
+    os.environ["NEURON_PLATFORM_TARGET_OVERRIDE"] = args.target
+    try:
+        records, _ = run_kernel(base)
+    finally:
+        if prev is None:
+            os.environ.pop("NEURON_PLATFORM_TARGET_OVERRIDE", None)
+        else:
+            os.environ["NEURON_PLATFORM_TARGET_OVERRIDE"] = prev
+    bprof = profile(records, generation(args.target), useful_flops(base), n_cores=args.lnc)
+    t, tb = prof.time_overlap_ns / 1e3, bprof.time_overlap_ns / 1e3
+    out = {"default": describe(base), "time_us": t, "default_time_us": tb, "ratio": t / tb,
+           "ratio_per_useful_flop": (t / prof.useful_flops) / (tb / bprof.useful_flops),
+           "bottleneck": prof.bottleneck, "default_bottleneck": bprof.bottleneck,
+           "busy_us": {e: prof.engine_busy(e) / 1e3 for e in ENGINES},
+           "default_busy_us": {e: bprof.engine_busy(e) / 1e3 for e in ENGINES}}
+    print(f"\nvs the default path ({out['default']}), MODELED (perfect overlap):")
+    print(f"{'':<14}{'this run':>12}{'default':>12}")
+    print(f"{'time (us)':<14}{t:>12.1f}{tb:>12.1f}")
+    for e in ENGINES:
+        print(f"{e + ' busy':<14}{out['busy_us'][e]:>12.1f}{out['default_busy_us'][e]:>12.1f}")
+    print(f"{'bottleneck':<14}{prof.bottleneck:>12}{bprof.bottleneck:>12}")
+    print(f"ratio {out['ratio']:.3f}; per useful FLOP {out['ratio_per_useful_flop']:.3f}")
+    return out

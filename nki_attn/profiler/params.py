@@ -171,7 +171,7 @@ def render_table():
 
 
 
-# The corrections of issue #13, each as the parameter values that undo it (docs/performance.md, "Changes to the
+# The cost-model corrections, each as the parameter values that undo it (docs/performance.md, "Changes to the
 # model", reports the figures before and after each one). ``revert(gen, names)`` rebuilds an earlier model.
 CORRECTIONS = {
     "dma_fixed_cost_is_latency": dict(dma_fixed_ns=1300.0, dma_min_piece_ns=0.0),

@@ -25,46 +25,10 @@ from collections import Counter
 import numpy as np
 
 from . import context
+from .context import checking, mode_overrides  # noqa: F401 - public here
 from .errors import NkiValidationError
 
-# ----------------------------------------------------------------------------------------------------- modes
-_mode_stack = []
-_mode_lock = threading.Lock()
-
-
-@contextlib.contextmanager
-def checking(strict=None, capacity=None, frontend=None):
-    """Set the checking modes of every launch started inside the ``with`` block.
-
-    ``strict``: raise at the first read of never-written memory (default: env ``NKI_ATTN_SIM_STRICT``, off).
-    ``capacity``: raise when live SBUF/PSUM exceeds the target's capacity (default: env
-    ``NKI_ATTN_SIM_CAPACITY``, on). ``frontend``: the NKI frontend check (``nki_attn.sim.frontend``): ``"full"``
-    or ``True`` (gathering, launch and tracing rules), ``"gather"`` (no tracing rules), ``"off"`` or ``False``
-    (default: env ``NKI_ATTN_SIM_FRONTEND``, full). ``None`` keeps the enclosing setting. Peaks are recorded
-    either way.
-    """
-    entry = {"strict": strict, "capacity": capacity, "frontend": frontend}
-    with _mode_lock:
-        _mode_stack.append(entry)
-    try:
-        yield
-    finally:
-        with _mode_lock:
-            _mode_stack.remove(entry)
-
-
-def mode_overrides():
-    """The innermost ``checking()`` value of each mode (``None`` where no block set it)."""
-    out = {"strict": None, "capacity": None, "frontend": None}
-    with _mode_lock:
-        for entry in _mode_stack:
-            for k, v in entry.items():
-                if v is not None:
-                    out[k] = v
-    return out
-
-
-# ----------------------------------------------------------------------------------------------------- regions
+# The checking modes live in context (a launch reads them there); checking() is public here.
 def _storage_shape_in(t):
     """The storage shape counted in elements of ``t.dtype`` (a bit-cast view rescales the last dim)."""
     st = t.storage
@@ -94,7 +58,7 @@ def _mask_view(mask, t):
     size cannot be expressed as a strided view, so it gets a gather/scatter pair instead (rare)."""
     st = t.storage
     if t.dtype.itemsize == st.dtype.itemsize:
-        return np.lib.stride_tricks.as_strided(mask[t.offset:], shape=t.shape, strides=t.strides), None
+        return t.over(mask), None
     vs, ss = t.dtype.itemsize, st.dtype.itemsize
     idx = t.flat_indices()
     if vs < ss:
@@ -136,8 +100,8 @@ def note_write(instr, operand, t, keep=None, matmul=False):
     st = t.storage
     st.dirty = True
     if st.mm_written is not None:
-        mm = np.lib.stride_tricks.as_strided(st.mm_written[t.offset:], shape=t.shape, strides=t.strides)
-        other = np.lib.stride_tricks.as_strided(st.other_written[t.offset:], shape=t.shape, strides=t.strides)
+        mm = t.over(st.mm_written)
+        other = t.over(st.other_written)
         if matmul:
             mm[...] = True
             other[...] = False

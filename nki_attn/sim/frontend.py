@@ -31,6 +31,9 @@ import __future__
 import ast
 import builtins
 import inspect
+import linecache
+import math
+import operator
 import os
 import sys
 import textwrap
@@ -38,6 +41,7 @@ import threading
 import types
 import weakref
 
+from .context import frontend_mode
 from .errors import NkiValidationError
 
 INT32_MIN, INT32_MAX = -(1 << 31), (1 << 31) - 1
@@ -113,7 +117,7 @@ RULES = {
     "dict-literal-key": ("dict literal key that is not a string constant", "gather", f"{GUIDE}, NKI Values; "
                          "KLR Simplify.lean",
                          "NKI dictionaries have string keys, and a dict literal's keys must be string constants "
-                         "('expecting string'). Use dict(name=...) or d['name'] = value."),
+                         "('expecting string'). Write {'name': value} or d['name'] = value."),
     "for-target": ("for-loop target that is not a single name", "gather", "KLR Simplify.lean",
                    "NKI loops bind one name ('expecting simple variable'). Loop over the items and unpack them in "
                    "the body: 'for item in items: a, b = item'."),
@@ -148,6 +152,31 @@ RULES = {
     "slice-range": ("out-of-range list/tuple slice", "traced", "KLR Trace/Term.lean",
                     "NKI's tracer refuses list/tuple slices that run past either end ('slice index out of "
                     "bounds'); Python would clamp them. Clamp the bounds, e.g. x[i:min(i + n, len(x))]."),
+    "is-operator": ("'is' other than against None", "gather", "KLR Simplify.lean",
+                    "the 'is' operator is not supported in NKI, use == (the compiler only warns, then compares with "
+                    "==, which is not Python's identity test). 'x is None' and 'x is not None' are fine."),
+    "builtin": ("Python builtin the NKI tracer does not provide", "traced", "KLR Trace/Python.lean, Term.lean",
+                "NKI's tracer provides only isinstance, type, slice, print, min, max, abs, str, bool, int, float, "
+                "divmod, tuple, list, dict and len, and range as a for-loop header ('... not found'). Write the "
+                "loop out, e.g. 'for i in range(len(xs)): x = xs[i]' for enumerate or zip."),
+    "builtin-args": ("builtin call the NKI tracer cannot evaluate", "traced", "KLR Trace/Python.lean",
+                     "NKI's builtins take fewer forms than Python's: dict() or dict(pairs), len of a list, tuple or "
+                     "dict, list/tuple of a list or tuple, min/max/abs of ints and floats, divmod of ints."),
+    "math": ("math name the NKI tracer does not provide", "traced", "KLR Trace/Python.lean",
+             "NKI's math provides ceil, floor, gcd, log2, log10, pow, sqrt and the constants pi, e, inf and nan. "
+             "Compute the others from these (e.g. math.log(x) as math.log2(x) / math.log2(math.e))."),
+    "method": ("method or attribute NKI values do not have", "traced", "KLR Trace/Term.lean (Term.attr), Python.lean",
+               "NKI lists have append, clear, copy, extend, index, pop (without an index), remove and reverse; dicts have "
+               "clear, copy, get, items, keys, pop, setdefault and values; str, tuple, int, float and bool values "
+               "have no methods or attributes. Use a builtin or a loop instead."),
+    "operator": ("operator NKI's tracer does not evaluate", "traced", "KLR Trace/Term.lean (binop), Python.lean (in)",
+                 "NKI evaluates +, -, *, /, //, ** on ints and floats (no % or bitwise operators on floats, no "
+                 "arithmetic between two bools or a bool and a float), + on two strs, lists or tuples, list/tuple "
+                 "* int, and 'in' on a list, tuple or str; never on tensors (use nki.isa)."),
+    "subscript": ("subscript NKI's tracer does not evaluate", "traced", "KLR Trace/Term.lean (access), NKI.lean "
+                  "(mutate)",
+                  "NKI cannot subscript a str ('string subscript not implemented') and assigns list items only by "
+                  "a non-negative index ('index out of range'): no slice or negative-index assignment."),
     "global-changed": ("module global changed between calls", "launch", f"{GUIDE}, Kernel Caching",
                        "NKI kernels must be pure functions of their arguments: compiled kernels are cached by "
                        "argument, so a changed global would run stale code. Pass the value as a kernel argument."),
@@ -201,25 +230,10 @@ def _snippet(node, limit=60):
 
 
 # ----------------------------------------------------------------------------------------------------- modes
-_MODES = {"": "full", "1": "full", "on": "full", "full": "full", "true": "full", "yes": "full",
-          "gather": "gather", "0": "off", "off": "off", "false": "off", "no": "off"}
-
-
 def mode():
     """``"full"``, ``"gather"`` or ``"off"``: the innermost ``checking(frontend=...)``, else env
     ``NKI_ATTN_SIM_FRONTEND`` (default full)."""
-    from .checks import mode_overrides
-    over = mode_overrides()["frontend"]
-    raw = over if over is not None else os.environ.get("NKI_ATTN_SIM_FRONTEND", "")
-    if raw is True:
-        return "full"
-    if raw is False:
-        return "off"
-    key = str(raw).strip().lower()
-    if key not in _MODES:
-        raise NkiValidationError(f"NKI_ATTN_SIM_FRONTEND={raw!r} is not a frontend mode; use 1 (all checks, the "
-                                 f"default), gather (no tracing checks) or 0 (off)")
-    return _MODES[key]
+    return frontend_mode()
 
 
 # ----------------------------------------------------------------------------------------------------- what is API
@@ -552,7 +566,8 @@ class _FunctionScan(_Scan):
 
     def run(self):
         node = self.node
-        self.d.functions.append(FunctionInfo(self.fn, self.source, self.body_index, self.scope, self.file, self.locals))
+        if isinstance(self.fn, types.FunctionType):
+            self.d.functions.append(FunctionInfo(self.fn, self.source, self.body_index, self.scope, self.file, self.locals))
         for dec in node.decorator_list:
             self.decorator(dec)
         a = node.args
@@ -660,6 +675,10 @@ class _FunctionScan(_Scan):
         elif t is ast.Compare:
             if len(e.ops) > 1 and any(isinstance(o, (ast.In, ast.NotIn)) for o in e.ops):
                 self.problem("chained-in", e, _snippet(e))
+            if any(isinstance(o, (ast.Is, ast.IsNot)) for o in e.ops) and not (
+                    len(e.ops) == 1 and isinstance(e.comparators[0], ast.Constant)
+                    and e.comparators[0].value is None):
+                self.problem("is-operator", e, _snippet(e))
         elif t is ast.BinOp:
             if isinstance(e.op, ast.MatMult):
                 self.problem("matmul-op", e, _snippet(e))
@@ -801,12 +820,44 @@ class _ClassScan(_Scan):
                     self.problem(rule, s, detail)
                 continue
             if isinstance(s, ast.FunctionDef):
-                raw = cls.__dict__.get(s.name)
-                fn = getattr(raw, "__func__", raw)
-                if isinstance(fn, types.FunctionType):
-                    _FunctionScan(self.d, fn, s, f"{self.d.name}.{s.name}", self.source, index).run()
+                fn = _member_function(cls.__dict__.get(s.name), s)
+                if fn is None:  # e.g. a property whose setter replaced this getter: its module's scope
+                    fn = _Unbound(sys.modules.get(cls.__module__))
+                _FunctionScan(self.d, fn, s, f"{self.d.name}.{s.name}", self.source, index).run()
                 continue
             self.problem("class-body", s, _snippet(s, 40).split("\n")[0])
+
+
+def _member_function(raw, fdef):
+    """The function a class member's ``def`` made, behind staticmethod / classmethod / property (getter, setter or
+    deleter) / functools.cached_property or a functools.wraps wrapper: the one whose code starts at this def (its
+    first decorator line). None when no plain function of this def is reachable."""
+    first = min([fdef.lineno] + [d.lineno for d in fdef.decorator_list])
+    seen, work = set(), [raw]
+    while work:
+        obj = work.pop()
+        if obj is None or id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, types.FunctionType):
+            if obj.__code__.co_firstlineno in (first, fdef.lineno):
+                return obj
+            work.append(getattr(obj, "__wrapped__", None))
+            continue
+        for attr in ("__func__", "fget", "fset", "fdel", "func", "__wrapped__"):
+            try:
+                work.append(getattr(obj, attr, None))
+            except Exception:  # noqa: BLE001 - descriptors of arbitrary classes
+                pass
+    return None
+
+
+class _Unbound:
+    """Stands in for a member function that cannot be reached: scanned with its module's globals, never
+    instrumented."""
+
+    def __init__(self, module):
+        self.__globals__ = vars(module) if module is not None else {}
 
 
 def _snippet_args(node):
@@ -1113,6 +1164,28 @@ def _seq_slice(x, k, site):
         _traced_error("slice-range", site, f"{_SITES[site].detail}: [{start}:{stop}] on a {kind} of length {n}")
 
 
+# What KLR's tracer provides (KLR/Trace/Python.lean, Term.lean ``Term.attr``, NKI.lean); docs/simulator.md has the
+# table with the file of each entry.
+BUILTINS = ("isinstance", "type", "slice", "print", "min", "max", "abs", "str", "bool", "int", "float", "divmod",
+            "tuple", "list", "dict", "len")
+LIST_METHODS = ("append", "clear", "copy", "extend", "index", "pop", "remove", "reverse")
+DICT_METHODS = ("clear", "copy", "get", "items", "keys", "pop", "setdefault", "values")
+MATH_NAMES = ("ceil", "floor", "gcd", "log2", "log10", "pow", "sqrt", "pi", "e", "inf", "nan")
+_NO_ATTRIBUTES = (str, tuple, int, float, bool)
+_DICT_VIEWS = (type({}.keys()), type({}.values()), type({}.items()))
+_SEQUENCES = (list, tuple) + _DICT_VIEWS  # what KLR's fetchIter walks (dict views are lists there)
+
+
+def _kind(v):
+    if _is_tensor(v):
+        return "tensor"
+    return type(v).__name__
+
+
+def _num(v):
+    return type(v) is int or type(v) is float
+
+
 class _Checks:
     """The functions instrumented code calls (bound in each instrumented module as ``__nki_attn_frontend__``)."""
 
@@ -1120,35 +1193,246 @@ class _Checks:
 
     @staticmethod
     def sub(x, k, site):
-        if isinstance(x, (list, tuple)):
+        t = type(x)
+        if t is list or t is tuple:
             if type(k) is slice:
                 _seq_slice(x, k, site)
-        elif isinstance(x, dict) and type(k) is not str:
-            _traced_error("dict-key", site, f"{_SITES[site].detail}: key {k!r}")
+        elif t is dict or isinstance(x, dict):
+            if type(k) is not str:
+                _traced_error("dict-key", site, f"{_SITES[site].detail}: key {k!r}")
+        elif t is str:
+            _traced_error("subscript", site, f"{_SITES[site].detail}: a str value")
         return x[k]
 
     @staticmethod
     def key(x, k, site):
-        if isinstance(x, dict) and type(k) is not str:
-            _traced_error("dict-key", site, f"{_SITES[site].detail}: key {k!r}")
+        """The key of an item assignment ``x[k] = v`` (KLR Trace/NKI.lean ``mutate``)."""
+        t = type(x)
+        if t is dict or isinstance(x, dict):
+            if type(k) is not str:
+                _traced_error("dict-key", site, f"{_SITES[site].detail}: key {k!r}")
+        elif t is list:
+            if type(k) is slice:
+                _traced_error("subscript", site, f"{_SITES[site].detail}: slice assignment into a list")
+            if type(k) is int and k < 0:
+                _traced_error("subscript", site, f"{_SITES[site].detail}: negative index {k} assigned")
         return k
 
     @staticmethod
-    def isinstance_(obj, types_, site):
+    def bi(name, site):
+        """A builtin name being evaluated: the tracer's own, checked, or a refusal."""
+        f = _BUILTIN_CHECKS.get(name)
+        if f is None:
+            _traced_error("builtin", site, f"{name}")
+        return f if f is not True else getattr(builtins, name)
+
+    @staticmethod
+    def math_(name, site):
+        _traced_error("math", site, f"math.{name}")
+
+    @staticmethod
+    def attr(x, name, site):
+        t = type(x)
+        if t is list:
+            if name not in LIST_METHODS:
+                _traced_error("method", site, f"{_SITES[site].detail}: list has no '{name}' in NKI")
+            if name == "pop":
+                return _ListPop(x, site)
+            if name == "remove":
+                return _ListRemove(x, site)
+        elif t is dict:
+            if name not in DICT_METHODS:
+                _traced_error("method", site, f"{_SITES[site].detail}: dict has no '{name}' in NKI")
+            if name in ("get", "pop", "setdefault"):
+                return _DictKeyed(getattr(x, name), site)
+        elif t in _NO_ATTRIBUTES:
+            _traced_error("method", site, f"{_SITES[site].detail}: a {t.__name__} value has no attributes in NKI")
+        return getattr(x, name)
+
+    @staticmethod
+    def binop(l, r, op, site):
+        if type(l) is int and type(r) is int:  # the common case: index arithmetic
+            if op == _POW and r < 0:
+                _bad_operator(l, r, op, site, "an int raised to a negative int power (NKI computes l ** 0)")
+            return _OPS[op][1](l, r)
+        _check_binop(l, r, op, site)
+        return _OPS[op][1](l, r)
+
+    @staticmethod
+    def contains(x, seq, negate, site):
+        """``x in seq`` (KLR Trace/Python.lean ``builtin.op.in``: tuples, lists, and a str in a str)."""
+        t = type(seq)
+        if not (t is list or t is tuple or t in _DICT_VIEWS or (t is str and type(x) is str)):
+            what = "a dict" if isinstance(seq, dict) else f"a {_kind(seq)}"
+            _traced_error("operator", site, f"{_SITES[site].detail}: 'in' on {what}")
+        return (x not in seq) if negate else (x in seq)
+
+
+def _bad_operator(l, r, op, site, why=None):
+    sym = _OPS[op][0]
+    why = why or f"'{sym}' on {_kind(l)} and {_kind(r)}"
+    _traced_error("operator", site, f"{_SITES[site].detail}: {why}")
+
+
+_NUMERIC_FLOAT_OPS = ("+", "-", "*", "/", "**", "//")
+
+
+def _check_binop(l, r, op, site):
+    """KLR Trace/Term.lean ``binop``: which operands each operator takes."""
+    sym = _OPS[op][0]
+    tl, tr = type(l), type(r)
+    if _is_tensor(l) or _is_tensor(r):
+        _bad_operator(l, r, op, site, f"'{sym}' on a tensor (binary operators on tensors are not supported; "
+                                      f"use nki.isa)")
+    num_l, num_r = tl in (int, float, bool), tr in (int, float, bool)
+    if num_l and num_r:
+        if tl is bool and tr is bool or (tl is bool and tr is float) or (tl is float and tr is bool):
+            _bad_operator(l, r, op, site)
+        if (tl is float or tr is float) and sym not in _NUMERIC_FLOAT_OPS:
+            _bad_operator(l, r, op, site)
+        if sym == "**" and tr is int and r < 0 and tl is not float:
+            _bad_operator(l, r, op, site, "an int raised to a negative int power (NKI computes l ** 0)")
+        return
+    if tl is str or tr is str:
+        if not (sym == "+" and tl is str and tr is str):
+            _bad_operator(l, r, op, site)
+        return
+    if tl in (list, tuple) or tr in (list, tuple):
+        if sym == "+" and tl is tr:
+            return
+        if sym == "*" and ((tl in (list, tuple) and tr in (int, bool)) or (tr in (list, tuple) and tl in (int, bool))):
+            return
+        _bad_operator(l, r, op, site)
+    if tl is dict or tr is dict or l is None or r is None:
+        _bad_operator(l, r, op, site)
+    # other objects: operator overloading through their methods (KLR NKI.lean binopOverload?)
+
+
+class _ListPop:
+    """``list.pop`` in NKI takes no index (KLR Python.lean ``builtin.list.pop``)."""
+
+    __slots__ = ("lst", "site")
+
+    def __init__(self, lst, site):
+        self.lst, self.site = lst, site
+
+    def __call__(self, *args, **kwargs):
+        if args or kwargs:
+            _traced_error("method", self.site, f"{_SITES[self.site].detail}: list.pop with an index (NKI's pop "
+                                               f"takes none and removes the last element)")
+        return self.lst.pop()
+
+
+class _ListRemove:
+    """``list.remove`` in NKI removes every equal element (KLR Python.lean), Python only the first."""
+
+    __slots__ = ("lst", "site")
+
+    def __init__(self, lst, site):
+        self.lst, self.site = lst, site
+
+    def __call__(self, value):
+        if self.lst.count(value) > 1:
+            _traced_error("method", self.site, f"{_SITES[self.site].detail}: list.remove of a value present "
+                                               f"{self.lst.count(value)} times (NKI removes every copy, Python "
+                                               f"the first)")
+        return self.lst.remove(value)
+
+
+class _DictKeyed:
+    """``dict.get`` / ``pop`` / ``setdefault``: the key is a string (KLR Python.lean ``(key : String)``)."""
+
+    __slots__ = ("method", "site")
+
+    def __init__(self, method, site):
+        self.method, self.site = method, site
+
+    def __call__(self, key, *rest):
+        if type(key) is not str:
+            _traced_error("dict-key", self.site, f"{_SITES[self.site].detail}: key {key!r}")
+        return self.method(key, *rest)
+
+
+def _args_error(site, why):
+    _traced_error("builtin-args", site, f"{_SITES[site].detail}: {why}")
+
+
+def _checked_builtin(name):
+    """A builtin with the argument rules of its KLR implementation; ``site`` is passed by the instrumented call."""
+
+    def dict_(*args, site=-1, **kwargs):
+        if kwargs:
+            _args_error(site, "dict(name=value) (NKI's dict takes no keyword arguments; write {'name': value})")
+        if len(args) > 1:
+            _args_error(site, "dict with more than one argument")
+        if args:
+            pairs = args[0]
+            if type(pairs) not in _SEQUENCES or isinstance(pairs, dict):
+                _args_error(site, f"dict of a {_kind(pairs)} (NKI's dict takes a list or tuple of (key, value) "
+                                  f"pairs)")
+            for p in pairs:
+                if type(p) not in (list, tuple) or len(p) != 2:
+                    _args_error(site, f"dict of {p!r}, not a (key, value) pair")
+                if type(p[0]) is not str:
+                    _traced_error("dict-key", site, f"{_SITES[site].detail}: key {p[0]!r}")
+        return dict(*args)
+
+    def len_(x, site=-1):
+        if type(x) not in _SEQUENCES and type(x) is not dict:
+            _args_error(site, f"len of a {_kind(x)} (NKI's len takes a list, tuple or dict)")
+        return len(x)
+
+    def seq_(*args, site=-1):
+        if len(args) != 1:
+            _args_error(site, f"{name}() needs exactly one argument in NKI")
+        x = args[0]
+        if type(x) not in _SEQUENCES and x is not None:
+            _args_error(site, f"{name} of a {_kind(x)} (NKI's {name} takes a list or tuple)")
+        return (list if name == "list" else tuple)(() if x is None else x)
+
+    def minmax_(*args, site=-1):
+        vals = args[0] if len(args) == 1 and type(args[0]) in _SEQUENCES else args
+        if not vals:
+            _args_error(site, f"{name} of an empty sequence")
+        for v in vals:
+            if not _num(v):
+                _args_error(site, f"{name} over a {_kind(v)} (NKI's {name} compares ints and floats)")
+        return (min if name == "min" else max)(*args)
+
+    def abs_(x, site=-1):
+        if type(x) not in (int, float, bool):
+            _args_error(site, f"abs of a {_kind(x)}")
+        return abs(x)
+
+    def divmod_(x, y, site=-1):
+        if type(x) is not int or type(y) is not int:
+            _args_error(site, f"divmod of {_kind(x)} and {_kind(y)} (NKI's divmod takes ints)")
+        return divmod(x, y)
+
+    def isinstance_(obj, types_, site=-1):
         if type(types_) is tuple:
             _traced_error("isinstance-tuple", site, f"{_SITES[site].detail}: types {types_!r}")
         return isinstance(obj, types_)
 
-    @staticmethod
-    def dict_(*args, site=-1, **kwargs):
-        d = dict(*args, **kwargs)
-        for k in d:
-            if type(k) is not str:
-                _traced_error("dict-key", site, f"{_SITES[site].detail}: key {k!r}")
-        return d
+    return {"dict": dict_, "len": len_, "list": seq_, "tuple": seq_, "min": minmax_, "max": minmax_,
+            "abs": abs_, "divmod": divmod_, "isinstance": isinstance_}.get(name, True)
 
 
+_BUILTIN_CHECKS = {n: _checked_builtin(n) for n in BUILTINS}
+_OPS = {}
+for _sym, _node, _fn in (("+", ast.Add, operator.add), ("-", ast.Sub, operator.sub), ("*", ast.Mult, operator.mul),
+                         ("/", ast.Div, operator.truediv), ("//", ast.FloorDiv, operator.floordiv),
+                         ("%", ast.Mod, operator.mod), ("**", ast.Pow, operator.pow),
+                         ("<<", ast.LShift, operator.lshift), (">>", ast.RShift, operator.rshift),
+                         ("|", ast.BitOr, operator.or_), ("^", ast.BitXor, operator.xor),
+                         ("&", ast.BitAnd, operator.and_)):
+    _OPS[len(_OPS)] = (_sym, _fn, _node)
+_OP_CODE = {node: code for code, (_, _, node) in _OPS.items()}
+_POW = _OP_CODE[ast.Pow]
+del _sym, _node, _fn
 _CHECKS = _Checks()
+_BUILTIN_NAMES = frozenset(dir(builtins))
+_math = math
 
 
 def _located(new, old):
@@ -1163,17 +1447,25 @@ def _fe(attr):
 
 
 class _Instrumenter(ast.NodeTransformer):
-    """Rewrites one function's AST: subscripts go through ``sub``/``key``, isinstance through ``isinstance_``.
-    Nested scopes are left alone (the gathering stage refuses them)."""
+    """Rewrites one function's AST so that what only running values decide goes through ``_Checks``: subscripts
+    (``sub``/``key``), builtin names (``bi``), attributes and methods (``attr``), binary operators (``binop``,
+    augmented assignments as the rebinding ``x = x op e`` that Simplify.lean makes of them), ``in``
+    (``contains``) and ``math`` names. Nested scopes are left alone (the gathering stage refuses them)."""
 
-    def __init__(self, file, scope, shadowed):
-        self.file, self.scope, self.shadowed = file, scope, shadowed
+    def __init__(self, file, scope, local_names, globals_):
+        self.file, self.scope, self.globals = file, scope, globals_
+        self.locals_only = local_names
+        self.shadowed = local_names | set(globals_)  # names that are not builtins here
         self.changed = False
 
     def visit_Lambda(self, node):
         return node
 
     visit_ListComp = visit_SetComp = visit_DictComp = visit_GeneratorExp = visit_Lambda
+
+    def site(self, node):
+        self.changed = True
+        return ast.Constant(value=_site(self.file, node, self.scope))
 
     def _as_value(self, s):
         if isinstance(s, ast.Slice):
@@ -1184,35 +1476,122 @@ class _Instrumenter(ast.NodeTransformer):
         return s
 
     def visit_Subscript(self, node):
-        site = _site(self.file, node, self.scope)
+        site = self.site(node)
         node.value = self.visit(node.value)
         node.slice = self.visit(node.slice)
-        self.changed = True
         if isinstance(node.ctx, ast.Load):
-            return _located(ast.Call(func=_fe("sub"), args=[node.value, self._as_value(node.slice),
-                                                            ast.Constant(value=site)], keywords=[]), node)
-        if isinstance(node.ctx, ast.Store) and self._as_value(node.slice) is node.slice:
+            return _located(ast.Call(func=_fe("sub"), args=[node.value, self._as_value(node.slice), site],
+                                     keywords=[]), node)
+        if isinstance(node.ctx, ast.Store):
             node.value = _located(ast.NamedExpr(target=ast.Name(id=_TMP, ctx=ast.Store()), value=node.value), node)
-            node.slice = _located(ast.Call(func=_fe("key"), args=[ast.Name(id=_TMP, ctx=ast.Load()), node.slice,
-                                                                  ast.Constant(value=site)], keywords=[]), node)
+            node.slice = _located(ast.Call(func=_fe("key"), args=[ast.Name(id=_TMP, ctx=ast.Load()),
+                                                                  self._as_value(node.slice), site],
+                                           keywords=[]), node)
+        return node
+
+    def _builtin(self, name):
+        return name not in self.shadowed and name in _BUILTIN_NAMES
+
+    def visit_Name(self, node):
+        if isinstance(node.ctx, ast.Load) and self._builtin(node.id) and node.id not in BUILTINS:
+            return _located(ast.Call(func=_fe("bi"), args=[ast.Constant(value=node.id), self.site(node)],
+                                     keywords=[]), node)
+        if isinstance(node.ctx, ast.Load) and node.id not in self.shadowed:
+            return node
+        if isinstance(node.ctx, ast.Load) and node.id in self.globals and node.id not in self.locals_only:
+            obj = self.globals[node.id]
+            if getattr(obj, "__module__", None) == "math" and callable(obj) \
+                    and getattr(obj, "__name__", "") not in MATH_NAMES:
+                return _located(ast.Call(func=_fe("math_"), args=[ast.Constant(value=obj.__name__),
+                                                                  self.site(node)], keywords=[]), node)
+        return node
+
+    def _root_is_static(self, node):
+        """An attribute chain rooted at a module or class global (nl.x, nisa.y, Mode.A): nothing to check."""
+        base = node
+        while isinstance(base, ast.Attribute):
+            base = base.value
+        if not isinstance(base, ast.Name) or base.id in self.locals_only:
+            return False
+        obj = self.globals.get(base.id, _MISSING)
+        return isinstance(obj, (types.ModuleType, type))
+
+    def visit_Attribute(self, node):
+        if not isinstance(node.ctx, ast.Load):
+            node.value = self.visit(node.value)
+            return node
+        if isinstance(node.value, ast.Name) and node.value.id not in self.locals_only \
+                and self.globals.get(node.value.id) is _math and node.attr not in MATH_NAMES:
+            return _located(ast.Call(func=_fe("math_"), args=[ast.Constant(value=node.attr), self.site(node)],
+                                     keywords=[]), node)
+        if self._root_is_static(node):
+            return node
+        site = self.site(node)
+        value = self.visit(node.value)
+        return _located(ast.Call(func=_fe("attr"), args=[value, ast.Constant(value=node.attr), site],
+                                 keywords=[]), node)
+
+    def _binop(self, left, op, right, node, site):
+        return _located(ast.Call(func=_fe("binop"), args=[left, right, ast.Constant(value=_OP_CODE[type(op)]),
+                                                          site], keywords=[]), node)
+
+    def visit_BinOp(self, node):
+        if type(node.op) not in _OP_CODE:
+            return self.generic_visit(node)
+        site = self.site(node)
+        return self._binop(self.visit(node.left), node.op, self.visit(node.right), node, site)
+
+    def visit_AugAssign(self, node):
+        t = node.target
+        if type(node.op) not in _OP_CODE or not isinstance(t, ast.Name):
+            return self.generic_visit(node)
+        site = self.site(node)
+        value = self.visit(node.value)
+        load = ast.Name(id=t.id, ctx=ast.Load())
+        new = ast.Assign(targets=[ast.Name(id=t.id, ctx=ast.Store())],
+                         value=self._binop(self.visit(load), node.op, value, node, site))
+        return _located(new, node)
+
+    def visit_Compare(self, node):
+        if not (len(node.ops) == 1 and isinstance(node.ops[0], (ast.In, ast.NotIn))):
+            return self.generic_visit(node)
+        site = self.site(node)
+        self.generic_visit(node)
+        return _located(ast.Call(func=_fe("contains"), args=[
+            node.left, node.comparators[0], ast.Constant(value=isinstance(node.ops[0], ast.NotIn)), site],
+            keywords=[]), node)
+
+    def visit_AnnAssign(self, node):
+        # a local annotation is never evaluated
+        node.target = self.visit(node.target)
+        if node.value is not None:
+            node.value = self.visit(node.value)
+        return node
+
+    def visit_For(self, node):
+        it = node.iter
+        if isinstance(it, ast.Call) and isinstance(it.func, ast.Name) and it.func.id == "range" \
+                and self._builtin("range"):
+            it.args = [self.visit(a) for a in it.args]  # range: only as a for-loop header
+        else:
+            node.iter = self.visit(it)
+        node.target = self.visit(node.target)
+        node.body = [self.visit(s) for s in node.body]
+        node.orelse = [self.visit(s) for s in node.orelse]
         return node
 
     def visit_Call(self, node):
-        self.generic_visit(node)
-        if isinstance(node.func, ast.Name) and node.func.id not in self.shadowed and len(node.args) == 2 \
-                and not node.keywords:
-            if node.func.id == "isinstance":
-                self.changed = True
-                site = _site(self.file, node, self.scope)
-                return _located(ast.Call(func=_fe("isinstance_"), args=node.args + [
-                    ast.Constant(value=site)], keywords=[]), node)
-        if isinstance(node.func, ast.Name) and node.func.id == "dict" and "dict" not in self.shadowed \
-                and node.args:
-            self.changed = True
-            site = _site(self.file, node, self.scope)
-            return _located(ast.Call(func=_fe("dict_"), args=node.args, keywords=node.keywords + [
-                ast.keyword(arg="site", value=ast.Constant(value=site))]), node)
-        return node
+        func = node.func
+        if isinstance(func, ast.Name) and self._builtin(func.id) and func.id in BUILTINS \
+                and _BUILTIN_CHECKS[func.id] is not True:
+            site = self.site(node)
+            node.args = [self.visit(a) for a in node.args]
+            node.keywords = [self.visit(k) for k in node.keywords]
+            node.func = _located(ast.Call(func=_fe("bi"), args=[ast.Constant(value=func.id), site],
+                                          keywords=[]), func)
+            node.keywords.append(ast.keyword(arg="site", value=ast.Constant(value=site.value)))
+            return _located(node, node)
+        return self.generic_visit(node)
 
 
 def _find_code(code, name, firstline):
@@ -1236,7 +1615,6 @@ def _module_imports(file):
         return _IMPORTED[file]
     names = set()
     try:
-        import linecache
         tree = ast.parse("".join(linecache.getlines(file)))
     except (SyntaxError, ValueError):
         tree = None
@@ -1315,7 +1693,7 @@ def instrumented_code(info):
             if not same:
                 UNCHECKED.add(fn)
             else:
-                ins = _Instrumenter(info.file, info.scope, info.locals | set(fn.__globals__))
+                ins = _Instrumenter(info.file, info.scope, info.locals, fn.__globals__)
                 tree = ins.visit(info.node())
                 if ins.changed:
                     new = _compile_like(fn, tree, info.file)

@@ -6,6 +6,7 @@ the value and the limit; then computes in float32 as the engines do and rounds t
 round-to-nearest-even on the write. See docs/simulator.md for what is and is not modelled.
 """
 import enum
+import functools
 
 import numpy as np
 
@@ -14,6 +15,7 @@ from . import context
 from . import dtypes as _dt
 from . import ops as _ops
 from .errors import fail
+from . import tensor as _tensor_module
 from .tensor import NkiTensor
 
 _F32 = np.float32
@@ -125,7 +127,13 @@ _WRITE_OPERANDS = frozenset(("dst", "reduce_res"))
 
 
 def _onchip(instr, name, t, allow=("sbuf", "psum")):
-    """Operand of a compute engine: on-chip, in an allowed buffer, <= 128 partitions, legal start partition."""
+    """Operand of a compute engine: on-chip, in an allowed buffer, <= 128 partitions, legal start partition.
+    These depend on the view alone, so a view that passed them for ``allow`` is not checked again (a replayed
+    instruction reuses its operands' views); the strict-mode read check runs every time."""
+    if type(t) is NkiTensor and t._ok is allow:
+        if t.storage.written is not None and name not in _WRITE_OPERANDS:
+            _checks.check_read(instr, name, t)
+        return t
     _tensor(instr, name, t)
     kind = t.buffer.kind
     if kind == "hbm":
@@ -142,6 +150,7 @@ def _onchip(instr, name, t, allow=("sbuf", "psum")):
             if p0 not in starts:
                 fail(instr, name, f"an access of {p} partitions must start at partition {starts}, starts at {p0}")
             break
+    t._ok = allow
     if t.storage.written is not None and name not in _WRITE_OPERANDS:
         _checks.check_read(instr, name, t)
     return t
@@ -197,7 +206,7 @@ def _cast_for(dst, vals):
 
 
 def _flags(storage_flags, t):
-    return np.lib.stride_tricks.as_strided(storage_flags[t.offset:], shape=t.shape, strides=t.strides)
+    return t.over(storage_flags)
 
 
 def _wrote(instr, dst, keep=None, matmul=False):
@@ -1175,3 +1184,43 @@ def select_reduce(dst, predicate, on_true, on_false, reduce_res=None, reduce_cmd
     if reduce_res is not None:
         _write_col(instr, reduce_res, acc[:p], p)
     _trace(instr, engine.vector, dst, [predicate, on_true])
+
+
+def _item_copy(dst, value):
+    """``dst[...] = value`` on a tensor: a Vector copy between on-chip tensors, a DMA otherwise."""
+    if dst.on_chip and value.on_chip:
+        tensor_copy(dst=dst, src=value)
+    else:
+        dma_copy(dst=dst, src=value)
+
+
+_tensor_module._COPY[0] = _item_copy
+
+
+def _recorded(fn):
+    """``fn`` recording itself into the launch's replay stream (nki_attn.sim.replay) when its core records one;
+    instructions called by instructions are part of their caller."""
+
+    def instruction(*args, **kwargs):
+        rec = context.current().recorder
+        if rec is None or rec.depth:
+            return fn(*args, **kwargs)
+        rec.depth = 1
+        try:
+            out = fn(*args, **kwargs)
+        finally:
+            rec.depth = 0
+        rec.instruction(fn, args, kwargs, out)
+        return out
+
+    functools.update_wrapper(instruction, fn)
+    return instruction
+
+
+INSTRUCTIONS = ("dma_copy", "tensor_copy", "memset", "iota", "dma_transpose", "nc_matmul", "nc_transpose",
+                "tensor_tensor", "tensor_scalar", "scalar_tensor_tensor", "tensor_tensor_scan", "nc_stream_shuffle",
+                "tensor_reduce", "tensor_partition_reduce", "reciprocal", "activation", "activation_reduce",
+                "tensor_scalar_reduce", "affine_select", "range_select", "tensor_copy_predicated", "select_reduce")
+for _name in INSTRUCTIONS:
+    globals()[_name] = _recorded(globals()[_name])
+del _name

@@ -3,6 +3,7 @@ the experimental ``nl``-level helpers (``nl.load``, ``nl.add``, ...), which allo
 ``nki.isa`` instructions exactly as documented.
 """
 import contextlib
+import dataclasses
 import math
 
 import numpy as np
@@ -10,12 +11,14 @@ import numpy as np
 from . import context
 from . import isa as _isa
 from . import ops as _ops
+from . import replay as _replay
 from .dtypes import (bfloat16, bool_, float8_e4m3, float8_e4m3fn, float8_e5m2, float8_e8m0fnu, float16,  # noqa: F401
                      float32, int8, int16, int32, tfloat32, uint8, uint16, uint32)
 from .errors import NkiValidationError
 from .ops import *  # noqa: F401,F403 - nl.add, nl.exp, ... are public names of this module
 from .ops import Op as _Op
 from .tensor import DynSlice, NkiTensor, hbm, private_hbm, psum, sbuf, shared_hbm  # noqa: F401
+from .tensor import VirtualRegister  # noqa: F401 - nl.VirtualRegister
 from .tensor import allocate as _allocate
 
 fp32 = float32  # legacy short names (nl.fp32.min is legacy; use -3.4028235e38)
@@ -71,6 +74,7 @@ def ndarray(shape, dtype, buffer=sbuf, name="", address=None):
 def _filled(shape, dtype, buffer, name, value):
     t = ndarray(shape, dtype, buffer=buffer, name=name)
     if buffer.kind == "hbm":
+        _replay.no_replay("nl.zeros/ones/full in HBM reads or writes memory outside an instruction")
         t.np()[...] = value
         _isa._wrote("nl.full", t)
     else:
@@ -105,6 +109,7 @@ def empty_like(x, dtype=None, buffer=None, name=""):
 def rand(shape, dtype=float32, buffer=sbuf, name="", **_):
     """Uniform [0, 1) random tile (the hardware stream is not reproducible bit for bit)."""
     t = ndarray(shape, dtype, buffer=buffer, name=name)
+    _replay.no_replay("nl.rand reads or writes memory outside an instruction")
     t.np()[...] = np.random.default_rng().random(t.shape).astype(t.np().dtype)
     _isa._wrote("nl.rand", t)
     return t
@@ -114,6 +119,7 @@ def shared_constant(constant, dtype=None, name=""):
     """Shared-HBM tensor initialised from a numpy array (or a .npy path)."""
     arr = np.load(constant) if isinstance(constant, str) else np.asarray(constant)
     t = ndarray(arr.shape, dtype or arr.dtype, buffer=shared_hbm, name=name)
+    _replay.no_replay("nl.shared_constant reads or writes memory outside an instruction")
     t.np()[...] = arr.astype(t.np().dtype)
     # A constant is part of the compiled kernel, not written by a core at run time: it counts as written (strict
     # mode) but has no writer core, so both LNC2 cores may declare it.
@@ -127,6 +133,7 @@ def shared_constant(constant, dtype=None, name=""):
 def shared_identity_matrix(n, dtype=uint8, dst=None, name=""):
     """``n x n`` identity in SBUF (as the public doc states)."""
     t = dst if dst is not None else ndarray((n, n), dtype, buffer=sbuf, name=name)
+    _replay.no_replay("nl.shared_identity_matrix reads or writes memory outside an instruction")
     t.np()[...] = np.eye(n).astype(t.np().dtype)
     _isa._wrote("nl.shared_identity_matrix", t)
     return t
@@ -189,22 +196,6 @@ def static_range(start, stop=None, step=1):
     return range(start, stop, step) if stop is not None else range(start)
 
 
-class VirtualRegister:
-    """A 32-bit engine register (runtime loops); the simulator holds its value."""
-
-    def __init__(self, value=0):
-        self.value = int(value)
-
-    def __int__(self):
-        raise TypeError("a VirtualRegister cannot drive Python control flow (int()) at trace time")
-
-    def __index__(self):
-        raise TypeError("a VirtualRegister cannot drive Python control flow (range()) at trace time")
-
-    def __bool__(self):
-        raise TypeError("a VirtualRegister cannot drive Python control flow (if/while) at trace time")
-
-
 def fori_loop(lower, upper, body_fun, step=1):
     """Runtime loop: ``body_fun(i)`` for i in [lower, upper) with a read-only register ``i``."""
     lo = lower.value if isinstance(lower, VirtualRegister) else int(lower)
@@ -253,7 +244,6 @@ def _nki_fields(cls):
 
 
 def _nki_default(cls, name):
-    import dataclasses
     f = getattr(cls, "__dataclass_fields__", {}).get(name)
     if f is not None and f.default_factory is not dataclasses.MISSING:
         return f.default_factory()
@@ -311,6 +301,7 @@ class NKIObject:
 
 def device_print(prefix, x):
     """Print a tensor's values immediately (the simulator runs eagerly)."""
+    _replay.no_replay("nl.device_print reads or writes memory outside an instruction")
     print(prefix, np.asarray(x.np()) if isinstance(x, NkiTensor) else x)
 
 
@@ -340,6 +331,7 @@ def load_transpose2d(src, dtype=None, **_):
     """HBM [a, b] -> SBUF [b, a]."""
     _isa._read_checked("nl.load_transpose2d", "src", src)
     t = _new_sbuf((src.shape[1], src.shape[0]), dtype or src.dtype)
+    _replay.no_replay("nl.load_transpose2d reads or writes memory outside an instruction")
     t.np()[...] = np.asarray(src.np()).T.astype(t.np().dtype)
     _isa._wrote("nl.load_transpose2d", t)
     return t
@@ -389,6 +381,7 @@ def broadcast_to(x, shape, dtype=None, **_):
         return x
     _isa._read_checked("nl.broadcast_to", "x", x)
     out = _new_sbuf(shape, dtype or x.dtype)
+    _replay.no_replay("nl.broadcast_to reads or writes memory outside an instruction")
     vals = np.broadcast_to(np.asarray(x.np(), dtype=np.float32), shape)
     out.np()[...] = _isa._cast_for(out, vals)
     _isa._wrote("broadcast_to", out)
@@ -423,6 +416,7 @@ def _unary_helper(op):
             _isa.activation(dst=out, op=op, data=x)
         else:
             _isa._read_checked(f"nl.{op.name}", "x", x)
+            _replay.no_replay("an nl-level unary helper reads or writes memory outside an instruction")
             arr = op.unary(np.array(x.np()))
             out.np()[...] = arr.astype(out.np().dtype)
             _isa._wrote(f"nl.{op.name}", out)
@@ -472,6 +466,7 @@ def where(condition, x, y, dtype=None, **_):
         if isinstance(t, NkiTensor):
             _isa._read_checked("nl.where", nm, t)
     out = _new_sbuf(x.shape, dtype or x.dtype)
+    _replay.no_replay("nl.where reads or writes memory outside an instruction")
     vals = np.where(np.asarray(condition.np()) != 0, np.asarray(x.np(), dtype=np.float32),
                     np.asarray(y.np(), dtype=np.float32) if isinstance(y, NkiTensor) else np.float32(y))
     out.np()[...] = vals.astype(out.np().dtype)

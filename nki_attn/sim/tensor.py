@@ -4,7 +4,7 @@ An ``NkiTensor`` is a strided view (shape, element strides, element offset) onto
 array. On-chip storage (SBUF, PSUM) is laid out partition-major, ``flat = p * free_size + f``, so a view's
 partition stride must equal the storage free size: partitions are always contiguous and never strided. HBM
 storage is linear with no partition axis. Views never copy; instructions read and write through them with
-``numpy.lib.stride_tricks.as_strided`` after a bounds check done once when the view is made.
+numpy strided views (made once per view) after a bounds check done once when the view is made.
 """
 import itertools
 import math
@@ -120,7 +120,7 @@ class DynSlice:
 class NkiTensor:
     """A view onto a ``Storage``: ``shape``, element ``strides`` and element ``offset`` into the flat storage."""
 
-    __slots__ = ("storage", "shape", "strides", "offset", "dtype", "_flat")
+    __slots__ = ("storage", "shape", "strides", "offset", "dtype", "_flat", "_np", "_ok", "_fe")
 
     def __init__(self, storage, shape, strides, offset, dtype=None):
         self.storage = storage
@@ -128,6 +128,9 @@ class NkiTensor:
         self.strides = tuple(int(s) for s in strides)
         self.offset = int(offset)
         self.dtype = dtype if dtype is not None else storage.dtype
+        self._np = None
+        self._fe = None
+        self._ok = None  # the `allow` of the engine-operand checks this view passed (nki_attn.sim.isa._onchip)
         if self.dtype is storage.dtype or self.dtype == storage.dtype:
             self._flat = storage.data
         else:
@@ -171,7 +174,17 @@ class NkiTensor:
     @property
     def free_elems(self):
         """Elements per partition (on-chip), i.e. the product of the free dims."""
-        return math.prod(self.shape[1:]) if self.ndim > 1 else 1
+        n = self._fe
+        if n is None:
+            n = self._fe = math.prod(self.shape[1:]) if len(self.shape) > 1 else 1
+        return n
+
+    def over(self, arr):
+        """The elements of this view in ``arr``, a flat array with one entry per storage element (the per-element
+        flags of nki_attn.sim.checks and isa), as a writable strided view."""
+        itemsize = arr.itemsize
+        return np.ndarray(self.shape, arr.dtype, buffer=arr, offset=self.offset * itemsize,
+                          strides=tuple(s * itemsize for s in self.strides))
 
     def _flat_free_size(self):
         fs = self.storage.free_size
@@ -230,10 +243,15 @@ class NkiTensor:
                     f"view of {self.name} crosses a partition boundary (free offsets {flo}..{fhi} of {fs})")
 
     def np(self):
-        """Writable numpy view of the elements (no copy)."""
-        itemsize = self._flat.itemsize
-        return np.lib.stride_tricks.as_strided(
-            self._flat[self.offset:], shape=self.shape, strides=tuple(s * itemsize for s in self.strides))
+        """Writable numpy view of the elements (no copy). Made once per view: a view's storage array, offset and
+        strides never change (replayed instructions reuse their operands' views)."""
+        arr = self._np
+        if arr is None:
+            flat = self._flat
+            itemsize = flat.itemsize
+            arr = self._np = np.ndarray(self.shape, flat.dtype, buffer=flat, offset=self.offset * itemsize,
+                                        strides=tuple(s * itemsize for s in self.strides))
+        return arr
 
     def flat_indices(self):
         """Flat storage element indices covered by the view, in view order (for access tracking)."""
@@ -321,15 +339,12 @@ class NkiTensor:
         return NkiTensor(self.storage, [shape[i] for i in keep], [strides[i] for i in keep], offset, self.dtype)
 
     def __setitem__(self, key, value):
-        # Undocumented in the API reference but used by the migration guide (buf[...] = nl.load(x)): a copy.
-        from . import isa
+        # Undocumented in the API reference but used by the migration guide (buf[...] = nl.load(x)): a copy, by
+        # the instruction nki_attn.sim.isa installs (isa imports this module, not the other way round).
         dst = self[key]
         if not isinstance(value, NkiTensor):
             raise NkiValidationError(f"assignment to {self.name}[...] needs an NkiTensor value, got {type(value)}")
-        if dst.on_chip and value.on_chip:
-            isa.tensor_copy(dst=dst, src=value)
-        else:
-            isa.dma_copy(dst=dst, src=value)
+        _COPY[0](dst, value)
 
     def slice(self, dim, start, end, step=1):
         """``t.slice(dim, start, end, step)``: requires ``0 <= start < end <= shape[dim]`` and ``step >= 1``."""
@@ -496,11 +511,33 @@ class NkiTensor:
     reinterpret_cast = view
 
 
+class VirtualRegister:
+    """A 32-bit engine register (runtime loops); the simulator holds its value."""
+
+    def __init__(self, value=0):
+        self.value = int(value)
+
+    def __int__(self):
+        raise TypeError("a VirtualRegister cannot drive Python control flow (int()) at trace time")
+
+    def __index__(self):
+        raise TypeError("a VirtualRegister cannot drive Python control flow (range()) at trace time")
+
+    def __bool__(self):
+        raise TypeError("a VirtualRegister cannot drive Python control flow (if/while) at trace time")
+
+
+
+_COPY = [None]  # the copy NkiTensor item assignment makes (nki_attn.sim.isa.install_item_copy sets it)
+
+
 def _scalar_value(x):
-    from .language import VirtualRegister
     if isinstance(x, VirtualRegister):
         return int(x.value)
     if isinstance(x, NkiTensor):
+        rec = context.current().recorder
+        if rec is not None:
+            rec.invalidate(f"the value of {x.name} decides a view at trace time")
         if x.size != 1:
             raise NkiValidationError(f"scalar_offset tensor {x.name} must have one element, has {x.size}")
         return int(x.np().reshape(-1)[0])
@@ -549,6 +586,8 @@ def allocate(shape, dtype, buffer, name="", address=None):
         _track(st, launch, state, address)
     if launch.tracer is not None:
         launch.tracer.on_alloc(st)
+    if state.recorder is not None:
+        state.recorder.add_storage(st)
     return NkiTensor(st, shape, _contig_strides(shape), 0)
 
 

@@ -214,20 +214,15 @@ class Recorder:
         return sum(r.hbm_bytes for r in self.records)
 
 
-_active = []
-
-
-def active_recorder():
-    """The innermost active Recorder, or None (consulted by every new launch)."""
-    return _active[-1] if _active else None
+active_recorder = context.active_recorder  # the innermost active Recorder, or None (read by every new launch)
 
 
 @contextlib.contextmanager
 def recording():
     """Record every instruction of every launch started inside the ``with`` block."""
     rec = Recorder()
-    _active.append(rec)
+    context._recorders.append(rec)
     try:
         yield rec
     finally:
-        _active.remove(rec)
+        context._recorders.remove(rec)

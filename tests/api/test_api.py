@@ -2,7 +2,7 @@
 
 Criterion (FlashAttention's): for every output and input gradient, the error of our result against the float64
 reference may be at most K times the error of the same reference computed in the input dtype, plus a small
-absolute floor relative to the reference's magnitude. See docs/tolerances.md.
+absolute floor relative to the reference's magnitude. See docs/validation.md.
 """
 import math
 

@@ -1,7 +1,7 @@
 """The custom-op layer (nki_attn.ops): torch.compile, FakeTensor / meta, autograd edges (lse gradient, double
 backward), the ops against the golden, sinks of -inf, and torch.library.opcheck.
 
-Compile figures (per-call overhead, first-call time) come from scripts/bench_compile.py, not from these tests:
+Compile figures (per-call overhead, first-call time) come from scripts/bench.py compile, not from these tests:
 here only facts that cannot be timing-dependent are asserted (graph breaks, recompiles, bit-for-bit results).
 """
 import math

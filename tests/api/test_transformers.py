@@ -8,7 +8,7 @@ float64 mask minimum becomes -inf and fully padded rows become NaN). The baselin
 ("sdpa", or "eager" where the model has no SDPA support) in float32. For the logits (non-padding positions),
 the loss and every parameter gradient, our float32 error must satisfy
 ``err <= K * err_baseline + 2^-22 * max|truth|`` with K = 10, the harness's float32 factor (FlexAttention's;
-docs/tolerances.md):
+docs/validation.md):
 in float32 the baseline's error is summation-order noise, so a small multiple of it is the honest bound.
 
 Skipped only when transformers is not installed (``pip install -e ".[hf]"``).

@@ -1,9 +1,9 @@
-"""The attention variants of issue #14 through the PyTorch API (flash_attn_func, flash_attn_varlen_func, the packed
+"""The attention variants through the PyTorch API (flash_attn_func, flash_attn_varlen_func, the packed
 variants), against the golden (golden.attention_fwd_torch_ref, autograd for the gradients).
 
 Criterion (FlashAttention's, as tests/api/test_api.py): for the output and every input gradient, our error against
 the golden in float64 is at most K = 3 times the error of the same golden computed in the input dtype, plus a floor
-of 2^-20 * max(max|truth|, 1) (docs/tolerances.md).
+of 2^-20 * max(max|truth|, 1) (docs/validation.md).
 
 The golden takes the kernels' layout with seqlen_q a multiple of 128; the API's bottom-right alignment is kept by
 padding q with zero rows at the FRONT (row i becomes row a + i and the golden's offset sk - (sq + a) shifts back

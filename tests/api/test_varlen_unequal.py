@@ -6,7 +6,7 @@ bottom-right corner, so local query i sees local key j iff ``j <= i + len_k - le
 a query that sees no key (len_q > len_k) gets output 0. The reference below is written from that rule alone:
 a dense float64 mask, a plain softmax (sinks as extra columns), and torch autograd for the gradients.
 
-Criterion (as tests/api/test_api.py, docs/tolerances.md): for the output and every gradient, the error against
+Criterion (as tests/api/test_api.py, docs/validation.md): for the output and every gradient, the error against
 the float64 reference is at most K = 3 times the error of the same reference run in the input dtype, plus a
 floor of 2^-20 * max(max|truth|, 1) for entries that are exactly 0 in float64.
 """

@@ -15,7 +15,7 @@ same dtype-rounded inputs and ``single`` = ``nki_attn.flash_attn_func`` on the f
   whose partials are float32).
 * dsinks is float32 arithmetic on the ring's own rounded o (D = rowsum(o * do)): ``err_inputs`` is the error of
   that formula evaluated in float64 from the ring's o (checked by its own rule) and the true lse, the
-  "formula on the inputs it got" baseline of docs/tolerances.md. A missing or doubled rank share is not in it.
+  "formula on the inputs it got" baseline of docs/validation.md. A missing or doubled rank share is not in it.
 """
 import math
 

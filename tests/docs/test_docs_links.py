@@ -80,3 +80,41 @@ def test_the_checks_catch_what_they_are_for(tmp_path):
     assert PARENT_PATH.search("(../README.md)").group(1) == "../README.md"
     assert _slug("What the model leaves out") == "what-the-model-leaves-out"
     assert _slug("## `harness_report.json` (schema version 2)".lstrip("# ")) == "harness_reportjson-schema-version-2"
+
+
+# an issue number a reader of the repository cannot look up: "#13", "issue 16", "issue-14d", "Issue #19"
+ISSUE_REF = re.compile(r"(?:^|[^&\w/\]])#\d+\b|\bissues?[ -]#?\d+\w*|\bissue[ -]?#", re.I)
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_no_issue_numbers(doc):
+    found = [m.group(0).strip() for m in ISSUE_REF.finditer(doc.read_text())]
+    assert not found, f"{doc.relative_to(ROOT)} cites issue numbers: {found} (say what the thing is instead)"
+
+
+def test_the_issue_pattern_catches_what_it_is_for():
+    for text in ("the variants of issue #14", "(#13)", "issue 16's planted bug", "issue-14d", "Issue #19 bug 1",
+                 "#9 in the list"):
+        assert ISSUE_REF.search(text), text
+    for text in ("[link](file.md#section-2)", "&#39;", "x#1", "a tissue 3", "sha256[:12]", "issues remain"):
+        assert not ISSUE_REF.search(text), text
+
+
+def test_every_script_command_names_an_existing_script_and_subcommand():
+    """Each ``python scripts/X.py [subcommand]`` in the docs names a script that exists and, for a script with
+    subcommands, one of its subcommands (the table of replaced scripts in performance.md names the old files
+    without ``python``)."""
+    import ast
+    bad = []
+    for doc in DOCS:
+        for m in re.finditer(r"python (scripts/[\w-]+\.py)(?: ([a-z][\w-]*))?", doc.read_text()):
+            script = ROOT / m.group(1)
+            if not script.is_file():
+                bad.append(f"{doc.name}: {m.group(0)}: no such script")
+                continue
+            text = script.read_text()
+            if m.group(2) and "add_subparsers" in text:
+                names = {n.value for n in ast.walk(ast.parse(text)) if isinstance(n, ast.Constant)}
+                if m.group(2) not in names:
+                    bad.append(f"{doc.name}: {m.group(0)}: no subcommand {m.group(2)}")
+    assert not bad, bad

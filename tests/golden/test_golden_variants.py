@@ -1,4 +1,4 @@
-"""Issue-14 variants of the golden against an independent float64 attention + torch.autograd.
+"""The attention variants of the golden against an independent float64 attention + torch.autograd.
 
 Soft-capping, ALiBi (bottom-right aligned), two-sided windows, causal with seqlen_q != seqlen_k, d_qk != d_v,
 head dims 1..256 and dropout (through an explicit keep mask), alone and combined with the older features

@@ -10,7 +10,7 @@ from nki_attn.kernels.attention_fwd import attention_fwd as _fwd
 
 
 def bwd_dq_1_01(q, k, v, o, dy, lse, sinks=None, bound_min=None, bound_max=None, **kw):
-    """Our backward with dQ scaled by 1.01 (the planted bug of issue 18)."""
+    """Our backward with dQ scaled by 1.01 (a planted bug)."""
     res = list(_bwd(q, k, v, o, dy, lse, sinks, bound_min, bound_max, **kw))
     res[0] = res[0] * 1.01
     return tuple(res)

@@ -56,7 +56,7 @@ def test_planted_bug_candidate_fails(tmp_path, capsys, monkeypatch):
 
 def test_scaled_gradients_are_caught_where_rule_1_cannot_see_them():
     # bfloat16 at 2048 tokens: a 1 % error of dq or dk is inside K x the baselines' error (rule 1), but its
-    # projection on the reference is far past rule 2's bound (docs/tolerances.md, planted-bug table)
+    # projection on the reference is far past rule 2's bound (docs/validation.md, planted-bug table)
     case = cases.feature_case("causal", 2048, 128, "bfloat16", heads=1)
     for name, bwd in (("dq", "bwd_dq_1_01"),):
         r = runner.run_case(case, candidate.make(spec(bwd=bwd)))
@@ -67,7 +67,7 @@ def test_scaled_gradients_are_caught_where_rule_1_cannot_see_them():
 
 def test_wrapper_of_our_kernel_passes_from_a_fresh_process(tmp_path):
     # the README's command, on the README's example file, from the command line: every row passes but the one the
-    # example refuses (two sinks per head) and the rows that need a keyword its signature lacks (the issue #14
+    # example refuses (two sinks per head) and the rows that need a keyword its signature lacks (the attention
     # variants: softcap, alibi_slopes, window_size, dropout), which are unsupported, not failed
     out = tmp_path / "r.json"
     proc = subprocess.run([sys.executable, "-m", "nki_attn.cli", "check", "--preset", "quick", "-j", "2",

@@ -35,8 +35,8 @@ def test_correct_kernels_pass(feature, dtype):
     assert set(r["outputs"]) >= {"o", "lse", "dq", "dk", "dv"}
 
 
-# The planted bugs, at every dtype (their margins, err / bound, are tabulated in docs/tolerances.md by
-# scripts/planted_bugs.py)
+# The planted bugs, at every dtype (their margins, err / bound, are tabulated in docs/validation.md by
+# scripts/bench.py planted-bugs)
 @pytest.mark.parametrize("dtype", cases.DTYPES)
 def test_dq_scaled_by_1_01_fails(dtype):
     def scale_dq(res):
@@ -243,7 +243,7 @@ def test_projection_noise_counts_vectors_not_elements():
 
 
 def test_floor_follows_the_reduction_length():
-    # the float32 dsinks row of issue 16: a baseline 17x below the kernel's error (its summation order was
+    # a float32 dsinks row of the full preset: a baseline 17x below the kernel's error (its summation order was
     # lucky) made 10 x baseline + 4u max|ref| too tight on another CPU (error 1.15e-6 against 1.04e-6). The
     # reduction over 2048 query rows gives sqrt(2048) * 2^-24 * max|ref| of floor, whatever the baseline.
     ref = torch.linspace(-2.68, 2.68, 2048, dtype=torch.float64).numpy()

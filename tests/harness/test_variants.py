@@ -1,4 +1,4 @@
-"""The issue #14 variants in the harness: their rows and model rows, the reference formulas the tolerances are
+"""The attention variants in the harness: their rows and model rows, the reference formulas the tolerances are
 derived from, and planted bugs in each variant that the harness must catch."""
 import dataclasses
 import math

@@ -1,7 +1,7 @@
 """What every kernel test shares: one ``Case`` builder, the float64 reference (the ``golden`` package) and the
 accuracy criterion.
 
-The criterion (docs/tolerances.md derives it). With every error the max absolute difference from a float64
+The criterion (docs/validation.md derives it). With every error the max absolute difference from a float64
 reference computed on the same (already dtype-rounded) inputs:
 
     err_kernel <= K * (err_golden + err_inputs) + u(dtype) * max|ref|          (K = 2)
@@ -38,7 +38,7 @@ from nki_attn.kernels.attention_fwd import attention_fwd
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 K_FACTOR = 2.0
 UNIT_ROUNDOFF = {"float32": 2.0 ** -24, "bfloat16": 2.0 ** -8, "float16": 2.0 ** -11, "float64": 2.0 ** -53}
-# Secondary absolute bands, max|kernel - ref| <= atol + rtol * max|ref| (see docs/tolerances.md).
+# Secondary absolute bands, max|kernel - ref| <= atol + rtol * max|ref| (see docs/validation.md).
 ABS_BANDS = {"float32": (1e-4, 1e-5), "bfloat16": (0.0, 2e-2), "float16": (0.0, 2.5e-3)}
 GRAD_NAMES = ("dq", "dk", "dv", "dsinks")
 

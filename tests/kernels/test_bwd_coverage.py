@@ -2,7 +2,7 @@
 with sinks / window / GQA / packing, and the mixed-precision dQ path pinned per section count.
 
 Accuracy: each output against the golden run on float64 copies of the dtype-rounded inputs, with the project's
-criterion (tests/kernels/conftest.py, derived in docs/tolerances.md) and its fixed absolute band. Inputs are
+criterion (tests/kernels/conftest.py, derived in docs/validation.md) and its fixed absolute band. Inputs are
 N(0, 1) q, k, v, dy rounded to the dtype; o and lse come from the float64 golden forward (o rounded to the dtype,
 lse to float32), in the kernel layout. Sizes are small (d_head 32 or 64, seqlen <= 640): the cases are about
 which tiles, sections and heads meet, not about length.

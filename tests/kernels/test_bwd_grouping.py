@@ -7,7 +7,7 @@ segments) is checked against a brute-force enumeration of the visible (query til
 no error bound involved; the trace checks count the instructions the plan implies; the numerical cases are the
 grouping edge cases (group sizes that do not divide the tile count, GQA groups of 1, 2, 3, 8 and 16, sections
 that end inside a group, windows that give the members of a group different keys, several sections with the
-fp32 dQ scratch) under the accuracy rule of docs/tolerances.md.
+fp32 dQ scratch) under the accuracy rule of docs/validation.md.
 """
 import types
 

@@ -2,7 +2,7 @@
 
 A row is four strings (vocabulary in conftest.py: ``case_kwargs``) and the kernels it runs: ``f`` the forward
 (``attention_fwd`` on the inputs, o and lse checked), ``b`` the backward (``attention_bwd`` fed the float64 forward's
-O and LSE, dq, dk, dv and dsinks checked). The accuracy criterion is conftest.py's (derived in docs/tolerances.md):
+O and LSE, dq, dk, dv and dsinks checked). The accuracy criterion is conftest.py's (derived in docs/validation.md):
 at most K = 2 times the golden's own error in the dtype (plus, backward, the error the kernel's formula gets from its
 inputs) plus one rounding; a fixed absolute band for the backward; +inf LSE exactly where the reference has it, and
 exact zeros for rows that see no key and keys no row sees.

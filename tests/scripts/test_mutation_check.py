@@ -54,7 +54,7 @@ def test_the_mutation_list_is_well_formed():
     muts = mc.MUTATIONS + mc.PENDING
     names = [m.name for m in muts]
     assert len(set(names)) == len(names)
-    # the five bugs issue #19 found missed by the suite are all planted
+    # the five bugs an audit found the suite missed are all planted
     for k in range(1, 6):
         assert any(n.startswith(f"i19_{k}_") for n in names), k
     for m in muts:

@@ -506,6 +506,42 @@ def bad_default_argument(a):
     return copy_out(a)
 
 
+def _h_is_operator(a):
+    return a.shape is a.shape  # <- is-operator
+
+
+@nki.jit
+def bad_is_operator(a):
+    if a.shape[0] < 0:
+        _h_is_operator(a)
+    return copy_out(a)
+
+
+class _Members(nl.NKIObject):
+    """Members behind property, cached_property and staticmethod are gathered like plain methods."""
+
+    n: int = 1
+
+    @property  # <- decorator
+    def size(self):
+        raise ValueError("never raised")  # <- raise
+
+    @functools.cached_property  # <- decorator
+    def sizes(self):
+        return [d for d in range(self.n)]  # <- comprehension
+
+    @staticmethod
+    def helper(x):
+        return (x := 1)  # <- walrus
+
+
+@nki.jit
+def bad_members(a):
+    if a.shape[0] < 0:
+        _Members(n=2)
+    return copy_out(a)
+
+
 # ------------------------------------------------------------------------------------------- tracing rules
 def _t_slice(a):
     pairs = [0, 1, 2]
@@ -524,7 +560,7 @@ def _t_dict_key(a):
 
 
 def _t_dict_read(a):
-    d = dict(x=1)
+    d = {"x": 1}
     return d[0]  # <- dict-key
 
 
@@ -554,6 +590,235 @@ def traced_dict_read(a, run):
     if run:
         _t_dict_read(a)
     return copy_out(a)
+
+
+# Each _tr_* helper runs one construct KLR's tracer refuses when it evaluates it (marked with its rule); traced_case
+# runs the helper it is given only when asked, so the same code in a branch never taken is accepted.
+def _tr_enumerate(a):
+    return enumerate(a.shape)  # <- builtin
+
+
+def _tr_zip(a):
+    return zip(a.shape, a.shape)  # <- builtin
+
+
+def _tr_sum(a):
+    return sum(a.shape)  # <- builtin
+
+
+def _tr_sorted(a):
+    return sorted(a.shape)  # <- builtin
+
+
+def _tr_any(a):
+    return any(a.shape)  # <- builtin
+
+
+def _tr_round(a):
+    return round(a.shape[0] / 3)  # <- builtin
+
+
+def _tr_getattr(a):
+    return getattr(a, "shape")  # <- builtin
+
+
+def _tr_range_value(a):
+    return list(range(a.shape[0]))  # <- builtin
+
+
+def _tr_dict_kwargs(a):
+    return dict(rows=a.shape[0])  # <- builtin-args
+
+
+def _tr_len_str(a):
+    return len("rows")  # <- builtin-args
+
+
+def _tr_list_of_dict(a):
+    return list({"rows": 1})  # <- builtin-args
+
+
+def _tr_min_none(a):
+    return min(a.shape[0], None)  # <- builtin-args
+
+
+def _tr_divmod_float(a):
+    return divmod(a.shape[0] / 2, 2)  # <- builtin-args
+
+
+def _tr_math_exp(a):
+    return math.exp(1.0)  # <- math
+
+
+def _tr_math_log(a):
+    return math.log(a.shape[0])  # <- math
+
+
+def _tr_math_prod(a):
+    return math.prod(a.shape)  # <- math
+
+
+def _tr_list_insert(a):
+    lst = [1, 2]
+    lst.insert(0, 3)  # <- method
+    return lst
+
+
+def _tr_list_sort(a):
+    lst = [2, 1]
+    lst.sort()  # <- method
+    return lst
+
+
+def _tr_list_count(a):
+    lst = [2, 1]
+    return lst.count(2)  # <- method
+
+
+def _tr_list_pop_index(a):
+    lst = [2, 1]
+    return lst.pop(0)  # <- method
+
+
+def _tr_list_remove_twice(a):
+    lst = [1, 2, 1]
+    lst.remove(1)  # <- method
+    return lst
+
+
+def _tr_dict_update(a):
+    d = {"a": 1}
+    d.update({"b": 2})  # <- method
+    return d
+
+
+def _tr_str_method(a):
+    return "a,b".split(",")  # <- method
+
+
+def _tr_tuple_method(a):
+    return a.shape.index(16)  # <- method
+
+
+def _tr_int_method(a):
+    n = a.shape[0]
+    return n.bit_length()  # <- method
+
+
+def _tr_float_method(a):
+    x = a.shape[0] / 2
+    return x.is_integer()  # <- method
+
+
+def _tr_float_mod(a):
+    return (a.shape[0] / 3) % 2  # <- operator
+
+
+def _tr_float_aug_mod(a):
+    x = a.shape[0] / 3
+    x %= 2  # <- operator
+    return x
+
+
+def _tr_bool_add(a):
+    return (a.shape[0] > 1) + (a.shape[1] > 1)  # <- operator
+
+
+def _tr_str_repeat(a):
+    return "ab" * a.shape[0]  # <- operator
+
+
+def _tr_str_format(a):
+    return "%d rows" % a.shape[0]  # <- operator
+
+
+def _tr_negative_power(a):
+    return a.shape[0] ** -1  # <- operator
+
+
+def _tr_in_dict(a):
+    return "a" in {"a": 1}  # <- operator
+
+
+def _tr_tensor_add(a):
+    return a + a  # <- operator
+
+
+def _tr_str_subscript(a):
+    return "rows"[0]  # <- subscript
+
+
+def _tr_negative_store(a):
+    lst = [1, 2]
+    lst[-1] = a.shape[0]  # <- subscript
+    return lst
+
+
+def _tr_slice_store(a):
+    lst = [1, 2]
+    lst[0:1] = [a.shape[0]]  # <- subscript
+    return lst
+
+
+def _tr_dict_get_int(a):
+    d = {"a": 1}
+    return d.get(a.shape[0])  # <- dict-key
+
+
+@nki.jit
+def traced_case(a, helper, run):
+    """Runs ``helper(a)`` only when ``run`` is true (the tracer sees only what runs)."""
+    if run:
+        helper(a)
+    return copy_out(a)
+
+
+def _ok_everything(a):
+    """Every form of the builtins, methods, operators and subscripts the tracer accepts; returns a number."""
+    rows, cols = a.shape
+    (p, q), r = (rows, cols), 3                            # nested unpacking (KLR NKI/Patterns.lean)
+    lst = list((1, 2, 3))                                  # list / tuple of a tuple / list
+    tup = tuple(lst) + (4,)                                # tuple + tuple
+    lst = lst + [5] * 2                                    # list + list, list * int: [1, 2, 3, 5, 5]
+    cp = lst.copy()
+    cp.clear()
+    lst.extend(tup)
+    i = lst.index(5)
+    lst.remove(4)                                          # present once
+    lst.reverse()
+    last = lst.pop()                                       # 1
+    d = dict([("a", 1), ("b", 2)])                         # dict from pairs
+    d2 = dict()
+    d2["c"] = d.get("a") + d.setdefault("z", 3) + d.pop("b")  # 1 + 3 + 2
+    d3 = d2.copy()
+    n = len(d) + len(lst) + len(tup) + len(d3.keys())
+    keys = list(d.keys())
+    for k in keys:
+        n = n + (1 if k in ("a", "z") else 0)               # 'in' on a tuple
+    for kv in d.items():
+        n = n + kv[1]
+    assert "ow" in "rows" and 2 in [1, 2] and 7 not in tup
+    n = n + abs(-2) + divmod(7, 2)[0] + max([1, 4]) + min(p, q) // 8 + q % 5
+    x = float(r) / 2 + 2 ** 3 + 2.0 ** -1 + 7 // 2 + 7.5 // 2 - (1 << 2) + (6 >> 1) + (6 & 3) + (6 | 1) + (6 ^ 2)
+    x = x + (True + 1) + int(2.9) + math.ceil(1.2) + math.floor(1.8) + math.gcd(4, 6) + math.log2(8.0)
+    x = x + math.log10(100.0) + math.pow(2.0, 2.0) + math.sqrt(4.0) + int(math.pi > 3) + int(math.e > 2)
+    x = x + int(math.inf > 0) + int(math.nan != math.nan) - 0.5
+    s = str(n) + "!"
+    assert isinstance(s, str) and type(n) == int and s == str(n) + "!"
+    lst[0] = 9                                             # non-negative index assignment
+    sl = slice(0, 2)
+    part = lst[sl]
+    print("checked", part)
+    return n + x + int(bool(lst)) + last + i
+
+
+@nki.jit
+def traced_ok(a, run):
+    """Runs _ok_everything (traced) and scales by its result."""
+    v = 1.0
+    if run:
+        v = _ok_everything(a)
+    return copy_out(a, v)
 
 
 @nki.jit
@@ -661,7 +926,7 @@ def good_kernel(a, mode=Mode.DOUBLE, combine=_scale_by):
         n += 1
     d = {"two": 2, "three": 3}                             # dict literal, string keys
     d["one"] = 1                                           # string-key store
-    e = dict(seven=7)
+    e = dict([("seven", 7)])                               # dict from (key, value) pairs
     e.setdefault("eight", 8)
     total = d.get("two") + d["three"] + e.pop("seven")     # 2 + 3 + 7 = 12
     keys = d.keys()

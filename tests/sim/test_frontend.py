@@ -46,7 +46,7 @@ GATHER_RULES = ["raise", "try", "with", "del", "import", "global", "match", "asy
                 "lambda", "comprehension", "generator", "set", "walrus", "yield", "format-spec", "starred",
                 "kwargs-expansion", "varargs", "matmul-op", "chained-in", "dict-literal-key", "for-target",
                 "loop-else", "assign-target", "decorator", "int-range", "minmax-args", "class-base", "class-body",
-                "class-keywords", "numpy-dtype", "isinstance-tuple"]
+                "class-keywords", "numpy-dtype", "isinstance-tuple", "is-operator"]
 
 
 @pytest.mark.parametrize("rule", GATHER_RULES)
@@ -68,7 +68,9 @@ def test_each_gathering_rule_is_refused_in_a_branch_never_taken(rule):
 
 
 def test_every_rule_has_a_test():
-    traced = {"slice-range", "dict-key", "isinstance-tuple"}
+    traced = {"slice-range", "dict-key", "isinstance-tuple", "builtin", "builtin-args", "math", "method",
+              "operator", "subscript"}
+    assert traced == {rule for _, rule, _ in TRACED_CASES} | {"slice-range", "isinstance-tuple"}
     launched = {"global-changed", "nonlocal"}
     assert set(frontend.RULES) <= set(GATHER_RULES) | traced | launched
 
@@ -147,6 +149,67 @@ def test_tracing_rules_are_checked_when_the_code_runs(kernel, rule, text, python
         else:
             with pytest.raises(python_error):
                 kernel(_a(), True)
+
+
+# (helper of frontend_kernels.py, rule, text of the detail): every construct KLR's tracer refuses when it evaluates it
+TRACED_CASES = [
+    ("_tr_enumerate", "builtin", "enumerate"), ("_tr_zip", "builtin", "zip"), ("_tr_sum", "builtin", "sum"),
+    ("_tr_sorted", "builtin", "sorted"), ("_tr_any", "builtin", "any"), ("_tr_round", "builtin", "round"),
+    ("_tr_getattr", "builtin", "getattr"), ("_tr_range_value", "builtin", "range"),
+    ("_tr_dict_kwargs", "builtin-args", "dict(name=value)"), ("_tr_len_str", "builtin-args", "len of a str"),
+    ("_tr_list_of_dict", "builtin-args", "list of a dict"), ("_tr_min_none", "builtin-args", "min over a NoneType"),
+    ("_tr_divmod_float", "builtin-args", "divmod of float and int"),
+    ("_tr_math_exp", "math", "math.exp"), ("_tr_math_log", "math", "math.log"), ("_tr_math_prod", "math", "math.prod"),
+    ("_tr_list_insert", "method", "list has no 'insert'"), ("_tr_list_sort", "method", "list has no 'sort'"),
+    ("_tr_list_count", "method", "list has no 'count'"), ("_tr_list_pop_index", "method", "list.pop with an index"),
+    ("_tr_list_remove_twice", "method", "present 2 times"), ("_tr_dict_update", "method", "dict has no 'update'"),
+    ("_tr_str_method", "method", "a str value has no attributes"),
+    ("_tr_tuple_method", "method", "a tuple value has no attributes"),
+    ("_tr_int_method", "method", "a int value has no attributes"),
+    ("_tr_float_method", "method", "a float value has no attributes"),
+    ("_tr_float_mod", "operator", "'%' on float and int"), ("_tr_float_aug_mod", "operator", "x %= 2: '%' on float"),
+    ("_tr_bool_add", "operator", "'+' on bool and bool"), ("_tr_str_repeat", "operator", "'*' on str and int"),
+    ("_tr_str_format", "operator", "'%' on str and int"), ("_tr_negative_power", "operator", "negative int power"),
+    ("_tr_in_dict", "operator", "'in' on a dict"), ("_tr_tensor_add", "operator", "'+' on a tensor"),
+    ("_tr_str_subscript", "subscript", "a str value"), ("_tr_negative_store", "subscript", "negative index -1"),
+    ("_tr_slice_store", "subscript", "slice assignment into a list"), ("_tr_dict_get_int", "dict-key", "key 8"),
+]
+
+
+@pytest.mark.parametrize("helper,rule,text", TRACED_CASES)
+def test_each_tracing_rule_is_refused_on_the_taken_path_only(helper, rule, text):
+    fn = getattr(fk, helper)
+    # in a branch never taken the tracer never evaluates it: accepted
+    np.testing.assert_array_equal(fk.traced_case(_a(), fn, False), _a())
+    with trace.recording() as rec, pytest.raises(NkiFrontendError) as info:
+        fk.traced_case(_a(), fn, True)
+    assert rec.count() == 0, "the construct runs before the kernel's first instruction"
+    p, = info.value.problems
+    assert p.rule == rule and p.line in _marker_lines(rule), (p, _marker_lines(rule))
+    assert p.scope == helper and text in p.detail, info.value
+    msg = str(info.value)
+    assert msg.startswith("NKI frontend check while tracing: ") and f"frontend_kernels.py:{p.line}: " in msg
+    assert frontend.RULES[rule][3] in msg and "__nki_attn_frontend__" not in msg
+    # the helper is plain Python again after the launch
+    assert fn.__code__.co_filename == fk.__file__ and "__nki_attn_frontend__" not in fn.__code__.co_names
+
+
+def test_every_accepted_builtin_method_and_operator_runs_traced():
+    # _ok_everything uses each builtin form, list/dict method, operator and subscript the tracer evaluates; the
+    # instrumented run gives what plain Python gives
+    expected = fk._ok_everything(_a())
+    with sim.checking(strict=True, frontend="full"):
+        out = fk.traced_ok(_a(), True)
+    np.testing.assert_array_equal(out, np.float32(expected) * _a())
+
+
+def test_class_members_behind_property_cached_property_and_staticmethod_are_gathered():
+    err = _refused(fk.bad_members, _a())
+    rules = sorted(p.rule for p in err.problems)
+    assert rules == ["comprehension", "decorator", "decorator", "raise", "walrus"], err
+    for p in err.problems:
+        assert p.line in _marker_lines(p.rule), p
+    assert "@property" in str(err) and "@functools.cached_property" in str(err)
 
 
 def test_tracing_rules_in_an_lnc2_core():

@@ -1,15 +1,17 @@
-"""FlashAttention's own reference implementation against ours: soft-capping, ALiBi, two-sided windows, causal
-with seqlen_q != seqlen_k, d_qk != d_v, forward and backward, under FlashAttention's rule.
+"""Comparisons with external references, one subcommand each.
 
-FlashAttention is not part of this repository: point the script at a local checkout of the public
+    python scripts/compare.py flash-attention --flash-attn PATH [--dtypes bf16 fp16] [--variants ...]
+
+The NKI Library benchmark (scripts/bench_vs_nki_library.py) and the public-kernel conformance of the simulator
+(scripts/conformance_public_kernels.py) have scripts of their own.
+
+flash-attention: FlashAttention's own reference implementation against ours: soft-capping, ALiBi, two-sided
+windows, causal with seqlen_q != seqlen_k, d_qk != d_v, forward and backward, under FlashAttention's rule.
+
+FlashAttention is not part of this repository: point the subcommand at a local checkout of the public
 Dao-AILab/flash-attention repository (its ``tests/test_flash_attn.py`` defines ``attention_ref`` and
-``attn_bias_from_alibi_slopes``)::
-
-    pip install einops          # the reference's one dependency beyond torch
-    python scripts/fa_reference_check.py --flash-attn /path/to/flash-attention [--dtypes bf16 fp16]
-        [--variants softcap alibi ...] [--reference float64|float32] [--json out.json]
-
-or set ``FLASH_ATTENTION_REPO`` instead of ``--flash-attn``. The test module is imported as it is; the two things
+``attn_bias_from_alibi_slopes``), after ``pip install einops`` (the reference's one dependency beyond torch),
+with ``--flash-attn PATH`` or ``FLASH_ATTENTION_REPO``. The test module is imported as it is; the two things
 it needs that a CPU machine lacks are stubbed for the duration of the import only: the ``flash_attn`` package
 (the CUDA kernels it tests, never called here) and ``torch.cuda.get_device_capability`` (read at import time to
 pick test parameters).
@@ -42,7 +44,6 @@ import types
 
 import torch
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 ENV = "FLASH_ATTENTION_REPO"
 RULE = 2.0
 TENSORS = ("o", "dq", "dk", "dv")
@@ -192,8 +193,7 @@ def table(rows):
     return "\n".join(lines)
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def args_flash_attention(ap):
     ap.add_argument("--flash-attn", metavar="PATH", default=os.environ.get(ENV),
                     help=f"checkout of Dao-AILab/flash-attention (default: ${ENV})")
     ap.add_argument("--dtypes", nargs="+", default=["bf16", "fp16"], choices=sorted(DTYPES))
@@ -202,14 +202,16 @@ def main(argv=None):
                     help="the reference errors are measured against (float32: FlashAttention's own choice)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", metavar="F", help="write the rows as JSON to F")
-    args = ap.parse_args(argv)
+
+
+def run_flash_attention(args, ap):
+    """FlashAttention's reference (attention_ref of its tests) against flash_attn_func, under its 2x rule."""
     if not args.flash_attn:
         ap.error(f"give --flash-attn PATH or set {ENV} to a checkout of Dao-AILab/flash-attention")
     try:
         attention_ref, alibi_bias_fn, commit = load_reference(args.flash_attn)
     except ValueError as exc:
         ap.error(str(exc))
-    sys.path.insert(0, str(ROOT))
     rows, t0 = [], time.perf_counter()
     grid = [(v, d) for v in args.variants for d in dict.fromkeys(DTYPES[x] for x in args.dtypes)]
     for n, (variant, dtype) in enumerate(grid, 1):
@@ -229,6 +231,21 @@ def main(argv=None):
         pathlib.Path(args.json).write_text(json.dumps({"commit": commit, "reference": args.reference,
                                                        "rule": RULE, "rows": rows}, indent=1))
     return 1 if failed else 0
+
+
+COMMANDS = {"flash-attention": (args_flash_attention, run_flash_attention)}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n")[1],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, (add, run) in COMMANDS.items():
+        p = sub.add_parser(name, help=run.__doc__.split("\n")[0], description=run.__doc__)
+        add(p)
+        p.set_defaults(run=run, parser=p)
+    a = ap.parse_args(argv)
+    return a.run(a, a.parser)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,904 @@
+"""Benchmarks and measurements: one subcommand per study.
+
+    python scripts/bench.py compile [--calls 20] [--json F]          torch.compile over the attention ops
+    python scripts/bench.py frontend-overhead [--repeats 5]          cost of the simulator's NKI frontend check
+    python scripts/bench.py sim-overhead [--seqlen 2048]             simulated kernels vs the torch golden, wall
+    python scripts/bench.py modeled-util [--only NAME] [--plot F]    modeled TensorE utilisation, model shapes
+    python scripts/bench.py dropout-cost [--tiles 8]                 modeled cost of dropout per score tile
+    python scripts/bench.py dropout-stats [--seeds 8]                statistics of the dropout keep mask
+    python scripts/bench.py blas-orders [--reuse DIR] [--write]      float32 rows under other CPUs' BLAS kernels
+    python scripts/bench.py planted-bugs [--write]                   planted bugs against the tolerance rules
+
+Every device time printed is MODELED by nki_attn.profiler (the cost model over the simulator's instruction
+trace, docs/performance.md), never measured; wall-clock times are this machine's CPU running the simulator.
+
+A study is two functions registered in COMMANDS: ``args_<name>(parser)`` adds its options and
+``run_<name>(args)`` runs it and returns the exit status (its docstring's first line is the help). Heavy imports
+stay inside the run functions, so that ``--blas-threads`` (sim-overhead) can set OPENBLAS_NUM_THREADS before
+numpy loads. A new study (e.g. the simulator's speed benchmark) is one more such pair and one COMMANDS line.
+"""
+import argparse
+import contextlib
+import json
+import os
+import statistics
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+# ----------------------------------------------------------------------------------------------------- shared
+def kernel_inputs(batch, heads, kv_heads, seqlen, d_head, dtype="bfloat16", seed=0, **variant):
+    """q, k, v, dy in the kernels' layout ([b, h, d, s], torch, rounded to ``dtype``) and the rest of the
+    harness's inputs, from ``nki_attn.harness.runner.make_inputs`` (``variant``: further ``Case`` fields)."""
+    from nki_attn.harness.cases import Case
+    from nki_attn.harness.runner import make_inputs
+    fields = dict(name="bench", batch=batch, heads=heads, kv_heads=kv_heads, seqlen_q=seqlen, seqlen_k=seqlen,
+                  d_head=d_head, dtype=dtype)
+    case = Case(**{**fields, **variant})
+    return make_inputs(case, seed=seed)
+
+
+def api_inputs(batch, heads, kv_heads, seqlen, d_head, seed=0, seqlen_k=None):
+    """The same inputs in FlashAttention's layout [b, s, h, d] (float32) for the PyTorch API."""
+    x = kernel_inputs(batch, heads, kv_heads, seqlen, d_head, dtype="float32", seed=seed,
+                      seqlen_k=seqlen_k or seqlen)
+    return {n: x[n].permute(0, 3, 1, 2).contiguous() for n in ("q", "k", "v", "dy")}
+
+
+@contextlib.contextmanager
+def target(name):
+    """NEURON_PLATFORM_TARGET_OVERRIDE = ``name`` for the duration (the simulator's and profiler's target)."""
+    prev = os.environ.get("NEURON_PLATFORM_TARGET_OVERRIDE")
+    os.environ["NEURON_PLATFORM_TARGET_OVERRIDE"] = name
+    try:
+        yield
+    finally:
+        if prev is None:
+            os.environ.pop("NEURON_PLATFORM_TARGET_OVERRIDE", None)
+        else:
+            os.environ["NEURON_PLATFORM_TARGET_OVERRIDE"] = prev
+
+
+def best_of(fn, repeats):
+    """Smallest wall time of ``repeats`` calls of ``fn()``, seconds."""
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def profile_args(kernel, b, h, hkv, s, d, causal=False, window=None, sinks=0, target="trn2", dtype="bf16"):
+    """The argument namespace ``nki_attn.profiler.cli.run_kernel`` / ``useful_flops`` take."""
+    return argparse.Namespace(kernel=kernel, batch=b, heads=h, kv_heads=hkv, seqlen=s, head_dim=d, dtype=dtype,
+                              causal=causal, window=window, sinks=sinks, target=target, lnc=1, seed=0)
+
+
+def kernel_versions():
+    """Short sha256 of the kernel sources the figures came from (the kernels change; the figures go stale)."""
+    import hashlib
+    import pathlib
+
+    import nki_attn.kernels as kpkg
+    root = pathlib.Path(kpkg.__file__).parent
+    return {f.name: hashlib.sha256(f.read_bytes()).hexdigest()[:12] for f in sorted(root.glob("attention_*.py"))}
+
+
+def _write_json(path, obj):
+    if path:
+        with open(path, "w") as f:
+            json.dump(obj, f, indent=1)
+        print(f"wrote {path}")
+
+
+# ----------------------------------------------------------------------------------------------------- compile
+COMPILE_CASES = {
+    "causal-gqa-sinks": dict(shape=(2, 256, 4, 2, 64), kw=dict(causal=True, window_size=(100, 0)), sinks=True),
+    "noncausal-pad": dict(shape=(1, 200, 2, 2, 64), kw=dict(), sinks=False),
+    "bottom-right": dict(shape=(1, 128, 2, 1, 64), kw=dict(causal=True), sinks=False, sk=300),
+}
+
+
+def args_compile(p):
+    p.add_argument("--calls", type=int, default=20)
+    p.add_argument("--json")
+
+
+def run_compile(a):
+    """torch.compile over the attention ops: first call, per-call overhead, graph breaks, recompiles, bit-exactness.
+
+    Each case is a training step ``(attn(q, k, v) * w).sum().backward()`` with ``attn`` eager and with
+    ``torch.compile(attn, fullgraph=True)`` (Inductor); the loss is the same eager code. Times are wall-clock on
+    this CPU, where the kernels run on the simulator: the per-call ratio is the compile machinery's overhead
+    around the opaque kernel ops. Graph breaks come from ``torch._dynamo.explain``; recompiles from
+    ``torch._dynamo.config.error_on_recompile`` over the timed calls. Set ``OMP_WAIT_POLICY=PASSIVE`` before
+    Python starts so that Inductor's OpenMP workers sleep instead of spinning beside the simulator (recorded in
+    the JSON)."""
+    import torch
+
+    import nki_attn
+
+    def inputs(case, seed):
+        b, s, h, hk, d = case["shape"]
+        x = api_inputs(b, h, hk, s, d, seed=seed, seqlen_k=case.get("sk", s))
+        g = torch.Generator().manual_seed(seed)
+        sinks = torch.randn(h, generator=g).requires_grad_() if case["sinks"] else None
+        return (x["q"].requires_grad_(), x["k"].requires_grad_(), x["v"].requires_grad_(), x["dy"], sinks)
+
+    def grads(q, k, v, w, sinks):
+        return [t.grad for t in (q, k, v) + ((sinks,) if sinks is not None else ())]
+
+    rows = []
+    for name, case in COMPILE_CASES.items():
+        torch._dynamo.reset()
+
+        def fwd(q, k, v, sinks, kw=case["kw"]):
+            return nki_attn.flash_attn_func(q, k, v, sinks=sinks, **kw)
+
+        def eager_step(q, k, v, w, s):
+            (fwd(q, k, v, s) * w).sum().backward()
+
+        compiled_fwd = torch.compile(fwd, fullgraph=True)
+
+        def compiled_step(q, k, v, w, s):
+            (compiled_fwd(q, k, v, s) * w).sum().backward()
+
+        x = inputs(case, 0)
+        explain = torch._dynamo.explain(fwd)(x[0], x[1], x[2], x[4])
+        t0 = time.perf_counter()
+        compiled_step(*inputs(case, 0))
+        first = time.perf_counter() - t0
+        ea, ca = inputs(case, 1), inputs(case, 1)
+        out_e, out_c = fwd(ea[0], ea[1], ea[2], ea[4]), compiled_fwd(ca[0], ca[1], ca[2], ca[4])
+        (out_e * ea[3]).sum().backward()
+        (out_c * ca[3]).sum().backward()
+        exact = torch.equal(out_e, out_c) and all(torch.equal(p, q) for p, q in zip(grads(*ea), grads(*ca)))
+        torch._dynamo.config.error_on_recompile = True
+        te, tc, recompiles = [], [], 0
+        try:
+            for i in range(a.calls):  # interleaved eager / compiled, fresh inputs; a recompile raises
+                te.append(best_of(lambda: eager_step(*inputs(case, 100 + i)), 1))
+                tc.append(best_of(lambda: compiled_step(*inputs(case, 100 + i)), 1))
+        except torch._dynamo.exc.RecompileError:
+            recompiles = 1
+        finally:
+            torch._dynamo.config.error_on_recompile = False
+        me, mc = statistics.median(te), statistics.median(tc) if tc else float("nan")
+        r = {"case": name, "shape [b, s, h, hk, d]": list(case["shape"]), "graph_breaks": explain.graph_break_count,
+             "graphs": explain.graph_count, "first_call_s": round(first, 2), "eager_ms": round(me * 1e3, 2),
+             "compiled_ms": round(mc * 1e3, 2), "ratio": round(mc / me, 3), "recompiles": recompiles,
+             "bit_exact": exact}
+        rows.append(r)
+        print(json.dumps(r), flush=True)
+    _write_json(a.json, {"torch": torch.__version__, "calls": a.calls, "cpus": os.cpu_count(),
+                         "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY"), "rows": rows})
+    return 1 if any(r["graph_breaks"] or r["recompiles"] or not r["bit_exact"] for r in rows) else 0
+
+
+# ----------------------------------------------------------------------------------------------------- frontend
+def args_frontend_overhead(p):
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--shapes", default="1x256x64,4x1024x128", help="HEADSxSEQLENxD_HEAD,... (batch 1, 1 kv head)")
+
+
+def run_frontend_overhead(a):
+    """Cost of the simulator's NKI frontend check (nki_attn.sim.frontend) on attention_fwd + attention_bwd.
+
+    First call (gathering and instrumenting every function the kernels reach, once per process); per launch
+    (the frontend's work before a launch); one tracing check (timed alone) times the checks one fwd + bwd pair
+    makes, an estimate independent of the machine's load; and whole launches with the check off / gather / full
+    (CPU time, modes alternated so that a load change hits all three alike; best and median)."""
+    # every launch here must run the kernel body: a replayed launch (nki_attn.sim.replay) runs no tracing check
+    os.environ["NKI_ATTN_SIM_REPLAY"] = "0"
+    from nki_attn.sim import checking, frontend
+
+    t0 = time.process_time()
+    from nki_attn.kernels.attention_bwd import attention_bwd
+    from nki_attn.kernels.attention_fwd import attention_fwd
+    t_import = time.process_time() - t0
+    t0 = time.process_time()
+    for k in (attention_fwd, attention_bwd):
+        for info in frontend.check_kernel(k).functions:
+            frontend.instrumented_code(info)
+    t_first = time.process_time() - t0
+    n_defs = sum(len(frontend.gather(k).definitions) for k in (attention_fwd, attention_bwd))
+    n_fns = sum(len(frontend.gather(k).functions) for k in (attention_fwd, attention_bwd))
+    print(f"first call (gather {n_defs} definitions, instrument {n_fns} functions, both kernels): "
+          f"{1e3 * t_first:.1f} ms CPU (importing the kernels: {1e3 * t_import:.1f} ms)")
+
+    def pair(x):
+        o, lse = attention_fwd(x["q"], x["k"], x["v"], use_causal_mask=True)
+        return attention_bwd(x["q"], x["k"], x["v"], o, x["dy"], lse, use_causal_mask=True, mixed_precision=True)
+
+    x = kernel_inputs(1, 1, 1, 256, 64)
+    n = 2000
+    t0 = time.perf_counter()
+    for _ in range(n):
+        with frontend.prepare(attention_fwd.fn, (x["q"], x["k"], x["v"]), {"use_causal_mask": True}):
+            pass
+    per = (time.perf_counter() - t0) / n
+    print(f"per launch, frontend work before the kernel runs (prepare + code swap): {1e6 * per:.0f} us")
+
+    class Probe:
+        def __getitem__(self, k):
+            return k
+
+    t, n = Probe(), 200000
+    t0 = time.perf_counter()
+    for _ in range(n):
+        t[(0, 1)]
+    bare = (time.perf_counter() - t0) / n
+    t0 = time.perf_counter()
+    for _ in range(n):
+        frontend._CHECKS.sub(t, (0, 1), 0)  # the commonest check: a tensor indexed by a tuple
+    per_check = (time.perf_counter() - t0) / n - bare
+    print(f"one tracing check (beyond the subscript itself): {1e9 * per_check:.0f} ns")
+
+    def count_checks(run):
+        """Calls of the tracing checks (subscripts, item stores, builtins, attributes, operators, 'in') made by
+        ``run()`` in full mode, counted by a
+        profile hook on their code objects (nothing is patched)."""
+        codes = {getattr(frontend._Checks, m).__code__ for m in ("sub", "key", "bi", "attr", "binop", "contains")}
+        counts = [0]
+
+        def hook(frame, event, arg):
+            if event == "call" and frame.f_code in codes:
+                counts[0] += 1
+        sys.setprofile(hook)
+        try:
+            with checking(frontend="full"):
+                run()
+        finally:
+            sys.setprofile(None)
+        return counts[0]
+
+    print("\n| shape (heads x seqlen x d_head) | checks per pair | estimate | off | gather | full | full / off |")
+    print("|---|---|---|---|---|---|---|")
+    for spec in a.shapes.split(","):
+        h, s, d = (int(p) for p in spec.lower().split("x"))
+        x = kernel_inputs(1, h, 1, s, d)
+        calls = count_checks(lambda: pair(x))
+        times = {"off": [], "gather": [], "full": []}
+        for mode in times:  # warm-up
+            with checking(frontend=mode):
+                pair(x)
+        for _ in range(a.repeats):
+            for mode in times:
+                with checking(frontend=mode):
+                    t0 = time.process_time()
+                    pair(x)
+                    times[mode].append(time.process_time() - t0)
+        best = {m: min(v) for m, v in times.items()}
+        med = {m: statistics.median(v) for m, v in times.items()}
+        est = calls * per_check + 2 * per
+        print(f"| {h}x{s}x{d} | {calls} | {1e3 * est:.2f} ms ({100 * est / best['off']:.2f} %) | "
+              + " | ".join(f"{best[m]:.3f} / {med[m]:.3f} s" for m in ("off", "gather", "full"))
+              + f" | {best['full'] / best['off']:.3f} / {med['full'] / med['off']:.3f} |")
+    print(f"\n(CPU seconds of attention_fwd + attention_bwd, bf16, causal: best / median of {a.repeats} alternated "
+          f"runs; estimate = checks x one check + 2 x the per-launch work, as a share of the best run without the "
+          f"check)")
+    return 0
+
+
+# ----------------------------------------------------------------------------------------------------- sim overhead
+def args_sim_overhead(p):
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--kv-heads", type=int, default=None)
+    p.add_argument("--seqlen", type=int, default=2048)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--non-causal", action="store_true")
+    p.add_argument("--repeats", type=int, default=3, help="timed runs of each side, alternating; the best counts")
+    p.add_argument("--profile", metavar="F", help="also cProfile one simulated run into F")
+    p.add_argument("--blas-threads", type=int, default=None,
+                   help="OPENBLAS_NUM_THREADS for numpy (the simulator's matmuls), set before numpy is imported")
+
+
+def run_sim_overhead(a):
+    """Simulator overhead: wall time of the simulated attention_fwd + attention_bwd against the torch golden's.
+
+    Same CPU, shape and process (default: batch 1, 4 heads, seqlen 2048, d_head 128, bf16, causal); the golden
+    computes the full score matrix with torch BLAS calls, the simulator runs the kernels instruction by
+    instruction in numpy. Target: simulated / golden <= 3x. ``--profile F`` also cProfiles one simulated pair
+    into F and prints the 25 most expensive functions and the instruction counts."""
+    import numpy as np
+    import torch
+
+    from golden.attention_bwd_torch import attention_bwd_torch_ref
+    from golden.attention_fwd_torch import attention_fwd_torch_ref
+    from nki_attn.harness.report import cpu_model
+    from nki_attn.kernels.attention_bwd import attention_bwd
+    from nki_attn.kernels.attention_fwd import attention_fwd
+
+    hkv = a.kv_heads or a.heads
+    causal = not a.non_causal
+    x = npx = kernel_inputs(a.batch, a.heads, hkv, a.seqlen, a.head_dim)  # torch: both sides take it
+
+    def simulated():
+        o, lse = attention_fwd(npx["q"], npx["k"], npx["v"], use_causal_mask=causal)
+        return attention_bwd(npx["q"], npx["k"], npx["v"], o, npx["dy"], lse, use_causal_mask=causal)
+
+    def golden():
+        o, lse = attention_fwd_torch_ref(x["q"], x["k"], x["v"], use_causal_mask=causal)
+        return attention_bwd_torch_ref(x["q"], x["k"], x["v"], o, x["dy"], lse, use_causal_mask=causal)
+
+    golden()
+    simulated()  # warm-up: imports, thread pools, first-call caches
+    gold, sim = [], []
+    for _ in range(a.repeats):  # alternate so that a change of load hits both sides alike
+        gold.append(best_of(golden, 1))
+        sim.append(best_of(simulated, 1))
+    t_gold, t_sim = min(gold), min(sim)
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    import platform
+    print(f"machine: {os.cpu_count()} CPUs ({cpu_model()}), torch {torch.__version__} "
+          f"({torch.get_num_threads()} threads), numpy {np.__version__} "
+          f"(OPENBLAS_NUM_THREADS={os.environ.get('OPENBLAS_NUM_THREADS', 'unset')}), "
+          f"python {platform.python_version()}")
+    print(f"shape: B={a.batch} H={a.heads} HKV={hkv} S={a.seqlen} D={a.head_dim} bf16 "
+          f"{'causal' if causal else 'non-causal'}; best of {a.repeats} alternating runs; "
+          f"1-min load average {load:.1f}")
+    print(f"torch golden fwd+bwd:    {t_gold:8.2f} s  (runs: {', '.join(f'{t:.2f}' for t in gold)})")
+    print(f"simulated kernels f+b:   {t_sim:8.2f} s  (runs: {', '.join(f'{t:.2f}' for t in sim)})")
+    print(f"ratio simulated/golden:  {t_sim / t_gold:8.2f}x  (target <= 3x)")
+    if a.profile:
+        import cProfile
+        import pstats
+        from collections import Counter
+
+        from nki_attn.sim import trace
+        prof = cProfile.Profile()
+        with trace.recording() as rec:
+            prof.enable()
+            simulated()
+            prof.disable()
+        prof.dump_stats(a.profile)
+        print(f"\ncProfile of one simulated fwd+bwd (traced) -> {a.profile}")
+        pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+        print("instructions executed:", dict(Counter(r.instr for r in rec.records).most_common()))
+    return 0
+
+
+# ----------------------------------------------------------------------------------------------------- modeled util
+# name: (model config it stands for, batch, heads, kv_heads, seqlen, head_dim, causal, window, sinks). Sequence
+# lengths, head dims, masks and GQA groups are those of the NKI Library backward test matrix; the head counts are
+# cut to one kv head (two for MHA): utilisation is per-tile behaviour.
+UTIL_SHAPES = {
+    "llama3-8b": ("32q/8kv d128 causal S=8192 (group 4 kept)", 1, 4, 1, 8192, 128, True, None, 0),
+    "qwen3-1.7b": ("16q/8kv d128 causal S=4096 (group 2)", 1, 2, 1, 4096, 128, True, None, 0),
+    "gemma2-9b": ("16q/8kv d256 causal window 4096 S=8192 (group 2)", 1, 2, 1, 8192, 256, True, 4096, 0),
+    "gpt-oss-20b": ("64q/8kv d64 causal window 128, 1 sink, S=4096 (group 8)", 1, 8, 1, 4096, 64, True, 128, 1),
+    "modernbert": ("16q/16kv d64 non-causal S=1024", 1, 2, 2, 1024, 64, False, None, 0),
+    "mqa-d96": ("8q/1kv d96 causal S=8192 (MQA)", 1, 8, 1, 8192, 96, True, None, 0),
+}
+# Mask experiments on one Llama-like head (d128): causal vs full, and window 512 at two lengths.
+UTIL_MASKS = {
+    "full-2048": (1, 1, 1, 2048, 128, False, None, 0),
+    "causal-2048": (1, 1, 1, 2048, 128, True, None, 0),
+    "win512-4096": (1, 1, 1, 4096, 128, True, 512, 0),
+    "win512-8192": (1, 1, 1, 8192, 128, True, 512, 0),
+}
+
+
+def args_modeled_util(p):
+    p.add_argument("--target", default="trn2", choices=("trn1", "trn2", "trn3"))
+    p.add_argument("--only", action="append", help="run only these case names (repeatable)")
+    p.add_argument("--json", metavar="F", help="write all rows as JSON")
+    p.add_argument("--plot", metavar="F", help="bar chart of TensorE utilisation per model shape (matplotlib)")
+
+
+def _util_row(kernel, shape, tgt):
+    import dataclasses
+
+    from nki_attn.profiler import generation, profile
+    from nki_attn.profiler.cli import run_kernel, useful_flops
+    from nki_attn.sim.trace import ENGINES
+    b, h, hkv, s, d, causal, window, sinks = shape
+    args = profile_args(kernel, b, h, hkv, s, d, causal, window, sinks, tgt)
+    gen = generation(tgt)
+    with target(tgt):
+        t0 = time.perf_counter()
+        records, _ = run_kernel(args)
+        wall = time.perf_counter() - t0
+    flops = useful_flops(args)
+    p = profile(records, gen, flops)
+    # the same trace without the per-piece DMA floor: the optimistic end for kernels issuing many small DMAs
+    p0 = profile(records, dataclasses.replace(gen, dma_min_piece_ns=0.0), flops)
+    return {
+        "kernel": kernel, "shape": dict(batch=b, heads=h, kv_heads=hkv, seqlen=s, head_dim=d, causal=causal,
+                                        window=window, sinks=sinks),
+        "time_overlap_us": p.time_overlap_ns / 1e3, "time_serial_us": p.time_serial_ns / 1e3,
+        "bottleneck": p.bottleneck,
+        "util_overlap": p.tensor_utilisation(True), "util_serial": p.tensor_utilisation(False),
+        "useful_util_overlap": p.useful_tensor_utilisation(True), "floor_ratio": p.floor_ratio(True),
+        "util_overlap_no_dma_floor": p0.useful_tensor_utilisation(True), "bottleneck_no_dma_floor": p0.bottleneck,
+        "sbuf_port_us": p.engine_busy("VectorE/GpSimdE SBUF port") / 1e3,
+        "tensor_efficiency": p.tensor_efficiency(), "tflops_overlap": p.tflops(True),
+        "busy_us": {e: p.engine_busy(e) / 1e3 for e in ENGINES},
+        "hbm_mib": p.hbm_bytes / 2**20, "instructions": len(records), "sim_wall_s": wall,
+    }
+
+
+def _util_table(rows):
+    from nki_attn.sim.trace import ENGINES
+    out = ["| case | kernel | ran (H/HKV, S, d) | modeled us (overlap / serial) | bottleneck | useful util | "
+           "x useful-FLOP bound | executed util overlap / serial | useful util, no DMA floor | TensorE eff. | "
+           "TFLOPS (overlap) | " + " / ".join(ENGINES) + " busy us | V/G SBUF port us | sim s |", "|" + "---|" * 14]
+    for name, r in rows:
+        s = r["shape"]
+        shape = f"{s['heads']}/{s['kv_heads']} S={s['seqlen']} d={s['head_dim']}" + ("" if s["causal"] else " full") \
+            + (f" W={s['window']}" if s["window"] else "") + (f" sinks={s['sinks']}" if s["sinks"] else "")
+        busy = " / ".join(f"{r['busy_us'][e]:.0f}" for e in ENGINES)
+        out.append(f"| {name} | {r['kernel']} | {shape} | {r['time_overlap_us']:.0f} / {r['time_serial_us']:.0f} | "
+                   f"{r['bottleneck']} | {r['useful_util_overlap']:.1%} | {r['floor_ratio']:.2f} | "
+                   f"{r['util_overlap']:.1%} / {r['util_serial']:.1%} | {r['util_overlap_no_dma_floor']:.1%} "
+                   f"({r['bottleneck_no_dma_floor']}) | {r['tensor_efficiency']:.0%} | {r['tflops_overlap']:.1f} | "
+                   f"{busy} | {r['sbuf_port_us']:.0f} | {r['sim_wall_s']:.1f} |")
+    return "\n".join(out)
+
+
+def _util_plot(rows, path, tgt):
+    """Grouped bars: modeled TensorE utilisation of useful FLOPs (perfect overlap; no overlap as a dark inner bar)."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"matplotlib is not installed, {path} not written (pip install 'nki-attn[plot]')")
+        return
+    names = list(dict.fromkeys(n for n, _ in rows))
+    by = {(n, r["kernel"]): r for n, r in rows}
+    fig, ax = plt.subplots(figsize=(8, 3.6))
+    width = 0.38
+    for i, kernel in enumerate(("fwd", "bwd")):
+        xs = [j + (i - 0.5) * width for j in range(len(names))]
+        over = [100 * by[(n, kernel)]["useful_util_overlap"] for n in names]
+        ser = [100 * by[(n, kernel)]["useful_util_overlap"] * by[(n, kernel)]["time_overlap_us"]
+               / by[(n, kernel)]["time_serial_us"] for n in names]
+        ax.bar(xs, over, width, color=("#4c72b0", "#dd8452")[i], label=f"{kernel} (perfect overlap)")
+        ax.bar(xs, ser, width * 0.5, color="black", alpha=0.35, label="no overlap" if i else None)
+        for x, v in zip(xs, over):
+            ax.text(x, v, f"{v:.0f}", ha="center", va="bottom", fontsize=7)
+    ax.set_xticks(range(len(names)))
+    ax.set_xticklabels(names, fontsize=8)
+    ax.set_ylabel("TensorE utilisation, useful FLOPs (%)")
+    ax.set_title(f"Modeled TensorE utilisation on {tgt} (modeled, not measured; scaled-down head counts)", fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    print(f"wrote {path}")
+
+
+def run_modeled_util(a):
+    """Modeled TensorE utilisation of both kernels at model shapes; causal and sliding-window time ratios.
+
+    Head counts are scaled down so that the run fits minutes of simulation; every row says what it ran."""
+    rows, masks = [], {}
+    for name, (model, *shape) in UTIL_SHAPES.items():
+        for kernel in ("fwd", "bwd"):
+            if a.only and name not in a.only:
+                continue
+            r = dict(_util_row(kernel, shape, a.target), model=model)
+            rows.append((name, r))
+            print(f"{name} {kernel}: useful util {r['useful_util_overlap']:.1%} ({r['sim_wall_s']:.1f} s sim)",
+                  flush=True)
+    for name, shape in UTIL_MASKS.items():
+        for kernel in ("fwd", "bwd"):
+            if a.only and name not in a.only:
+                continue
+            r = masks[(name, kernel)] = _util_row(kernel, shape, a.target)
+            rows.append((name, r))
+            print(f"{name} {kernel}: {r['time_overlap_us']:.0f} us ({r['sim_wall_s']:.1f} s sim)", flush=True)
+    versions = kernel_versions()
+    print(f"\nTarget {a.target}; device times MODELED, not measured. Kernel sources (sha256[:12]): "
+          + ", ".join(f"{k} {v}" for k, v in versions.items()) + "\n")
+    print(_util_table(rows))
+    ratios = []
+    for kernel in ("fwd", "bwd"):
+        def t(name, key="time_overlap_us"):
+            return masks[(name, kernel)][key] if (name, kernel) in masks else None
+        if t("causal-2048") and t("full-2048"):
+            ratios.append(f"{kernel}: causal / non-causal modeled time at S=2048 = "
+                          f"{t('causal-2048') / t('full-2048'):.3f} (overlap), "
+                          f"{t('causal-2048', 'time_serial_us') / t('full-2048', 'time_serial_us'):.3f} (serial); "
+                          f"ideal 0.500 (visible pairs {(2048 * 2049 // 2) / 2048 ** 2:.3f})")
+        if t("win512-4096") and t("win512-8192"):
+            ratios.append(f"{kernel}: window 512, S=8192 / S=4096 modeled time = "
+                          f"{t('win512-8192') / t('win512-4096'):.3f} (overlap), "
+                          f"{t('win512-8192', 'time_serial_us') / t('win512-4096', 'time_serial_us'):.3f} "
+                          f"(serial); ideal ~2 (linear in S)")
+    if ratios:
+        print("\n" + "\n".join(ratios))
+    if a.plot:
+        _util_plot([(n, r) for n, r in rows if n in UTIL_SHAPES], a.plot, a.target)
+    _write_json(a.json, {"target": a.target, "modeled": True, "kernel_sha256_12": versions,
+                         "rows": [dict(r, case=n) for n, r in rows], "ratios": ratios})
+    return 0
+
+
+# ----------------------------------------------------------------------------------------------------- dropout
+def args_dropout_cost(p):
+    p.add_argument("--target", default="trn2", choices=("trn1", "trn2", "trn3"))
+    p.add_argument("--tiles", type=int, default=8, help="key tiles per 128 query rows (seqlen_k / 512)")
+    p.add_argument("--no-context", action="store_true", help="skip the attention forward profile")
+
+
+def _dropout_kernels():
+    """Kernels that run one stage of the dropout mask each, and the hardware-generator stand-in.
+
+    Counter hash (nki_attn/kernels/dropout.py), stage by stage: ``seed`` load_dropout_seed (once per call),
+    ``rows`` dropout_row_keys (once per 128 query rows and 65536-key block), ``tile`` dropout_scale_keys (per
+    [128 x 512] tile). Hardware generator (estimate; the simulator has no rand_set_state / rng, so stand-ins with
+    the same engine, operand shapes and dtypes, which the cost model prices by the same rules): the per-lane
+    XORWOW state (6 uint32 words per lane on GpSimdE) hashed from (seed, b, h, tile) costs what ``rows`` costs;
+    ``set`` rand_set_state, one GpSimdE instruction on [128, 6] (a GpSimdE tensor_copy); ``rng`` into a uint32
+    [128, 512] tile, one VectorE instruction without tensor input (a VectorE memset); ``decide`` the same two
+    tensor_scalar instructions as the hash."""
+    from nki_attn.backend import nisa, nki, nl
+    from nki_attn.kernels import dropout as kd
+    P, COLS = 128, 512
+
+    @nki.jit
+    def seed_only(dropout_seed):
+        out = nl.ndarray((P, 2), dtype=nl.uint32, buffer=nl.shared_hbm)
+        nisa.dma_copy(dst=out, src=kd.load_dropout_seed(dropout_seed))
+        return out
+
+    @nki.jit
+    def rows(dropout_seed):
+        out = nl.ndarray((P, 4), dtype=nl.uint32, buffer=nl.shared_hbm)
+        keys = kd.dropout_row_keys(kd.load_dropout_seed(dropout_seed), 0, 0, 0, P)
+        nisa.dma_copy(dst=out, src=keys)
+        return out
+
+    @nki.jit
+    def tile(dropout_seed):
+        out = nl.ndarray((P, COLS), dtype=nl.float32, buffer=nl.shared_hbm)
+        keys = kd.dropout_row_keys(kd.load_dropout_seed(dropout_seed), 0, 0, 0, P)
+        nisa.dma_copy(dst=out, src=kd.dropout_scale_keys(keys, 0.1, 0, P, COLS))
+        return out
+
+    @nki.jit
+    def hw_rng_standin(dropout_seed):
+        out = nl.ndarray((P, COLS), dtype=nl.float32, buffer=nl.shared_hbm)
+        state = nl.ndarray((P, 6), dtype=nl.uint32, buffer=nl.sbuf)
+        nisa.memset(dst=state, value=1, engine=nisa.engine.gpsimd)
+        lane_state = nl.ndarray((P, 6), dtype=nl.uint32, buffer=nl.sbuf)  # per tile from here
+        nisa.tensor_copy(dst=lane_state, src=state, engine=nisa.engine.gpsimd)  # rand_set_state
+        bits = nl.ndarray((P, COLS), dtype=nl.uint32, buffer=nl.sbuf)
+        nisa.memset(dst=bits, value=7, engine=nisa.engine.vector)  # rng(dst=bits)
+        v = nl.ndarray((P, COLS), dtype=nl.uint32, buffer=nl.sbuf)
+        nisa.tensor_scalar(dst=v, data=bits, op0=nl.right_shift, operand0=16)
+        scale = nl.ndarray((P, COLS), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_scalar(dst=scale, data=v, op0=nl.less, operand0=58982.0, op1=nl.multiply, operand1=1.0 / 0.9)
+        nisa.dma_copy(dst=out, src=scale)
+        return out
+    return seed_only, rows, tile, hw_rng_standin
+
+
+def run_dropout_cost(a):
+    """Modeled cost of dropout per [128 x 512] score tile: the kernels' counter hash vs a hardware generator.
+
+    The hardware generator is nki.isa's rand_set_state + rng (XORWOW), priced by the same cost model through
+    stand-in instructions (see ``_dropout_kernels``)."""
+    import numpy as np
+
+    from nki_attn.profiler import generation, profile
+    from nki_attn.profiler.cli import run_kernel
+    from nki_attn.sim import trace
+    engines = ("VectorE", "GpSimdE", "ScalarE", "TensorE", "DMA")
+    gen = generation(a.target)
+    seed = np.array([1234, 0], dtype=np.int32)
+
+    def records(kernel):
+        with trace.recording() as rec:
+            kernel(seed)
+        return list(rec.records)
+
+    def busy(recs):
+        p = profile(recs, gen)
+        return {e: p.engine_busy(e) for e in engines}, len(recs)
+
+    def row(name, b, n, note=""):
+        cells = "".join(f"{b[e] / 1e3:10.3f}" for e in engines[:2])
+        print(f"  {name:<44}{n:6d}{cells}{max(b[e] for e in engines[:4]) / 1e3:11.3f}  {note}")
+
+    t0 = time.perf_counter()
+    with target(a.target):
+        seed_only, rows_k, tile_k, hw = _dropout_kernels()
+        r_seed, r_rows, r_tile, r_hw = (records(k) for k in (seed_only, rows_k, tile_k, hw))
+        # each kernel's trace starts with the previous one's (same instructions), minus its final output DMA
+        n_seed, n_rows = len(r_seed) - 1, len(r_rows) - 1
+        assert [r.instr for r in r_rows[:n_seed]] == [r.instr for r in r_seed[:n_seed]]
+        assert [r.instr for r in r_tile[:n_rows]] == [r.instr for r in r_rows[:n_rows]]
+        c = {"seed": busy(r_seed[:n_seed]), "rows": busy(r_rows[n_seed:n_rows]), "tile": busy(r_tile[n_rows:-1]),
+             "hw_per_tile": busy(r_hw[1:-1])}  # set + rng + 2 decisions (the state memset is set-up)
+        context = None
+        if not a.no_context:  # attention_fwd bf16 d128 2048 x 2048 non-causal, per [128 x 512] tile
+            recs, _ = run_kernel(profile_args("fwd", 1, 1, 1, 2048, 128, target=a.target))
+            p = profile(recs, gen)
+            n_tiles = (2048 // 128) * (2048 // 512)
+            context = ({e: p.engine_busy(e) / n_tiles for e in engines}, p.time_overlap_ns / n_tiles)
+    print(f"Dropout cost per [128 x 512] score tile, target {a.target} -- MODELED (nki_attn.profiler), "
+          f"microseconds of engine busy time")
+    print(f"  {'stage':<44}{'instr':>6}{'VectorE':>10}{'GpSimdE':>10}{'busiest':>11}")
+    print(" counter hash (simulated tile step):")
+    row("seed: load_dropout_seed (once per call)", *c["seed"])
+    row("rows: dropout_row_keys (per 128 rows)", *c["rows"])
+    row("tile: dropout_scale_keys (per tile)", *c["tile"])
+    (tb, tn), (rb, rn), k = c["tile"], c["rows"], a.tiles
+    row(f"per tile, row words hoisted ({k} tiles per row block)", {e: tb[e] + rb[e] / k for e in engines},
+        tn + rn // k)
+    row("per tile, dropout_scale_tile (row words every call)", {e: tb[e] + rb[e] for e in engines}, tn + rn)
+    print(" hardware generator (estimate, stand-in instructions):")
+    hb, hn = c["hw_per_tile"]
+    row("set + rng + decide (per tile)", hb, hn)
+    row(f"per tile, states hashed per row block ({k} tiles)", {e: hb[e] + rb[e] / k for e in engines}, hn + rn // k,
+        "state hash ~ rows stage")
+    row("per tile, state hashed per tile", {e: hb[e] + rb[e] for e in engines}, hn + rn)
+    if context:
+        b, t_overlap = context
+        print(f" context: attention_fwd bf16 d128 2048x2048 non-causal, per tile: busiest-engine time "
+              f"{t_overlap / 1e3:.3f} us (VectorE {b['VectorE'] / 1e3:.3f}, GpSimdE {b['GpSimdE'] / 1e3:.3f},"
+              f" ScalarE {b['ScalarE'] / 1e3:.3f}, TensorE {b['TensorE'] / 1e3:.3f})")
+    print(f" (simulator wall time {time.perf_counter() - t0:.1f} s)")
+    return 0
+
+
+DROPOUT_SEEDS = [(1234, 7), (99, 1), (0, 0), (5, 6), (1, 0), (42, 42), (2**31, 0), (12345678, 9), (-1, 0), (7, 7),
+                 (65536, 0), (3, 2**31)]
+
+
+def args_dropout_stats(p):
+    p.add_argument("--seeds", type=int, default=8, help=f"how many of the {len(DROPOUT_SEEDS)} listed seeds")
+
+
+def run_dropout_stats(a):
+    """Statistics of the dropout keep mask (golden.dropout) over several seeds, larger than the unit tests.
+
+    Per seed, the 16-bit hash values of a 2 x 2 x 512 x 1024 problem; |z| (deviation in standard deviations from
+    independent uniform draws) of: bits, the fairness of each of the 16 bits; cols, the correlation of keep
+    decisions at column lags 1-256; rows, at row lags 1, 2, 3, 8; heads, between heads and between batches; for
+    keep probabilities 0.5, 0.9 and 0.1. With ~40 statistics per seed a healthy hash shows a largest |z| of about
+    3; a structural defect shows tens or thousands."""
+    import math
+
+    from golden import dropout as D
+
+    def corr(x, y):
+        x, y = x - x.mean(), y - y.mean()
+        return float((x * y).mean() / (x.std(unbiased=False) * y.std(unbiased=False)))
+
+    def study(seed, bs=2, nheads=2, sq=512, sk=1024):
+        v = D.hash_values(D.make_seed(*seed), bs, nheads, sq, sk)
+        sig = 1.0 / math.sqrt(v.numel())
+        bits = max(abs(float(((v >> b) & 1).double().mean()) - 0.5) / (0.5 * sig) for b in range(16))
+        cols = rows = heads = 0.0
+        for t in (32768, D.keep_threshold(0.1), D.keep_threshold(0.9)):
+            m = (v < t).double()
+            cols = max([cols] + [abs(corr(m[..., :-d], m[..., d:])) / sig for d in (1, 2, 3, 4, 8, 16, 64, 256)])
+            rows = max([rows] + [abs(corr(m[:, :, :-d], m[:, :, d:])) / sig for d in (1, 2, 3, 8)])
+            half = sig * math.sqrt(2)  # head-vs-head and batch-vs-batch compare n / 2 pairs
+            heads = max(heads, abs(corr(m[:, 0], m[:, 1])) / half, abs(corr(m[0], m[1])) / half)
+        return {"bits": bits, "cols": cols, "rows": rows, "heads": heads}
+
+    t0 = time.perf_counter()
+    worst = 0.0
+    print(f"{'seed':>24} {'bits':>6} {'cols':>6} {'rows':>6} {'heads':>6}   (largest |z|)")
+    for seed in DROPOUT_SEEDS[:a.seeds]:
+        z = study(seed)
+        worst = max([worst] + list(z.values()))
+        print(f"{str(seed):>24} {z['bits']:6.1f} {z['cols']:6.1f} {z['rows']:6.1f} {z['heads']:6.1f}", flush=True)
+    print(f"largest |z| over all: {worst:.1f}  ({time.perf_counter() - t0:.0f} s)")
+    return 0
+
+
+# ----------------------------------------------------------------------------------------------------- tolerances
+VALIDATION_DOC = os.path.join(ROOT, "docs", "validation.md")
+BLAS_CHOICES = (
+    ("default", {}),
+    ("zen_avx2", {"OPENBLAS_CORETYPE": "Zen", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}),
+    ("sandy_avx", {"OPENBLAS_CORETYPE": "Sandybridge", "MKL_ENABLE_INSTRUCTIONS": "AVX"}),
+    ("prescott_sse", {"OPENBLAS_CORETYPE": "Prescott", "MKL_ENABLE_INSTRUCTIONS": "SSE4_2"}),
+)
+
+
+def args_blas_orders(p):
+    p.add_argument("--reuse", metavar="DIR", help="tabulate the reports in DIR (<name>.json) instead of running")
+    p.add_argument("--write", action="store_true", help="write the table into docs/validation.md")
+    p.add_argument("--preset", default="full", help="harness preset to run (the table's is full)")
+
+
+def run_blas_orders(a):
+    """The harness's float32 rows under the BLAS kernels other CPUs would run: does the tolerance rule hold there?
+
+    Each choice runs ``nki-attn check --preset full --dtypes float32 -j 2`` in a subprocess whose environment
+    selects the CPU kernels of numpy's OpenBLAS (the simulator's matmuls) and torch's MKL (the golden's): the
+    summation orders behind every error. ``--write`` puts the table between the ``blas-orders`` markers of
+    docs/validation.md."""
+    import subprocess
+    import tempfile
+    out_dir = a.reuse or tempfile.mkdtemp(prefix="blas-orders-")
+    if not a.reuse:
+        for name, env in BLAS_CHOICES:
+            cmd = [sys.executable, "-m", "nki_attn.cli", "check", "--preset", a.preset, "--dtypes", "float32",
+                   "-j", "2", "--out", os.path.join(out_dir, f"{name}.json")]
+            print(f"{' '.join(f'{k}={v}' for k, v in env.items())} {' '.join(cmd[1:])}", file=sys.stderr, flush=True)
+            subprocess.run(cmd, env={**os.environ, **env, "PYTHONPATH": ROOT}, cwd=ROOT, stdout=subprocess.DEVNULL,
+                           check=False)
+    lines = ["| environment | numpy BLAS kernels | rows passing | worst err / bound (output) | worst dsinks "
+             "err / bound | wall s (load) |", "|---|---|---|---|---|---|"]
+    for name, env in BLAS_CHOICES:
+        rep = json.load(open(os.path.join(out_dir, f"{name}.json")))
+        outs = [(o["max_abs"] / o["bound"], f"{r['case']['name']} {k}") for r in rep["rows"]
+                for k, o in r.get("outputs", {}).items()]
+        worst = max(outs)
+        ds = max((x for x in outs if x[1].endswith("dsinks")), default=(0.0, "-"))
+        arch = ", ".join(f"{b['internal_api']} {b['architecture']}" for b in rep["machine"]["blas"]["numpy"])
+        load = rep.get("load_average") or {}
+        s = rep["summary"]
+        lines.append(f"| {' '.join(f'`{k}={v}`' for k, v in env.items()) or 'none (this CPU)'} | {arch} | "
+                     f"{s['passed']}/{s['rows']} | {worst[0]:.3f} ({worst[1]}) | {ds[0]:.3f} ({ds[1]}) | "
+                     f"{rep['wall_seconds']} ({load.get('start')}-{load.get('end')}) |")
+    m = json.load(open(os.path.join(out_dir, f"{BLAS_CHOICES[0][0]}.json")))["machine"]
+    lines += ["", f"Measured by `python scripts/bench.py blas-orders --write` on {m['cpu_model']} ({m['cpus']} CPUs; "
+              f"torch MKL {m['blas']['torch'].get('mkl', '?').split(' for ')[0]}). The load is the 1-minute load "
+              f"average at the start and end of each run (the machine is shared)."]
+    text = "\n".join(lines)
+    print(text)
+    if a.write:
+        from nki_attn.harness.report import replace_marked_section
+        replace_marked_section(VALIDATION_DOC, "blas-orders", text)
+    return 0
+
+
+def args_planted_bugs(p):
+    p.add_argument("--write", action="store_true", help="write the table into docs/validation.md")
+    p.add_argument("--seqlens", type=int, nargs="+", default=[256, 2048])
+
+
+def run_planted_bugs(a):
+    """Planted bugs against the harness's tolerance rules, at every dtype: how far over its bound each lands.
+
+    Bugs (as the harness's tests plant them): dQ x 1.01, dK x 0.99, dV x 1.01; the sliding window one key wider
+    in forward and backward; dK = 0; one unit in the last place of dQ on every other run (jitter, for the
+    determinism check). Per dtype and seqlen (256: the tests' rows; 2048: the full preset's): the bugged
+    output's ratio to rule 1's bound and to rule 2's (> 1: over), the seed's band (reported, not judged), the
+    verdict, and the correct kernels' two ratios on the same output."""
+    import platform
+
+    import torch
+
+    from nki_attn.harness import cases, report, runner, tolerance
+    from nki_attn.harness.determinism import check_determinism
+
+    class Planted:
+        """The real kernels with a hook on the keyword arguments and on the backward's outputs."""
+
+        def __init__(self, kw=None, post=None):
+            self.inner = runner.KernelCandidate()
+            self.kw, self.post = kw or (lambda k: k), post or (lambda r: r)
+
+        def fwd(self, *args, **k):
+            return self.inner.fwd(*args, **self.kw(dict(k)))
+
+        def bwd(self, *args, **k):
+            return self.post(list(self.inner.bwd(*args, **self.kw(dict(k)))))
+
+    def scale(i, factor):
+        def post(r):
+            r[i] = r[i] * factor
+            return r
+        return post
+
+    def zero_dk(r):
+        r[1] = torch.zeros_like(r[1])
+        return r
+
+    def widen(k):
+        k["sliding_window"] = k["sliding_window"] + 1
+        return k
+
+    def jitter():
+        calls = {"n": 0}
+
+        def post(r):
+            calls["n"] += 1
+            if calls["n"] % 2:
+                r[0] = torch.nextafter(r[0], torch.full_like(r[0], float("inf")))
+            return r
+        return Planted(post=post)
+
+    def ratios(o):
+        r1, r2 = tolerance.ratios(o)
+        return f"{r1:.2f}", (f"{r2:.2f}" if o["proj_applies"] else "n/a")
+
+    def bold(text, over):
+        return f"**{text}**" if over else text
+
+    bugs = (("dQ x 1.01", "causal", "dq", Planted(post=scale(0, 1.01))),
+            ("dK x 0.99", "causal", "dk", Planted(post=scale(1, 0.99))),
+            ("dV x 1.01", "causal", "dv", Planted(post=scale(2, 1.01))),
+            ("window off by one", "window", "o", Planted(kw=widen)),
+            ("dK = 0", "causal", "dk", Planted(post=zero_dk)))
+    load0, t0 = report.load_average(), time.perf_counter()
+    lines = ["| bug | dtype | seqlen | output | rule 1: err / bound | rule 2: systematic / bound | band: err / band "
+             "(not judged) | verdict | correct kernels' ratios (rule 1, rule 2) |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for s in a.seqlens:
+        heads, d = (2, 64) if s <= 256 else (1, 128)
+        for dt in cases.DTYPES:
+            good = {}
+            for label, feature, out, cand in bugs:
+                case = cases.feature_case(feature, s, d, dt, heads=heads)
+                if feature not in good:
+                    good[feature] = runner.run_case(case, runner.KernelCandidate())
+                bad = runner.run_case(case, cand)
+                o, g = bad["outputs"][out], good[feature]["outputs"][out]
+                r1, r2 = ratios(o)
+                g1, g2 = ratios(g)
+                lines.append(f"| {label} | {dt} | {s} | {out} | {bold(r1, not o['max_abs'] <= o['bound'])} | "
+                             f"{bold(r2, not o['proj_ok'])} | {o['max_abs'] / o['band_bound']:.2f} | "
+                             f"{'caught' if not bad['pass'] else 'MISSED'} | {g1}, {g2} |")
+                print(lines[-1], file=sys.stderr, flush=True)
+            det = check_determinism(cases.feature_case("causal", s, d, dt, heads=heads), runs=3,
+                                    candidate=jitter(), compare_lnc=False)
+            lines.append(f"| 1-ulp jitter of dQ | {dt} | {s} | dq | determinism: {det['identical_runs']}/3 runs "
+                         f"identical | - | - | {'caught' if not det['pass'] else 'MISSED'} | - |")
+            print(lines[-1], file=sys.stderr, flush=True)
+    m = report.machine_info()
+    lines += ["", f"Measured by `python scripts/bench.py planted-bugs --write` on {m['cpu_model']} ({m['cpus']} CPUs, "
+              f"Python {platform.python_version()}), {time.perf_counter() - t0:.0f} s at load average "
+              f"{load0}-{report.load_average()}."]
+    text = "\n".join(lines)
+    print(text)
+    if a.write:
+        report.replace_marked_section(VALIDATION_DOC, "planted-bugs", text)
+    return 0
+
+
+# ----------------------------------------------------------------------------------------------------- main
+COMMANDS = {
+    "compile": (args_compile, run_compile),
+    "frontend-overhead": (args_frontend_overhead, run_frontend_overhead),
+    "sim-overhead": (args_sim_overhead, run_sim_overhead),
+    "modeled-util": (args_modeled_util, run_modeled_util),
+    "dropout-cost": (args_dropout_cost, run_dropout_cost),
+    "dropout-stats": (args_dropout_stats, run_dropout_stats),
+    "blas-orders": (args_blas_orders, run_blas_orders),
+    "planted-bugs": (args_planted_bugs, run_planted_bugs),
+}
+
+
+def _blas_threads_first(argv):
+    """numpy's OpenBLAS reads OPENBLAS_NUM_THREADS once, when numpy is first imported: apply --blas-threads
+    before anything imports numpy (torch, which uses MKL/OpenMP, is not affected)."""
+    for i, arg in enumerate(argv):
+        if arg == "--blas-threads" and i + 1 < len(argv):
+            os.environ["OPENBLAS_NUM_THREADS"] = argv[i + 1]
+        elif arg.startswith("--blas-threads="):
+            os.environ["OPENBLAS_NUM_THREADS"] = arg.split("=", 1)[1]
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    _blas_threads_first(argv)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n")[1],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, (add, run) in COMMANDS.items():
+        doc = run.__doc__ or ""
+        p = sub.add_parser(name, help=doc.split("\n")[0], description=doc,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+        add(p)
+        p.set_defaults(run=run)
+    a = ap.parse_args(argv)
+    return a.run(a) or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,123 @@
+"""The scripts under scripts/ as a maintainer runs them: every subcommand parses its options, the comparison with
+FlashAttention's reference (``compare.py flash-attention``, gated on a local checkout of the public
+Dao-AILab/flash-attention repository named by FLASH_ATTENTION_REPO, and einops), and the validation note's kept
+sections. The scripts' figures themselves come from running them, not from these tests."""
+import ast
+import importlib.util
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+SCRIPTS = ROOT / "scripts"
+REPO = os.environ.get("FLASH_ATTENTION_REPO")
+
+
+def _load(name):
+    sys.path.insert(0, str(SCRIPTS))  # figures.py shares bench.py's helpers, as when run from scripts/
+    try:
+        spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+    finally:
+        sys.path.remove(str(SCRIPTS))
+    return mod
+
+
+@pytest.fixture(scope="module")
+def compare():
+    return _load("compare")
+
+
+@pytest.mark.parametrize("script, commands", [
+    ("bench", ["compile", "frontend-overhead", "sim-overhead", "modeled-util", "dropout-cost", "dropout-stats",
+               "blas-orders", "planted-bugs"]),
+    ("figures", ["fwd", "bwd", "bwd-tolerances", "ring", "validation-note"]),
+    ("compare", ["flash-attention"]),
+])
+def test_every_subcommand_is_listed_and_parses(script, commands, capsys):
+    mod = _load(script)
+    with pytest.raises(SystemExit) as e:
+        mod.main(["--help"])
+    assert e.value.code == 0
+    listed = capsys.readouterr().out
+    assert all(c in listed for c in commands), listed
+    for c in commands:
+        with pytest.raises(SystemExit) as e:
+            mod.main([c, "--help"])
+        assert e.value.code == 0, c
+    with pytest.raises(SystemExit) as e:
+        mod.main(["no-such-command"])
+    assert e.value.code == 2
+
+
+def test_no_script_imports_tests_or_patches_kernel_modules():
+    for path in SCRIPTS.glob("*.py"):
+        tree = ast.parse(path.read_text())
+        kernel_names = set()
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                mods = [a.name for a in node.names] + ([node.module] if isinstance(node, ast.ImportFrom) else [])
+                assert not any(m and (m.split(".")[0] in ("tests", "conftest") or m.split(".")[-1].startswith(
+                    ("test_", "_cases", "_compare"))) for m in mods), f"{path.name} imports tests: {mods}"
+                if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("nki_attn.kernels"):
+                    kernel_names |= {a.asname or a.name for a in node.names}
+            if isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "insert" and node.args[1:]:
+                assert "tests" not in ast.unparse(node.args[1]), f"{path.name} puts tests/ on sys.path"
+        for node in ast.walk(tree):  # no kernel module's constants switched from outside
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "setattr" and node.args:
+                assert ast.unparse(node.args[0]) not in kernel_names, f"{path.name} patches {ast.unparse(node)}"
+
+
+def test_a_small_real_run(tmp_path):
+    """dropout-stats on one seed: a healthy hash stays within a few standard deviations."""
+    p = subprocess.run([sys.executable, str(SCRIPTS / "bench.py"), "dropout-stats", "--seeds", "1"],
+                       capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert p.returncode == 0, p.stderr
+    worst = float(p.stdout.split("largest |z| over all:")[1].split()[0])
+    assert worst < 6, p.stdout
+
+
+def test_without_a_checkout_it_is_a_usage_error(compare, tmp_path, monkeypatch, capsys):
+    monkeypatch.delenv("FLASH_ATTENTION_REPO", raising=False)
+    with pytest.raises(SystemExit) as e:
+        compare.main(["flash-attention", "--flash-attn", str(tmp_path)])
+    assert e.value.code == 2 and "tests/test_flash_attn.py" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not REPO, reason="set FLASH_ATTENTION_REPO to a Dao-AILab/flash-attention checkout")
+def test_flashattention_reference_agrees(compare, capsys):
+    pytest.importorskip("einops")
+    code = compare.main(["flash-attention", "--flash-attn", REPO, "--dtypes", "bf16",
+                         "--variants", "softcap-causal", "alibi", "local", "causal-sq<sk"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "4/4 rows pass" in out
+
+
+def test_the_validation_note_keeps_its_hand_written_sections(tmp_path):
+    """docs/validation.md is regenerated from the harness reports; what follows the marker (the tolerance
+    derivations, the FlashAttention-reference check, mutation testing) survives the regeneration."""
+    note = _load("figures")
+    doc = tmp_path / "validation.md"
+    doc.write_text("# generated\n\nold numbers\n\n" + note.KEEP_MARK + "\n\n## FlashAttention's reference\n\nkept\n")
+    kept = note._kept_sections(str(doc))
+    assert kept.lstrip().startswith(note.KEEP_MARK) and "kept" in kept and "old numbers" not in kept
+    assert note._kept_sections(str(tmp_path / "missing.md")) == ""
+    text = (ROOT / "docs" / "validation.md").read_text()
+    assert note.KEEP_MARK in text
+    # the tables the scripts write live after the marker, so a regeneration keeps them
+    tail = text.split(note.KEEP_MARK, 1)[1]
+    for name in ("harness-tolerances", "blas-orders", "planted-bugs", "bwd-tolerances"):
+        assert f"<!-- {name}:begin -->" in tail and f"<!-- {name}:end -->" in tail, name
+
+
+def test_reports_live_in_reports(tmp_path):
+    """Generated JSON reports are under reports/, not docs/, and the docs cite them there."""
+    assert not list((ROOT / "docs").rglob("*.json"))
+    for name in ("full", "models", "nki_library", "nki_library_cte"):
+        assert (ROOT / "reports" / f"harness_report_{name}.json").is_file()
+    assert "reports/harness_report_full.json" in (ROOT / "docs" / "validation.md").read_text()
