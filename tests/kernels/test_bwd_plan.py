@@ -43,11 +43,11 @@ def test_plan_follows_the_band(kw):
         for qt in range(cfg.nq):
             rows = slice(qt * 128, (qt + 1) * 128)
             want = [c for c in range(k_lo, k_lo + k_len, 128) if vis[rows, c:c + 128].any()]
-            got = [c for tile in cfg.tiles[s][qt] for c in range(tile[0], tile[0] + tile[1], 128)]
+            got = [c for tile in cfg.tiles[s][qt] for c in range(tile.k0, tile.k1, 128)]
             assert got == want, (s, qt)
-            for k0, kw_, cmask, wmask in cfg.tiles[s][qt]:
-                assert cmask == bool(above[rows, k0:k0 + kw_].any())
-                assert wmask == bool(below[rows, k0:k0 + kw_].any())
+            for tile in cfg.tiles[s][qt]:
+                assert tile.needs_hi == bool(above[rows, tile.k0:tile.k1].any())
+                assert tile.needs_lo == bool(below[rows, tile.k0:tile.k1].any())
     for qt in range(cfg.nq):
         sees = bool(vis[qt * 128:(qt + 1) * 128].any())
         assert (qt in cfg.no_key_tiles) == (not sees)
@@ -59,7 +59,7 @@ def test_window_cost_is_linear_in_seqlen():
         c = kb._configure(np.zeros((1, 1, 64, sq), np.float32), np.zeros((1, 1, 64, sq), np.float32), None, None,
                           False, False, None, None, None, window_size=(64, 64))
         counts.append(sum(len(t) for row in c.tiles for t in row))
-        chunks = sum(tile[1] // 128 for row in c.tiles for t in row for tile in t)
+        chunks = sum((tile.k1 - tile.k0) // 128 for row in c.tiles for t in row for tile in t)
         # every visible 128-key chunk of a (64, 64) window: at most 3 per query tile
         assert chunks <= 3 * (sq // 128)
     assert counts[1] <= 2 * counts[0] + 2
