@@ -488,6 +488,13 @@ def _sink_stats(cfg, sinks_ref, b, kvh):
                                              offset=(b * shp.nheads + kvh * g) * ns))
     neg_max = nl.ndarray((PMAX, g), dtype=nl.float32, buffer=nl.sbuf)
     nisa.tensor_reduce(dst=neg_max, op=nl.maximum, data=sink, axis=2, negate=True)
+    # m0 from the UNCAPPED negated max: all sinks -inf give +inf * (-1/c) = -inf, clamped to FP32_MIN, the
+    # no-sink start that finishing reads as "no key". From the capped FP32_MAX it would be -FP32_MAX / c, which
+    # for c > 3.4 (a soft-cap, or a power-of-two scale applied in the exponent) is above EMPTY_MAX: an empty row
+    # would be finished as a real one, with lse = log(L_FLOOR) - FP32_MAX instead of +inf.
+    m0 = nl.ndarray((PMAX, g), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=m0, data=neg_max, op0=nl.multiply, operand0=-1.0 / cfg.exp_scale, op1=nl.maximum,
+                       operand1=FP32_MIN)
     # all sinks -inf: cap the negated max so exp(sink + neg_max) is exp(-inf) = 0, not exp(-inf + inf) = NaN
     nisa.tensor_scalar(dst=neg_max, data=neg_max, op0=nl.minimum, operand0=FP32_MAX)
     l0 = nl.ndarray((PMAX, g), dtype=nl.float32, buffer=nl.sbuf)
@@ -495,9 +502,6 @@ def _sink_stats(cfg, sinks_ref, b, kvh):
     for h in range(g):
         nisa.activation(dst=sink_p[:, h, :], op=nl.exp, data=sink[:, h, :], bias=neg_max[:, h:h + 1], scale=1.0,
                         reduce_op=nl.add, reduce_res=l0[:, h:h + 1], reduce_cmd=nisa.reduce_cmd.reset_reduce)
-    m0 = nl.ndarray((PMAX, g), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.tensor_scalar(dst=m0, data=neg_max, op0=nl.multiply, operand0=-1.0 / cfg.exp_scale, op1=nl.maximum,
-                       operand1=FP32_MIN)
     return m0, l0
 
 
