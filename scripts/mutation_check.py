@@ -60,8 +60,7 @@ T_TILING = ["tests/kernels/test_tiling_bruteforce.py", "tests/kernels/test_band_
 T_FWD = ["tests/kernels/test_fwd_coverage.py", "tests/kernels/test_fwd_blocking.py"]
 T_BWD = ["tests/kernels/test_bwd_coverage.py", "tests/kernels/test_bwd_grouping.py"]
 T_VARLEN = ["tests/api/test_varlen_unequal.py"]
-T_VALIDATION = ["tests/kernels/test_attention_bwd.py::test_validation_errors",
-                "tests/kernels/test_attention_fwd.py::test_validation_errors",
+T_VALIDATION = ["tests/kernels/test_kernel_errors.py::test_validation_errors",
                 "tests/kernels/test_coverage_gaps.py"]
 
 

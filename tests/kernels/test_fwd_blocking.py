@@ -4,19 +4,16 @@ transfers batched per (head, slab).
 
 Pinned two ways: structurally (the trace-time plans against brute force, instruction and transfer counts from the
 simulator's trace) and numerically at the edges of each grouping (against the golden with the project's criterion,
-tests/kernels/_compare.py, as in test_attention_fwd.py).
+tests/kernels/conftest.py).
 """
 import math
-import os
-import sys
 import types
 
 import numpy as np
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
-from test_attention_fwd import make_qkv, run_and_check  # noqa: E402
+from .conftest import make_qkv, run_and_check
 
 import nki_attn.sim as sim  # noqa: E402
 from golden import packing_bounds  # noqa: E402
