@@ -1172,6 +1172,8 @@ def args_accuracy(p):
     p.add_argument("--heads", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", help="also write the rows to this file")
+    p.add_argument("--from-json", nargs="+", default=[], metavar="FILE",
+                   help="do not measure: tabulate the rows of earlier --json files (concatenated)")
     p.add_argument("--write", action="store_true", help="write the table into docs/validation.md")
 
 
@@ -1189,7 +1191,10 @@ def run_accuracy(a):
     status 1 when a ratio to the power-of-two scale exceeds 1.05.
     """
     rows = []
-    for d in a.head_dims:
+    for path in a.from_json:
+        with open(path) as f:
+            rows += json.load(f)
+    for d in [] if a.from_json else a.head_dims:
         s = d ** -0.5
         p2 = 2.0 ** round(math.log2(s))
         for n in a.seqlens:
