@@ -288,6 +288,37 @@ def _float_only(instr, name, t):
         fail(instr, name, f"dtype {t.dtype} is not accepted; this operand must be a float type")
 
 
+def fixed_result(fn, args, kwargs):
+    """For replay (nki_attn.sim.replay): ``(dst, poisons VectorE's accumulator)`` when the instruction ``fn``
+    called with ``args``/``kwargs`` writes values that depend on its static arguments alone (``iota``, ``memset``:
+    no tensor is read), else None."""
+    fn = getattr(fn, "__wrapped__", fn)  # the recording holds the unwrapped instruction functions
+    is_iota = fn is getattr(iota, "__wrapped__", iota)
+    if not is_iota and fn is not getattr(memset, "__wrapped__", memset):
+        return None
+    bound = _signature(fn).bind(*args, **kwargs)
+    bound.apply_defaults()
+    a = bound.arguments
+    if is_iota:
+        return a["dst"], False
+    return a["dst"], _engine("memset", a["engine"], (_E.vector, _E.gpsimd), _E.vector) is _E.vector
+
+
+@functools.lru_cache(maxsize=None)
+def _signature(fn):
+    import inspect
+    return inspect.signature(fn)
+
+
+def write_fixed(dst, vals, poison):
+    """Replay of an instruction found by ``fixed_result``: its recorded values and the bookkeeping of the write
+    (dirty flag, PSUM history, strict-mode written mask), as the instruction does them."""
+    np.copyto(dst.np(), vals)
+    _wrote(None, dst)
+    if poison:
+        _poison_vector_acc()
+
+
 # ----------------------------------------------------------------------------------------------------- data movement
 def dma_copy(dst, src, priority=None, oob_mode=oob_mode.error, dge_mode=dge_mode.unknown,
              engine=engine.unknown, name=None):
