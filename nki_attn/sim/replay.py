@@ -32,6 +32,7 @@ import numpy as np
 
 from . import context
 from . import isa as _isa
+from . import ops as _ops
 from .tensor import INT_SENTINEL, NkiTensor, Storage
 
 _MAX_PROGRAMS = 64
@@ -297,9 +298,14 @@ class Program:
             st.dirty = False
             if st.written is not None:
                 st.written[:] = True
-        steps = self.steps
-        for step in steps:
-            step()
+        # floating-point warnings are off for the whole stream, as each operator turns them off for itself
+        with np.errstate(all="ignore"):
+            _ops.REPLAY.on = True
+            try:
+                for step in self.steps:
+                    step()
+            finally:
+                _ops.REPLAY.on = False
         self.replays += 1
         return self.result
 

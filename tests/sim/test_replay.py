@@ -271,3 +271,39 @@ def test_fixed_result_is_only_for_instructions_that_read_no_tensor():
     assert nisa.fixed_result(nisa.memset, (t, 1.0), {"engine": nisa.engine.gpsimd}) == (t, False)
     assert nisa.fixed_result(nisa.iota, (), {"dst": t, "pattern": [[1, 8]]}) == (t, False)
     assert nisa.fixed_result(nisa.tensor_copy, (), {"dst": t, "src": t}) is None
+
+
+@sim.jit
+def transpose_by_matmul(a, ident):
+    """a [8, 8] transposed by TensorE with ``ident`` as the moving identity (data the checks must look at)."""
+    out = nl.ndarray((8, 8), nl.float32, buffer=nl.shared_hbm)
+    s = nl.ndarray((8, 8), nl.float32, buffer=nl.sbuf)
+    i = nl.ndarray((8, 8), nl.float32, buffer=nl.sbuf)
+    nisa.dma_copy(dst=s, src=a)
+    nisa.dma_copy(dst=i, src=ident)
+    t = nl.ndarray((8, 8), nl.float32, buffer=nl.psum)
+    nisa.nc_matmul(dst=t, stationary=s, moving=i, is_transpose=True)
+    r = nl.ndarray((8, 8), nl.float32, buffer=nl.sbuf)
+    nisa.tensor_copy(dst=r, src=t)
+    nisa.dma_copy(dst=out, src=r)
+    return out
+
+
+def test_a_replay_skips_static_checks_only():
+    """A replayed step skips the checks of its static arguments (the trace ran them) but not the ones on data:
+    nc_matmul's identity check of is_transpose and the strict-mode reads of DMA sources."""
+    a = np.arange(64, dtype=np.float32).reshape(8, 8)
+    eye = np.eye(8, dtype=np.float32)
+    np.testing.assert_array_equal(transpose_by_matmul(a, eye), a.T)
+    np.testing.assert_array_equal(transpose_by_matmul(a + 1, eye), (a + 1).T)
+    assert _replays() == 1
+    with pytest.raises(sim.NkiValidationError, match="identity matrix"):
+        transpose_by_matmul(a, 2 * eye)             # the same signature: raised by the replay
+    assert len(replay.info()[0]) == 1
+    np.testing.assert_array_equal(transpose_by_matmul(a, eye), a.T)   # the program is intact
+    assert _replays() == 2
+    with sim.checking(strict=True):
+        transpose_by_matmul(a, eye)
+        half = transpose_by_matmul(a, eye)
+        assert _replays() == 3
+    np.testing.assert_array_equal(half, a.T)
