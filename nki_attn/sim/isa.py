@@ -306,6 +306,17 @@ def fixed_result(fn, args, kwargs):
     return a["dst"], _engine("memset", a["engine"], (_E.vector, _E.gpsimd), _E.vector) is _E.vector
 
 
+def blas_size(fn, args, kwargs):
+    """For replay (nki_attn.sim.replay): the M*N*K of the BLAS product the instruction ``fn`` called with
+    ``args``/``kwargs`` computes (``nc_matmul``), else 0."""
+    fn = getattr(fn, "__wrapped__", fn)
+    if fn is not getattr(nc_matmul, "__wrapped__", nc_matmul):
+        return 0
+    a = _signature(fn).bind(*args, **kwargs).arguments
+    k, m = _pf(a["stationary"])
+    return k * m * a["moving"].free_elems
+
+
 @functools.lru_cache(maxsize=None)
 def _signature(fn):
     import inspect

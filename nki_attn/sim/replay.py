@@ -253,6 +253,7 @@ class Program:
         # and their data-dependent checks.
         self.steps = []
         self.n_instr = 0
+        self.blas_size = 0  # the largest M*N*K of the program's matmuls
         for op in rec.ops:
             if op[0] == _ALLOC:
                 # what a fresh allocation holds: the sentinel, no PSUM history, nothing written (strict mode)
@@ -262,6 +263,7 @@ class Program:
             else:
                 args, kwargs = self.make(op[2]), self.make(op[3])
                 step = functools.partial(op[1], *args, **kwargs)
+                self.blas_size = max(self.blas_size, _isa.blas_size(op[1], args, kwargs))
                 fixed = _isa.fixed_result(op[1], args, kwargs)
                 if fixed is not None:
                     # values that depend on static arguments alone (iota, memset): computed by the first replay,

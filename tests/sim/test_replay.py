@@ -307,3 +307,15 @@ def test_a_replay_skips_static_checks_only():
         half = transpose_by_matmul(a, eye)
         assert _replays() == 3
     np.testing.assert_array_equal(half, a.T)
+
+
+def test_a_program_knows_its_largest_blas_product():
+    """The replay leaves numpy's BLAS threads alone when every product is within OpenBLAS's one-thread bound."""
+    from nki_attn.sim import runtime
+    a = np.eye(8, dtype=np.float32)
+    psum_reuse(a)
+    prog = next(iter(replay._PROGRAMS.values()))
+    assert prog.blas_size == 8 * 8 * 8 <= runtime._BLAS_ONE_THREAD_MNK
+    x = _inputs(0, s=512, d=128)
+    attention_fwd(x["q"], x["k"], x["v"], use_causal_mask=True)
+    assert max(p.blas_size for p in replay._PROGRAMS.values()) > runtime._BLAS_ONE_THREAD_MNK
