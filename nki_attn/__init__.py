@@ -3,9 +3,10 @@
 Public PyTorch API (autograd, torch.compile, FakeTensor/meta; CPU tensors on the simulator, XLA tensors on
 Trainium): ``flash_attn_func``, ``flash_attn_varlen_func`` and FlashAttention's packed variants
 (``flash_attn_qkvpacked_func``, ``flash_attn_kvpacked_func``, ``flash_attn_varlen_qkvpacked_func``,
-``flash_attn_varlen_kvpacked_func``), ``scaled_dot_product_attention``. The kernels as torch custom ops, in the
-kernels' layout: ``nki_attn.ops.attention_fwd`` / ``attention_bwd``. Hugging Face transformers:
-``nki_attn.integrations.transformers.register()``.
+``flash_attn_varlen_kvpacked_func``), ``scaled_dot_product_attention``. Each checks its arguments once into an
+``nki_attn.spec.AttentionSpec`` and runs the one custom-op pair ``torch.ops.nki_attn.attention_fwd`` /
+``attention_bwd`` (``nki_attn.ops.attention`` / ``attention_backward``, FlashAttention's layout, padding inside).
+Hugging Face transformers: ``nki_attn.integrations.transformers.register()``.
 Subpackages: ``nki_attn.kernels`` (the NKI kernels), ``nki_attn.sim`` (the simulator of the NKI API),
 ``nki_attn.backend`` (real ``nki`` or simulator), ``nki_attn.harness`` (the correctness harness),
 ``nki_attn.profiler`` (modeled profiles).

@@ -6,549 +6,88 @@ Entry points (all differentiable with respect to q, k, v and sinks):
   ``[batch, seqlen, heads, head_dim]``, signatures and conventions (flash_attn_interface.py);
 - ``flash_attn_varlen_func``, ``flash_attn_varlen_qkvpacked_func``, ``flash_attn_varlen_kvpacked_func`` —
   packed ``[total_tokens, heads, head_dim]`` sequences described by cu_seqlens;
-- ``scaled_dot_product_attention`` — torch's layout ``[..., heads, seqlen, head_dim]`` and argument names.
+- ``scaled_dot_product_attention`` — torch's layout ``[..., heads, seqlen, head_dim]`` and argument names;
+- ``interval_attention`` — any per-query key interval, and ``mask_intervals`` (a boolean mask as intervals).
 
-Each validates its arguments (plain Python on shapes and values, which ``torch.compile(fullgraph=True)`` traces
-without a break) and calls one custom op per direction, ``nki_attn::flash_fwd`` / ``flash_bwd``, in
-FlashAttention's layout. Those hold the layout work around the kernel ops of ``nki_attn.ops``: the kernels want
-``[b, h, d, s]`` with s a multiple of 128, so the ops permute, zero-pad lengths that are not multiples of 128,
-mask the padded keys and drop the padded query rows; callers never see padded values or gradients. Keeping that
-work inside the ops leaves a compiled graph with one opaque node per direction.
+Each is a thin function: it checks its arguments once into an ``nki_attn.spec.AttentionSpec`` (plain Python on
+shapes and values, which ``torch.compile(fullgraph=True)`` traces without a break) and calls
+``nki_attn.ops.attention``, the one custom-op pair, which does the padding and layout work around the kernels.
 
-Every mask is a per-query key interval. Equal lengths with causal order (with or without a sliding window) use
-the kernels' native ``use_causal_mask`` / ``sliding_window``, which skip masked tiles at trace time; any other
-interval — FlashAttention windows, bottom-right alignment for seqlen_q != seqlen_k, padded keys, packed
-sequences, interval masks — goes through the kernels' per-query bounds ``[bound_min, bound_max)``.
+Every mask is a per-query key interval: a window description (causal, FlashAttention windows, bottom-right
+alignment) reaches the kernels as their own band; explicit intervals (packed sequences, boolean masks) as their
+per-query bounds ``[bound_min, bound_max)``.
 """
 import math
-import numbers
-from typing import Optional
 
 import torch
 
 from . import ops
-from .ops import PMAX, _fail
+from .dropout import dropout_mask
+from .spec import (AttentionSpec, _alibi_rows, _check_alibi, _check_bool, _check_dropout, _check_flags,
+                   _check_head_dim, _check_heads, _check_key_range, _check_qkv, _check_sinks, _check_softcap,
+                   _check_tensor, _dropout_seed, _is_int, fail as _fail, flash_spec, resolve_scale, window_pair)
 
 MAX_PROBS_ELEMENTS = 1 << 24  # return_attn_probs materialises S_dmask up to this many elements (64 MiB fp32)
-MAX_EXACT_KEY = 1 << 24  # bounds are float32: key indices up to 2**24 are exact
 
 __all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func",
-           "flash_attn_varlen_qkvpacked_func", "flash_attn_varlen_kvpacked_func", "scaled_dot_product_attention"]
-
-
-# ----------------------------------------------------------------------------------------------------- arguments
-@torch.compiler.assume_constant_result
-def _supports(feature):
-    """kernel_api.supports: whether both kernels implement a variant (imported late: it loads the kernels). A
-    constant of the process, so ``torch.compile`` evaluates it once at trace time instead of tracing it."""
-    from . import kernel_api  # noqa: PLC0415
-    return kernel_api.supports(feature)
-
-
-def _check_tensor(fn, name, t):
-    if not isinstance(t, torch.Tensor):
-        _fail(fn, name, type(t).__name__, "must be a torch.Tensor", TypeError)
-
-
-def _check_bool(fn, name, x):
-    if not isinstance(x, bool):
-        _fail(fn, name, repr(x), "must be a bool (True or False)", TypeError)
-    return x
-
-
-def _is_int(x):
-    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
-
-
-def _check_real(fn, name, x):
-    if isinstance(x, bool) or not isinstance(x, numbers.Real):
-        _fail(fn, name, repr(x), "must be a real number", TypeError)
-    return float(x)
-
-
-def _check_dropout(fn, dropout_p):
-    """dropout_p as a float in [0, 1); NotImplementedError when > 0 and the kernels have no dropout step."""
-    p = _check_real(fn, "dropout_p", dropout_p)
-    if not 0.0 <= p < 1.0:
-        _fail(fn, "dropout_p", p, "must be a probability in [0, 1) (kept probabilities are scaled by 1/(1-p))")
-    if p != 0.0 and not _supports("dropout"):
-        _fail(fn, "dropout_p", p, "dropout is not implemented by the NKI kernels of this build; only 0.0 is "
-                                  "accepted", NotImplementedError)
-    return p
-
-
-def _check_softcap(fn, softcap):
-    cap = _check_real(fn, "softcap", softcap)
-    if not (math.isfinite(cap) and cap >= 0.0):
-        _fail(fn, "softcap", cap, "must be finite and >= 0 (0.0 deactivates soft-capping)")
-    if cap != 0.0 and not _supports("softcap"):
-        _fail(fn, "softcap", cap, "logit soft-capping is not implemented by the NKI kernels of this build; only "
-                                  "0.0 (deactivated) is accepted", NotImplementedError)
-    return cap
-
-
-def _check_alibi(fn, alibi_slopes, batch, hq, q):
-    """FlashAttention's ALiBi slopes: float32 ``[nheads]`` or ``[batch, nheads]`` (None: no ALiBi)."""
-    if alibi_slopes is None:
-        return None
-    _check_tensor(fn, "alibi_slopes", alibi_slopes)
-    shape = tuple(alibi_slopes.shape)
-    if shape != (hq,) and shape != (batch, hq):
-        _fail(fn, "alibi_slopes.shape", shape, f"must be [nheads] = [{hq}] or [batch, nheads] = [{batch}, {hq}]")
-    if alibi_slopes.dtype != torch.float32:
-        _fail(fn, "alibi_slopes.dtype", alibi_slopes.dtype, "must be torch.float32 (as FlashAttention)")
-    if alibi_slopes.device != q.device:
-        _fail(fn, "alibi_slopes.device", alibi_slopes.device, f"must equal q.device {q.device}")
-    if not _supports("alibi"):
-        _fail(fn, "alibi_slopes", shape, "ALiBi is not implemented by the NKI kernels of this build; only None is "
-                                         "accepted", NotImplementedError)
-    return alibi_slopes
-
-
-def _check_flags(fn, deterministic, return_attn_probs):
-    _check_bool(fn, "deterministic", deterministic)  # always honoured: the kernels are deterministic
-    _check_bool(fn, "return_attn_probs", return_attn_probs)
-
-
-def _check_fa_extras(fn, softcap, alibi_slopes, deterministic, return_attn_probs):
-    """For entry points that implement none of the variants (ring attention): soft-capping and ALiBi accepted at
-    their neutral values (0.0 / None) only, NotImplementedError otherwise."""
-    cap = _check_real(fn, "softcap", softcap)
-    if cap != 0.0:
-        _fail(fn, "softcap", cap, "logit soft-capping is not implemented here; only 0.0 (deactivated)",
-              NotImplementedError)
-    if alibi_slopes is not None:
-        shape = tuple(alibi_slopes.shape) if isinstance(alibi_slopes, torch.Tensor) else type(alibi_slopes).__name__
-        _fail(fn, "alibi_slopes", shape, "ALiBi is not implemented here; only None", NotImplementedError)
-    _check_flags(fn, deterministic, return_attn_probs)
-
-
-SEED_MAX = (1 << 32) - 1
-
-
-def dropout_seed_tensor(seed, offset=0, device="cpu"):
-    """The kernels' dropout seed for ints ``seed`` and ``offset`` in ``[0, 2**32)``: int32 ``[2]`` =
-    ``(seed, offset)`` (``nki_attn.dropout.make_seed``; docs/semantics.md, "Dropout")."""
-    from .dropout import make_seed  # noqa: PLC0415
-    return make_seed(int(seed), int(offset)).to(device)
-
-
-def _dropout_seed(fn, p, dropout_seed, generator, device):
-    """The seed tensor of a call with dropout ``p`` (None when p == 0): from ``dropout_seed`` (an int, or an
-    int32/uint32 ``[2]`` (seed, offset) tensor), else drawn from ``generator`` (default: torch's global generator,
-    so ``torch.manual_seed`` makes the call reproducible, as FlashAttention's CUDA generator state does)."""
-    if generator is not None and not isinstance(generator, torch.Generator):
-        _fail(fn, "generator", type(generator).__name__, "must be a torch.Generator or None", TypeError)
-    if dropout_seed is not None and generator is not None:
-        _fail(fn, "dropout_seed", repr(dropout_seed), "give dropout_seed or generator, not both")
-    if isinstance(dropout_seed, torch.Tensor):
-        if tuple(dropout_seed.shape) not in ((2,), (1,)) or dropout_seed.dtype not in (torch.int32, torch.uint32):
-            _fail(fn, "dropout_seed", f"{dropout_seed.dtype} {tuple(dropout_seed.shape)}",
-                  "a seed tensor must be int32 or uint32 [2] = (seed, offset) or [1] = (seed,) (or pass an int)")
-        seed = dropout_seed.to(device)
-    elif dropout_seed is not None:
-        if not _is_int(dropout_seed) or not 0 <= dropout_seed <= SEED_MAX:
-            _fail(fn, "dropout_seed", repr(dropout_seed), f"must be an int in [0, {SEED_MAX}], a seed tensor or None")
-        seed = dropout_seed_tensor(dropout_seed, 0, device)
-    elif p == 0.0:
-        seed = None
-    else:
-        from .dropout import seed_from_generator  # noqa: PLC0415
-        seed = seed_from_generator(torch.default_generator if generator is None else generator).to(device)
-    return seed if p != 0.0 else None
-
-
-def _window(fn, window_size, causal):
-    """FlashAttention's window_size=(left, right) -> (left, right), -1 = unbounded; causal forces right = 0."""
-    if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
-        _fail(fn, "window_size", repr(window_size), "must be a pair (left, right) of ints, -1 meaning unbounded",
-              TypeError)
-    for x in window_size:
-        if not _is_int(x):
-            _fail(fn, "window_size", repr(tuple(window_size)), "entries must be ints (-1 means unbounded)",
-                  TypeError)
-    left, right = int(window_size[0]), int(window_size[1])
-    if left < -1 or right < -1:
-        _fail(fn, "window_size", (left, right), "entries must be >= -1 (-1 means unbounded)")
-    if causal:
-        right = 0  # FlashAttention: causal attention sees nothing to the right, whatever the window says
-    return left, right
-
-
-def _check_qkv(fn, q, k, v, rank, names=("q", "k", "v")):
-    for name, t in zip(names, (q, k, v)):
-        _check_tensor(fn, name, t)
-        if t.dim() != rank:
-            _fail(fn, f"{name}.shape", tuple(t.shape), f"must be {rank}-D")
-    for name, t in zip(names[1:], (k, v)):
-        if t.dtype != q.dtype:
-            _fail(fn, f"{name}.dtype", t.dtype, f"must equal {names[0]}.dtype {q.dtype}")
-        if t.device != q.device:
-            _fail(fn, f"{name}.device", t.device, f"must equal {names[0]}.device {q.device}")
-    if q.dtype not in ops.DTYPES:
-        _fail(fn, f"{names[0]}.dtype", q.dtype, "must be float32, bfloat16 or float16")
-    if k.shape[:-1] != v.shape[:-1]:
-        _fail(fn, f"{names[2]}.shape", tuple(v.shape), f"must equal {names[1]}.shape {tuple(k.shape)} except in "
-                                                       f"the last dim (head_dim_v may differ from head_dim)")
-    ops.check_device(q, names[0])
-
-
-def _check_heads(fn, hq, hk, name):
-    if hk == 0 and hq == 0:
-        return
-    if hk < 1 or hq % hk != 0:
-        _fail(fn, name, hk, f"the number of key/value heads must be >= 1 and divide the {hq} query heads")
-
-
-def _check_head_dim(fn, d, name):
-    if d > ops.MAX_D_HEAD:
-        _fail(fn, name, d, f"head_dim must be at most {ops.MAX_D_HEAD}")  # 0 is fine: empty output, as torch
-
-
-def _check_sinks(fn, sinks, hq, q):
-    if sinks is None:
-        return
-    _check_tensor(fn, "sinks", sinks)
-    if sinks.dim() not in (1, 2) or sinks.shape[0] != hq or (sinks.dim() == 2 and sinks.shape[1] < 1):
-        _fail(fn, "sinks.shape", tuple(sinks.shape), f"must be [heads] = [{hq}] or [heads, num_sinks]")
-    if not sinks.is_floating_point():
-        _fail(fn, "sinks.dtype", sinks.dtype, "must be a floating dtype")
-    if sinks.device != q.device:
-        _fail(fn, "sinks.device", sinks.device, f"must equal q.device {q.device}")
-
-
-# ----------------------------------------------------------------------------------------------------- masks
-def _round_up(n):
-    return max(PMAX, -(-n // PMAX) * PMAX)
-
-
-def window_intervals(sq, sk, left, right, shift, device=None):
-    """Key interval ``[lo, hi)`` of each query i < sq (int64 [sq] each): keys ``i + shift - left ..
-    i + shift + right`` (a side of -1 is unbounded) within ``[0, sk)``; ``hi == lo`` when none is visible."""
-    i = torch.arange(sq, dtype=torch.int64, device=device)
-    lo = (i + shift - left).clamp(0, sk) if left >= 0 else torch.zeros_like(i)
-    hi = (i + shift + right + 1).clamp(0, sk) if right >= 0 else torch.full_like(i, sk)
-    return lo, torch.maximum(hi, lo)
-
-
-def _bounds(lo, hi, pad_to, front=0):
-    """float32 [pad_to] kernel bounds from int64 [n] intervals placed at rows ``front .. front + n``; padded
-    query rows see no key."""
-    n = lo.shape[0]
-    f = lo.new_zeros(front)
-    z = lo.new_zeros(pad_to - n - front)
-    return torch.cat([f, lo, z]).to(torch.float32), torch.cat([f, hi, z]).to(torch.float32)
-
-
-class _Plan:
-    """How one call reaches the kernels: the kernel lengths, the front padding of the query rows, the kernels'
-    mask arguments and the padded head dims.
-
-    q row i becomes kernel row ``front + i`` (front > 0 only to keep the bottom-right alignment, see
-    ``_Mask.plan``); key j stays key j; rows and keys past the real ones are zero padding (padded keys are masked
-    by bounds, padded rows are dropped)."""
-
-    __slots__ = ("front", "sq_k", "sk_k", "causal", "window", "window_size", "bmin", "bmax")
-
-    def __init__(self, front, sq_k, sk_k, causal=False, window=None, window_size=None, bmin=None, bmax=None):
-        self.front, self.sq_k, self.sk_k = front, sq_k, sk_k
-        self.causal, self.window, self.window_size = causal, window, window_size
-        self.bmin, self.bmax = bmin, bmax
-
-
-class _Mask:
-    """A call's mask: a window description (query i sees keys ``i + shift - left .. i + shift + right``, -1 =
-    unbounded) or explicit per-query intervals ``[lo, hi)`` (packed sequences, boolean masks)."""
-
-    def __init__(self, sq, sk, left=-1, right=-1, shift=0, lo=None, hi=None):
-        self.sq, self.sk, self.left, self.right, self.shift = sq, sk, left, right, shift
-        self.lo, self.hi = lo, hi  # explicit intervals (int64 [sq]) override the window description
-
-    def intervals(self, device):
-        if self.lo is not None:
-            return self.lo, self.hi
-        return window_intervals(self.sq, self.sk, self.left, self.right, self.shift, device)
-
-    def _native(self, sq_k, sk_k):
-        """(causal, sliding_window, window_size) giving the window as the kernels' band on a layout where the
-        kernel's offset ``sk_k - sq_k`` (after the front padding) equals ``shift``, or None when the kernels
-        cannot take it (kernel_api.supports)."""
-        left, right = self.left, self.right
-        unequal_ok = sq_k == sk_k or _supports("causal_unequal")
-        if left == -1 and right == -1:
-            return False, None, None
-        if right == 0 and unequal_ok:
-            return True, (left + 1 if left >= 0 else None), None
-        if unequal_ok and _supports("window_size"):
-            return False, None, (left, right)
-        return None
-
-    def plan(self, device, aligned=False):
-        """The ``_Plan`` of this mask. ``aligned``: the kernels must see every (query, key) pair at the same
-        distance as the call (ALiBi, or a native band): query rows are padded at the front so that the kernel's
-        bottom-right offset equals ``shift``. Otherwise both lengths are padded at the end and the mask goes
-        through per-query bounds whenever it is not the kernels' plain causal or full mask."""
-        sq, sk = self.sq, self.sk
-        native = None
-        if self.lo is None:
-            # kernel lengths with sk_k - (front + sq + back) + front == shift: back = sk_k - shift - sq >= 0
-            sk_k = _round_up(max(sk, sq + self.shift))
-            back = sk_k - self.shift - sq
-            front = (-(sq + back)) % PMAX
-            sq_k = front + sq + back
-            native = self._native(sq_k, sk_k)
-            if native is not None and (aligned or native != (False, None, None)):
-                causal, window, wsize = native
-                # padded keys j >= sk are visible to a real row unless the band's right side hides them
-                hidden = self.right >= 0 and sq - 1 + self.shift + self.right <= sk - 1
-                bmin = bmax = None
-                if sk_k > sk and not hidden:
-                    lo = torch.zeros(sq, dtype=torch.int64, device=device)
-                    bmin, bmax = _bounds(lo, lo + sk, sq_k, front)
-                return _Plan(front, sq_k, sk_k, causal, window, wsize, bmin, bmax)
-            if aligned:
-                bmin, bmax = _bounds(*self.intervals(device), sq_k, front)
-                return _Plan(front, sq_k, sk_k, bmin=bmin, bmax=bmax)
-        sq_k, sk_k = _round_up(sq), _round_up(sk)
-        if self.lo is None and self.left == -1 and self.right == -1 and sk == sk_k:
-            return _Plan(0, sq_k, sk_k)
-        bmin, bmax = _bounds(*self.intervals(device), sq_k)
-        return _Plan(0, sq_k, sk_k, bmin=bmin, bmax=bmax)
-
-
-def _visibility(mask, device):
-    """bool [sq, sk], True where query i sees key j."""
-    lo, hi = mask.intervals(device)
-    j = torch.arange(mask.sk, device=device)
-    return (j[None, :] >= lo[:, None]) & (j[None, :] < hi[:, None])
-
-
-# ----------------------------------------------------------------------------------------------------- core
-def _kernel_head_dims(d_qk, d_v):
-    """Head dims the kernels get: the real ones where the kernels implement them (kernel_api.supports), else
-    zero-padded (exact: a zero column adds nothing to q.k, and a zero V column is dropped from the output)."""
-    def even(d):
-        if d <= PMAX or d % 2 == 0 or _supports("head_dim_any"):
-            return d
-        return d + 1  # 129..255 odd -> two equal tiles
-    dq, dv = even(d_qk), even(d_v)
-    if dq != dv and not _supports("d_v"):
-        dq = dv = max(dq, dv)
-    return dq, dv
-
-
-def _to_kernel(x, pad_to, front=0, d_to=None):
-    """[b, s, h, d] -> [b, h, d_to, pad_to] contiguous: ``front`` zero rows before the sequence, zeros after it
-    and after the head dim."""
-    x = x.permute(0, 2, 3, 1)
-    s, d = x.shape[-1], x.shape[-2]
-    d_to = d if d_to is None else d_to
-    if pad_to > s or d_to > d:
-        x = torch.nn.functional.pad(x, (front, pad_to - s - front, 0, d_to - d))
-    return x.contiguous()
-
-
-def _kernel_sinks(sinks, b):
-    if sinks is None:
-        return None
-    s = sinks.to(torch.float32)
-    return s.unsqueeze(0).expand(b, *s.shape).contiguous()
-
-
-def _kernel_alibi(alibi_slopes, b, hq):
-    """FlashAttention's ``[nheads]`` or ``[batch, nheads]`` slopes -> the kernels' float32 ``[batch, nheads]``."""
-    if alibi_slopes is None:
-        return None
-    return alibi_slopes.to(torch.float32).expand(b, hq).contiguous()
-
-
-def _empty_attention(q, k, v, mask, sinks):
-    """Some size is 0: torch's result (zeros when no key exists, else an empty output), with gradients."""
-    b, sq, hq, d = q.shape
-    hk = k.shape[2]
-    kk, vv = k, v
-    if hq and hk and hq != hk:
-        kk, vv = k.repeat_interleave(hq // hk, dim=2), v.repeat_interleave(hq // hk, dim=2)
-    # with no key or an empty head_dim the scores are an empty sum (exact zeros), so this is exact
-    s = torch.matmul(q.transpose(1, 2), kk.permute(0, 2, 3, 1))
-    out = torch.matmul(s, vv.transpose(1, 2)).transpose(1, 2).contiguous()
-    lo, hi = mask.intervals(q.device)
-    n = (hi - lo).to(torch.float32)  # zero scores: lse = log(#visible keys)
-    lse = torch.log(n).expand(b, hq, sq)
-    if sinks is not None:
-        s = sinks.detach().float()
-        s = s if s.dim() == 2 else s[:, None]
-        lse = torch.logaddexp(lse, torch.logsumexp(s, -1)[None, :, None])
-    lse = torch.where(torch.isneginf(lse), torch.full_like(lse, math.inf), lse)
-    return out, lse.contiguous(), None
-
-
-class _Variants:
-    """The variant arguments of one call, checked: softcap (0.0 = off), alibi_slopes (float32 [b, h] or None),
-    dropout_p and the kernels' dropout seed tensor (None without dropout)."""
-
-    __slots__ = ("softcap", "alibi", "dropout_p", "seed")
-
-    def __init__(self, softcap=0.0, alibi=None, dropout_p=0.0, seed=None):
-        self.softcap, self.alibi, self.dropout_p, self.seed = softcap, alibi, dropout_p, seed
-
-
-_NO_VARIANTS = _Variants()
-
-
-def _attention(fn, q, k, v, mask, scale, sinks, want_probs, scale_name="softmax_scale", variants=_NO_VARIANTS):
-    """q [b, sq, h, d_qk], k [b, sk, hk, d_qk], v [b, sk, hk, d_v] -> (out [b, sq, h, d_v] contiguous,
-    lse float32 [b, h, sq], probs or None)."""
-    b, sq, hq, d = q.shape
-    sk = k.shape[1]
-    scale = ops.resolve_scale(fn, scale, max(d, 1), scale_name)
-    if q.numel() == 0 or k.numel() == 0 or v.numel() == 0:
-        out, lse, _ = _empty_attention(q, k, v, mask, sinks)
-        probs = q.new_zeros((b, hq, sq, sk), dtype=torch.float32) if want_probs else None
-        return out, lse, probs
-    if _round_up(max(sk, sq + mask.shift)) > MAX_EXACT_KEY:
-        _fail(fn, "seqlen_k", sk, f"must be at most {MAX_EXACT_KEY} (the kernels' key bounds are float32)")
-    alibi = _kernel_alibi(variants.alibi, b, hq)
-    out, lse = _flash_fwd(q, k, v, sinks, mask.lo, mask.hi, mask.left, mask.right, mask.shift, scale,
-                          variants.softcap, alibi, variants.dropout_p, variants.seed)
-    probs = _probs(q, k, mask, scale, lse, variants, alibi) if want_probs else None
-    return out, lse, probs
-
-
-# The API's own pair of ops, in FlashAttention's layout: the permutes, the padding to 128 and the sinks' batch
-# expansion happen inside them, so a compiled graph holds one opaque node per direction instead of a dozen small
-# generated layout kernels (each a parallel region: measurable per-call overhead next to the simulator).
-@torch.library.custom_op("nki_attn::flash_fwd", mutates_args=())
-def _flash_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: Optional[torch.Tensor],
-               key_lo: Optional[torch.Tensor], key_hi: Optional[torch.Tensor], left: int, right: int, shift: int,
-               scale: float, softcap: float = 0.0, alibi: Optional[torch.Tensor] = None, dropout_p: float = 0.0,
-               dropout_seed: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """q [b, sq, h, d_qk], k [b, sk, hk, d_qk], v [b, sk, hk, d_v], sinks [h(, n)], key_lo/key_hi int64 [sq] (or
-    the window description left/right/shift), alibi float32 [b, h], dropout_seed the kernels' seed tensor
-    -> (out [b, sq, h, d_v], lse float32 [b, h, sq])."""
-    b, sq, hq, d_qk = q.shape
-    d_v = v.shape[3]
-    sk = k.shape[1]
-    pl = _Mask(sq, sk, left, right, shift, key_lo, key_hi).plan(q.device, aligned=alibi is not None)
-    dq_k, dv_k = _kernel_head_dims(d_qk, d_v)
-    o, lse = ops._fwd_op(_to_kernel(q, pl.sq_k, pl.front, dq_k), _to_kernel(k, pl.sk_k, 0, dq_k),
-                         _to_kernel(v, pl.sk_k, 0, dv_k), _kernel_sinks(sinks, b), pl.bmin, pl.bmax, pl.causal,
-                         scale, pl.window, True, softcap, alibi, _wlist(pl.window_size), dropout_p, dropout_seed)
-    out = o[:, :, :d_v, pl.front:pl.front + sq].permute(0, 3, 1, 2).contiguous()
-    lse = lse.permute(0, 1, 3, 2).reshape(b, hq, pl.sq_k)[..., pl.front:pl.front + sq].contiguous()
-    return out, lse
-
-
-def _wlist(window_size):
-    return None if window_size is None else [int(window_size[0]), int(window_size[1])]
-
-
-@_flash_fwd.register_fake
-def _flash_fwd_fake(q, k, v, sinks, key_lo, key_hi, left, right, shift, scale, softcap=0.0, alibi=None,
-                    dropout_p=0.0, dropout_seed=None):
-    b, sq, hq, _ = q.shape
-    return q.new_empty((b, sq, hq, v.shape[3])), q.new_empty((b, hq, sq), dtype=torch.float32)
-
-
-@torch.library.custom_op("nki_attn::flash_bwd", mutates_args=())
-def _flash_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, dout: torch.Tensor,
-               lse: torch.Tensor, sinks: Optional[torch.Tensor], key_lo: Optional[torch.Tensor],
-               key_hi: Optional[torch.Tensor], left: int, right: int, shift: int, scale: float,
-               dlse: Optional[torch.Tensor], softcap: float = 0.0, alibi: Optional[torch.Tensor] = None,
-               dropout_p: float = 0.0, dropout_seed: Optional[torch.Tensor] = None
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients of ``_flash_fwd``: (dq, dk, dv like q, k, v; dsinks like sinks, or an empty [0] tensor)."""
-    b, sq, hq, d_qk = q.shape
-    sk, d_v = k.shape[1], v.shape[3]
-    pl = _Mask(sq, sk, left, right, shift, key_lo, key_hi).plan(q.device, aligned=alibi is not None)
-    dq_k, dv_k = _kernel_head_dims(d_qk, d_v)
-    # Padded query rows get dout = 0 (so D = 0 and dS = 0) and lse = +inf (so P = exp(S - lse) = 0): they add
-    # nothing to dk, dv, dsinks, whatever o holds there.
-    lse_k = torch.nn.functional.pad(lse, (pl.front, pl.sq_k - sq - pl.front), value=math.inf)
-    lse_k = lse_k.reshape(b, hq, pl.sq_k // PMAX, PMAX).transpose(-1, -2).contiguous()
-    ks = _kernel_sinks(sinks, b)
-    dq, dk, dv, dsinks = ops._bwd_op(
-        _to_kernel(q, pl.sq_k, pl.front, dq_k), _to_kernel(k, pl.sk_k, 0, dq_k), _to_kernel(v, pl.sk_k, 0, dv_k),
-        _to_kernel(out, pl.sq_k, pl.front, dv_k), _to_kernel(dout, pl.sq_k, pl.front, dv_k), lse_k, ks, pl.bmin,
-        pl.bmax, pl.causal, scale, pl.window, True, dlse, softcap, alibi, _wlist(pl.window_size), dropout_p,
-        dropout_seed)
-    back = [dq[:, :, :d_qk, pl.front:pl.front + sq], dk[:, :, :d_qk, :sk], dv[:, :, :d_v, :sk]]
-    back = [t.permute(0, 3, 1, 2).contiguous() for t in back]
-    dsinks = dsinks.sum(0).to(sinks.dtype) if sinks is not None else dsinks
-    return back[0], back[1], back[2], dsinks
-
-
-@_flash_bwd.register_fake
-def _flash_bwd_fake(q, k, v, out, dout, lse, sinks, key_lo, key_hi, left, right, shift, scale, dlse, softcap=0.0,
-                    alibi=None, dropout_p=0.0, dropout_seed=None):
-    c = torch.contiguous_format
-    dsinks = torch.empty_like(sinks, memory_format=c) if sinks is not None else q.new_empty((0,), dtype=torch.float32)
-    return (torch.empty_like(q, memory_format=c), torch.empty_like(k, memory_format=c),
-            torch.empty_like(v, memory_format=c), dsinks)
-
-
-def _flash_setup_context(ctx, inputs, output):
-    inputs = list(inputs) + [0.0, None, 0.0, None][len(inputs) - 10:]
-    q, k, v, sinks, key_lo, key_hi, left, right, shift, scale, softcap, alibi, dropout_p, seed = inputs
-    ctx.save_for_backward(q, k, v, output[0], output[1], sinks, key_lo, key_hi, alibi, seed)
-    ctx.flags = (left, right, shift, scale)
-    ctx.variants = (softcap, dropout_p)
-
-
-def _flash_backward(ctx, dout, dlse):
-    q, k, v, out, lse, sinks, key_lo, key_hi, alibi, seed = ctx.saved_tensors
-    softcap, dropout_p = ctx.variants
-    dq, dk, dv, dsinks = _flash_bwd(q, k, v, out, dout, lse, sinks, key_lo, key_hi, *ctx.flags, dlse, softcap,
-                                    alibi, dropout_p, seed)
-    return (dq, dk, dv, (dsinks if sinks is not None else None), None, None, None, None, None, None, None, None,
-            None, None)
-
-
-_flash_fwd.register_autograd(_flash_backward, setup_context=_flash_setup_context)
-_flash_bwd.register_autograd(ops._bwd_backward, setup_context=ops._bwd_setup_context)
-
-
-def _probs(q, k, mask, scale, lse, variants=_NO_VARIANTS, alibi=None):
-    """S_dmask: softmax probabilities [b, h, sq, sk] (float32) recomputed from q, k and the kernel's lse (soft-cap
-    and ALiBi included), zero where masked; with dropout, FlashAttention's encoding: negative where the element
-    was dropped (None when the keep mask cannot be regenerated, golden.dropout missing). None above
-    MAX_PROBS_ELEMENTS. Not differentiable."""
-    b, sq, hq, _ = q.shape
-    sk, hk = k.shape[1], k.shape[2]
+           "flash_attn_varlen_qkvpacked_func", "flash_attn_varlen_kvpacked_func", "scaled_dot_product_attention",
+           "interval_attention", "mask_intervals", "MAX_PROBS_ELEMENTS"]
+
+
+# ----------------------------------------------------------------------------------------------------- results
+def _probs(spec, q, k):
+    """S_dmask: softmax probabilities [b, h, sq, sk] (float32) recomputed from q, k (soft-cap and ALiBi included)
+    and normalised by their own float32 log-sum-exp over the visible keys and the spec's sinks [h(, n)], zero
+    where masked; with dropout, FlashAttention's encoding: negative where the element was dropped (the keep mask
+    regenerated by the kernels' own dropout tile step). None above MAX_PROBS_ELEMENTS. Not differentiable.
+
+    Normalised here rather than by the kernel's lse: in 16-bit dtypes that lse comes from differently rounded
+    scores, so exp(score - lse) rows would sum to 1 only within the dtype's rounding (0.97-1.02 measured);
+    normalised, a row's |S_dmask| plus its sinks' share sums to 1 within float32 rounding."""
+    b, sq, hq, sk, hk = spec.batch, spec.seqlen_q, spec.heads, spec.seqlen_k, spec.heads_kv
     if b * hq * sq * sk > MAX_PROBS_ELEMENTS:
         return None
     with torch.no_grad():
         kk = k.repeat_interleave(hq // hk, dim=2) if hk != hq else k
-        s = torch.einsum("bqhd,bkhd->bhqk", q.float(), kk.float()) * scale
-        if variants.softcap > 0.0:
-            s = variants.softcap * torch.tanh(s / variants.softcap)
-        pl = mask.plan(q.device, aligned=alibi is not None)
-        if alibi is not None:
+        s = torch.einsum("bqhd,bkhd->bhqk", q.float(), kk.float()) * spec.scale
+        if spec.softcap > 0.0:
+            s = spec.softcap * torch.tanh(s / spec.softcap)
+        pl = ops.kernel_plan(spec, q.device) if spec.alibi is not None or spec.dropout_p > 0.0 else None
+        if spec.alibi is not None:
             i = torch.arange(sq, device=q.device)[:, None] + pl.front
             j = torch.arange(sk, device=q.device)[None, :]
             dist = (i + (pl.sk_k - pl.sq_k) - j).abs().to(torch.float32)
-            s = s - alibi[:, :, None, None] * dist
-        vis = _visibility(mask, q.device)
-        p = torch.exp(s - lse.detach()[..., None])
-        p = torch.where(vis, p, torch.zeros_like(p))
-        if variants.dropout_p > 0.0:
-            keep = _keep_mask(variants, b, hq, pl, sq, sk)
-            if keep is None:
-                return None
+            s = s - spec.alibi[:, :, None, None] * dist
+        lo, hi = ops.spec_intervals(spec, q.device)
+        j = torch.arange(sk, device=q.device)
+        vis = (j[None, :] >= lo[:, None]) & (j[None, :] < hi[:, None])
+        s = s.masked_fill(~vis, float("-inf"))
+        terms = s
+        if spec.sinks is not None:
+            sink = spec.sinks.detach().float().reshape(hq, -1)                              # [h, n]
+            terms = torch.cat([s, sink[None, :, None, :].expand(b, hq, sq, sink.shape[1])], dim=-1)
+        row_lse = torch.logsumexp(terms, dim=-1, keepdim=True)  # -inf for a row with no key and no sink
+        p = torch.exp(s - row_lse)
+        p = torch.where(vis, p, torch.zeros_like(p))  # also the NaN of -inf - (-inf) in empty rows
+        if spec.dropout_p > 0.0:
+            if q.device.type == "meta":
+                return p
+            keep = dropout_mask(spec.dropout_seed.to("cpu"), spec.dropout_p, b, hq, pl.sq_k, pl.sk_k)
+            keep = keep[:, :, pl.front:pl.front + sq, :sk].to(q.device)
             p = torch.where(keep, p, -p)
         return p
 
 
-def _keep_mask(variants, b, hq, pl, sq, sk):
-    """The kernels' keep mask of the call's elements, bool [b, h, sq, sk] (golden.dropout at kernel positions),
-    or None when golden.dropout is not installed."""
-    try:
-        from golden import dropout as gdrop  # noqa: PLC0415 - debug path only
-    except ImportError:
-        return None
-    seed = variants.seed.to("cpu")
-    full = gdrop.keep_mask(seed, variants.dropout_p, b, hq, pl.sq_k, pl.sk_k)
-    return full[:, :, pl.front:pl.front + sq, :sk].to(variants.seed.device)
+def _run(spec, q, k, v, want_probs):
+    """-> (out, lse, probs or None) of one spec."""
+    out, lse = ops.attention(spec, q, k, v)
+    probs = None
+    if want_probs:
+        if 0 in (spec.batch, spec.seqlen_q, spec.heads, spec.seqlen_k, spec.d_qk, spec.d_v):
+            probs = q.new_zeros((spec.batch, spec.heads, spec.seqlen_q, spec.seqlen_k), dtype=torch.float32)
+        else:
+            probs = _probs(spec, q, k)
+    return out, lse, probs
 
 
 def _results(out, lse, probs, return_attn_probs, return_lse):
@@ -600,32 +139,14 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
         ``(out, softmax_lse, S_dmask)``: softmax_lse float32 ``[batch, nheads, seqlen_q]`` (+inf for a row that
         sees no key and has no sink), S_dmask float32 ``[batch, nheads, seqlen_q, seqlen_k]``, the attention
         probabilities over the keys (sinks excluded; zero where masked; with dropout, negative where dropped, as
-        FlashAttention encodes it) recomputed from q, k and the kernel's lse, or None when it would exceed
+        FlashAttention encodes it) recomputed from q, k and normalised in float32, or None when it would exceed
         ``MAX_PROBS_ELEMENTS``. With ``return_lse``: ``(out, lse)``. lse takes no gradient (a non-zero one
         raises NotImplementedError).
     """
-    fn = "flash_attn_func"
-    p = _check_dropout(fn, dropout_p)
-    cap = _check_softcap(fn, softcap)
-    _check_flags(fn, deterministic, return_attn_probs)
-    _check_bool(fn, "return_lse", return_lse)
-    causal = _check_bool(fn, "causal", causal)
-    _check_qkv(fn, q, k, v, 4)
-    b, sq, hq, d = q.shape
-    bk, sk, hk, dk = k.shape
-    if bk != b:
-        _fail(fn, "k.shape[0]", bk, f"batch must equal q.shape[0] = {b}")
-    if dk != d:
-        _fail(fn, "k.shape[3]", dk, f"head_dim must equal q.shape[3] = {d}")
-    _check_heads(fn, hq, hk, "k.shape[2]")
-    _check_head_dim(fn, d, "q.shape[3]")
-    _check_head_dim(fn, v.shape[3], "v.shape[3]")
-    _check_sinks(fn, sinks, hq, q)
-    alibi = _check_alibi(fn, alibi_slopes, b, hq, q)
-    left, right = _window(fn, window_size, causal)
-    variants = _Variants(cap, alibi, p, _dropout_seed(fn, p, dropout_seed, generator, q.device))
-    mask = _Mask(sq, sk, left, right, shift=sk - sq)
-    out, lse, probs = _attention(fn, q, k, v, mask, softmax_scale, sinks, return_attn_probs, variants=variants)
+    spec = flash_spec("flash_attn_func", q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
+                      alibi_slopes, deterministic, return_attn_probs, sinks=sinks, return_lse=return_lse,
+                      dropout_seed=dropout_seed, generator=generator)
+    out, lse, probs = _run(spec, q, k, v, return_attn_probs)
     return _results(out, lse, probs, return_attn_probs, return_lse)
 
 
@@ -741,43 +262,45 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     fn = "flash_attn_varlen_func"
     p = _check_dropout(fn, dropout_p)
     cap = _check_softcap(fn, softcap)
-    _check_flags(fn, deterministic, return_attn_probs)
-    _check_bool(fn, "return_lse", return_lse)
+    _check_flags(fn, deterministic, return_attn_probs, return_lse)
     if block_table is not None:
         _fail(fn, "block_table", type(block_table).__name__, "a paged KV cache is not supported; only None",
               NotImplementedError)
     causal = _check_bool(fn, "causal", causal)
     _check_qkv(fn, q, k, v, 3)
-    tq, hq, d = q.shape
-    tk, hk, dk = k.shape
+    tq, hq, d = (int(x) for x in q.shape)
+    tk, hk, dk = (int(x) for x in k.shape)
+    dv = int(v.shape[2])
     if dk != d:
         _fail(fn, "k.shape[2]", dk, f"head_dim must equal q.shape[2] = {d}")
     _check_heads(fn, hq, hk, "k.shape[1]")
     _check_head_dim(fn, d, "q.shape[2]")
-    _check_head_dim(fn, v.shape[2], "v.shape[2]")
-    _check_sinks(fn, sinks, hq, q)
+    _check_head_dim(fn, dv, "v.shape[2]")
+    _check_sinks(fn, sinks, hq, q.device)
     _check_cu(fn, "cu_seqlens_q", cu_seqlens_q)
     _check_cu(fn, "cu_seqlens_k", cu_seqlens_k)
     if cu_seqlens_q.shape[0] != cu_seqlens_k.shape[0]:
         _fail(fn, "cu_seqlens_k.shape", tuple(cu_seqlens_k.shape), f"must list as many sequences as cu_seqlens_q "
                                                                    f"{tuple(cu_seqlens_q.shape)}")
     n_seqs = cu_seqlens_q.shape[0] - 1
-    alibi = _check_alibi(fn, alibi_slopes, n_seqs, hq, q)
+    alibi = _check_alibi(fn, alibi_slopes, n_seqs, hq, q.device)
     mq = _as_max_seqlen(fn, "max_seqlen_q", max_seqlen_q)
     mk = _as_max_seqlen(fn, "max_seqlen_k", max_seqlen_k)
-    left, right = _window(fn, window_size, causal)
+    left, right = window_pair(fn, window_size, causal)
     lo, hi = _varlen_intervals(cu_seqlens_q, cu_seqlens_k, tq, tk, mq, mk, left, right)
     seed = _dropout_seed(fn, p, dropout_seed, generator, q.device)
+    scale = resolve_scale(fn, softmax_scale, max(d, 1))
+    _check_key_range(fn, tq, tk, 0)
+    spec = AttentionSpec(fn, 1, tq, tk, hq, hk, d, dv, q.dtype, scale, left, right, 0, lo.to(q.device),
+                         hi.to(q.device), cap, None, p, seed, sinks)
     if alibi is not None and not _alibi_packs(alibi, cu_seqlens_q, cu_seqlens_k):
-        out, lse, probs = _varlen_per_sequence(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, left, right, softmax_scale,
-                                               sinks, return_attn_probs, _Variants(cap, alibi, p, seed), mq, mk)
+        out, lse, probs = _varlen_per_sequence(spec, alibi, q, k, v, cu_seqlens_q, cu_seqlens_k, return_attn_probs,
+                                               mq, mk)
         return _results(out, lse, probs, return_attn_probs, return_lse)
     if alibi is not None:
-        alibi = alibi if alibi.dim() == 1 else alibi[0]
-    lo, hi = lo.to(q.device), hi.to(q.device)
-    mask = _Mask(tq, tk, lo=lo, hi=hi)
-    out, lse, probs = _attention(fn, q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), mask, softmax_scale, sinks,
-                                 return_attn_probs, variants=_Variants(cap, alibi, p, seed))
+        spec = spec.with_mask(tq, tk, key_lo=spec.key_lo, key_hi=spec.key_hi,
+                              alibi=_alibi_rows(alibi if alibi.dim() == 1 else alibi[0], 1, hq))
+    out, lse, probs = _run(spec, q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), return_attn_probs)
     out, lse = out.squeeze(0), lse.squeeze(0)
     if return_attn_probs:
         probs = _varlen_probs(probs, cu_seqlens_q, cu_seqlens_k, mq, mk)
@@ -792,24 +315,24 @@ def _alibi_packs(alibi, cu_q, cu_k):
     return alibi.dim() == 1 or bool((alibi == alibi[:1]).all())
 
 
-def _varlen_per_sequence(fn, q, k, v, cu_q, cu_k, left, right, scale, sinks, want_probs, variants, mq, mk):
+def _varlen_per_sequence(spec, alibi, q, k, v, cu_q, cu_k, want_probs, mq, mk):
     """Varlen as one call per sequence (the ALiBi case ``_alibi_packs`` refuses): -> (out, lse, probs)."""
     cq = cu_q.detach().to("cpu", torch.int64).tolist()
     ck = cu_k.detach().to("cpu", torch.int64).tolist()
     n = len(cq) - 1
-    hq = q.shape[1]
+    hq = spec.heads
     outs, lses, probs = [], [], []
     for s in range(n):
         qs, ks, vs = q[cq[s]:cq[s + 1]], k[ck[s]:ck[s + 1]], v[ck[s]:ck[s + 1]]
         sq, sk = qs.shape[0], ks.shape[0]
-        slopes = variants.alibi if variants.alibi.dim() == 1 else variants.alibi[s]
+        slopes = alibi if alibi.dim() == 1 else alibi[s]
         seed = None
-        if variants.seed is not None:  # one mask per sequence: offset word + s, still determined by the seed
-            seed = variants.seed.clone()
+        if spec.dropout_seed is not None:  # one mask per sequence: offset word + s, still determined by the seed
+            seed = spec.dropout_seed.clone()
             seed[1] += s
-        mask = _Mask(sq, sk, left, right, shift=sk - sq)
-        o, lse, pr = _attention(fn, qs.unsqueeze(0), ks.unsqueeze(0), vs.unsqueeze(0), mask, scale, sinks,
-                                want_probs, variants=_Variants(variants.softcap, slopes, variants.dropout_p, seed))
+        sub = spec.with_mask(sq, sk, spec.left, spec.right, sk - sq, alibi=_alibi_rows(slopes, 1, hq),
+                             dropout_seed=seed)
+        o, lse, pr = _run(sub, qs.unsqueeze(0), ks.unsqueeze(0), vs.unsqueeze(0), want_probs)
         outs.append(o.squeeze(0))
         lses.append(lse.squeeze(0))
         probs.append(pr)
@@ -867,9 +390,9 @@ def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqle
                                   generator=generator)
 
 
-# ----------------------------------------------------------------------------------------------------- masks → bounds
+# ----------------------------------------------------------------------------------------------------- intervals
 @torch.library.custom_op("nki_attn::mask_intervals", mutates_args=())
-def _mask_intervals(mask: torch.Tensor, fn: str) -> tuple[torch.Tensor, torch.Tensor]:
+def _mask_intervals_op(mask: torch.Tensor, fn: str) -> tuple[torch.Tensor, torch.Tensor]:
     """bool ``[n, sq, sk]`` -> key intervals (int64 ``[n, sq]`` each) of every row, after checking that each
     row's visible keys are one contiguous run (NotImplementedError otherwise). Rows with no key get lo == hi."""
     n, sq, sk = mask.shape
@@ -887,47 +410,56 @@ def _mask_intervals(mask: torch.Tensor, fn: str) -> tuple[torch.Tensor, torch.Te
     return lo.to(torch.int64), hi.to(torch.int64)
 
 
-@_mask_intervals.register_fake
+@_mask_intervals_op.register_fake
 def _mask_intervals_fake(mask, fn):
     n, sq, _ = mask.shape
     return mask.new_empty((n, sq), dtype=torch.int64), mask.new_empty((n, sq), dtype=torch.int64)
 
 
+def mask_intervals(mask, fn="mask_intervals"):
+    """A boolean mask bool ``[n, seqlen_q, seqlen_k]`` (True = attend) -> the key interval of every row, int64
+    ``[n, seqlen_q]`` lo and hi (for ``interval_attention``); rows with no key get lo == hi. NotImplementedError
+    (prefixed by ``fn``) when a row's visible keys are not one contiguous run."""
+    return _mask_intervals_op(mask, fn)
+
+
 def interval_attention(q, k, v, lo, hi, softmax_scale=None, sinks=None, softcap=0.0, dropout_p=0.0,
-                       dropout_seed=None, variants=None):
+                       dropout_seed=None, *, spec=None):
     """Attention where query i of batch entry n sees keys ``lo[n, i] <= j < hi[n, i]``.
 
     Args:
         q: ``[batch, seqlen_q, nheads, head_dim]``; k: ``[batch, seqlen_k, nheads_k, head_dim]``; v: ``[batch,
             seqlen_k, nheads_k, head_dim_v]``.
-        lo, hi: int64 ``[batch, seqlen_q]`` (or ``[seqlen_q]``, shared by the batch).
-        softcap, dropout_p, dropout_seed: as in ``flash_attn_func`` (the seed is drawn from torch's global
-            generator when dropout_p > 0 and no seed is given). variants: internal (already checked variants).
+        lo, hi: int64 ``[batch, seqlen_q]`` (or ``[seqlen_q]``, shared by the batch), e.g. from
+            ``mask_intervals``.
+        softmax_scale, sinks, softcap, dropout_p, dropout_seed: as in ``flash_attn_func`` (the seed is drawn from
+            torch's global generator when dropout_p > 0 and no seed is given).
+        spec: keyword only; an ``AttentionSpec`` of these q, k, v already built by the caller (e.g. with
+            ``nki_attn.spec.flash_spec`` under its own name); the other keywords are then ignored.
     Returns:
         (out ``[batch, seqlen_q, nheads, head_dim_v]``, lse float32 ``[batch, nheads, seqlen_q]``).
 
     Intervals shared by the whole batch run as one batched launch; otherwise the batch entries are packed along
     the sequence (entry n's keys offset by n * seqlen_k), as varlen packs its sequences.
     """
-    fn = "nki_attn"
-    if variants is None:
-        p = _check_dropout(fn, dropout_p)
-        variants = _Variants(_check_softcap(fn, softcap), None, p, _dropout_seed(fn, p, dropout_seed, None,
-                                                                                 q.device))
-    b, sq, hq, d = q.shape
-    sk, dv = k.shape[1], v.shape[-1]
+    if spec is None:
+        spec = flash_spec("interval_attention", q, k, v, dropout_p, softmax_scale, softcap=softcap, sinks=sinks,
+                          dropout_seed=dropout_seed)
+    return _interval_attention(spec, q, k, v, lo, hi)
+
+
+def _interval_attention(spec, q, k, v, lo, hi):
+    b, sq, hq, sk, dv = spec.batch, spec.seqlen_q, spec.heads, spec.seqlen_k, spec.d_v
     if lo.dim() == 2 and b <= 1:
         lo, hi = (lo[0], hi[0]) if b == 1 else (lo.new_zeros(sq), hi.new_zeros(sq))
     if lo.dim() == 1:
-        out, lse, _ = _attention(fn, q, k, v, _Mask(sq, sk, lo=lo, hi=hi), softmax_scale, sinks, False,
-                                 variants=variants)
-        return out, lse
+        return ops.attention(spec.with_mask(sq, sk, key_lo=lo, key_hi=hi), q, k, v)
     off = (torch.arange(b, device=lo.device) * sk)[:, None]
-    mask = _Mask(b * sq, b * sk, lo=(lo + off).reshape(-1), hi=(hi + off).reshape(-1))
-    out, lse, _ = _attention(fn, q.reshape(1, b * sq, hq, d), k.reshape(1, b * sk, *k.shape[2:]),
-                             v.reshape(1, b * sk, *v.shape[2:]), mask, softmax_scale, sinks, False,
-                             variants=variants)
-    return out.reshape(b, sq, hq, dv), lse.reshape(hq, b, sq).transpose(0, 1)
+    packed = spec.with_mask(b * sq, b * sk, key_lo=(lo + off).reshape(-1), key_hi=(hi + off).reshape(-1), batch=1)
+    out, lse = ops.attention(packed, q.reshape(1, b * sq, hq, spec.d_qk), k.reshape(1, b * sk, *k.shape[2:]),
+                             v.reshape(1, b * sk, *v.shape[2:]))
+    return out.reshape(b, sq, hq, dv), lse.reshape(hq, b, sq).transpose(0, 1).clone(
+        memory_format=torch.contiguous_format)
 
 
 # ----------------------------------------------------------------------------------------------------- SDPA
@@ -942,12 +474,16 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
             mask for all heads) whose visible keys form one contiguous run per query (causal, sliding-window,
             padding, packed-sequence masks); other masks (gaps, per-head, additive float) raise
             NotImplementedError.
-        dropout_p: must be 0.0.
+        dropout_p: float in [0, 1), as in ``flash_attn_func`` (applied whenever > 0, as torch does: pass 0.0 for
+            evaluation); the keep mask's seed is drawn from torch's global generator (``torch.manual_seed`` makes
+            it reproducible) and the backward regenerates the same mask.
         is_causal: bool, top-left aligned as torch (key j masked for query i when j > i); not with attn_mask.
         scale: scale of q·k, finite > 0; default ``1/sqrt(head_dim)``.
         enable_gqa: bool; must be True when heads_kv < heads (heads % heads_kv == 0), as torch.
     Returns:
-        ``[..., heads, seqlen_q, head_dim]`` in query's dtype.
+        ``[..., heads, seqlen_q, head_dim_v]`` in query's dtype. A query row that the mask leaves without any
+        visible key gives 0 (and passes no gradient), as torch's SDPA does since PyTorch 2.5; earlier versions
+        return NaN there.
     """
     fn = "scaled_dot_product_attention"
     p = _check_dropout(fn, dropout_p)
@@ -967,8 +503,9 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     q4, k4, v4 = (t.reshape(nb, *t.shape[-3:]) if t.dim() >= 4 else t.reshape(*([1] * (4 - t.dim())), *t.shape)
                   for t in (query, key, value))
     _check_qkv(fn, q4, k4, v4, 4, names)
-    b, hq, sq, d = q4.shape
-    _, hk, sk, dk = k4.shape
+    b, hq, sq, d = (int(x) for x in q4.shape)
+    _, hk, sk, dk = (int(x) for x in k4.shape)
+    dv = int(v4.shape[-1])
     if dk != d:
         _fail(fn, "key.shape[-1]", dk, f"head_dim must equal query.shape[-1] = {d}")
     if hk != hq and not enable_gqa:
@@ -976,19 +513,21 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
                                        f"attention")
     _check_heads(fn, hq, hk, "key.shape[-3]")
     _check_head_dim(fn, d, "query.shape[-1]")
-    _check_head_dim(fn, v4.shape[-1], "value.shape[-1]")
-    variants = _Variants(dropout_p=p, seed=_dropout_seed(fn, p, None, None, q4.device))
+    _check_head_dim(fn, dv, "value.shape[-1]")
+    seed = _dropout_seed(fn, p, None, None, q4.device)
+    scale = resolve_scale(fn, scale, max(d, 1), "scale")
+    if attn_mask is not None and is_causal:
+        _fail(fn, "attn_mask", "a tensor", "must be None when is_causal=True (as torch)")
+    _check_key_range(fn, sq, sk, 0)
+    spec = AttentionSpec(fn, b, sq, sk, hq, hk, d, dv, q4.dtype, scale, -1, 0 if is_causal else -1, 0,
+                         dropout_p=p, dropout_seed=seed)
     qf, kf, vf = (t.transpose(1, 2) for t in (q4, k4, v4))
     if attn_mask is None:
-        mask = _Mask(sq, sk, -1, 0 if is_causal else -1, shift=0)
-        out, _, _ = _attention(fn, qf, kf, vf, mask, scale, None, False, "scale", variants)
+        out, _ = ops.attention(spec, qf, kf, vf)
     else:
-        if is_causal:
-            _fail(fn, "attn_mask", "a tensor", "must be None when is_causal=True (as torch)")
-        scale = ops.resolve_scale(fn, scale, max(d, 1), "scale")
         lo, hi = _sdpa_mask_intervals(fn, attn_mask, lead, b, sq, sk, q4.device)
-        out, _ = interval_attention(qf, kf, vf, lo, hi, scale, variants=variants)
-    return out.transpose(1, 2).reshape(*query.shape[:-1], v4.shape[-1])
+        out, _ = _interval_attention(spec, qf, kf, vf, lo, hi)
+    return out.transpose(1, 2).reshape(*query.shape[:-1], dv)
 
 
 def _sdpa_mask_intervals(fn, attn_mask, lead, b, sq, sk, device):
@@ -1010,6 +549,6 @@ def _sdpa_mask_intervals(fn, attn_mask, lead, b, sq, sk, device):
               NotImplementedError if attn_mask.dim() >= 3 and attn_mask.shape[-3] > 1 else ValueError)
     if all(n == 1 for n in attn_mask.shape[:-2]):  # one mask for the whole batch: shared bounds, one launch
         mm = attn_mask.reshape(attn_mask.shape[-2:]) if attn_mask.dim() > 2 else attn_mask
-        lo, hi = _mask_intervals(mm.expand(sq, sk).reshape(1, sq, sk), fn)
+        lo, hi = _mask_intervals_op(mm.expand(sq, sk).reshape(1, sq, sk), fn)
         return lo[0], hi[0]
-    return _mask_intervals(m.reshape(b, sq, sk), fn)
+    return _mask_intervals_op(m.reshape(b, sq, sk), fn)

@@ -1,267 +1,261 @@
-"""The NKI attention kernels as torch custom ops (namespace ``nki_attn``), in the kernels' own layout.
+"""The one custom-op pair every PyTorch entry point runs on: ``torch.ops.nki_attn.attention_fwd`` / ``attention_bwd``.
 
-This is the layer every PyTorch entry point goes through (``nki_attn.attention``, the Hugging Face integration)
-and the one later code (ring attention, which calls the forward and backward once per block pair) builds on.
-Its arguments and results are exactly the kernels' (``nki_attn.kernels.attention_fwd`` / ``attention_bwd``,
-semantics in docs/semantics.md); it adds host-side validation, autograd and what ``torch.compile`` needs.
+Layers, top to bottom (each calls only the one below it)::
 
-Public functions (stable):
+    flash_attn_func, flash_attn_varlen_func, packed variants, scaled_dot_product_attention   (nki_attn.attention)
+    ring attention (nki_attn.distributed), Hugging Face integration (nki_attn.integrations)
+        │  check the arguments once -> AttentionSpec                                        (nki_attn.spec)
+        ▼
+    attention(spec, q, k, v) / attention_backward(spec, ...)                               (this module)
+        │  one custom op per direction, FlashAttention's layout, autograd, fake (meta) kernels
+        ▼
+    kernel_plan + kernel_keywords: padding to 128, the mask as the kernels' causal flag, window or per-query
+    bounds, the layout [b, h, d, s]; then the NKI kernel (simulator for CPU tensors, real nki for XLA tensors)
 
-``attention_fwd(q, k, v, sinks=None, bound_min=None, bound_max=None, use_causal_mask=False, softmax_scale=None,
-sliding_window=None, mixed_precision=True, softcap=0.0, alibi_slopes=None, window_size=None, dropout_p=0.0,
-dropout_seed=None) -> (o, lse)``
-    Differentiable with respect to q, k, v and sinks (``register_autograd``: the backward runs
-    ``attention_bwd``). A gradient flowing into ``lse`` must be zero (NotImplementedError otherwise), and double
-    backward raises RuntimeError: neither is ever silently dropped.
+Public functions:
 
-``attention_bwd(q, k, v, o, do, lse, sinks=None, bound_min=None, bound_max=None, use_causal_mask=False,
-softmax_scale=None, sliding_window=None, mixed_precision=True, softcap=0.0, alibi_slopes=None, window_size=None,
-dropout_p=0.0, dropout_seed=None) -> (dq, dk, dv, dsinks)``
-    ``dsinks`` is float32 shaped like ``sinks``, or an empty float32 tensor of shape ``[0]`` when ``sinks`` is
-    None.
+``attention(spec, q, k, v) -> (out, lse)``
+    q ``[batch, seqlen_q, heads, d_qk]``, k ``[batch, seqlen_k, heads_kv, d_qk]``, v ``[batch, seqlen_k,
+    heads_kv, d_v]`` (sizes and every other argument in ``spec``, an ``nki_attn.spec.AttentionSpec``) -> out
+    ``[batch, seqlen_q, heads, d_v]`` in q's dtype, lse float32 ``[batch, heads, seqlen_q]`` (+inf for a row that
+    sees no key and has no sink). Differentiable with respect to q, k, v and ``spec.sinks``; a gradient flowing
+    into lse must be zero (NotImplementedError otherwise) and double backward raises RuntimeError.
 
-Layouts (head_dim before the sequence, as the kernels want them):
+``attention_backward(spec, q, k, v, out, dout, lse) -> (dq, dk, dv, dsinks)``
+    The backward alone (ring attention calls it per block with the merged out and lse): dq, dk, dv shaped like
+    q, k, v; dsinks like ``spec.sinks`` (an empty float32 ``[0]`` tensor without sinks).
 
-=====================  =====================================================================================
-q, dq                  ``[bs, nheads, d_qk, seqlen_q]``, float32 / bfloat16 / float16
-k, dk                  ``[bs, nheads_kv, d_qk, seqlen_k]``, q's dtype; ``nheads % nheads_kv == 0``
-v, dv                  ``[bs, nheads_kv, d_v, seqlen_k]`` (d_qk, d_v each 1..256)
-o, do                  ``[bs, nheads, d_v, seqlen_q]``
-lse                    float32 ``[bs, nheads, 128, seqlen_q // 128]``; ``lse[b, h, p, t]`` is row ``t*128 + p``;
-                       ``+inf`` for a row that sees no key and has no sink
-sinks, dsinks          ``[bs, nheads]`` or ``[bs, nheads, num_sinks]`` logits (not scaled); -inf means no sink
-bound_min, bound_max   float32 ``[seqlen_q]``: key j visible to query i iff ``bound_min[i] <= j < bound_max[i]``
-alibi_slopes           float32 ``[bs, nheads]``: adds ``-slope * |i + seqlen_k - seqlen_q - j|`` (no gradient)
-dropout_seed           int32 / uint32 ``[2]`` = (seed, offset), given iff ``dropout_p > 0`` (nki_attn.dropout)
-=====================  =====================================================================================
+``kernel_plan(spec, device) -> KernelPlan``, ``kernel_bounds``, ``padded_length``: how a spec reaches the
+kernels (used by the probabilities of ``return_attn_probs`` and by ring attention's block geometry).
 
-``seqlen_q`` and ``seqlen_k`` are positive multiples of 128 (the torch API pads for you); ``use_causal_mask`` is
-bottom-right (key j visible to query i iff ``j <= i + seqlen_k - seqlen_q``); ``sliding_window`` W >= 1 only with
-``use_causal_mask``; ``window_size=(left, right)`` (-1 = unbounded) causal or not, not with ``sliding_window``;
-``softcap`` >= 0 (0 = off); ``dropout_p`` in [0, 1); all masks AND together; ``softmax_scale`` defaults to
-``1/sqrt(d_qk)``. docs/semantics.md has every rule; ``check_kernel_args`` runs the kernels' own check.
-
-The ops are registered as ``torch.ops.nki_attn.attention_fwd`` / ``attention_bwd`` with fake (meta) kernels, so
-``torch.compile(fullgraph=True)`` treats them as opaque nodes and FakeTensor / ``meta`` inputs get the right
-output shapes without running anything. Their implementation launches the kernel: on the built-in simulator for
-CPU tensors, on the real NKI for XLA (Neuron) tensors when ``nki_attn.backend`` found it. ``NKI_ATTN_LNC=2``
-launches on two NeuronCores (trn2/trn3; bit-identical results).
+The ops take plain tensors and numbers (the spec's fields); their implementation rebuilds the spec and launches
+the kernel, their fake kernels give shapes, so ``torch.compile(fullgraph=True)`` holds one opaque node per
+direction and FakeTensor / ``meta`` inputs get the right output shapes without running anything. Every output is
+a fresh contiguous tensor. ``NKI_ATTN_LNC=2`` launches on two NeuronCores (trn2/trn3; bit-identical results).
 """
 import math
-import numbers
 import os
 from typing import Optional
 
 import torch
 
-from .backend import BACKEND
+from . import kernel_api
+from .spec import PMAX, AttentionSpec, window_intervals
 
-PMAX = 128
-MAX_D_HEAD = 256
-DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+__all__ = ["attention", "attention_backward", "kernel_plan", "kernel_keywords", "kernel_bounds", "padded_length",
+           "spec_intervals", "KernelPlan"]
 
-__all__ = ["attention_fwd", "attention_bwd", "check_kernel_args", "PMAX"]
+_CONTIG = torch.contiguous_format
 
 
-# ----------------------------------------------------------------------------------------------------- launching
-def _launcher(kernel):
+# ----------------------------------------------------------------------------------------------------- the plan
+def padded_length(n):
+    """The kernels' length for n tokens: n rounded up to a multiple of 128 (at least 128)."""
+    return max(PMAX, -(-n // PMAX) * PMAX)
+
+
+def kernel_bounds(lo, hi, pad_to, front=0):
+    """Kernel packing bounds: float32 ``[pad_to]`` (bound_min, bound_max) from int64 ``[n]`` intervals placed at
+    rows ``front .. front + n``; the padded rows see no key."""
+    n = lo.shape[0]
+    f = lo.new_zeros(front)
+    z = lo.new_zeros(pad_to - n - front)
+    return torch.cat([f, lo, z]).to(torch.float32), torch.cat([f, hi, z]).to(torch.float32)
+
+
+class KernelPlan:
+    """How one spec reaches the kernels: query row i becomes kernel row ``front + i`` of ``sq_k`` (front > 0
+    only to keep a bottom-right alignment, for ALiBi or a native band), key j stays key j of ``sk_k``; the mask
+    is the kernels' ``causal`` flag with ``window`` (sliding window W), their ``window_size`` (left, right), or
+    packing bounds ``bmin`` / ``bmax`` (float32 ``[sq_k]``), which also hide the padded keys."""
+
+    __slots__ = ("front", "sq_k", "sk_k", "causal", "window", "window_size", "bmin", "bmax")
+
+    def __init__(self, front, sq_k, sk_k, causal=False, window=None, window_size=None, bmin=None, bmax=None):
+        self.front, self.sq_k, self.sk_k = front, sq_k, sk_k
+        self.causal, self.window, self.window_size = causal, window, window_size
+        self.bmin, self.bmax = bmin, bmax
+
+
+def spec_intervals(spec, device):
+    """The key interval ``[lo, hi)`` of every query of ``spec`` (int64 ``[seqlen_q]`` each)."""
+    if spec.key_lo is not None:
+        return spec.key_lo, spec.key_hi
+    return window_intervals(spec.seqlen_q, spec.seqlen_k, spec.left, spec.right, spec.shift, device)
+
+
+def kernel_plan(spec, device):
+    """The ``KernelPlan`` of ``spec``. A window (no explicit intervals) that masks something, or any window with
+    ALiBi (whose distances must be the call's), becomes the kernels' own band on a layout whose bottom-right
+    offset equals ``spec.shift`` (query rows padded at the front); otherwise both lengths are padded at the end
+    and the mask goes through per-query bounds unless nothing is masked."""
+    sq, sk, left, right, shift = spec.seqlen_q, spec.seqlen_k, spec.left, spec.right, spec.shift
+    if spec.key_lo is None and (spec.alibi is not None or left != -1 or right != -1):
+        # kernel lengths with sk_k - (front + sq + back) + front == shift: back = sk_k - shift - sq >= 0
+        sk_k = padded_length(max(sk, sq + shift))
+        back = sk_k - shift - sq
+        front = (-(sq + back)) % PMAX
+        sq_k = front + sq + back
+        causal, window, window_size = False, None, None
+        if right == 0:
+            causal, window = True, (left + 1 if left >= 0 else None)
+        elif left != -1 or right != -1:
+            window_size = (left, right)
+        # padded keys j >= sk are visible to a real row unless the band's right side hides them
+        hidden = right >= 0 and sq - 1 + shift + right <= sk - 1
+        bmin = bmax = None
+        if sk_k > sk and not hidden:
+            lo = torch.zeros(sq, dtype=torch.int64, device=device)
+            bmin, bmax = kernel_bounds(lo, lo + sk, sq_k, front)
+        return KernelPlan(front, sq_k, sk_k, causal, window, window_size, bmin, bmax)
+    sq_k, sk_k = padded_length(sq), padded_length(sk)
+    if spec.key_lo is None and sk == sk_k:
+        return KernelPlan(0, sq_k, sk_k)
+    bmin, bmax = kernel_bounds(*spec_intervals(spec, device), sq_k)
+    return KernelPlan(0, sq_k, sk_k, bmin=bmin, bmax=bmax)
+
+
+def kernel_keywords(spec, plan):
+    """The kernels' keyword arguments for ``spec`` under ``plan``: the one place a spec becomes kernel
+    arguments (``nki_attn.kernels.attention_fwd`` / ``attention_bwd`` signatures)."""
+    return dict(use_causal_mask=plan.causal, mixed_precision=True, softmax_scale=spec.scale,
+                sliding_window=plan.window, softcap=spec.softcap, alibi_slopes=spec.alibi,
+                window_size=plan.window_size, dropout_p=spec.dropout_p, dropout_seed=spec.dropout_seed)
+
+
+def _launch(fn, checked, args, kwargs):
+    """Run the kernel; its own assert is the only check here (the spec was checked on the host). Should a kernel
+    rule the host checks do not cover still fail (e.g. a size beyond what fits on chip), the kernel's message is
+    raised as ValueError, as from a host check."""
     lnc = os.environ.get("NKI_ATTN_LNC", "1").strip()
     if lnc not in ("1", "2"):
         raise ValueError(f"NKI_ATTN_LNC={lnc!r} must be 1 or 2")
-    return kernel[2] if lnc == "2" else kernel
-
-
-def check_device(t, name="q"):
-    """CPU tensors run on the simulator, XLA tensors on the real nki; ``meta`` tensors only get shapes."""
-    if t.device.type == "cpu":
-        if BACKEND != "sim":
-            raise RuntimeError("CPU tensors run on the simulator; set NKI_ATTN_BACKEND=sim to use it alongside the "
-                               "real nki, or move the tensors to the XLA (Neuron) device")
-    elif t.device.type == "xla":
-        if BACKEND != "nki":
-            raise RuntimeError("XLA tensors need the real nki package (torch-neuronx / neuronx-cc); it is not "
-                               "importable here")
-    elif t.device.type != "meta":
-        raise ValueError(f"{name} is on {t.device}: use CPU (simulator), XLA (Trainium) or meta (shapes only)")
-
-
-def _kernels():
-    # The host-side wrappers re-run the kernels' own checks and raise ValueError: a rule only the kernel knows
-    # never surfaces as an AssertionError from inside a trace.
-    from .kernel_api import attention_bwd as bwd
-    from .kernel_api import attention_fwd as fwd
-    return fwd, bwd
-
-
-# ----------------------------------------------------------------------------------------------------- validation
-def _fail(fn, name, value, rule, exc=ValueError):
-    raise exc(f"{fn}: {name}={value}: {rule}")
-
-
-def _shape(t):
-    return tuple(int(s) for s in t.shape)
-
-
-def check_kernel_args(fn, q, k, v, o=None, do=None, lse=None, sinks=None, bound_min=None, bound_max=None,
-                      use_causal_mask=False, softmax_scale=None, sliding_window=None, mixed_precision=True,
-                      softcap=0.0, alibi_slopes=None, window_size=None, dropout_p=0.0, dropout_seed=None):
-    """Host-side check of the kernels' arguments; raises ValueError / TypeError naming the argument, its value
-    and the rule. Returns the resolved softmax scale.
-
-    What only torch knows (tensor types, devices, bool flags) is checked here; every rule about shapes, dtypes
-    and values is the kernel's own check, run on the host through ``nki_attn.kernel_api`` (the same function the
-    kernel asserts on at trace time), so the two can never disagree. ``fn`` (``attention_fwd`` /
-    ``attention_bwd``) selects the kernel and prefixes the message."""
-    for name, t in (("q", q), ("k", k), ("v", v), ("o", o), ("do", do), ("lse", lse), ("sinks", sinks),
-                    ("bound_min", bound_min), ("bound_max", bound_max), ("alibi_slopes", alibi_slopes),
-                    ("dropout_seed", dropout_seed)):
-        if t is not None and not isinstance(t, torch.Tensor):
-            _fail(fn, name, type(t).__name__, "must be a torch.Tensor", TypeError)
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if t is None:
-            _fail(fn, name, None, "is required", TypeError)
-    for name, x in (("use_causal_mask", use_causal_mask), ("mixed_precision", mixed_precision)):
-        if not isinstance(x, bool):
-            _fail(fn, name, repr(x), "must be a bool", TypeError)
-    for name, t in (("k", k), ("v", v), ("o", o), ("do", do), ("lse", lse), ("sinks", sinks),
-                    ("bound_min", bound_min), ("bound_max", bound_max), ("alibi_slopes", alibi_slopes),
-                    ("dropout_seed", dropout_seed)):
-        if t is not None and t.device != q.device:
-            _fail(fn, f"{name}.device", t.device, f"must equal q.device {q.device}")
-    check_device(q)
-    if isinstance(window_size, list):
-        window_size = tuple(window_size)
-    variants = {"softcap": softcap, "alibi_slopes": alibi_slopes, "window_size": window_size,
-                "dropout_p": dropout_p, "dropout_seed": dropout_seed}
-    kernel_api = _kernel_api()
+    kernel = checked.kernel[2] if lnc == "2" else checked.kernel
     try:
-        if fn == "attention_bwd":
-            kernel_api.attention_bwd.check(q, k, v, o, do, lse, sinks, bound_min, bound_max,
-                                           use_causal_mask=use_causal_mask, mixed_precision=mixed_precision,
-                                           softmax_scale=softmax_scale, sliding_window=sliding_window, **variants)
-        else:
-            kernel_api.attention_fwd.check(q, k, v, sinks, bound_min, bound_max, use_causal_mask=use_causal_mask,
-                                           mixed_precision=mixed_precision, softmax_scale=softmax_scale,
-                                           sliding_window=sliding_window, **variants)
-    except ValueError as exc:
-        raise ValueError(f"{fn}: {exc}") from None
-    return resolve_scale(fn, softmax_scale, int(q.shape[2]))
+        return kernel(*args, **kwargs)
+    except AssertionError:
+        problem = checked.problem_of(*args, **kwargs)
+        if problem is not None:
+            raise ValueError(f"{fn}: {problem}") from None
+        raise
 
 
-def _kernel_api():
-    from . import kernel_api  # noqa: PLC0415 - imports the kernels, which the meta/fake paths never need early
-    return kernel_api
+def _to_kernel(x, pad_to, front=0):
+    """``[b, s, h, d]`` -> a fresh contiguous ``[b, h, d, pad_to]``: ``front`` zero rows before the sequence,
+    zeros after it."""
+    s = x.shape[1]
+    x = x.permute(0, 2, 3, 1)
+    if pad_to > s:
+        x = torch.nn.functional.pad(x, (front, pad_to - s - front))
+        if x.is_contiguous():
+            return x
+    return x.clone(memory_format=_CONTIG)
 
 
-def resolve_scale(fn, softmax_scale, d_head, name="softmax_scale"):
-    """``softmax_scale`` as a float: default ``1/sqrt(d_head)``; otherwise a finite number > 0."""
-    if softmax_scale is None:
-        return 1.0 / math.sqrt(d_head)
-    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
-        _fail(fn, name, repr(softmax_scale), "must be None or a real number", TypeError)
-    if not (math.isfinite(softmax_scale) and softmax_scale > 0):
-        _fail(fn, name, softmax_scale, "must be finite and > 0 (the kernels fold it into Q)")
-    return float(softmax_scale)
+def _from_kernel(x, front, n):
+    """Kernel ``[b, h, d, s_k]`` -> a fresh contiguous ``[b, n, h, d]`` of rows ``front .. front + n``."""
+    return x[..., front:front + n].permute(0, 3, 1, 2).clone(memory_format=_CONTIG)
+
+
+def _kernel_sinks(sinks, b):
+    if sinks is None:
+        return None
+    s = sinks.to(torch.float32)
+    return s.unsqueeze(0).expand(b, *s.shape).clone(memory_format=_CONTIG)
+
+
+def check_slopes(fn, alibi_slopes):
+    """ALiBi slopes' values, float32 ``[batch, heads]`` (the host checks shapes; values are only seen here, in the
+    ops' bodies, where the tensors are real even under ``torch.compile``): every slope finite. Any sign is
+    accepted, as FlashAttention does: the bias ``-slope * distance`` penalises distant keys for a positive slope
+    and favours them for a negative one."""
+    if alibi_slopes is not None and not bool(torch.isfinite(alibi_slopes).all()):
+        bad = alibi_slopes[~torch.isfinite(alibi_slopes)]
+        raise ValueError(f"{fn}: alibi_slopes=a tensor with {bad.numel()} non-finite value(s), e.g. "
+                         f"{float(bad[0])}: every slope must be finite (any sign: a negative slope favours "
+                         f"distant keys)")
+
+
+def _op_spec(q, k, v, sinks, key_lo, key_hi, alibi, seed, left, right, shift, scale, softcap, dropout_p):
+    b, sq, hq, d = q.shape
+    return AttentionSpec("nki_attn", b, sq, k.shape[1], hq, k.shape[2], d, v.shape[3], q.dtype, scale, left, right,
+                         shift, key_lo, key_hi, softcap, alibi, dropout_p, seed, sinks)
 
 
 # ----------------------------------------------------------------------------------------------------- the ops
-def _variant_kwargs(softcap, alibi_slopes, window_size, dropout_p, dropout_seed):
-    """The variant keywords for the kernel call; those at their default are left out, so kernels built before
-    the variants (no such parameters) still take the call."""
-    kw = {}
-    if softcap != 0.0:
-        kw["softcap"] = softcap
-    if alibi_slopes is not None:
-        kw["alibi_slopes"] = alibi_slopes.contiguous()
-    if window_size is not None:
-        kw["window_size"] = (int(window_size[0]), int(window_size[1]))
-    if dropout_p != 0.0:
-        kw["dropout_p"] = dropout_p
-        kw["dropout_seed"] = dropout_seed
-    return kw
-
-
 @torch.library.custom_op("nki_attn::attention_fwd", mutates_args=())
 def _fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: Optional[torch.Tensor],
-            bound_min: Optional[torch.Tensor], bound_max: Optional[torch.Tensor], use_causal_mask: bool,
-            softmax_scale: float, sliding_window: Optional[int], mixed_precision: bool, softcap: float = 0.0,
-            alibi_slopes: Optional[torch.Tensor] = None, window_size: Optional[list[int]] = None,
-            dropout_p: float = 0.0, dropout_seed: Optional[torch.Tensor] = None
-            ) -> tuple[torch.Tensor, torch.Tensor]:
-    fwd, _ = _kernels()
-    o, lse = _launcher(fwd)(q.contiguous(), k.contiguous(), v.contiguous(), sinks, bound_min, bound_max,
-                            use_causal_mask=use_causal_mask, mixed_precision=mixed_precision,
-                            softmax_scale=softmax_scale, sliding_window=sliding_window,
-                            **_variant_kwargs(softcap, alibi_slopes, window_size, dropout_p, dropout_seed))
-    return o, lse
+            key_lo: Optional[torch.Tensor], key_hi: Optional[torch.Tensor], alibi: Optional[torch.Tensor],
+            dropout_seed: Optional[torch.Tensor], left: int, right: int, shift: int, scale: float, softcap: float,
+            dropout_p: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [b, sq, h, d_qk], k [b, sk, hk, d_qk], v [b, sk, hk, d_v] and the spec's fields -> (out [b, sq, h, d_v],
+    lse float32 [b, h, sq])."""
+    check_slopes("attention_fwd", alibi)
+    spec = _op_spec(q, k, v, sinks, key_lo, key_hi, alibi, dropout_seed, left, right, shift, scale, softcap,
+                    dropout_p)
+    b, sq, hq = spec.batch, spec.seqlen_q, spec.heads
+    pl = kernel_plan(spec, q.device)
+    o, lse = _launch("attention_fwd", kernel_api.attention_fwd,
+                     (_to_kernel(q, pl.sq_k, pl.front), _to_kernel(k, pl.sk_k), _to_kernel(v, pl.sk_k),
+                      _kernel_sinks(sinks, b), pl.bmin, pl.bmax), kernel_keywords(spec, pl))
+    lse = lse.permute(0, 1, 3, 2).reshape(b, hq, pl.sq_k)[..., pl.front:pl.front + sq]
+    return _from_kernel(o, pl.front, sq), lse.clone(memory_format=_CONTIG)
 
 
 @_fwd_op.register_fake
-def _fwd_fake(q, k, v, sinks, bound_min, bound_max, use_causal_mask, softmax_scale, sliding_window,
-              mixed_precision, softcap=0.0, alibi_slopes=None, window_size=None, dropout_p=0.0, dropout_seed=None):
-    b, h, _, s = q.shape
-    return q.new_empty((b, h, v.shape[2], s)), q.new_empty((b, h, PMAX, s // PMAX), dtype=torch.float32)
+def _fwd_fake(q, k, v, sinks, key_lo, key_hi, alibi, dropout_seed, left, right, shift, scale, softcap, dropout_p):
+    b, sq, hq, _ = q.shape
+    return q.new_empty((b, sq, hq, v.shape[3])), q.new_empty((b, hq, sq), dtype=torch.float32)
 
 
 @torch.library.custom_op("nki_attn::attention_bwd", mutates_args=())
-def _bwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, do: torch.Tensor,
-            lse: torch.Tensor, sinks: Optional[torch.Tensor], bound_min: Optional[torch.Tensor],
-            bound_max: Optional[torch.Tensor], use_causal_mask: bool, softmax_scale: float,
-            sliding_window: Optional[int], mixed_precision: bool, dlse: Optional[torch.Tensor],
-            softcap: float = 0.0, alibi_slopes: Optional[torch.Tensor] = None,
-            window_size: Optional[list[int]] = None, dropout_p: float = 0.0,
-            dropout_seed: Optional[torch.Tensor] = None
-            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def _bwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, dout: torch.Tensor,
+            lse: torch.Tensor, dlse: Optional[torch.Tensor], sinks: Optional[torch.Tensor],
+            key_lo: Optional[torch.Tensor], key_hi: Optional[torch.Tensor], alibi: Optional[torch.Tensor],
+            dropout_seed: Optional[torch.Tensor], left: int, right: int, shift: int, scale: float, softcap: float,
+            dropout_p: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of ``attention_fwd``: (dq, dk, dv like q, k, v; dsinks like sinks, or an empty [0] tensor)."""
     if dlse is not None and bool((dlse != 0).any()):
         raise NotImplementedError("nki_attn attention: a gradient flows into the log-sum-exp output (lse), which "
                                   "the backward kernel does not propagate; use lse only outside the graph "
                                   "(e.g. lse.detach())")
-    _, bwd = _kernels()
-    outs = _launcher(bwd)(q.contiguous(), k.contiguous(), v.contiguous(), o.contiguous(), do.contiguous(), lse,
-                          sinks, bound_min, bound_max, use_causal_mask=use_causal_mask,
-                          mixed_precision=mixed_precision, softmax_scale=softmax_scale,
-                          sliding_window=sliding_window,
-                          **_variant_kwargs(softcap, alibi_slopes, window_size, dropout_p, dropout_seed))
-    dsinks = outs[3] if sinks is not None else q.new_empty((0,), dtype=torch.float32)
-    return outs[0], outs[1], outs[2], dsinks
+    spec = _op_spec(q, k, v, sinks, key_lo, key_hi, alibi, dropout_seed, left, right, shift, scale, softcap,
+                    dropout_p)
+    b, sq, hq, sk = spec.batch, spec.seqlen_q, spec.heads, spec.seqlen_k
+    pl = kernel_plan(spec, q.device)
+    # Padded query rows get dout = 0 (so D = 0 and dS = 0) and lse = +inf (so P = exp(S - lse) = 0): they add
+    # nothing to dk, dv, dsinks, whatever out holds there.
+    lse_k = torch.nn.functional.pad(lse, (pl.front, pl.sq_k - sq - pl.front), value=math.inf)
+    lse_k = lse_k.reshape(b, hq, pl.sq_k // PMAX, PMAX).transpose(-1, -2).clone(memory_format=_CONTIG)
+    grads = _launch(
+        "attention_bwd", kernel_api.attention_bwd,
+        (_to_kernel(q, pl.sq_k, pl.front), _to_kernel(k, pl.sk_k), _to_kernel(v, pl.sk_k),
+         _to_kernel(out, pl.sq_k, pl.front), _to_kernel(dout, pl.sq_k, pl.front), lse_k, _kernel_sinks(sinks, b),
+         pl.bmin, pl.bmax), kernel_keywords(spec, pl))
+    dq, dk, dv = grads[:3]
+    dsinks = grads[3].sum(0).to(sinks.dtype) if sinks is not None else q.new_empty((0,), dtype=torch.float32)
+    return _from_kernel(dq, pl.front, sq), _from_kernel(dk, 0, sk), _from_kernel(dv, 0, sk), dsinks
 
 
 @_bwd_op.register_fake
-def _bwd_fake(q, k, v, o, do, lse, sinks, bound_min, bound_max, use_causal_mask, softmax_scale, sliding_window,
-              mixed_precision, dlse, softcap=0.0, alibi_slopes=None, window_size=None, dropout_p=0.0,
-              dropout_seed=None):
-    dsinks = (torch.empty(sinks.shape, dtype=torch.float32, device=sinks.device) if sinks is not None
-              else q.new_empty((0,), dtype=torch.float32))
-    c = torch.contiguous_format
-    return (torch.empty_like(q, memory_format=c), torch.empty_like(k, memory_format=c),
-            torch.empty_like(v, memory_format=c), dsinks)
-
-
-_FWD_FLAGS = 10  # inputs of _fwd_op before the variant keywords
+def _bwd_fake(q, k, v, out, dout, lse, dlse, sinks, key_lo, key_hi, alibi, dropout_seed, left, right, shift, scale,
+              softcap, dropout_p):
+    dsinks = torch.empty_like(sinks, memory_format=_CONTIG) if sinks is not None else \
+        q.new_empty((0,), dtype=torch.float32)
+    return (torch.empty_like(q, memory_format=_CONTIG), torch.empty_like(k, memory_format=_CONTIG),
+            torch.empty_like(v, memory_format=_CONTIG), dsinks)
 
 
 def _fwd_setup_context(ctx, inputs, output):
-    q, k, v, sinks, bound_min, bound_max, causal, scale, window, mixed = inputs[:_FWD_FLAGS]
-    variants = list(inputs[_FWD_FLAGS:])
-    defaults = [0.0, None, None, 0.0, None]
-    variants += defaults[len(variants):]
-    softcap, alibi_slopes, window_size, dropout_p, dropout_seed = variants
-    o, lse = output
-    ctx.save_for_backward(q, k, v, o, lse, sinks, bound_min, bound_max, alibi_slopes, dropout_seed)
-    ctx.flags = (causal, scale, window, mixed, softcap, window_size, dropout_p)
-    ctx.n_inputs = len(inputs)
+    q, k, v, sinks, key_lo, key_hi, alibi, seed = inputs[:8]
+    ctx.save_for_backward(q, k, v, output[0], output[1], sinks, key_lo, key_hi, alibi, seed)
+    ctx.flags = tuple(inputs[8:])
 
 
-def _fwd_backward(ctx, do, dlse):
-    q, k, v, o, lse, sinks, bound_min, bound_max, alibi_slopes, dropout_seed = ctx.saved_tensors
-    causal, scale, window, mixed, softcap, window_size, dropout_p = ctx.flags
-    dq, dk, dv, dsinks = _bwd_op(q, k, v, o, do, lse, sinks, bound_min, bound_max, causal, scale, window, mixed,
-                                 dlse, softcap, alibi_slopes, window_size, dropout_p, dropout_seed)
-    grads = [dq, dk, dv, (dsinks.to(sinks.dtype) if sinks is not None else None)]
-    return tuple(grads + [None] * (ctx.n_inputs - len(grads)))
-
-
-_fwd_op.register_autograd(_fwd_backward, setup_context=_fwd_setup_context)
+def _fwd_backward(ctx, dout, dlse):
+    q, k, v, out, lse, sinks, key_lo, key_hi, alibi, seed = ctx.saved_tensors
+    dq, dk, dv, dsinks = _bwd_op(q, k, v, out, dout, lse, dlse, sinks, key_lo, key_hi, alibi, seed, *ctx.flags)
+    return (dq, dk, dv, (dsinks if sinks is not None else None)) + (None,) * 10
 
 
 def _bwd_setup_context(ctx, inputs, output):
@@ -274,40 +268,50 @@ def _bwd_backward(ctx, *grads):
                        "backward kernel is not itself differentiable")
 
 
+_fwd_op.register_autograd(_fwd_backward, setup_context=_fwd_setup_context)
 _bwd_op.register_autograd(_bwd_backward, setup_context=_bwd_setup_context)
 
 
 # ----------------------------------------------------------------------------------------------------- public
-def attention_fwd(q, k, v, sinks=None, bound_min=None, bound_max=None, use_causal_mask=False, softmax_scale=None,
-                  sliding_window=None, mixed_precision=True, softcap=0.0, alibi_slopes=None, window_size=None,
-                  dropout_p=0.0, dropout_seed=None):
-    """Forward kernel as a differentiable torch op: ``(o [bs, nheads, d_v, seqlen_q] in q's dtype,
-    lse float32 [bs, nheads, 128, seqlen_q // 128])``. Layouts, variant keywords and rules: module docstring."""
-    scale = check_kernel_args("attention_fwd", q, k, v, sinks=sinks, bound_min=bound_min, bound_max=bound_max,
-                              use_causal_mask=use_causal_mask, softmax_scale=softmax_scale,
-                              sliding_window=sliding_window, mixed_precision=mixed_precision, softcap=softcap,
-                              alibi_slopes=alibi_slopes, window_size=window_size, dropout_p=dropout_p,
-                              dropout_seed=dropout_seed)
-    return _fwd_op(q, k, v, sinks, bound_min, bound_max, use_causal_mask, scale, sliding_window, mixed_precision,
-                   float(softcap), alibi_slopes, _window_list(window_size), float(dropout_p), dropout_seed)
+def _op_args(spec):
+    return (spec.sinks, spec.key_lo, spec.key_hi, spec.alibi, spec.dropout_seed, spec.left, spec.right, spec.shift,
+            spec.scale, spec.softcap, spec.dropout_p)
 
 
-def attention_bwd(q, k, v, o, do, lse, sinks=None, bound_min=None, bound_max=None, use_causal_mask=False,
-                  softmax_scale=None, sliding_window=None, mixed_precision=True, softcap=0.0, alibi_slopes=None,
-                  window_size=None, dropout_p=0.0, dropout_seed=None):
-    """Backward kernel as a torch op: ``(dq like q, dk like k, dv like v, dsinks)``, dsinks float32 shaped like
-    ``sinks`` (an empty ``[0]`` tensor when sinks is None). ``o`` and ``lse`` are the forward's outputs for the
-    same arguments (per block pair, for ring attention: the block's o and lse, or the merged ones); with dropout,
-    the same ``dropout_seed`` regenerates the forward's mask."""
-    scale = check_kernel_args("attention_bwd", q, k, v, o=o, do=do, lse=lse, sinks=sinks, bound_min=bound_min,
-                              bound_max=bound_max, use_causal_mask=use_causal_mask, softmax_scale=softmax_scale,
-                              sliding_window=sliding_window, mixed_precision=mixed_precision, softcap=softcap,
-                              alibi_slopes=alibi_slopes, window_size=window_size, dropout_p=dropout_p,
-                              dropout_seed=dropout_seed)
-    return _bwd_op(q, k, v, o, do, lse, sinks, bound_min, bound_max, use_causal_mask, scale, sliding_window,
-                   mixed_precision, None, float(softcap), alibi_slopes, _window_list(window_size),
-                   float(dropout_p), dropout_seed)
+def _is_empty(spec):
+    return 0 in (spec.batch, spec.seqlen_q, spec.seqlen_k, spec.heads, spec.d_qk, spec.d_v)
 
 
-def _window_list(window_size):
-    return None if window_size is None else [int(window_size[0]), int(window_size[1])]
+def attention(spec, q, k, v):
+    """Attention of q, k, v under ``spec`` (module docstring): ``(out [batch, seqlen_q, heads, d_v], lse float32
+    [batch, heads, seqlen_q])``, differentiable with respect to q, k, v and ``spec.sinks``."""
+    if _is_empty(spec):
+        return _empty_attention(spec, q, k, v)
+    return _fwd_op(q, k, v, *_op_args(spec))
+
+
+def attention_backward(spec, q, k, v, out, dout, lse):
+    """The backward of ``attention`` for given ``out`` / ``lse`` (``[batch, seqlen_q, heads, d_v]`` /
+    float32 ``[batch, heads, seqlen_q]``) and ``dout`` (like out): ``(dq, dk, dv, dsinks)``; dsinks float32
+    ``[0]`` without sinks. Not differentiable."""
+    return _bwd_op(q, k, v, out, dout, lse, None, *_op_args(spec))
+
+
+def _empty_attention(spec, q, k, v):
+    """Some size is 0: torch's result (zeros when no key exists, else an empty output), with gradients."""
+    b, sq, hq, hk = spec.batch, spec.seqlen_q, spec.heads, spec.heads_kv
+    kk, vv = k, v
+    if hq and hk and hq != hk:
+        kk, vv = k.repeat_interleave(hq // hk, dim=2), v.repeat_interleave(hq // hk, dim=2)
+    # with no key or an empty head_dim the scores are an empty sum (exact zeros), so this is exact
+    s = torch.matmul(q.transpose(1, 2), kk.permute(0, 2, 3, 1))
+    out = torch.matmul(s, vv.transpose(1, 2)).transpose(1, 2).clone(memory_format=_CONTIG)
+    lo, hi = spec_intervals(spec, q.device)
+    n = (hi - lo).to(torch.float32)  # zero scores: lse = log(#visible keys)
+    lse = torch.log(n).expand(b, hq, sq)
+    if spec.sinks is not None:
+        s = spec.sinks.detach().float()
+        s = s if s.dim() == 2 else s[:, None]
+        lse = torch.logaddexp(lse, torch.logsumexp(s, -1)[None, :, None])
+    lse = torch.where(torch.isneginf(lse), torch.full_like(lse, math.inf), lse)
+    return out, lse.clone(memory_format=_CONTIG)

@@ -48,7 +48,8 @@ from nki_attn.profiler import generation, profile  # noqa: E402
 from nki_attn.profiler.flops import useful_attention_flops  # noqa: E402
 from nki_attn.profiler.model import RESOURCES  # noqa: E402
 from nki_attn.profiler.params import CORRECTIONS, revert  # noqa: E402
-from nki_attn.sim import trace  # noqa: E402
+from nki_attn.profiler.params import MODEL  # noqa: E402
+from nki_attn.sim.benchmark import run_benchmark  # noqa: E402
 
 BF16 = ml_dtypes.bfloat16
 ENGINES = ("TensorE", "VectorE", "ScalarE", "GpSimdE", "DMA")
@@ -154,11 +155,14 @@ class Progress:
         self.done += 1
         print(f"[{self.done}/{self.total}] {what} ...", end="", flush=True)
         t = time.perf_counter()
-        with trace.recording() as rec:
-            out = fn()
-        print(f" {time.perf_counter() - t:.1f} s, {len(rec.records)} instructions "
-              f"(elapsed {time.perf_counter() - self.t0:.0f} s)", flush=True)
-        return out, rec.records
+        # through nki.benchmark (the simulator's: modeled latency from the trace; a real NKI's on Trainium)
+        out, res = run_benchmark(fn, (), warmup=0, iters=1)
+        if res.records is None:
+            raise SystemExit("a real NeuronDevice measured this run: the per-engine comparison needs the simulator")
+        print(f" {time.perf_counter() - t:.1f} s, {len(res.records)} instructions, modeled "
+              f"{res.nc_latency.get_latency_percentile(50):.1f} us (elapsed {time.perf_counter() - self.t0:.0f} s)",
+              flush=True)
+        return out, res.records
 
 
 def _f32(a):
@@ -225,13 +229,74 @@ def figures(sh, kernel, records, gen):
         if e in ("VectorE", "ScalarE", "GpSimdE"):
             by_instr[f"{e} {instr}"] = {"count_per_pair": n / pairs, "us_per_pair": ns / 1e3 / pairs}
     return {
-        "time_us": p.time_overlap_ns / 1e3, "serial_us": p.time_serial_ns / 1e3, "bottleneck": p.bottleneck,
+        "time_us": p.time_ns / 1e3, "overlap_us": p.time_overlap_ns / 1e3, "serial_us": p.time_serial_ns / 1e3,
+        "bottleneck": p.bottleneck,
+        "critical_path_us": {k: v / 1e3 for k, v in p.critical_path_by_kind().items()},
         "busy_us": busy, "per_pair_us": {e: b / pairs for e, b in busy.items()}, "tile_pairs": pairs,
-        "floor_us": p.tensor_floor_ns / 1e3, "floor_ratio": p.floor_ratio(),
+        "floor_us": p.tensor_floor_ns / 1e3, "floor_ratio": p.floor_ratio("scheduled"),
         "useful_util": p.useful_tensor_utilisation(), "executed_util": p.tensor_utilisation(),
         "instructions": len(records), "dma_transfers": p.dma_transfers, "dependent": p.dependent,
         "by_instr": by_instr,
     }
+
+
+def sensitivity_variants(gen):
+    """``[(label, Generation)]``: each parameter the docs leave uncertain at its plausible extremes, one at a time
+    (docs/performance.md, "Sensitivity")."""
+    from dataclasses import replace
+    return [
+        ("dma_transpose efficiency 0.25", replace(gen, dma_transpose_sbuf_eff=0.25, dma_transpose_hbm_eff=0.45)),
+        ("dma_transpose efficiency 0.5", replace(gen, dma_transpose_sbuf_eff=0.5, dma_transpose_hbm_eff=0.9)),
+        ("GpSimd 1x VectorE", replace(gen, gpsimd_vector_factor=1.0)),
+        ("GpSimd 4x VectorE", replace(gen, gpsimd_vector_factor=4.0)),
+        ("fp32 VectorE 1 elem/lane/cycle", replace(gen, vector_width_other=128)),
+        ("fp32 VectorE 2 elem/lane/cycle", replace(gen, vector_width_other=256)),
+        ("DMA floor 0 ns", replace(gen, dma_min_piece_ns=0.0)),
+        ("DMA floor 850 ns", replace(gen, dma_min_piece_ns=850.0)),
+        ("access overhead 0", replace(gen, access_overhead_cycles=0)),
+        ("access overhead 60", replace(gen, access_overhead_cycles=60)),
+        ("hardware-DGE split off", replace(gen, dge_transpose_split=False)),
+        ("hardware-DGE split on", replace(gen, dge_transpose_split=True)),
+        ("semaphore wait 0", replace(gen, sem_wait_ns=0.0)),
+        ("semaphore wait 1300 ns", replace(gen, sem_wait_ns=1300.0)),
+    ]
+
+
+def sensitivity(sh, kernel, rec_ours, rec_lib, gen):
+    """Our time / the library's under every sensitivity variant, and under the combination of the individually
+    worst settings for us; returns a dict with ``plain``, ``rows``, ``worst``, ``best``, ``combined``."""
+    from dataclasses import replace
+
+    def ratio(g):
+        return profile(rec_ours, g).time_ns / profile(rec_lib, g).time_ns
+    plain = ratio(gen)
+    rows = [(label, ratio(g)) for label, g in sensitivity_variants(gen)]
+    # the worst setting of each parameter (pairs of rows), combined
+    changes = {}
+    variants = sensitivity_variants(gen)
+    for i in range(0, len(variants), 2):
+        (la, ga), (lb, gb) = variants[i], variants[i + 1]
+        pick = ga if dict(rows)[la] >= dict(rows)[lb] else gb
+        changes.update({f: getattr(pick, f) for f in pick.__dataclass_fields__
+                        if getattr(pick, f) != getattr(gen, f)})
+    combined = ratio(replace(gen, **changes))
+    worst = max(rows, key=lambda r: r[1])
+    best = min(rows, key=lambda r: r[1])
+    return {"plain": plain, "rows": rows, "worst": worst, "best": best, "combined": combined,
+            "combined_changes": {k: v for k, v in changes.items()}}
+
+
+def print_sensitivity(results):
+    print(f"\nSensitivity (MODELED by {MODEL}): our time / the NKI Library's with each docs-uncertain parameter at "
+          f"its extremes, one at a time, and all at the setting worst for us at once\n")
+    print("| shape | kernel | plain | lowest (parameter) | highest (parameter) | all worst-for-us at once |")
+    print("|---|---|---|---|---|---|")
+    for name, per in results.items():
+        for kernel in ("bwd", "fwd"):
+            if kernel in per and "sens" in per[kernel]:
+                s = per[kernel]["sens"]
+                print(f"| ({name}) | {kernel} | {s['plain']:.2f} | {s['best'][1]:.2f} ({s['best'][0]}) | "
+                      f"{s['worst'][1]:.2f} ({s['worst'][0]}) | **{s['combined']:.2f}** |")
 
 
 def model_steps(sh, kernel, rec_ours, rec_lib, gen):
@@ -254,9 +319,8 @@ def _us(v):
 
 
 def print_report(results, target, steps):
-    print(f"\nAll device times are MODELED on {target} by nki_attn.profiler (docs/performance.md), not measured.")
-    print("ratio = our modeled time / the NKI Library's (perfect-overlap bound: the busiest engine or shared "
-          "resource)\n")
+    print(f"\nAll device times are MODELED on {target} by {MODEL} (docs/performance.md), not measured.")
+    print("ratio = our modeled time / the NKI Library's (scheduled time: the dependency-aware schedule)\n")
     print("| shape | kernel | ours us | NKI Library us | ratio | ours / floor | library / floor | floor us | "
           "bottleneck (ours / library) | max output mismatch |")
     print("|---|---|---|---|---|---|---|---|---|---|")
@@ -334,6 +398,9 @@ def parse_args(argv=None):
     ap.add_argument("--breakdown", default="a", help="shapes whose per-instruction breakdown to print ('' none)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", metavar="F", help="write all figures as JSON to F")
+    ap.add_argument("--sensitivity", action="store_true",
+                    help="re-cost the same traces with each docs-uncertain parameter at its extremes and print the "
+                         "plain and worst-case ratios per shape")
     args = ap.parse_args(argv)
     args.shapes = [s.strip() for s in args.shapes.split(",") if s.strip()]
     args.kernels = [k.strip() for k in args.kernels.split(",") if k.strip()]
@@ -388,14 +455,18 @@ def main(argv=None):
             r["lib_fig"] = figures(sh, kernel, r["lib"], gen)
             if args.model_steps:
                 r["steps"] = model_steps(sh, kernel, r["ours"], r["lib"], gen)
+            if args.sensitivity:
+                r["sens"] = sensitivity(sh, kernel, r["ours"], r["lib"], gen)
         results[name] = per
     print_report(results, args.target, args.model_steps)
+    if args.sensitivity:
+        print_sensitivity(results)
     for name in [s.strip() for s in args.breakdown.split(",") if s.strip() in results]:
         for kernel in ("bwd", "fwd"):
             print_breakdown(name, results[name], kernel)
     fails = check_limits(results, args)
     if args.json:
-        dump = {"target": args.target, "modeled": True, "nki_library_commit": commit, "kernel_sha256_12": versions,
+        dump = {"target": args.target, "modeled": True, "model": MODEL, "nki_library_commit": commit, "kernel_sha256_12": versions,
                 "shapes": {n: SHAPES[n].__dict__ for n in results},
                 "results": {n: {k: {kk: vv for kk, vv in r.items() if kk not in ("ours", "lib")}
                                 for k, r in per.items()} for n, per in results.items()},

@@ -436,9 +436,9 @@ def _steps_rank(rank, world_size, a):
         from nki_attn.distributed import ring_shard as shard
         fn = ring_flash_attn_func
     q, k, v, do = (shard(t, rank, world_size).requires_grad_(i < 3) for i, t in enumerate(full))
-    from nki_attn import ops
+    from nki_attn import kernel_api
     x = torch.zeros(1, 1, a["head_dim"], 128, dtype=dt)
-    ops.attention_fwd(x, x, x)  # pay the one-time import / trace set-up outside the recorded steps
+    kernel_api.attention_fwd(x, x, x)  # pay the one-time import / trace set-up outside the recorded steps
     with record_steps(_modeled_hook(a["target"])) as log:
         out = fn(q, k, v, causal=a["causal"], window_size=(a["window"] - 1 if a["window"] else -1, -1))
         out.backward(do)
@@ -483,14 +483,14 @@ def cmd_steps(a):
 # ----------------------------------------------------------------------------------------------------- threshold
 def _block_times(sq, sk, heads, kv_heads, d, dtype, target):
     """Modeled (fwd, bwd) us of one unmasked block pair: sq queries x sk keys, ``heads`` / ``kv_heads``."""
-    from nki_attn import ops
+    from nki_attn import kernel_api
     hook = _modeled_hook(target)
     g = torch.Generator().manual_seed(0)
     q = torch.randn(1, heads, d, sq, generator=g).to(dtype)
     k = torch.randn(1, kv_heads, d, sk, generator=g).to(dtype)
     v = torch.randn(1, kv_heads, d, sk, generator=g).to(dtype)
-    (o, lse), fwd = hook(lambda: ops.attention_fwd(q, k, v))
-    _, bwd = hook(lambda: ops.attention_bwd(q, k, v, o, torch.randn_like(o), lse))
+    (o, lse), fwd = hook(lambda: kernel_api.attention_fwd(q, k, v))
+    _, bwd = hook(lambda: kernel_api.attention_bwd(q, k, v, o, torch.randn_like(o), lse))
     return fwd["overlap_us"], bwd["overlap_us"]
 
 

@@ -49,7 +49,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 FWD = "nki_attn/kernels/attention_fwd.py"
 BWD = "nki_attn/kernels/attention_bwd.py"
-TILING = "nki_attn/kernels/tiling.py"
+BAND = "nki_attn/kernels/band.py"
+STEPS = "nki_attn/kernels/steps.py"
 VALIDATION = "nki_attn/kernels/validation.py"
 API = "nki_attn/attention.py"
 
@@ -59,8 +60,7 @@ T_TILING = ["tests/kernels/test_tiling_bruteforce.py", "tests/kernels/test_band_
 T_FWD = ["tests/kernels/test_fwd_coverage.py", "tests/kernels/test_fwd_blocking.py"]
 T_BWD = ["tests/kernels/test_bwd_coverage.py", "tests/kernels/test_bwd_grouping.py"]
 T_VARLEN = ["tests/api/test_varlen_unequal.py"]
-T_VALIDATION = ["tests/kernels/test_attention_bwd.py::test_validation_errors",
-                "tests/kernels/test_attention_fwd.py::test_validation_errors",
+T_VALIDATION = ["tests/kernels/test_kernel_errors.py::test_validation_errors",
                 "tests/kernels/test_coverage_gaps.py"]
 
 
@@ -85,11 +85,12 @@ MUTATIONS = [
     M("i19_2_varlen_no_bottom_right", API, "rel = pos + (len_k - len_q)", "rel = pos",
       "missed-bug audit, bug 2: varlen causal/window without the per-sequence bottom-right offset len_k - len_q",
       T_VARLEN),
-    M("i19_3_fully_visible_lo_off_by_one", TILING, "return k0 < q1 - 1 + lo_rel", "return k0 < q1 - 2 + lo_rel",
-      "missed-bug audit, bug 3: the lower-mask test (tile_fully_visible's window side) one key short",
+    M("i19_3_fully_visible_lo_off_by_one", BAND, "return k0 < q1 - 1 + lo_rel", "return k0 < q1 - 2 + lo_rel",
+      "missed-bug audit, bug 3: the lower-mask test (band_needs_lo_mask, the window side) one key short",
       T_TILING + T_BWD + T_FWD),
-    M("i19_4_visible_lt_as_le", TILING, "k1 - 1 >= q0 + lo_rel", "k1 - 1 > q0 + lo_rel",
-      "missed-bug audit, bug 4: tile_visible's window-side comparison off by one (a tile with one visible key skipped)",
+    M("i19_4_visible_lt_as_le", BAND, "k1 - 1 >= q0 + lo_rel", "k1 - 1 > q0 + lo_rel",
+      "missed-bug audit, bug 4: band_tile_visible's window-side comparison off by one (a tile with one visible key "
+      "skipped)",
       T_TILING + T_BWD + T_FWD),
     M("i19_5_d_in_last_section", BWD, "    if blk.first:\n        _rowsum_o_dy",
       "    if blk.last:\n        _rowsum_o_dy",
@@ -116,19 +117,19 @@ MUTATIONS = [
       "wrong accumulation start flag: every member's dV/dK matmul overwrites the group's PSUM", T_BWD),
     M("b_dvdk_section_offset", BWD, "a = kt.u0 - k_lo", "a = kt.u0",
       "dV/dK eviction at the absolute key offset instead of the section-relative one", T_BWD),
-    M("b_visible_tiles_drop_last_chunk", BWD, "for c0 in range(t0, t1, PMAX):",
+    M("k_classify_drops_last_chunk", BAND, "for c0 in range(t0, t1, PMAX):",
       "for c0 in range(t0, t1 - PMAX, PMAX):",
-      "off-by-one tile bound: the band tile plan never looks at a key tile's last 128-key chunk (visits trimmed "
-      "by it, one-chunk tiles skipped)", T_BWD),
-    M("b_block_head_offset", BWD, "h_abs0 = hk * c.group + blk.h0", "h_abs0 = hk * c.group",
+      "off-by-one tile bound: the band planner never looks at a key tile's last 128-key chunk (visits trimmed "
+      "by it, one-chunk tiles skipped)", T_TILING + T_BWD + T_FWD),
+    M("b_block_head_offset", BWD, "h_abs0 = item.kvh * c.group + blk.h0", "h_abs0 = item.kvh * c.group",
       "wrong block index: a block of a split GQA group loads the group's first heads", T_BWD),
     # ---- backward: masks
-    M("b_causal_mask_off_by_one", BWD, "offset=q0 + c.hi_rel - v.k0 - a)", "offset=q0 + c.hi_rel - v.k0 - a + 1)",
+    M("b_causal_mask_off_by_one", BWD, "offset=q0 + c.hi_rel - k0 - a)", "offset=q0 + c.hi_rel - k0 - a + 1)",
       "band's upper side (causal) element mask on P off by one (each query sees the next key)", T_BWD),
-    M("b_window_mask_one_wider", BWD, "offset=v.k0 - q0 - c.lo_rel)", "offset=v.k0 - q0 - c.lo_rel + 1)",
+    M("b_window_mask_one_wider", BWD, "offset=k0 - q0 - c.lo_rel)", "offset=k0 - q0 - c.lo_rel + 1)",
       "band's lower side (sliding window) element mask on P one key wider", T_BWD),
-    M("b_window_mask_extent", BWD, "e = min(v.kw, q0 + PMAX - 1 + c.lo_rel - v.k0)",
-      "e = min(v.kw, PMAX)",
+    M("b_window_mask_extent", BWD, "e = min(kw, q0 + PMAX - 1 + c.lo_rel - k0)",
+      "e = min(kw, PMAX)",
       "band's lower-side mask applied to too few columns (only the visit's first 128-key chunk, though the "
       "window edge of the tile's last rows lies further right)", T_BWD),
     M("b_packing_window_bound", BWD, "operand0=float(c.lo_rel), op1=nl.maximum",
@@ -161,17 +162,17 @@ MUTATIONS = [
     M("f_alpha_reversed", FWD, "data1=pm[:, :, kb], data2=pm_next[:, :, kb], op=nl.subtract",
       "data1=pm_next[:, :, kb], data2=pm[:, :, kb], op=nl.subtract",
       "alpha = exp(m' - m) instead of exp(m - m')", T_FWD),
-    M("f_start_flag_never_set", FWD, "            started[u] = True", "            started[u] = False",
+    M("f_start_flag_never_set", FWD, "            blk.started[u] = True", "            blk.started[u] = False",
       "wrong start flag: every key block overwrites O instead of accumulating", T_FWD),
     M("f_lse_sign", FWD, "data1=log_l, data2=bias, op=nl.subtract", "data1=log_l, data2=bias, op=nl.add",
       "lse = log(l) + bias instead of log(l) - bias (= c m + log l)", T_FWD),
     M("f_empty_rows_lse_zero", FWD, "on_true=lse_real, on_false=POS_INF)", "on_true=lse_real, on_false=0.0)",
       "a row with no visible key gets LSE 0 instead of +inf", T_FWD),
-    M("f_scale_twice", FWD, "base = shp.scale if in_exp else 1.0", "base = shp.scale",
+    M("f_scale_twice", FWD, "base = 1.0 if self.fold_scale_into_q else shp.scale", "base = shp.scale",
       "wrong scale placement: a non-power-of-two softmax scale applied in the exponent and folded into Q", T_FWD),
     # ---- forward: masks and tile bounds
-    M("f_chunk_range_drops_last", FWD, "            hi = c + 1\n", "            hi = c\n",
-      "off-by-one tile bound: a unit's visible chunk run loses its last chunk", T_FWD),
+    M("k_classify_run_drops_last", BAND, "            k1 = c0 + PMAX\n", "            k1 = c0\n",
+      "off-by-one tile bound: a member's visible chunk run loses its last chunk", T_TILING + T_FWD + T_BWD),
     M("f_window_bound_off_by_one", FWD, "offset=cfg.lo_rel, channel_multiplier=1)",
       "offset=cfg.lo_rel - 1, channel_multiplier=1)",
       "band's lower side (window) key bound one key wider (trn2+ range_select bounds)", T_FWD),
@@ -181,33 +182,36 @@ MUTATIONS = [
     M("f_trn1_window_affine", FWD, "offset=ks - q0 - cfg.lo_rel)", "offset=ks - q0 - cfg.lo_rel + 1)",
       "trn1 affine mask of the band's lower side (window) one key wider",
       ["tests/kernels/test_coverage_gaps.py::test_trn1_affine_window_mask"] + T_FWD),
-    M("f_packing_tiles_full", FWD, "full = not shp.packing and band_tile_fully_visible(",
-      "full = band_tile_fully_visible(",
-      "dropped mask: packing tiles treated as fully visible when the band would allow it", T_FWD),
+    M("k_packing_tiles_full", BAND, "if packing or needs_lo or needs_hi:", "if needs_lo or needs_hi:",
+      "dropped mask: packing tiles classified as fully visible when the band would allow it",
+      T_TILING + T_FWD + T_BWD),
+    M("k_mask_step_ignores_kind", STEPS, 'if tile.kind == "full":', 'if tile.kind != "skip":',
+      "dropped mask: every visible tile gets the mask step of a fully visible one", T_FWD + T_BWD),
     # ---- forward: blocks, sections, offsets
-    M("f_kv_load_offset", FWD, "key0 = kt0 * K_TILE + c_lo * PMAX", "key0 = kt0 * K_TILE",
+    M("f_kv_load_offset", FWD, "key0 = kb.kt0 * K_TILE + kb.c_lo * PMAX", "key0 = kb.kt0 * K_TILE",
       "K/V of a key block loaded from the block start, not from its first visible chunk", T_FWD),
-    M("f_v_chunk_index", FWD, "moving=vt[:, i * ch + lo + c - c_lo, :]", "moving=vt[:, i * ch + c - c_lo, :]",
-      "wrong V^T chunk in the PV matmul (the unit's first visible chunk of the tile ignored)", T_FWD),
+    M("f_v_chunk_index", FWD, "moving=vt[:, i * ch + lo + c - kb.c_lo, :]", "moving=vt[:, i * ch + c - kb.c_lo, :]",
+      "wrong V^T chunk in the PV matmul (the member's first visible chunk of the tile ignored)", T_FWD),
     M("f_block_column", FWD, "col = (j0 + u) * PMAX", "col = u * PMAX",
-      "wrong block index: a block's O goes to the section's first units' columns", T_FWD),
-    M("f_section_tile", FWD, "tiles.append(t0 + j // g)", "tiles.append(j // g)",
-      "wrong section index: a unit's query tile taken relative to its section", T_FWD),
+      "wrong block index: a block's O goes to the slab's first members' columns", T_FWD),
+    M("f_slab_tile", FWD, "tiles.append(slab.t0 + j // g)", "tiles.append(j // g)",
+      "wrong slab index: a member's query tile taken relative to its slab", T_FWD),
     # ---- forward: GQA and sinks
-    M("f_q_head_mapping", FWD, "src=q_ref[b, kvh * g + h,", "src=q_ref[b, kvh * cfg.shp.nheads_kv + h,",
+    M("f_q_head_mapping", FWD, "src=hbm.q[b, kvh * g + h,", "src=hbm.q[b, kvh * cfg.shp.nheads_kv + h,",
       "wrong GQA head mapping: Q of kv head kvh read at kvh * nheads_kv + h", T_FWD),
     M("f_sink_offset", FWD, "offset=(b * shp.nheads + kvh * g) * ns))",
       "offset=(b * shp.nheads + kvh * shp.nheads_kv) * ns))",
       "wrong GQA head mapping of the sink logits (nheads_kv for the group size)", T_FWD),
-    M("f_sink_sum_dropped", FWD, "nisa.tensor_copy(dst=l_sum, src=_per_unit(l0, j0, n, g))",
+    M("f_sink_sum_dropped", FWD, "nisa.tensor_copy(dst=l_sum, src=_per_member(cfg, l0, j0, n))",
       "nisa.memset(dst=l_sum, value=0.0, engine=nisa.engine.gpsimd)",
       "sinks dropped from the softmax denominator (their max kept)", T_FWD),
-    # ---- tiling (band functions the kernels' tile plans use)
-    M("t_legacy_window_one_wider", TILING, "lo_rel = 1 - window", "lo_rel = -window",
-      "the window band one key wider in the equal-length tile tests", T_TILING + T_BWD + T_FWD),
-    M("t_key_range_end", TILING, "k_end = min(seqlen_k, q1 + hi_rel)", "k_end = min(seqlen_k, q1 - 1 + hi_rel)",
+    # ---- the band planner (band.py: the band and the tile classification both kernels plan with)
+    M("t_sliding_window_one_wider", BAND, "lo_rel = max(lo_rel, off - sliding_window + 1)",
+      "lo_rel = max(lo_rel, off - sliding_window)",
+      "the sliding-window band one key wider", T_TILING + T_BWD + T_FWD),
+    M("t_key_range_end", BAND, "k_end = min(seqlen_k, q1 + hi_rel)", "k_end = min(seqlen_k, q1 - 1 + hi_rel)",
       "band_key_range one key short at its end", T_TILING),
-    M("t_band_right_side", TILING, "hi_rel = min(hi_rel, off + right)", "hi_rel = min(hi_rel, off + right + 1)",
+    M("t_band_right_side", BAND, "hi_rel = min(hi_rel, off + right)", "hi_rel = min(hi_rel, off + right + 1)",
       "two-sided window band one key wider on the right", T_TILING),
     # ---- validation
     M("v_dropout_p_one_accepted", VALIDATION, "dropout_p >= 0.0 and dropout_p < 1.0)",

@@ -16,7 +16,7 @@ position i sees key j iff ``i - left <= j <= i + right`` (a side of -1 is unboun
 Because a shard's positions increase along its local axis, the keys of any shard that one query sees form one
 contiguous run of local indices, so a block pair's mask is exactly a per-query key interval ``[lo, hi)``: the
 kernels' ``bound_min`` / ``bound_max``. ``lo`` counts the local keys before the window and ``hi`` the local keys
-up to its end, which add up chunk by chunk; each chunk's count is ``attention.window_intervals`` (the helper the
+up to its end, which add up chunk by chunk; each chunk's count is ``spec.window_intervals`` (the helper the
 single-process API builds its bounds with).
 """
 from dataclasses import dataclass
@@ -24,8 +24,8 @@ from typing import Optional, Sequence
 
 import torch
 
-from ..attention import _bounds, _round_up, window_intervals
-from ..ops import PMAX
+from ..ops import kernel_bounds, padded_length
+from ..spec import PMAX, window_intervals
 
 __all__ = ["Shard", "ring_layout", "zigzag_layout", "zigzag_chunk_lengths", "key_intervals", "BlockPlan",
            "plan_block", "Schedule", "plan_schedule", "work_balance"]
@@ -161,7 +161,7 @@ def _plan(lo, hi, nq, q_pad, k_pad, left):
         want_lo = (t - left).clamp(min=0) if left >= 0 else torch.zeros_like(t)
         if bool((clo == want_lo).all()):
             return BlockPlan((r0, r1), (k0, k1), True, window, None, None, visible, _causal_tiles(sq, window))
-    bmin, bmax = _bounds(clo, chi, sq)
+    bmin, bmax = kernel_bounds(clo, chi, sq)
     return BlockPlan((r0, r1), (k0, k1), False, None, bmin, bmax, visible, (sq // PMAX) * (sk // PMAX))
 
 
@@ -175,8 +175,8 @@ def plan_block(q_shard: Shard, k_shard: Shard, left: int, right: int, q_pad: Opt
     shards have several chunks (zigzag with a window), one call per chunk pair is used instead if that computes
     fewer tiles (each chunk pair is a plain window: native causal or a small crop)."""
     nq, nk = q_shard.length, k_shard.length
-    q_pad = _round_up(nq) if q_pad is None else q_pad
-    k_pad = _round_up(nk) if k_pad is None else k_pad
+    q_pad = padded_length(nq) if q_pad is None else q_pad
+    k_pad = padded_length(nk) if k_pad is None else k_pad
     if nq == 0 or nk == 0:
         return ()
     lo, hi = key_intervals(q_shard, k_shard, left, right)
@@ -240,8 +240,8 @@ def plan_schedule(shards: Sequence[Shard], left: int, right: int) -> Schedule:
     past it moves less data; ties keep the classic ring.
     """
     R = len(shards)
-    kv_pad = max(_round_up(s.length) for s in shards)
-    q_pad = tuple(_round_up(s.length) for s in shards)
+    kv_pad = max(padded_length(s.length) for s in shards)
+    q_pad = tuple(padded_length(s.length) for s in shards)
     blocks = tuple(tuple(plan_block(shards[r], shards[s], left, right, q_pad[r], kv_pad) for s in range(R))
                    for r in range(R))
     needed = sorted({(r - s) % R for r in range(R) for s in range(R) if s != r and blocks[r][s]})

@@ -21,14 +21,13 @@ own keys and values. dsinks = -sum_i exp(sink - lse_i) D_i over the rank's own q
 import contextlib
 import functools
 import math
+import numbers
 import time
 
 import torch
 
-from .. import ops
-from ..attention import (MAX_EXACT_KEY, _check_dropout, _check_fa_extras, _check_head_dim, _check_heads,
-                         _check_qkv, _check_sinks, _check_bool, _fail, _to_kernel, _window)
-from ..ops import PMAX
+from ..ops import attention, attention_backward
+from ..spec import MAX_EXACT_KEY, fail as _fail, flash_spec
 from .comm import TAG_DKV_BWD, TAG_DKV_FWD, TAG_KV_BWD, TAG_KV_FWD, RingComm
 from .layout import plan_schedule, ring_layout, zigzag_chunk_lengths, zigzag_layout
 
@@ -106,13 +105,12 @@ class _Ring:
     leaving the others waiting in a transfer.
     """
 
-    def __init__(self, fn, layout, q, k, v, sinks, softmax_scale, causal, window_size, group, check_flags):
+    def __init__(self, fn, layout, q, k, v, group, check_args):
         self.comm = RingComm(group)
         R = self.comm.size
         error = None
         try:
-            check_flags()
-            self._check_local(fn, q, k, v, sinks, softmax_scale, causal, window_size)
+            self._check_local(fn, q, k, v, check_args())
         except (TypeError, ValueError, NotImplementedError) as e:
             error = e
         device = q.device if isinstance(q, torch.Tensor) else torch.device("cpu")
@@ -143,47 +141,54 @@ class _Ring:
         self.n = n
         self.q_pad = self.sched.q_pad[self.comm.rank]
 
-    def _check_local(self, fn, q, k, v, sinks, softmax_scale, causal, window_size):
-        _check_qkv(fn, q, k, v, 4)
+    def _check_local(self, fn, q, k, v, spec):
+        """The ring's own rules on top of ``flash_attn_func``'s (``spec``, already checked)."""
         b, n, hq, d = q.shape
-        bk, nk, hk, dk = k.shape
-        if bk != b or nk != n:
+        if k.shape[1] != n:
             _fail(fn, "k.shape", tuple(k.shape), f"batch and local seqlen must equal q's {(b, n)}: every rank "
                                                  f"holds the keys of its own queries")
-        if dk != d:
-            _fail(fn, "k.shape[3]", dk, f"head_dim must equal q.shape[3] = {d}")
         if v.shape != k.shape:
             _fail(fn, "v.shape", tuple(v.shape), f"must equal k.shape {tuple(k.shape)} (ring attention sends k and "
                                                  f"v as one buffer)")
-        _check_heads(fn, hq, hk, "k.shape[2]")
-        _check_head_dim(fn, d, "q.shape[3]")
         for name, x in (("batch", b), ("heads", hq), ("head_dim", d)):
             if x == 0:
                 _fail(fn, f"q {name}", 0, "must be >= 1 for ring attention")
-        _check_sinks(fn, sinks, hq, q)
-        self.left, self.right = _window(fn, window_size, causal)
-        self.scale = ops.resolve_scale(fn, softmax_scale, d)
+        self.left, self.right = spec.left, spec.right
+        self.scale = spec.scale
+        # one block's spec: lengths and mask are set per block pair; sinks join after the merge
+        self.block = spec.with_mask(0, 0, sinks=None)
 
     def plans(self, src):
         return self.sched.blocks[self.comm.rank][src]
 
 
-def _kargs(plan, device):
-    bmin = plan.bound_min.to(device) if plan.bound_min is not None else None
-    bmax = plan.bound_max.to(device) if plan.bound_max is not None else None
-    return bmin, bmax
+def _block_spec(ring, plan, device):
+    """The ``AttentionSpec`` of one block pair: its lengths and its mask (the kernels' causal band, per-query
+    bounds, or nothing)."""
+    (r0, r1), (k0, k1) = plan.rows, plan.keys
+    if plan.bound_min is not None:
+        return ring.block.with_mask(r1 - r0, k1 - k0, key_lo=plan.bound_min.to(device, torch.int64),
+                                    key_hi=plan.bound_max.to(device, torch.int64))
+    if plan.causal:
+        left = plan.window - 1 if plan.window else -1
+        return ring.block.with_mask(r1 - r0, k1 - k0, left, 0, (k1 - k0) - (r1 - r0))
+    return ring.block.with_mask(r1 - r0, k1 - k0)
 
 
-def _lse_rows(lse_k):
-    """Kernel LSE ``[b, h, 128, n/128]`` -> rows ``[b, h, n]``."""
-    b, h, p, t = lse_k.shape
-    return lse_k.transpose(-1, -2).reshape(b, h, p * t)
+def _fa(x):
+    """A kernel-layout buffer ``[b, h, d, s]`` viewed in FlashAttention's layout ``[b, s, h, d]`` (no copy)."""
+    return x.permute(0, 3, 1, 2)
 
 
-def _lse_kernel(rows):
-    """Rows ``[b, h, n]`` -> kernel LSE ``[b, h, 128, n/128]`` (contiguous)."""
-    b, h, n = rows.shape
-    return rows.reshape(b, h, n // PMAX, PMAX).transpose(-1, -2).contiguous()
+def _kl(x):
+    """FlashAttention's layout ``[b, s, h, d]`` viewed as the buffers' ``[b, h, d, s]`` (no copy)."""
+    return x.permute(0, 2, 3, 1)
+
+
+def _to_buffer(x, pad_to):
+    """``[b, s, h, d]`` -> a fresh ``[b, h, d, pad_to]`` buffer, zero rows after the sequence."""
+    y = torch.nn.functional.pad(_kl(x), (0, pad_to - x.shape[1]))
+    return y if y.is_contiguous() else y.clone(memory_format=torch.contiguous_format)
 
 
 def _merge(o_acc, lse_acc, o_b, lse_b):
@@ -221,13 +226,12 @@ def _travel_post(ring, step, cur, tags):
 
 def _fwd_block(ring, rec, q_kl, buf, src, plan, o_acc, lse_acc):
     (r0, r1), (k0, k1) = plan.rows, plan.keys
-    bmin, bmax = _kargs(plan, q_kl.device)
+    spec = _block_spec(ring, plan, q_kl.device)
 
     def run():
-        return ops.attention_fwd(q_kl[..., r0:r1], buf[0][..., k0:k1], buf[1][..., k0:k1], None, bmin, bmax,
-                                 plan.causal, ring.scale, plan.window, True)
+        return attention(spec, _fa(q_kl[..., r0:r1]), _fa(buf[0][..., k0:k1]), _fa(buf[1][..., k0:k1]))
     o_b, lse_b = rec.kernel(src, plan, run)
-    _merge(o_acc[..., r0:r1], lse_acc[..., r0:r1], o_b, _lse_rows(lse_b))
+    _merge(o_acc[..., r0:r1], lse_acc[..., r0:r1], _kl(o_b), lse_b)
 
 
 def _forward(ring, q_kl, kv, sinks):
@@ -257,21 +261,20 @@ def _forward(ring, q_kl, kv, sinks):
 
 
 # ----------------------------------------------------------------------------------------------------- backward
-def _bwd_block(ring, rec, q_kl, buf, o_kl, do_kl, lse_kl, src, plan, dq):
+def _bwd_block(ring, rec, q_kl, buf, o_kl, do_kl, lse, src, plan, dq):
     """Backward kernel of one block with the global o and lse; adds dQ in place, returns (k0, k1, dk, dv)."""
     (r0, r1), (k0, k1) = plan.rows, plan.keys
-    bmin, bmax = _kargs(plan, q_kl.device)
+    spec = _block_spec(ring, plan, q_kl.device)
 
     def run():
-        return ops.attention_bwd(q_kl[..., r0:r1], buf[0][..., k0:k1], buf[1][..., k0:k1], o_kl[..., r0:r1],
-                                 do_kl[..., r0:r1], lse_kl[..., r0 // PMAX:r1 // PMAX].contiguous(), None, bmin,
-                                 bmax, plan.causal, ring.scale, plan.window, True)
+        return attention_backward(spec, _fa(q_kl[..., r0:r1]), _fa(buf[0][..., k0:k1]), _fa(buf[1][..., k0:k1]),
+                                  _fa(o_kl[..., r0:r1]), _fa(do_kl[..., r0:r1]), lse[..., r0:r1])
     dq_b, dk_b, dv_b, _ = rec.kernel(src, plan, run)
-    dq[..., r0:r1] += dq_b.float()
-    return k0, k1, dk_b, dv_b
+    dq[..., r0:r1] += _kl(dq_b).float()
+    return k0, k1, _kl(dk_b), _kl(dv_b)
 
 
-def _backward(ring, q_kl, kv, o_kl, do_kl, lse_kl):
+def _backward(ring, q_kl, kv, o_kl, do_kl, lse):
     """Gradients of the local shard: (dq float32 [b, h, d, q_pad], dkv float32 [2, b, hk, d, kv_pad])."""
     s, comm, rank = ring.sched, ring.comm, ring.comm.rank
     dq = torch.zeros(q_kl.shape, dtype=torch.float32, device=q_kl.device)
@@ -285,7 +288,7 @@ def _backward(ring, q_kl, kv, o_kl, do_kl, lse_kl):
         rec = _Step(comm, "bwd", step)
         works, nxt = _travel_post(ring, step, cur, (TAG_KV_FWD, TAG_KV_BWD))
         for direction, src in s.sources(rank, step):
-            contribs = [_bwd_block(ring, rec, q_kl, cur[direction], o_kl, do_kl, lse_kl, src, plan, dq)
+            contribs = [_bwd_block(ring, rec, q_kl, cur[direction], o_kl, do_kl, lse, src, plan, dq)
                         for plan in ring.plans(src)]
             if direction == 0:
                 a = acc[0]
@@ -337,8 +340,8 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, sinks, ring):
         n, kv_pad = ring.n, ring.sched.kv_pad
-        q_kl = _to_kernel(q, ring.q_pad)
-        kv = torch.stack([_to_kernel(k, kv_pad), _to_kernel(v, kv_pad)])
+        q_kl = _to_buffer(q, ring.q_pad)
+        kv = torch.stack([_to_buffer(k, kv_pad), _to_buffer(v, kv_pad)])
         o_acc, lse = _forward(ring, q_kl, kv, sinks)
         o_kl = o_acc.to(q.dtype)
         lse = torch.where(torch.isneginf(lse), math.inf, lse)
@@ -356,8 +359,8 @@ class _RingAttention(torch.autograd.Function):
         q_kl, kv, o_kl, lse, sinks = ctx.saved_tensors
         ring = ctx.ring
         n, nk = ring.n, ring.n
-        do_kl = _to_kernel(dout.to(q_kl.dtype), ring.q_pad)  # padded rows get do = 0
-        dq, dkv = _backward(ring, q_kl, kv, o_kl, do_kl, _lse_kernel(lse))
+        do_kl = _to_buffer(dout.to(q_kl.dtype), ring.q_pad)  # padded rows get do = 0
+        dq, dkv = _backward(ring, q_kl, kv, o_kl, do_kl, lse)
         dq = dq[..., :n].permute(0, 3, 1, 2).to(q_kl.dtype).contiguous()
         dk = dkv[0][..., :nk].permute(0, 3, 1, 2).to(ctx.k_dtype).contiguous()
         dv = dkv[1][..., :nk].permute(0, 3, 1, 2).to(ctx.k_dtype).contiguous()
@@ -376,14 +379,17 @@ class _RingAttention(torch.autograd.Function):
 # ----------------------------------------------------------------------------------------------------- public
 def _ring_attention(fn, layout, q, k, v, dropout_p, softmax_scale, causal, window_size, alibi_slopes,
                     deterministic, return_attn_probs, group, sinks, return_lse):
-    def check_flags():
-        if _check_dropout(fn, dropout_p) != 0.0:
+    def check_args():
+        if isinstance(dropout_p, numbers.Real) and not isinstance(dropout_p, bool) and dropout_p != 0.0:
             _fail(fn, "dropout_p", dropout_p, "ring attention does not implement dropout; only 0.0",
                   NotImplementedError)
-        _check_fa_extras(fn, 0.0, alibi_slopes, deterministic, return_attn_probs)
-        _check_bool(fn, "return_lse", return_lse)
-        _check_bool(fn, "causal", causal)
-    ring = _Ring(fn, layout, q, k, v, sinks, softmax_scale, causal, window_size, group, check_flags)
+        if alibi_slopes is not None:
+            shape = tuple(alibi_slopes.shape) if isinstance(alibi_slopes, torch.Tensor) else \
+                type(alibi_slopes).__name__
+            _fail(fn, "alibi_slopes", shape, "ALiBi is not implemented here; only None", NotImplementedError)
+        return flash_spec(fn, q, k, v, dropout_p, softmax_scale, causal, window_size, 0.0, None, deterministic,
+                          return_attn_probs, sinks=sinks, return_lse=return_lse)
+    ring = _Ring(fn, layout, q, k, v, group, check_args)
     out, lse = _RingAttention.apply(q, k, v, sinks, ring)
     if return_attn_probs:
         return out, lse, None
@@ -449,8 +455,8 @@ zigzag_ring_flash_attn_func.__doc__ += _SHAPES
 
 
 def _unpack(fn, x, n, dim_len, what):
-    from ..attention import _check_tensor
-    _check_tensor(fn, what, x)
+    if not isinstance(x, torch.Tensor):
+        _fail(fn, what, type(x).__name__, "must be a torch.Tensor", TypeError)
     if x.dim() != 5 or x.shape[2] != dim_len:
         _fail(fn, f"{what}.shape", tuple(x.shape), f"must be [batch, s_local, {dim_len}, heads, head_dim]")
     return x.unbind(2)

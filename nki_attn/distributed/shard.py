@@ -1,7 +1,7 @@
 """Cut a full sequence into the ranks' shards and put it back together; the per-rank work-balance report."""
 import torch
 
-from ..attention import _window
+from ..spec import window_pair
 from .layout import ring_layout, work_balance, zigzag_chunk_lengths, zigzag_layout
 
 __all__ = ["ring_shard", "ring_unshard", "zigzag_shard", "zigzag_unshard", "work_balance_report",
@@ -66,7 +66,7 @@ def work_balance_report(seqlen, world_size, causal=True, window_size=(-1, -1)):
     """Per-rank work of one attention call over ``seqlen`` tokens on ``world_size`` ranks, for both layouts:
     ``{"ring": rows, "zigzag": rows}`` with rows as ``layout.work_balance`` (``visible`` pairs, kernel
     ``tiles`` of 128 x 128, ``blocks``, ``imbalance`` = max / mean tiles)."""
-    left, right = _window("work_balance_report", window_size, causal)
+    left, right = window_pair("work_balance_report", window_size, causal)
     lengths = [len(t) for t in torch.tensor_split(torch.arange(seqlen), world_size)]
     return {"ring": work_balance(ring_layout(lengths), left, right),
             "zigzag": work_balance(zigzag_layout(seqlen, world_size), left, right)}

@@ -37,19 +37,14 @@ import sys
 
 import torch
 
+from .errors import CandidateError, Unsupported  # noqa: F401 - re-exported: candidates' refusals are named here
+from .runner import KernelCandidate
+
 BUILTIN = "nki-kernels"
 # Exceptions that mean "this input is not supported" when a call into the candidate raises them.
 REFUSALS = (AssertionError, ValueError, NotImplementedError)
 FWD_CONTRACTS = ("lse", "cte")
 PMAX = 128
-
-
-class Unsupported(Exception):
-    """The candidate refused a row's arguments (see the module docstring for what counts as a refusal)."""
-
-
-class CandidateError(Exception):
-    """The candidate broke the calling contract (e.g. returned the wrong number of outputs): a failing row."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -266,7 +261,6 @@ class ExternalCandidate:
     launches the given kernels as ``kernel[2]`` (refused by the CLI when they do not accept it)."""
 
     def __init__(self, spec, lnc=1):
-        from .runner import KernelCandidate
         self.spec, self.lnc = spec, lnc
         self.name = spec.describe()
         self.ours = KernelCandidate(lnc=lnc)
@@ -287,6 +281,18 @@ class ExternalCandidate:
             softmax_scale=None, sliding_window=None, **variants):
         """``variants``: the attention-variant keywords a row uses (``softcap``, ``alibi_slopes``, ``window_size``,
         ``dropout_p``, ``dropout_seed``), passed by name; a candidate whose signature lacks one is Unsupported."""
+        if self._bwd is not None:
+            # a backward that cannot take the row's arguments refuses it before any forward work is spent: the
+            # bind the backward's own call will make, with the forward's tensors standing in for o, dy and lse
+            sig = _signature(self._bwd)
+            if sig is not None:
+                try:
+                    sig.bind(*_trimmed((q, k, v, q, q, q, sinks, bound_min, bound_max)),
+                             **_options(self._bwd, use_causal_mask, mixed_precision, softmax_scale, sliding_window),
+                             **variants)
+                except TypeError as exc:
+                    raise Unsupported(f"candidate backward: its signature does not take this row's arguments "
+                                      f"({exc})") from None
         if self._fwd is None:
             return self.ours.fwd(q, k, v, sinks, bound_min, bound_max, use_causal_mask=use_causal_mask,
                                  mixed_precision=mixed_precision, softmax_scale=softmax_scale,
@@ -332,7 +338,6 @@ _CACHE = {}
 def make(spec=None, lnc=1):
     """The candidate a row runs: ours for ``spec`` None or builtin, else an ``ExternalCandidate`` (cached per
     process, so worker processes load a candidate's module once)."""
-    from .runner import KernelCandidate
     if spec is None or spec.builtin:
         return KernelCandidate(lnc=lnc)
     key = (spec, lnc)

@@ -27,7 +27,10 @@ FEATURES = ("plain", "causal", "window", "gqa", "mqa", "packing", "packing_causa
 VARIANT_FEATURES = ("softcap", "alibi", "alibi_causal", "local", "local_causal", "causal_sq_lt_sk",
                     "causal_sq_gt_sk", "dqk_dv", "odd_head_dim", "dropout", "dropout_causal")
 FEATURES = FEATURES + VARIANT_FEATURES
-ALIBI_KINDS = ("", "bloom", "random")
+ALIBI_KINDS = ("", "bloom", "random", "random_h", "signed")
+# Which sinks are -inf (a sink that takes no share, and a head whose sinks take none): "" none, "head" every sink
+# of head 0, "first" sink 0 of every head.
+SINKS_INF_KINDS = ("", "head", "first")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,12 +53,20 @@ class Case:
     note: str = ""
     api: bool = False  # run through the public PyTorch API even when the lengths are multiples of 128
     softcap: float = 0.0  # logit soft-capping c (0 = off): S = c * tanh(S / c)
-    alibi: str = ""  # ALiBi slopes: "" none, "bloom" (BLOOM's geometric slopes per head), "random" (U[0, 0.3))
+    # ALiBi slopes: "" none, "bloom" (BLOOM's geometric slopes per head), "random" (U[0, 0.3) per (batch, head):
+    # [b, h] slopes), "random_h" (U[0, 0.3) per head, shared by the batch: the API gets [h] slopes), "signed"
+    # (U[-0.3, 0.3) per (batch, head): a negative slope is a bias growing with the distance)
+    alibi: str = ""
     window_size: tuple = ()  # (left, right), -1 = unbounded side; () = none. Not with ``window``.
     d_v: int = 0  # head dim of v / o / dO (0 = d_head); d_head is d_qk
     dropout: float = 0.0  # dropout_p on the probabilities (the keep mask comes from the row's seed)
+    sinks_inf: str = ""  # which sinks are -inf (SINKS_INF_KINDS); needs num_sinks
 
     def __post_init__(self):
+        if self.sinks_inf not in SINKS_INF_KINDS:
+            raise ValueError(f"case {self.name}: sinks_inf {self.sinks_inf!r} must be one of {SINKS_INF_KINDS}")
+        if self.sinks_inf and not self.num_sinks:
+            raise ValueError(f"case {self.name}: sinks_inf {self.sinks_inf!r} needs num_sinks >= 1")
         if self.alibi not in ALIBI_KINDS:
             raise ValueError(f"case {self.name}: alibi {self.alibi!r} must be one of {ALIBI_KINDS}")
         if self.window_size and len(self.window_size) != 2:
@@ -88,7 +99,7 @@ class Case:
         if self.softcap:
             f.append(f"softcap{self.softcap:g}")
         if self.alibi:
-            f.append("alibi" if self.alibi == "random" else f"alibi-{self.alibi}")
+            f.append({"random": "alibi", "random_h": "alibi[h]"}.get(self.alibi, f"alibi-{self.alibi}"))
         if self.d_v and self.d_v != self.d_head:
             f.append(f"dqk{self.d_head}!=dv{self.d_v}")
         if self.dropout:
@@ -98,7 +109,7 @@ class Case:
         elif self.kv_heads != self.heads:
             f.append(f"gqa{self.heads // self.kv_heads}:1")
         if self.num_sinks:
-            f.append(f"sinks{self.num_sinks}")
+            f.append(f"sinks{self.num_sinks}" + (f"-inf:{self.sinks_inf}" if self.sinks_inf else ""))
         if self.cu_seqlens:
             f.append("packing")
             if self.cu_seqlens[-1] < self.seqlen_q:

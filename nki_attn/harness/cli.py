@@ -14,6 +14,7 @@ import time
 
 from . import candidate as _candidate
 from . import cases as _cases
+from . import fuzz as _fuzz
 from . import report as _report
 
 
@@ -124,6 +125,15 @@ def add_parser(sub):
     p.add_argument("--case", nargs="+", type=case_arg, metavar="JSON",
                    help="run exactly these rows, each the JSON of a report row's \"case\" (how a failing "
                         "property-test example is reproduced)")
+    p.add_argument("--fuzz", type=positive_int, metavar="N",
+                   help="instead of a preset, N random combinations of every feature (docs/harness.md, "
+                        "\"Fuzzing\"); failing cases are printed as --case lines and shrunk")
+    p.add_argument("--seed", type=non_negative_int, default=0, help="the --fuzz run's seed (case i of a seed is "
+                                                                    "the same whatever N is)")
+    p.add_argument("--shrink", type=non_negative_int, default=3, metavar="K",
+                   help="with --fuzz, shrink the first K failing cases (0: none)")
+    p.add_argument("--shrink-budget", type=positive_int, default=40, metavar="RUNS",
+                   help="with --fuzz, at most RUNS reruns to shrink one failing case")
     p.add_argument("--dtypes", nargs="+", type=dtype_arg, metavar="DTYPE",
                    help="only these dtypes (float32|fp32, bfloat16|bf16, float16|fp16); with --shapes the default "
                         "is bfloat16")
@@ -174,10 +184,17 @@ def validate(args, parser):
         parser.error("--lnc 2 needs trn2 or trn3 (trn1 has no LNC2)")
     if args.case and args.shapes:
         parser.error("--case and --shapes are alternatives: give one")
+    if args.fuzz and (args.case or args.shapes or args.features):
+        parser.error("--fuzz draws its own rows over every feature: give it without --case, --shapes or "
+                     "--features (--dtypes narrows its dtypes)")
     args.candidate = _candidate_spec(args, parser)
     try:
-        rows = list(args.case) if args.case else \
-            _cases.select(None if args.shapes else args.preset, args.shapes, args.dtypes, args.features)
+        if args.fuzz:
+            dtypes = [_cases.canonical_dtype(d) for d in args.dtypes] if args.dtypes else _fuzz.DTYPES
+            rows = _fuzz.draw_many(args.fuzz, args.seed, dtypes)
+        else:
+            rows = list(args.case) if args.case else \
+                _cases.select(None if args.shapes else args.preset, args.shapes, args.dtypes, args.features)
     except ValueError as exc:
         parser.error(str(exc))
     if not rows:
@@ -214,9 +231,12 @@ class Progress:
         self.t0 = time.perf_counter()
 
     def finished(self, text):
-        """One item finished: ``text`` says which and how it went."""
+        """One item finished: ``text`` says which and how it went (with the time left, estimated from the pace
+        so far, on runs of more than 20 items)."""
         self.done += 1
         elapsed = time.perf_counter() - self.t0
+        if self.total > 20 and self.done < self.total:
+            text = f"{text} (~{elapsed / self.done * (self.total - self.done) / 60:.0f} min left)"
         if self.tty:
             width = 24
             filled = int(width * self.done / self.total) if self.total else width
@@ -305,10 +325,50 @@ def _drift(args, spec):
         return {"steps": args.drift, "status": "error", "error": f"{type(exc).__name__}: {exc}", "pass": False}
 
 
+def _fuzz_failures(args, rows_in, rows, spec, seconds):
+    """The report's ``fuzz`` section: the run's counts and coverage, and for each failing case its replay line;
+    the first ``args.shrink`` of them shrunk (``fuzz.shrink``: reruns in this process, each judged like a row)
+    to the smallest case that fails with the same status."""
+    from .runner import run_case
+    cand = _candidate.make(spec, args.lnc)
+    failures = []
+    bad = [(c, r) for c, r in zip(rows_in, rows) if r["status"] in ("fail", "error")]
+    prog = Progress(min(len(bad), args.shrink), label="shrink")
+    for k, (case, row) in enumerate(bad):
+        entry = {"case": case.as_dict(), "status": row["status"], "replay": _fuzz.replay_line(case, spec, args.lnc),
+                 "error": row.get("error"),
+                 "failed_outputs": sorted(n for n, c in row.get("outputs", {}).items() if not c["ok"])}
+        if k < args.shrink:
+            small, calls = _fuzz.shrink(case, lambda c: run_case(c, cand)["status"] == row["status"],
+                                        budget=args.shrink_budget)
+            entry.update(shrunk=small.as_dict(), shrunk_replay=_fuzz.replay_line(small, spec, args.lnc),
+                         shrink_runs=calls)
+            prog.finished(f"{case.name} -> {', '.join(small.features)} s{small.seqlen_q}/{small.seqlen_k} "
+                          f"d{small.d_head} ({calls} reruns)")
+        failures.append(entry)
+    return _fuzz.summary(rows, rows_in, args.seed, failures, round(seconds, 1))
+
+
+def _fuzz_text(fz):
+    """The fuzz run's lines after the table: counts, then each failure's replay line (and its shrunk one)."""
+    c = fz["counts"]
+    lines = [f"fuzz seed {fz['seed']}: {fz['n']} cases, {c['pass']} pass, {c['fail']} fail, {c['error']} error, "
+             f"{c['unsupported']} unsupported ({fz['wall_seconds']} s)"]
+    for reason, n in list(fz["unsupported_reasons"].items())[:8]:
+        lines.append(f"  unsupported x{n}: {reason}")
+    for f in fz["failures"]:
+        lines.append(f"FAILED ({f['status']}{': ' + ', '.join(f['failed_outputs']) if f['failed_outputs'] else ''})"
+                     f" replay: {f['replay']}")
+        if "shrunk_replay" in f:
+            lines.append(f"  shrunk ({f['shrink_runs']} reruns): {f['shrunk_replay']}")
+    return "\n".join(lines)
+
+
 def main(args):
     """Entry point of ``nki-attn check``; returns the exit status (usage errors exit 2 through argparse)."""
     parser = getattr(args, "_parser", None) or argparse.ArgumentParser(prog="nki-attn check")
-    for name, default in (("candidate_bwd", None), ("candidate_fwd", None), ("fwd_contract", "lse")):
+    for name, default in (("candidate_bwd", None), ("candidate_fwd", None), ("fwd_contract", "lse"), ("fuzz", None),
+                          ("seed", 0), ("shrink", 3), ("shrink_budget", 40)):
         if not hasattr(args, name):  # a Namespace built by hand (tests, scripts) without the candidate options
             setattr(args, name, default)
     rows_in = validate(args, parser)
@@ -318,17 +378,24 @@ def main(args):
     from ..backend import BACKEND
     load_start = _report.load_average()
     t0 = time.perf_counter()
-    rows = run_rows(rows_in, args.jobs, args.lnc, Progress(len(rows_in)), spec)
+    rows = run_rows(rows_in, args.jobs, args.lnc, Progress(len(rows_in), label="fuzz" if args.fuzz else "rows"),
+                    spec)
+    fuzz = _fuzz_failures(args, rows_in, rows, spec, time.perf_counter() - t0) if args.fuzz else None
     determinism = _determinism(args, rows_in, rows, spec) if args.determinism else None
     drift = _drift(args, spec) if args.drift else None
     meta = {"backend": BACKEND, "target": os.environ.get("NEURON_PLATFORM_TARGET_OVERRIDE", "trn2"),
-            "preset": None if (args.shapes or args.case) else args.preset, "lnc": args.lnc, "jobs": args.jobs,
+            "preset": None if (args.shapes or args.case or args.fuzz) else args.preset, "lnc": args.lnc,
+            "jobs": args.jobs,
             "candidate": spec.describe(), "candidate_spec": None if spec.builtin else spec.as_dict(),
             "notes": sorted({c.note for c in rows_in if c.note}),
             "wall_seconds": round(time.perf_counter() - t0, 1),
             "load_average": {"start": load_start, "end": _report.load_average()}}
     rep = _report.build(rows, meta, determinism, drift)
+    if fuzz is not None:
+        rep["fuzz"] = fuzz
     _report.write(rep, args.out)
-    print(_report.table(rep))
+    print(_report.table(rep, only_failing=bool(args.fuzz)))
+    if fuzz is not None:
+        print(_fuzz_text(fuzz))
     print(f"report: {args.out}")
     return 0 if rep["summary"]["pass"] else 1

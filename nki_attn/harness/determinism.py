@@ -1,7 +1,7 @@
 """Determinism check: repeated forward + backward runs must be bit-identical, and so must LNC1 and LNC2."""
 import torch
 
-from .candidate import Unsupported
+from .errors import Unsupported
 from .runner import KernelCandidate, make_inputs, run_candidate
 
 

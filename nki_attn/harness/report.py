@@ -129,9 +129,10 @@ def write(report, path):
 _COLS = ("o", "lse", "dq", "dk", "dv", "dsinks")
 
 
-def table(report):
+def table(report, only_failing=False):
     """Terminal table: one line per row with each output's max abs error / allowed bound (rule 1; a trailing
-    ``!`` marks an output that fails either rule), then the verdicts."""
+    ``!`` marks an output that fails either rule), then the verdicts. ``only_failing`` lists only the rows that
+    did not pass (a fuzz run's thousands of rows)."""
     lines = [f"candidate: {report.get('candidate', '?')}"]
     head = f"{'row':44s} " + " ".join(f"{c + ' err/bound':>17s}" for c in _COLS) + "  result"
     lines.append(head)
@@ -139,6 +140,8 @@ def table(report):
     for r in report["rows"]:
         name = r["case"]["name"][:44]
         status = r.get("status", "pass" if r["pass"] else "fail")
+        if only_failing and status in ("pass", "unsupported"):
+            continue
         if status in ("error", "unsupported"):
             lines.append(f"{name:44s} {status.upper()} {clip(r.get('error', ''), 160)}")
             continue

@@ -23,7 +23,7 @@ import torch
 import golden
 
 from . import tolerance
-from .candidate import CandidateError, Unsupported
+from .errors import CandidateError, Unsupported
 
 _TORCH = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _TILE = 128
@@ -94,6 +94,13 @@ def make_inputs(case, seed=None):
         # the API shares sinks across the batch, so API rows draw one set and repeat it
         shape = (1 if case.via_api else b, h) + (() if case.num_sinks == 1 else (case.num_sinks,))
         sinks = torch.randn(*shape, generator=g, dtype=torch.float64).to(torch.float32)
+        if case.sinks_inf == "head":
+            sinks[:, 0] = float("-inf")
+        elif case.sinks_inf == "first":  # sink 0 of every head (with one sink per head: every sink)
+            if sinks.dim() == 3:
+                sinks[..., 0] = float("-inf")
+            else:
+                sinks.fill_(float("-inf"))
         ins["sinks"] = sinks.expand(b, *shape[1:]).contiguous()
     if case.cu_seqlens:
         cu = torch.tensor(case.cu_seqlens, dtype=torch.int64)
@@ -102,6 +109,11 @@ def make_inputs(case, seed=None):
         ins["alibi_slopes"] = bloom_alibi_slopes(h).expand(b, h).contiguous()
     elif case.alibi == "random":  # as FlashAttention's tests draw them: U[0, 0.3) per (batch, head)
         ins["alibi_slopes"] = (torch.rand(b, h, generator=g, dtype=torch.float64) * 0.3).to(torch.float32)
+    elif case.alibi == "signed":  # either sign: U[-0.3, 0.3) per (batch, head)
+        ins["alibi_slopes"] = ((torch.rand(b, h, generator=g, dtype=torch.float64) - 0.5) * 0.6).to(torch.float32)
+    elif case.alibi == "random_h":  # the same per head, shared by the batch
+        slopes = (torch.rand(h, generator=g, dtype=torch.float64) * 0.3).to(torch.float32)
+        ins["alibi_slopes"] = slopes.expand(b, h).contiguous()
     if case.dropout:
         ins["dropout_seed"] = dropout_seed(case)
     return ins
@@ -139,7 +151,7 @@ def _kwargs(case):
 
 
 def _variant_kwargs(case, ins):
-    """The attention-variant keywords of a row, only those it uses (so candidates without them still run other rows)."""
+    """The variant keywords of a row, only those it uses (so candidates without them still run other rows)."""
     kw = {}
     if case.softcap:
         kw["softcap"] = case.softcap
@@ -339,10 +351,45 @@ def candidate_bounds(case, seqlen_q_padded):
 def run_padded(candidate, ins, case):
     """A row of any length run by a kernels-only candidate: q, dy padded with zero query rows and k, v with zero
     keys to multiples of 128, bounds from ``candidate_bounds``; forward + backward as for aligned rows; outputs
-    cut back to the unpadded problem in ``reference``'s layouts. The candidate must support packing bounds."""
+    cut back to the unpadded problem in ``reference``'s layouts. The candidate must support packing bounds.
+
+    Padding at the end keeps the diagonal offset seqlen_k - seqlen_q only when both lengths pad by the same
+    amount (seqlen_k - seqlen_q a multiple of 128); otherwise the zero rows and keys go in FRONT
+    (``_pad_front``), which keeps every offset i + seqlen_k - seqlen_q - j (bottom-right masks, windows, ALiBi
+    distances) whatever the two paddings are."""
+    if (case.seqlen_k - case.seqlen_q) % _TILE:
+        pad, cut = _pad_front(ins, case)
+        return cut(_run_kernels(candidate, pad, case))
     pad, cut = _pad_to_tiles(ins, case)
     pad["bound_min"], pad["bound_max"] = candidate_bounds(case, pad["q"].shape[-1])
     return cut(_run_kernels(candidate, pad, case))
+
+
+def _pad_front(ins, case):
+    """The row's problem for a candidate with seqlen_q and seqlen_k padded to multiples of 128 by ``P_q`` zero
+    query rows and ``P_k`` zero keys in front: query i becomes i + P_q and key j becomes j + P_k, so
+    ``i + sk - sq - j`` is unchanged; bounds ``[P_k, sk_p)`` hide the padded keys from every row (packed rows
+    never come here: their seqlen_q == seqlen_k). Returns (padded inputs, cut) as ``_pad_to_tiles``."""
+    sq, sk = case.seqlen_q, case.seqlen_k
+    sq_p, sk_p = -(-sq // _TILE) * _TILE, -(-sk // _TILE) * _TILE
+    pq, pk = sq_p - sq, sk_p - sk
+    pad = dict(ins)
+    for n, front in (("q", pq), ("dy", pq), ("k", pk), ("v", pk)):
+        pad[n] = torch.nn.functional.pad(ins[n], (front, 0))
+    pad["bound_min"] = torch.full((sq_p,), float(pk), dtype=torch.float32)
+    pad["bound_max"] = torch.full((sq_p,), float(sk_p), dtype=torch.float32)
+
+    def cut(out):
+        res = dict(out)
+        b, h = out["o"].shape[:2]
+        res["o"], res["dq"] = out["o"][..., pq:], out["dq"][..., pq:]
+        res["dk"], res["dv"] = out["dk"][..., pk:], out["dv"][..., pk:]
+        res["lse"] = out["lse"].permute(0, 1, 3, 2).reshape(b, h, sq_p)[..., pq:]  # row t * 128 + p at [p, t]
+        if "dsinks" in out:
+            res["dsinks"] = out["dsinks"].sum(dim=0)  # the API's sinks are shared by the batch
+        return res
+
+    return pad, cut
 
 
 def run_api(ins, case):
@@ -367,7 +414,10 @@ def run_api(ins, case):
     if case.softcap:
         common["softcap"] = case.softcap
     if case.alibi:
-        common["alibi_slopes"] = ins["alibi_slopes"]
+        # FlashAttention's two slope layouts: [h] (shared by the batch) for random_h and for packed rows (whose
+        # one batch row holds every sequence: varlen's [b, h] would mean per sequence), [b, h] otherwise
+        common["alibi_slopes"] = ins["alibi_slopes"][0].contiguous() if case.alibi == "random_h" \
+            or case.cu_seqlens else ins["alibi_slopes"]
     if case.cu_seqlens:
         if case.batch != 1 or case.seqlen_q != case.seqlen_k:
             raise ValueError(f"row {case.name}: packed rows need batch 1 and seqlen_q == seqlen_k")
@@ -387,7 +437,9 @@ def run_api(ins, case):
     out = {"o": kernel_layout(o.detach()), "lse": lse.detach(), "dq": kernel_layout(q.grad),
            "dk": kernel_layout(k.grad), "dv": kernel_layout(v.grad)}
     if sinks is not None:
-        out["dsinks"] = sinks.grad
+        # no grad at all when no query row sees a key (every packed sequence empty: the API's output does not
+        # depend on the sinks there): the gradient is zero
+        out["dsinks"] = sinks.grad if sinks.grad is not None else torch.zeros_like(sinks)
     return out
 
 
@@ -403,9 +455,12 @@ def run_case(case, candidate):
     row = {"case": case.as_dict()}
     try:
         ins = make_inputs(case)
+        # the candidate first, so that a row it refuses costs no golden run; on copies, so that a candidate
+        # writing into its inputs cannot change what the reference sees
+        got = run_candidate(candidate, {n: t.clone() if isinstance(t, torch.Tensor) else t for n, t in ins.items()},
+                            case)
         ref = reference(ins, case, torch.float64)
         base = reference(ins, case, None)
-        got = run_candidate(candidate, ins, case)
         from_inputs = inputs_baseline(ins, ref, case)
         lengths = tolerance.reduction_lengths(case)
         checks = {}
@@ -414,10 +469,12 @@ def run_case(case, candidate):
                 raise CandidateError(f"the candidate returned no {name}")
             # lse and dsinks are float32 but carry the row dtype's input rounding: judged by the row dtype.
             scale = _dsinks_input_scale(ref, ins, case) if name == "dsinks" else 0.0
+            zs = zero_scale(name, ins, case, lengths[name]) if name in ("dq", "dk") and not torch.any(ref[name]) \
+                else 0.0
             checks[name] = tolerance.compare(name, _np(got[name]), _np(ref[name]), _np(base[name]), case.dtype,
                                              n=lengths[name], input_scale=scale,
                                              inputs=_np(from_inputs[name]) if name in from_inputs else None,
-                                             vec_axis=VECTOR_AXIS.get(name))
+                                             vec_axis=VECTOR_AXIS.get(name), zero_scale=zs)
         row["outputs"] = checks
         row["status"] = "pass" if all(c["ok"] for c in checks.values()) else "fail"
         row["worst_ratio"] = max(max(tolerance.ratios(c)) for c in checks.values())
@@ -430,6 +487,21 @@ def run_case(case, candidate):
     row["pass"] = row["status"] == "pass"
     row["seconds"] = round(time.perf_counter() - t0, 3)
     return row
+
+
+def zero_scale(name, ins, case, n):
+    """The size dq or dk would have if the terms whose cancellation makes it identically zero did not cancel
+    (``tolerance.compare``'s ``zero_scale``): a sum of ``n`` (its reduction length) terms of random sign, each
+    at most softmax_scale * T * max|K| for dq (max|Q| for dk), is about sqrt(n) times that. T = max sum_d
+    |dO_d| |V_d| over every (query, key) pair of a GQA group (an upper bound of the visible ones) is the size of
+    the two float32 dot products dP = dO . V and D = O . dO (O = V where P = 1) whose rounding residues the
+    cancellation leaves, times 1 / (1 - dropout_p) with dropout."""
+    q, k, v, dy = (ins[n].to(torch.float64) for n in ("q", "k", "v", "dy"))
+    group = case.heads // case.kv_heads
+    dp = max(float(torch.einsum("bhdq,bdk->bhqk", dy[:, g * group:(g + 1) * group].abs(), v[:, g].abs()).max())
+             for g in range(case.kv_heads)) if q.numel() and k.numel() else 0.0
+    other = k if name == "dq" else q
+    return n ** 0.5 * (case.scale or case.d_head ** -0.5) * dp * float(other.abs().max()) / (1.0 - case.dropout)
 
 
 def _dsinks_input_scale(ref, ins, case):

@@ -145,7 +145,7 @@ def projection(err, ref, vec_axis=None):
     return c, math.sqrt(float(np.sum(e2 * r2)) * n_eff / (n_eff - 1.0)) / rr, n_eff
 
 
-def compare(name, got, ref64, base, dtype, n=1, input_scale=0.0, inputs=None, vec_axis=None):
+def compare(name, got, ref64, base, dtype, n=1, input_scale=0.0, inputs=None, vec_axis=None, zero_scale=0.0):
     """Errors of one output and the verdict of the two rules (module docstring).
 
     Args:
@@ -156,6 +156,12 @@ def compare(name, got, ref64, base, dtype, n=1, input_scale=0.0, inputs=None, ve
         inputs: backward outputs only, the formula evaluated from the handed O and LSE (``runner.inputs_baseline``).
         vec_axis: the axis of one vector's elements for the systematic check (``projection``): 2 (d_head) for
             o, dq, dk, dv in the kernels' layout; None for lse and dsinks.
+        zero_scale: used only when the reference is identically zero (dq and dk of a problem in which every
+            query row sees exactly one key and no sink: P = 1, so dP = D and dS = 0 by cancellation): the size
+            the output would have if its terms did not cancel (``runner.zero_scale``), which then stands in for
+            max|X64| in the floor.
+            A zero max|X64| would otherwise demand an exact 0 from any candidate, whose D and dP are float32
+            reductions in different orders; no other output is affected.
     Returns:
         dict with max_abs, max_rel (max_abs / max|ref64|), base_abs, base_rel, inputs_abs, n, input_floor, floor
         (absolute, input_floor included), bound (rule 1), k; proj, proj_base, proj_inputs (the projections c of
@@ -178,6 +184,8 @@ def compare(name, got, ref64, base, dtype, n=1, input_scale=0.0, inputs=None, ve
         inputs = None if inputs is None else np.asarray(inputs, dtype=np.float64)[fin]
     inputs = None if inputs is None else np.asarray(inputs, dtype=np.float64)
     scale = float(np.max(np.abs(ref))) if ref.size else 0.0
+    if scale == 0.0:
+        scale = float(zero_scale)
     with np.errstate(invalid="ignore", over="ignore"):
         err = float(np.max(np.abs(got - ref))) if ref.size else 0.0
         berr = float(np.max(np.abs(base - ref))) if ref.size else 0.0

@@ -27,14 +27,14 @@ What is handled, per transformers argument:
 - ``dropout`` (``attention_dropout`` while training; transformers passes 0.0 in eval mode): the kernels' attention
   dropout, its seed drawn from torch's global generator (``torch.manual_seed`` makes a training step
   reproducible; the backward pass regenerates the same mask).
-- Both raise NotImplementedError naming the argument when the kernels of this build lack the variant
-  (``nki_attn.kernel_api.supports``).
 - head_dim_v != head_dim (DeepSeek's MLA): passed through.
 - ``output_attentions``: attention weights are never returned (None), as with SDPA.
 """
 import torch
 
-from .. import attention as _api
+from .. import ops
+from ..attention import interval_attention, mask_intervals
+from ..spec import flash_spec
 
 NAME = "nki_attn"
 _FN = "nki_attn (transformers)"
@@ -64,8 +64,7 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     ``attention_mask`` is None or a bool/additive mask ``[batch or 1, 1, seqlen_q, seqlen_k]`` (see the module
     docstring). ``s_aux`` are GPT-OSS's per-head sink logits ``[heads]``.
     """
-    p = _api._check_dropout(_FN, dropout)
-    cap = _api._check_softcap(_FN, 0.0 if softcap is None else softcap)
+    cap = 0.0 if softcap is None else softcap
     is_causal = getattr(module, "is_causal", True) if is_causal is None else bool(is_causal)
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))
     sq, sk = q.shape[1], k.shape[1]
@@ -76,9 +75,9 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
         window = (-1, -1)
         if sliding_window is not None and sliding_window > 0:
             window = (sliding_window - 1, 0 if causal else sliding_window - 1)
-        out = _api.flash_attn_func(q, k, v, dropout_p=p, softmax_scale=scaling, causal=causal, window_size=window,
-                                   softcap=cap, sinks=s_aux)
-        return out, None
+        spec = flash_spec(_FN, q, k, v, dropout, scaling, causal, window, cap, sinks=s_aux)
+        return ops.attention(spec, q, k, v)[0], None
+    spec = flash_spec(_FN, q, k, v, dropout, scaling, softcap=cap, sinks=s_aux)
     m = _visible(attention_mask, query.dtype)
     if m.dim() != 4 or m.shape[-2:] != (sq, sk) or m.shape[0] not in (1, q.shape[0]):
         raise ValueError(f"{_FN}: attention_mask shape {tuple(m.shape)} must be [batch or 1, 1, seqlen_q, "
@@ -87,10 +86,10 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
         if not bool((m == m[:, :1]).all()):
             raise NotImplementedError(f"{_FN}: per-head attention masks are not supported")
         m = m[:, :1]
-    lo, hi = _api._mask_intervals(m.reshape(m.shape[0], sq, sk), _FN)
+    lo, hi = mask_intervals(m.reshape(m.shape[0], sq, sk), _FN)
     if lo.shape[0] == 1:
         lo, hi = lo[0], hi[0]  # one mask for the whole batch: one batched launch
-    out, _ = _api.interval_attention(q, k, v, lo, hi, softmax_scale=scaling, sinks=s_aux, softcap=cap, dropout_p=p)
+    out, _ = interval_attention(q, k, v, lo, hi, spec=spec)
     return out, None
 
 

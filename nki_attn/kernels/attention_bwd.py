@@ -2,8 +2,9 @@
 
 ``attention_bwd(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref=None, bound_min=None, bound_max=None,
 use_causal_mask=False, mixed_precision=False, softmax_scale=None, sliding_window=None, softcap=0.0,
-alibi_slopes=None, window_size=None, dropout_p=0.0, dropout_seed=None, k_section_len=None)`` returns ``(dq, dk, dv)`` or, with sinks, ``(dq, dk, dv, dsinks)``: the layouts and semantics of
-``golden.attention_bwd_torch.attention_bwd_torch_ref`` (see docs/semantics.md). docs/kernel-bwd.md explains the
+alibi_slopes=None, window_size=None, dropout_p=0.0, dropout_seed=None, k_section_len=None, group_max=None,
+block_members_max=None, p_cast_on_gpsimd=None, ds_dma_transpose=None)`` returns ``(dq, dk, dv)`` or, with
+sinks, ``(dq, dk, dv, dsinks)``: the layouts and semantics of ``golden.attention_bwd_torch.attention_bwd_torch_ref`` (see docs/semantics.md). docs/kernel-bwd.md explains the
 design; each step below is named there after the function that implements it. Kernel code stays in NKI's
 compile-time subset (checked by the simulator's frontend check): invalid arguments fail an ``assert`` on
 ``bwd_problem``'s message; ``nki_attn.kernel_api.attention_bwd`` raises it as ``ValueError`` before launching.
@@ -11,8 +12,8 @@ compile-time subset (checked by the simulator's frontend check): invalid argumen
 Layouts (head_dim on the partition axis in HBM): q, dq ``[bs, nheads, d_qk, seqlen_q]``; o, dy ``[bs, nheads,
 d_v, seqlen_q]``; k, dk ``[bs, nheads_kv, d_qk, seqlen_k]``; v, dv ``[bs, nheads_kv, d_v, seqlen_k]`` (d_qk, d_v
 in 1..256, tiled as 128 + remainder partition rows); alibi_slopes float32 ``[bs, nheads]``; dropout_seed int32 /
-uint32 ``[2]`` (``nki_attn.kernels.dropout``); lse float32 ``[bs, nheads, 128, seqlen_q // 128]`` (``lse[b, h, p, t]`` is
-the log-sum-exp of query row ``t * 128 + p``, ``+inf`` for a row that sees no key); dsinks float32 shaped like
+uint32 ``[2]`` (``nki_attn.kernels.dropout``); lse float32 ``[bs, nheads, 128, seqlen_q // 128]``
+(``lse[b, h, p, t]`` is the log-sum-exp of query row ``t * 128 + p``, ``+inf`` for a row that sees no key); dsinks float32 shaped like
 sinks.
 
 The FlashAttention-2 recipe, per (batch, kv head) work item. A *member* is one (query head, 128-row query tile)
@@ -40,15 +41,16 @@ dV, dK and dQ partial sums stay in PSUM:
 """
 
 from ..backend import nisa, nki, nl
+from .band import classify_keys
 from .dropout import dropout_row_keys, dropout_scale_keys, dropout_scale_tile, load_dropout_seed
-from .tiling import band_needs_hi_mask, band_needs_lo_mask, band_tile_visible
-from .validation import PMAX, attention_problem, attention_shape, sbuf_bytes_per_partition
+from .steps import (FOLD_SCALE_INTO_Q, FP32_MIN, K_TILE, PMAX, Hbm, Item, Steps, Tile, itemsize,
+                    load_packing_bounds, load_slopes, mask_step, no_step, run_steps, softcap_scores, spmd_items)
+from .validation import attention_problem, attention_shape, sbuf_bytes_per_partition
 
-FP32_MIN = -3.4028235e38
-
-# Key tile width: S, dP, dV, dK of one (query tile, key tile) pair are each one 2 KiB PSUM bank
-# (512 fp32) and 512 is the matmul's moving free-size limit on trn1/trn2.
-K_TILE = 512
+# Key tiles (steps.K_TILE, 512 keys): S, dP, dV, dK of one (query tile, key tile) pair are each one 2 KiB PSUM
+# bank (512 fp32), and 512 is the matmul's moving free-size limit on trn1/trn2.
+#
+# The constants below are the defaults of the kernel's tuning keywords (``attention_bwd``'s docstring).
 # Longest K/V section. The section length is the largest multiple of K_TILE whose section buffers fit
 # SECTION_BUDGET_BYTES per partition, capped by K_SECTION_MAX; the kernel argument k_section_len (a multiple of
 # 128) overrides it per call (tests use it to force several sections at small seqlen). All are constants:
@@ -62,23 +64,11 @@ GROUP_MAX = 4
 # Members per block (one DMA per tensor per block) and the block buffers' SBUF budget per partition.
 BLOCK_MEMBERS_MAX = 8
 BLOCK_BUDGET_BYTES = 16 * 1024
-# softmax_scale is folded into Q at load, rounded to the input dtype, exactly as attention_fwd does: the backward
-# then recomputes the forward's own P (the LSE it gets came from those scores). False applies the scale in fp32
-# inside the exp activation and the dK eviction instead (more accurate against an exact LSE, but inconsistent with
-# a forward that rounds the scaled Q); it must follow attention_fwd.
-FOLD_SCALE_INTO_Q = True
 # Engine choices from trn2 on (``BwdConfig``): the P cast on GpSimdE, and dS transposed by DMA where
 # ``_use_dma_transpose`` finds it pays. Both are the design; False gives the alternative (the cast on ScalarE,
-# every dS transpose on TensorE) for measurement (scripts/bwd_ablation.py).
+# every dS transpose on TensorE) for measurement.
 P_CAST_ON_GPSIMD = True
 DS_DMA_TRANSPOSE = True
-
-
-def _itemsize(dtype):
-    """Bytes per element of the kernel's input dtypes (float32, bfloat16, float16)."""
-    if str(dtype) == str(nl.float32):
-        return 4
-    return 2
 
 
 # ----------------------------------------------------------------------------------------------- planning
@@ -99,9 +89,12 @@ def default_section_len(d_head, d_tiles, itemsize, seqlen_k, cap=K_SECTION_MAX, 
     return max(n, PMAX)
 
 
-def group_size(d_tiles):
-    """Members per group: their dQ columns (d_tiles x 128 fp32 each) share one 2 KiB PSUM bank."""
-    return max(1, GROUP_MAX // d_tiles)
+def group_size(d_tiles, group_max=None):
+    """Members per group: their dQ columns (d_tiles x 128 fp32 each) share one 2 KiB PSUM bank; ``group_max``
+    (default GROUP_MAX) members per group for a head dim of one partition tile."""
+    if group_max is None:
+        group_max = GROUP_MAX
+    return max(1, group_max // d_tiles)
 
 
 def block_member_bytes(d_tiles, itemsize, dq_fp32, v_tiles=None):
@@ -115,12 +108,14 @@ def block_member_bytes(d_tiles, itemsize, dq_fp32, v_tiles=None):
     return PMAX * (d_tiles * (itemsize + stage) + v_tiles * 2 * itemsize + max(d_tiles, v_tiles) * 4)
 
 
-def block_members(d_tiles, itemsize, dq_fp32, v_tiles=None):
-    """Members per block: within BLOCK_BUDGET_BYTES and BLOCK_MEMBERS_MAX, a multiple of the group size when it
-    holds at least one group."""
+def block_members(d_tiles, itemsize, dq_fp32, v_tiles=None, group_max=None, block_members_max=None):
+    """Members per block: within BLOCK_BUDGET_BYTES and ``block_members_max`` (default BLOCK_MEMBERS_MAX), a
+    multiple of the group size when it holds at least one group."""
+    if block_members_max is None:
+        block_members_max = BLOCK_MEMBERS_MAX
     n = BLOCK_BUDGET_BYTES // block_member_bytes(d_tiles, itemsize, dq_fp32, v_tiles)
-    n = max(1, min(BLOCK_MEMBERS_MAX, n))
-    g = group_size(d_tiles)
+    n = max(1, min(block_members_max, n))
+    g = group_size(d_tiles, group_max)
     if n >= g:
         n = n // g * g
     return n
@@ -128,7 +123,7 @@ def block_members(d_tiles, itemsize, dq_fp32, v_tiles=None):
 
 def sbuf_usage(d_head, d_tiles, itemsize, section_len, group, seqlen_q, mixed_precision=False, packing=False,
                num_sinks=0, trn1_packing=False, dq_fp32=False, d_v=None, v_tiles=None, softcap=False,
-               alibi=False, dropout=False):
+               alibi=False, dropout=False, group_max=None, block_members_max=None):
     """SBUF bytes per partition of the kernel's live tensors, by category. The block, group and visit working
     sets are counted twice in ``total`` (room for the compiler to double-buffer tiles allocated inside loops).
     ``d_head``/``d_tiles``: d_qk and its partition tiles; ``d_v``/``v_tiles`` default to them. Used by the
@@ -150,8 +145,9 @@ def sbuf_usage(d_head, d_tiles, itemsize, section_len, group, seqlen_q, mixed_pr
         persistent += 2 * group * num_sinks * 4 + 2 * group * num_sinks * nq * 4
     if alibi:
         persistent += 2 * group * 4                        # the slope coefficients of the kv head's query heads
-    g = group_size(d_tiles)
-    per_block = block_members(d_tiles, e, dq_fp32, v_tiles) * block_member_bytes(d_tiles, e, dq_fp32, v_tiles)
+    g = group_size(d_tiles, group_max)
+    per_block = (block_members(d_tiles, e, dq_fp32, v_tiles, group_max, block_members_max)
+                 * block_member_bytes(d_tiles, e, dq_fp32, v_tiles))
     per_group = g * (d_head + d_v) * e                     # Q^T and dO^T of the members (128 partitions)
     per_visit = (K_TILE * pe                               # P
                  + (K_TILE * e if pe != e else 0)          # P cast for the dV matmul (mixed precision)
@@ -166,70 +162,43 @@ def sbuf_usage(d_head, d_tiles, itemsize, section_len, group, seqlen_q, mixed_pr
             "per_visit": per_visit, "total": total, "d_tile": min(d_head, PMAX)}
 
 
-# PSUM tiles of the kernel (each <= 2 KiB per partition, so one bank each) and when they are live.
-PSUM_TILES = {
-    "dV": "P^T dO of a group for one key tile, [d_tile, <=512] fp32 per V head-dim tile (key tile of a group)",
-    "dK": "Q^T dS of a group for one key tile, [d_tile, <=512] fp32 per Q/K head-dim tile (key tile of a group)",
-    "dQ": "dS K of the group's members, [d_tile, members x d_tiles x 128 <= 512] fp32 (whole group)",
-    "S": "S = Q^T K, [128, <=512] fp32 (one visit)",
-    "dP": "dP = dO V^T, [128, <=512] fp32 (one visit)",
-    "dS^T": "TensorE transposes of dS, [128, <=512] input dtype (one visit; none when DMA transposes)",
-    "T": "transposes of Q, dO (group start) and K (section start), D sums (block start): never with dV/dK",
-}
-
-
 def psum_banks(d_tiles, v_tiles=None):
     """PSUM banks that can be live at once: a visit's S, dP, dS^T with its group's dV (one per V head-dim tile)
     and dK (one per Q/K head-dim tile) and dQ: d_tiles + v_tiles + 4 (6 for head dims <= 128, 8 for 256). The
-    transposes at group, block and section start (T) are never live together with dV/dK, which are allocated
-    per key tile inside the group."""
+    transposes at group, block and section start (Q^T, dO^T, K^T, the D sums) are never live together with dV/dK,
+    which are allocated per key tile inside the group."""
     if v_tiles is None:
         v_tiles = d_tiles
     return d_tiles + v_tiles + 4
 
 
-PSUM_PEAK_BANKS = psum_banks(2)  # the largest over the supported head dims (d_head 256): 8 of the 8 banks
-
-
 def _visible_tiles(c, q0, k_lo, k_len):
-    """Trace-time list of the key tiles of one section that query tile [q0, q0+128) needs, each trimmed to its
-    visible 128-key chunks: (k0, kw, needs_hi_mask, needs_lo_mask). The band ``(c.lo_rel, c.hi_rel)``
-    (``tiling.attention_band``: causal, sliding window, two-sided window_size, bottom-right aligned) decides
-    both, so a bounded window costs O(window) per query tile."""
+    """Trace-time list of the key tiles of one section that query tile [q0, q0+128) needs, each a
+    ``band.KeyTile`` trimmed to its visible 128-key chunks (skipped tiles left out). The band ``(c.lo_rel,
+    c.hi_rel)`` decides both, so a bounded window costs O(window) per query tile."""
     out = []
-    q1 = q0 + PMAX
     for t0 in range(k_lo, k_lo + k_len, K_TILE):
-        t1 = min(t0 + K_TILE, k_lo + k_len)
-        k0, k1 = -1, -1
-        for c0 in range(t0, t1, PMAX):
-            if band_tile_visible(q0, q1, c0, c0 + PMAX, c.lo_rel, c.hi_rel):
-                if k0 < 0:
-                    k0 = c0
-                k1 = c0 + PMAX  # the band leaves a contiguous run of chunks
-        if k0 < 0:
-            continue  # outside the band: skipped at trace time
-        cmask = band_needs_hi_mask(q0, q1, k0, k1, c.hi_rel)
-        wmask = band_needs_lo_mask(q0, q1, k0, k1, c.lo_rel)
-        out.append((k0, k1 - k0, cmask, wmask))
+        kt = classify_keys(q0, q0 + PMAX, t0, min(t0 + K_TILE, k_lo + k_len), c.lo_rel, c.hi_rel, c.packing)
+        if kt.k1 > kt.k0:
+            out.append(kt)
     return out
 
 
 class BwdVisit(nl.NKIObject):
     """One member's visit of one key tile of its group (trace-time plan).
 
-    m: the member's index in the group; k0, kw: the visible keys [k0, k0+kw) (128-aligned); cmask, wmask: the
-    upper (causal, window_size right) / lower (sliding window, window_size left) band masks are needed; off: k0 - u0, the visit's first column in the group's dV/dK PSUM
-    tiles of this key tile; segs: ``[(a, b, acc)]`` column ranges [a, b) of those PSUM tiles (relative to u0)
+    m: the member's index in the group; k0, kw: the visible keys [k0, k0+kw) (128-aligned); kt: its
+    ``band.KeyTile`` (kind, and which band sides cut it); off: k0 - u0, the visit's first column in the group's
+    dV/dK PSUM tiles of this key tile; segs: ``[(a, b, acc)]`` column ranges [a, b) of those PSUM tiles (relative to u0)
     the dV/dK matmuls write, ``acc`` False where no earlier member of the group wrote (a matmul must overwrite
     first, then accumulate); dq_first: the member's first visit in the group (its first dQ matmul overwrites);
     dsT_dma: dS is transposed by one DMA transpose instead of TensorE."""
 
-    def __init__(self, m, k0, kw, cmask, wmask, off, segs, dq_first, dsT_dma):
+    def __init__(self, m, kt, off, segs, dq_first, dsT_dma):
         self.m = m
-        self.k0 = k0
-        self.kw = kw
-        self.cmask = cmask
-        self.wmask = wmask
+        self.k0 = kt.k0
+        self.kw = kt.k1 - kt.k0
+        self.kt = kt
         self.off = off
         self.segs = segs
         self.dq_first = dq_first
@@ -302,11 +271,11 @@ def _group_plan(c, s, members):
         u0, u1 = -1, -1
         for mem in members:
             for tile in c.tiles[s][mem[1]]:
-                if t0 <= tile[0] and tile[0] < t1:
-                    if u0 < 0 or tile[0] < u0:
-                        u0 = tile[0]
-                    if tile[0] + tile[1] > u1:
-                        u1 = tile[0] + tile[1]
+                if t0 <= tile.k0 and tile.k0 < t1:
+                    if u0 < 0 or tile.k0 < u0:
+                        u0 = tile.k0
+                    if tile.k1 > u1:
+                        u1 = tile.k1
         if u0 < 0:
             continue
         covered = []
@@ -315,12 +284,12 @@ def _group_plan(c, s, members):
         visits = []
         for mi in range(len(members)):
             for tile in c.tiles[s][members[mi][1]]:
-                k0, kw, cmask, wmask = tile
-                if t0 <= k0 and k0 < t1:
-                    off = k0 - u0
+                if t0 <= tile.k0 and tile.k0 < t1:
+                    off = tile.k0 - u0
+                    kw = tile.k1 - tile.k0
                     segs = _segments(covered, off // PMAX, (off + kw) // PMAX)
                     dma = c.dsT_dma and kw == K_TILE
-                    visits.append(BwdVisit(mi, k0, kw, cmask, wmask, off, segs, not started[mi], dma))
+                    visits.append(BwdVisit(mi, tile, off, segs, not started[mi], dma))
                     started[mi] = True
         ktiles.append(BwdKeyTile(u0, u1 - u0, visits))
     return BwdGroup(members, ktiles)
@@ -370,9 +339,13 @@ def _section_blocks(c, s):
 
 
 class BwdConfig(nl.NKIObject):
-    """Trace-time plan of one attention_bwd call (shapes, dtypes, engines, sections, blocks, groups, visits)."""
+    """Trace-time plan of one attention_bwd call (shapes, dtypes, engines, sections, blocks, groups, visits).
 
-    def __init__(self, a, dtype, mixed, section_len, trn1):
+    ``a``: the call's ``validation.AttentionShape``; ``group_max``, ``block_members_max``, ``p_cast_on_gpsimd``,
+    ``ds_dma_transpose``: the kernel's tuning keywords (None: the module defaults)."""
+
+    def __init__(self, a, dtype, mixed, section_len, trn1, group_max=None, block_members_max=None,
+                 p_cast_on_gpsimd=None, ds_dma_transpose=None):
         # (NKI binds one target per attribute assignment: no tuple unpacking into attributes)
         self.bs = a.bs
         self.nheads = a.nheads
@@ -380,7 +353,7 @@ class BwdConfig(nl.NKIObject):
         self.group = a.group
         self.d_head = a.d_head
         # Q/K head dim (S, dK, dQ, K^T) and V/O head dim (dP, dV, D, dO^T) are tiled separately, each into
-        # partition tiles of 128 rows + remainder (``tiling.head_dim_tiles``: 199 -> 128 + 71).
+        # partition tiles of 128 rows + remainder (``steps.head_dim_tiles``: 199 -> 128 + 71).
         self.d_qk = a.d_qk
         self.d_v = a.d_v
         self.qk_rows = a.qk_tiles
@@ -391,10 +364,10 @@ class BwdConfig(nl.NKIObject):
         self.seqlen_k = a.seqlen_k
         self.nq = a.seqlen_q // PMAX
         self.scale = a.scale
-        # where softmax_scale is applied (FOLD_SCALE_INTO_Q): to Q at load, or in the exp and the dK eviction
-        self.scale_q = FOLD_SCALE_INTO_Q
-        self.exp_scale = 1.0 if FOLD_SCALE_INTO_Q else a.scale
-        self.dk_scale = 1.0 if FOLD_SCALE_INTO_Q else a.scale
+        # where softmax_scale is applied (steps.FOLD_SCALE_INTO_Q): to Q at load, or in the exp and the dK eviction
+        self.fold_scale_into_q = FOLD_SCALE_INTO_Q
+        base = 1.0 if FOLD_SCALE_INTO_Q else a.scale  # what still multiplies the PSUM scores
+        self.dk_scale = base
         self.causal = a.causal
         self.window = a.window
         # the band of causal / sliding window / window_size: key j visible to query i iff
@@ -409,14 +382,15 @@ class BwdConfig(nl.NKIObject):
         self.alibi = a.alibi
         self.dropout_p = a.dropout_p
         self.dropout = a.dropout
-        # the scale of the exp's input after the score steps: soft-capping hands over tanh(S/c) with scale c,
-        # so ALiBi divides its bias by it (``_bias_alibi``)
-        self.logit_scale = a.softcap if a.softcap > 0.0 else (1.0 if FOLD_SCALE_INTO_Q else a.scale)
+        # the scale of the exp's input after the score steps: soft-capping hands over tanh(base S / c) with scale
+        # c, so ALiBi divides its bias by it (``_bias_alibi``)
+        self.cap_scale = base / a.softcap if a.softcap > 0.0 else 1.0
+        self.exp_scale = a.softcap if a.softcap > 0.0 else base
         self.packing = a.packing
         self.num_sinks = a.num_sinks
         self.sinks_3d = a.sinks_3d
         self.mm_dtype = dtype
-        self.itemsize = _itemsize(dtype)
+        self.itemsize = itemsize(dtype)
         self.mixed = mixed
         # P is kept in fp32 with mixed precision (cast for the dV matmul), else in the input dtype.
         self.p_dtype = nl.float32 if mixed else dtype
@@ -426,7 +400,12 @@ class BwdConfig(nl.NKIObject):
         # and GpSimdE cannot use SBUF at the same time: the P cast goes to ScalarE there, to GpSimdE (idle
         # otherwise) from trn2 on. dS is transposed by DMA (trn2+, 2-byte types, whole 512-key tiles) when
         # TensorE would otherwise be the busiest engine (``_use_dma_transpose``).
-        self.cast_on_gpsimd = P_CAST_ON_GPSIMD and not trn1
+        if p_cast_on_gpsimd is None:
+            p_cast_on_gpsimd = P_CAST_ON_GPSIMD
+        if ds_dma_transpose is None:
+            ds_dma_transpose = DS_DMA_TRANSPOSE
+        self.cast_on_gpsimd = p_cast_on_gpsimd and not trn1
+        self.ds_dma_transpose = ds_dma_transpose
         self.section_len = section_len
         self.sections = []
         for lo in range(0, a.seqlen_k, section_len):
@@ -458,8 +437,9 @@ class BwdConfig(nl.NKIObject):
         # dQ partial sums between sections: fp32 scratch in HBM with mixed precision, else out_dq itself.
         self.dq_scratch = mixed and str(dtype) != str(nl.float32) and self.n_sections > 1
         self.dq_park_dtype = nl.float32 if self.dq_scratch else dtype
-        self.group_size = group_size(self.d_tiles)
-        self.block_members = block_members(self.d_tiles, self.itemsize, self.dq_scratch, self.v_tiles)
+        self.group_size = group_size(self.d_tiles, group_max)
+        self.block_members = block_members(self.d_tiles, self.itemsize, self.dq_scratch, self.v_tiles, group_max,
+                                           block_members_max)
         self.dsT_dma = _use_dma_transpose(self, trn1)
         self.blocks = []
         for s in range(self.n_sections):
@@ -472,15 +452,15 @@ def _use_dma_transpose(c, trn1):
     transfer, worth it only for whole tiles and only when TensorE, not the DMA queues, is the busier: counted at
     trace time from the plan (TensorE cycles of the matmuls and transposes of a whole tile against the DMA time
     of its transpose)."""
-    if trn1 or c.itemsize != 2 or not DS_DMA_TRANSPOSE:
+    if trn1 or c.itemsize != 2 or not c.ds_dma_transpose:
         return False
     full = 0
     chunks = 0
     for s in range(c.n_sections):
         for i in range(c.nq):
             for tile in c.tiles[s][i]:
-                chunks += tile[1] // PMAX
-                if tile[1] == K_TILE:
+                chunks += (tile.k1 - tile.k0) // PMAX
+                if tile.k1 - tile.k0 == K_TILE:
                     full += 1
     # Per 128-key chunk and head-dim tile TensorE streams 5 matmuls x 128 columns (S, dP, dV, dK, dQ) at 2.4 GHz:
     # its time without the dS transposes. A whole-tile DMA transpose occupies the queues ~850 ns. Move the
@@ -500,14 +480,25 @@ def _is_trn1():
     return not nisa.get_nc_version() >= nisa.nc_version.gen3  # no range_select before trn2
 
 
-# The variants of docs/semantics.md this kernel implements (validation.FEATURES names).
-BWD_FEATURES = ("causal_unequal", "head_dim_any", "d_v", "softcap", "alibi", "window_size", "dropout")
+def _knob_problem(name, value, allowed):
+    """The problem with a tuning keyword: None (the default) or a value of the ``allowed`` kind ("int >= 1" or
+    "bool"); None when it is fine."""
+    if value is None:
+        return None
+    if allowed == "bool":
+        if not isinstance(value, bool):
+            return f"{name}={value!r} must be None (the default), True or False"
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        return f"{name}={value!r} must be None (the default) or an int >= 1"
+    return None
 
 
 def bwd_problem(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref=None, bound_min=None, bound_max=None,
                 use_causal_mask=False, mixed_precision=False, softmax_scale=None, sliding_window=None,
                 softcap=0.0, alibi_slopes=None, window_size=None, dropout_p=0.0, dropout_seed=None,
-                k_section_len=None):
+                k_section_len=None, group_max=None, block_members_max=None, p_cast_on_gpsimd=None,
+                ds_dma_transpose=None):
     """``None`` when ``attention_bwd`` accepts these arguments on the current target, else the first problem as
     a message (argument, value, rule). The kernel asserts on it; ``nki_attn.kernel_api.attention_bwd`` raises it
     as ``ValueError`` before launching."""
@@ -517,7 +508,7 @@ def bwd_problem(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref=None, bou
                                 bound_min=bound_min, bound_max=bound_max, use_causal_mask=use_causal_mask,
                                 softmax_scale=softmax_scale, sliding_window=sliding_window, softcap=softcap,
                                 alibi_slopes=alibi_slopes, window_size=window_size, dropout_p=dropout_p,
-                                dropout_seed=dropout_seed, supports=BWD_FEATURES, kernel="attention_bwd")
+                                dropout_seed=dropout_seed, kernel="attention_bwd")
     if problem is not None:
         return problem
     if not isinstance(mixed_precision, bool):
@@ -526,15 +517,22 @@ def bwd_problem(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref=None, bou
         if isinstance(k_section_len, bool) or not isinstance(k_section_len, int) or k_section_len < PMAX \
                 or k_section_len % PMAX != 0:
             return f"k_section_len={k_section_len!r} must be a positive multiple of {PMAX}"
+    knobs = (("group_max", group_max, "int"), ("block_members_max", block_members_max, "int"),
+             ("p_cast_on_gpsimd", p_cast_on_gpsimd, "bool"), ("ds_dma_transpose", ds_dma_transpose, "bool"))
+    for knob in knobs:
+        name, value, allowed = knob
+        problem = _knob_problem(name, value, allowed)
+        if problem is not None:
+            return problem
     a = _shape_of(q_ref, k_ref, v_ref, sinks_ref, bound_min, use_causal_mask, softmax_scale, sliding_window,
                   softcap, alibi_slopes, window_size, dropout_p)
-    isz = _itemsize(q_ref.dtype)
+    isz = itemsize(q_ref.dtype)
     sec = _section_len(a, isz, k_section_len)
     trn1 = _is_trn1()
     dq_fp32 = mixed_precision and isz != 4 and sec < a.seqlen_k
     use = sbuf_usage(a.d_qk, len(a.qk_tiles), isz, sec, a.group, a.seqlen_q, mixed_precision, a.packing,
                      a.num_sinks, trn1 and a.packing, dq_fp32, a.d_v, len(a.v_tiles), a.softcap > 0.0, a.alibi,
-                     a.dropout)
+                     a.dropout, group_max, block_members_max)
     cap = sbuf_bytes_per_partition()
     if use["total"] > cap:
         return (f"attention_bwd needs {use['total']} SBUF bytes per partition (section {use['section']}, per-row "
@@ -552,12 +550,15 @@ def _shape_of(q_ref, k_ref, v_ref, sinks_ref, bound_min, use_causal_mask, softma
 
 def _configure(q_ref, k_ref, sinks_ref, bound_min, use_causal_mask, mixed_precision, softmax_scale,
                sliding_window, k_section_len, v_ref=None, softcap=0.0, alibi_slopes=None, window_size=None,
-               dropout_p=0.0):
-    """The ``BwdConfig`` of arguments ``bwd_problem`` accepted (``v_ref`` None: d_v = d_qk)."""
+               dropout_p=0.0, group_max=None, block_members_max=None, p_cast_on_gpsimd=None,
+               ds_dma_transpose=None):
+    """The launch's ``BwdConfig``, built once from arguments ``bwd_problem`` accepted (``v_ref`` None: d_v =
+    d_qk)."""
     a = _shape_of(q_ref, k_ref, v_ref, sinks_ref, bound_min, use_causal_mask, softmax_scale, sliding_window,
                   softcap, alibi_slopes, window_size, dropout_p)
-    sec = _section_len(a, _itemsize(q_ref.dtype), k_section_len)
-    return BwdConfig(a, q_ref.dtype, mixed_precision, sec, _is_trn1())
+    sec = _section_len(a, itemsize(q_ref.dtype), k_section_len)
+    return BwdConfig(a, q_ref.dtype, mixed_precision, sec, _is_trn1(), group_max, block_members_max,
+                     p_cast_on_gpsimd, ds_dma_transpose)
 
 
 # ----------------------------------------------------------------------------------------------- engines
@@ -647,10 +648,7 @@ def _load_bounds(c, bound_min, bound_max):
     """Packing bounds as [128, nq] fp32 columns (query row t*128+p at [p, t]), loaded once per launch. Causal
     and the sliding window are folded in here (bound_max = min(bound_max, q+1), bound_min = max(bound_min,
     q-W+1)) so one range test per score masks all three rules."""
-    bmin = nl.ndarray((PMAX, c.nq), dtype=nl.float32, buffer=nl.sbuf)
-    bmax = nl.ndarray((PMAX, c.nq), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.dma_copy(dst=bmin, src=bound_min.ap(pattern=[[1, PMAX], [PMAX, c.nq]], offset=0))
-    nisa.dma_copy(dst=bmax, src=bound_max.ap(pattern=[[1, PMAX], [PMAX, c.nq]], offset=0))
+    bmin, bmax = load_packing_bounds(bound_min, bound_max, c.nq)
     if c.hi_bounded or c.lo_bounded:
         qidx = nl.ndarray((PMAX, c.nq), dtype=nl.float32, buffer=nl.sbuf)
         nisa.iota(dst=qidx, pattern=[[PMAX, c.nq]], offset=0, channel_multiplier=1)
@@ -717,217 +715,190 @@ def _transpose_members(c, grp, q_b, dy_b):
     return out
 
 
-# Tile steps: small functions selected at trace time (``_tile_steps``) and passed down to ``_visit`` as one
-# tuple of module-level functions (NKI inlines them), so an attention variant is one more step, not a branch in
-# the inner loop. Per visit, in this order:
-#   cap step    S (PSUM) -> (data, scale) with logits = data * scale          (soft-capping: tanh on ScalarE)
-#   bias step   (data, scale) -> data + bias / scale                          (ALiBi from iota and the slope)
-#   score step  data -> the exp's input, runtime masks                        (packing bounds)
-#   P = exp(scale * data - LSE)                                               (ONE activation, always)
-#   P step      P -> P with the trace-time band masks                         (causal, windows)
-#   grad step   P -> the P operand of dS                                      (soft-capping: P * (1 - tanh^2))
-#   drop step   P -> (the P operand of dV, the multiplier of dP)              (dropout)
-#   dS step     dS = (dP [* multiplier] - D) * P operand                      (dropout: one more VectorE op)
-# ``mrow`` carries a member's runtime columns: (packing bound columns, ALiBi slope columns, batch, query head).
-def _cap_none(c, src, sc, v):
-    """No soft-capping: the exp reads S (PSUM) with the scale it has."""
-    return src, sc, None
-
-
-def _cap_tanh(c, src, sc, v):
-    """Soft-capping, logits = cap * tanh(S / cap): ONE ScalarE activation (tanh, PSUM -> SBUF fp32); the cap is
-    applied by the exp's ``scale=``, so P stays a single exp. tanh(S / cap) is returned for the grad step."""
-    t = nl.ndarray((PMAX, v.kw), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.activation(dst=t, op=nl.tanh, data=src, scale=sc / c.softcap)
-    return t, c.softcap, t
-
-
-def _bias_none(c, src, sc, q0, v, mrow):
-    """No ALiBi."""
-    return src
-
-
-def _bias_alibi(c, src, sc, q0, v, mrow):
-    """ALiBi, logits += -slope * |i + off - j|, generated in the kernel: the distance x = i + off - j is ONE
-    GpSimdE iota (exact integers in fp32), then ONE VectorE ``scalar_tensor_tensor`` data + x * coef, with coef =
-    -slope / scale (``mrow[1]``, per query head, the exp's scale divided out). Where the tile's band-visible
-    entries lie on one side of the diagonal (every causal tile), |x| = +-x; a tile that straddles it (non-causal)
-    takes one more VectorE op for |x|. Entries outside the band get a wrong bias but are masked after the exp."""
-    neg_col, pos_col = mrow[1]
-    x = nl.ndarray((PMAX, v.kw), dtype=nl.float32, buffer=nl.sbuf)
-    base = q0 + c.off - v.k0
-    nisa.iota(dst=x, pattern=[[-1, v.kw]], offset=base, channel_multiplier=1)
+# ----------------------------------------------------------------------------------------------- steps
+# The backward's steps (``steps`` protocol, one signature ``step(c, tile, item, x) -> x``), chosen once per launch
+# by ``_select_steps``. Per visit, in this order:
+#   score         S (PSUM) -> the exp's input      soft-capping (``steps.softcap_scores``), ALiBi (``_bias_alibi``)
+#   mask_partial  -> the exp's input               packing bounds (``_scores_packed``; causal, window folded in)
+#   P = exp(exp_scale * x - LSE)                    (ONE activation, always)
+#   p_mask        P -> P                           the band's element masks (causal, windows: ``_p_band``)
+#   grad          P -> the P operand of dS         soft-capping: P * (1 - tanh^2)
+#   prob          P -> the P operand of dV         dropout (its keep multiplier saved for dS)
+#   ds            dP -> dS = (dP [* keep] - D) * P operand
+def _bias_alibi(c, tile, item, s):
+    """Score step, ALiBi, logits += -slope * |i + off - j|, generated in the kernel: the distance x = i + off - j
+    is ONE GpSimdE iota (exact integers in fp32), then ONE VectorE ``scalar_tensor_tensor`` data + x * coef, with
+    coef = -slope / e (``item.slopes``, per query head, the exp's scale e divided out). Where the tile's
+    band-visible entries lie on one side of the diagonal (every causal tile), |x| = +-x; a tile that straddles it
+    (non-causal) takes one more VectorE op for |x|. Entries outside the band get a wrong bias but are masked
+    after the exp."""
+    g = tile.h
+    neg_col = item.slopes[:, g:g + 1]
+    pos_col = item.slopes_pos[:, g:g + 1]
+    x = nl.ndarray((PMAX, tile.kw), dtype=nl.float32, buffer=nl.sbuf)
+    base = tile.q0 + c.off - tile.k0
+    nisa.iota(dst=x, pattern=[[-1, tile.kw]], offset=base, channel_multiplier=1)
     # range of x over the tile's entries that the band leaves visible (trace time)
-    x_lo = max(base - (v.kw - 1), c.off - c.hi_rel)
+    x_lo = max(base - (tile.kw - 1), c.off - c.hi_rel)
     x_hi = min(base + PMAX - 1, c.off - c.lo_rel)
-    out = nl.ndarray((PMAX, v.kw), dtype=nl.float32, buffer=nl.sbuf)
+    out = nl.ndarray((PMAX, tile.kw), dtype=nl.float32, buffer=nl.sbuf)
     if x_lo >= 0:
-        nisa.scalar_tensor_tensor(dst=out, data=x, op0=nl.multiply, operand0=neg_col, op1=nl.add, operand1=src)
+        nisa.scalar_tensor_tensor(dst=out, data=x, op0=nl.multiply, operand0=neg_col, op1=nl.add, operand1=s)
     elif x_hi <= 0:
-        nisa.scalar_tensor_tensor(dst=out, data=x, op0=nl.multiply, operand0=pos_col, op1=nl.add, operand1=src)
+        nisa.scalar_tensor_tensor(dst=out, data=x, op0=nl.multiply, operand0=pos_col, op1=nl.add, operand1=s)
     else:
         nisa.tensor_scalar(dst=x, data=x, op0=nl.abs, operand0=0.0, op1=nl.multiply, operand1=neg_col)
-        nisa.tensor_tensor(dst=out, data1=src, data2=x, op=nl.add)
+        nisa.tensor_tensor(dst=out, data1=s, data2=x, op=nl.add)
     return out
 
 
-def _scores_unmasked(c, s_ps, q0, v, bcols):
-    """No element mask before the exp: exp reads S straight from PSUM."""
-    return s_ps
-
-
-def _p_unmasked(c, p, q0, v):
-    """No element mask after the exp."""
-    return p
-
-
-def _p_causal_window(c, p, q0, v):
+def _p_band(c, tile, item, p):
     """The band masks on P (GpSimdE ``affine_select``, zero outside), only on the columns a mask can touch: the
     upper side (causal, window_size right: keep key k0+j <= query q0+p + hi_rel) from the first column some row
     loses, the lower side (sliding window, window_size left: keep k0+j >= q0+p + lo_rel) up to the last column
     some row loses. Masking P instead of S lets exp read S from PSUM (no copy): the exp of a masked score may
     overflow, the select replaces it."""
-    if v.cmask:
-        a = max(0, q0 + c.hi_rel - v.k0)
-        nisa.affine_select(dst=p[:, a:v.kw], pattern=[[-1, v.kw - a]], channel_multiplier=1,
-                           on_true_tile=p[:, a:v.kw], on_false_value=0.0, cmp_op=nl.greater_equal,
-                           offset=q0 + c.hi_rel - v.k0 - a)
-    if v.wmask:
-        e = min(v.kw, q0 + PMAX - 1 + c.lo_rel - v.k0)
+    q0 = tile.q0
+    k0 = tile.k0
+    kw = tile.kw
+    if tile.needs_hi:
+        a = max(0, q0 + c.hi_rel - k0)
+        nisa.affine_select(dst=p[:, a:kw], pattern=[[-1, kw - a]], channel_multiplier=1,
+                           on_true_tile=p[:, a:kw], on_false_value=0.0, cmp_op=nl.greater_equal,
+                           offset=q0 + c.hi_rel - k0 - a)
+    if tile.needs_lo:
+        e = min(kw, q0 + PMAX - 1 + c.lo_rel - k0)
         e = (e + PMAX - 1) // PMAX * PMAX
         nisa.affine_select(dst=p[:, 0:e], pattern=[[1, e]], channel_multiplier=-1, on_true_tile=p[:, 0:e],
-                           on_false_value=0.0, cmp_op=nl.greater_equal, offset=v.k0 - q0 - c.lo_rel)
+                           on_false_value=0.0, cmp_op=nl.greater_equal, offset=k0 - q0 - c.lo_rel)
     return p
 
 
-def _scores_packed(c, s_ps, q0, v, bcols):
+def _scores_packed(c, tile, item, s):
     """Packing (trn2+): ONE Vector ``range_select`` copies S from PSUM keeping bound_min <= key < bound_max (causal
     and window are folded into the bounds), -3.4e38 elsewhere, so exp gives exactly 0."""
-    bmin_col, bmax_col = bcols
-    s_sb = nl.ndarray((PMAX, v.kw), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.range_select(dst=s_sb, on_true_tile=s_ps, comp_op0=nl.greater_equal, comp_op1=nl.less,
-                      bound0=bmin_col, bound1=bmax_col, range_start=v.k0, on_false_value=FP32_MIN)
+    bmin, bmax = item.bounds
+    i = tile.t
+    s_sb = nl.ndarray((PMAX, tile.kw), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.range_select(dst=s_sb, on_true_tile=s, comp_op0=nl.greater_equal, comp_op1=nl.less,
+                      bound0=bmin[:, i:i + 1], bound1=bmax[:, i:i + 1], range_start=tile.k0,
+                      on_false_value=FP32_MIN)
     return s_sb
 
 
-def _scores_packed_trn1(c, s_ps, q0, v, bcols):
+def _scores_packed_trn1(c, tile, item, s):
     """Packing on trn1 (no range_select): key index (iota), two compares into a 0/1 mask, predicated fill."""
-    bmin_col, bmax_col = bcols
-    s_sb = nl.ndarray((PMAX, v.kw), dtype=nl.float32, buffer=nl.sbuf)
-    kidx = nl.ndarray((PMAX, v.kw), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.iota(dst=kidx, pattern=[[1, v.kw]], offset=v.k0, channel_multiplier=0)
-    vis = nl.ndarray((PMAX, v.kw), dtype=nl.uint8, buffer=nl.sbuf)
-    nisa.tensor_scalar(dst=vis, data=kidx, op0=nl.greater_equal, operand0=bmin_col)
-    nisa.scalar_tensor_tensor(dst=vis, data=kidx, op0=nl.less, operand0=bmax_col, op1=nl.multiply, operand1=vis)
-    nisa.tensor_copy(dst=s_sb, src=s_ps)
+    bmin, bmax = item.bounds
+    i = tile.t
+    kw = tile.kw
+    s_sb = nl.ndarray((PMAX, kw), dtype=nl.float32, buffer=nl.sbuf)
+    kidx = nl.ndarray((PMAX, kw), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.iota(dst=kidx, pattern=[[1, kw]], offset=tile.k0, channel_multiplier=0)
+    vis = nl.ndarray((PMAX, kw), dtype=nl.uint8, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=vis, data=kidx, op0=nl.greater_equal, operand0=bmin[:, i:i + 1])
+    nisa.scalar_tensor_tensor(dst=vis, data=kidx, op0=nl.less, operand0=bmax[:, i:i + 1], op1=nl.multiply,
+                              operand1=vis)
+    nisa.tensor_copy(dst=s_sb, src=s)
     nisa.tensor_copy_predicated(dst=s_sb, src=FP32_MIN, predicate=vis, reverse_pred=True)
     return s_sb
 
 
-def _grad_plain(c, p, t, v):
-    """dS uses P itself."""
-    return p
-
-
-def _grad_softcap(c, p, t, v):
+def _grad_softcap(c, tile, item, p):
     """Soft-capping's chain rule: dS = (dP - D) * P * (1 - tanh^2(S / cap)), so the dS step gets
-    P * (1 - t^2) (fp32): t^2 on GpSimdE, (1 - t^2) * P on VectorE. P itself still feeds the dV matmul."""
-    u = nl.ndarray((PMAX, v.kw), dtype=nl.float32, buffer=nl.sbuf)
+    P * (1 - t^2) (fp32; t saved by ``steps.softcap_scores``): t^2 on GpSimdE, (1 - t^2) * P on VectorE. P
+    itself still feeds the dV matmul."""
+    t = tile.saved["tanh"]
+    u = nl.ndarray((PMAX, tile.kw), dtype=nl.float32, buffer=nl.sbuf)
     nisa.tensor_tensor(dst=u, data1=t, data2=t, op=nl.multiply, engine=nisa.engine.gpsimd)
-    pc = nl.ndarray((PMAX, v.kw), dtype=nl.float32, buffer=nl.sbuf)
+    pc = nl.ndarray((PMAX, tile.kw), dtype=nl.float32, buffer=nl.sbuf)
     nisa.scalar_tensor_tensor(dst=pc, data=u, op0=nl.subtract, operand0=1.0, reverse0=True, op1=nl.multiply,
                               operand1=p)
     return pc
 
 
-def _drop_none(c, p, q0, v, mrow, seed):
-    """No dropout: dV uses P, dP is not rescaled."""
-    return p, None
-
-
-def _drop_keep(c, p, q0, v, mrow, seed):
+def _drop_keep(c, tile, item, p):
     """Dropout: the keep multiplier M / (1 - p) of this [128 x kw] tile, regenerated from the seed exactly as the
-    forward made it (``dropout.dropout_scale_keys`` from the member's row words, ``mrow[4]``, computed once per
+    forward made it (``dropout.dropout_scale_keys`` from the member's row words, ``tile.rows``, computed once per
     group; ``dropout_scale_tile`` when there are none), then P_drop = P * multiplier (GpSimdE, rounded to the
-    matmul dtype) for dV = P_drop^T dO. The multiplier goes on to the dS step."""
-    keys = mrow[4]
+    matmul dtype) for dV = P_drop^T dO. The multiplier is saved for the dS step (``tile.saved["keep"]``)."""
+    keys = tile.rows
     if keys is None:
-        ms = dropout_scale_tile(seed, c.dropout_p, mrow[2], mrow[3], q0, v.k0, PMAX, v.kw)
+        ms = dropout_scale_tile(item.seed, c.dropout_p, tile.b, tile.hq, tile.q0, tile.k0, PMAX, tile.kw)
     else:
-        ms = dropout_scale_keys(keys, c.dropout_p, v.k0, PMAX, v.kw)
-    pd = nl.ndarray((PMAX, v.kw), dtype=c.mm_dtype, buffer=nl.sbuf)
+        ms = dropout_scale_keys(keys, c.dropout_p, tile.k0, PMAX, tile.kw)
+    pd = nl.ndarray((PMAX, tile.kw), dtype=c.mm_dtype, buffer=nl.sbuf)
     nisa.tensor_tensor(dst=pd, data1=p, data2=ms, op=nl.multiply, engine=nisa.engine.gpsimd)
-    return pd, ms
+    tile.saved["keep"] = ms
+    return pd
 
 
-def _ds_dropout(c, dp_ps, d_col, p_ds, dmul, kw):
+def _ds_dropout(c, tile, item, dp):
     """Dropout: dS = (dP * M / (1 - p) - D) * P (D = rowsum(dO * O) of the dropped O): the multiplier on dP
     first (VectorE, from PSUM), then the fused op of ``_ds_plain``."""
-    dpm = nl.ndarray((PMAX, kw), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.tensor_tensor(dst=dpm, data1=dp_ps, data2=dmul, op=nl.multiply)
-    ds = nl.ndarray((PMAX, kw), dtype=c.mm_dtype, buffer=nl.sbuf)
-    nisa.scalar_tensor_tensor(dst=ds, data=dpm, op0=nl.subtract, operand0=d_col, op1=nl.multiply, operand1=p_ds)
+    dpm = nl.ndarray((PMAX, tile.kw), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_tensor(dst=dpm, data1=dp, data2=tile.saved["keep"], op=nl.multiply)
+    ds = nl.ndarray((PMAX, tile.kw), dtype=c.mm_dtype, buffer=nl.sbuf)
+    nisa.scalar_tensor_tensor(dst=ds, data=dpm, op0=nl.subtract, operand0=tile.d_col, op1=nl.multiply,
+                              operand1=tile.saved["p_ds"])
     return ds
 
 
-def _ds_plain(c, dp_ps, d_col, p_ds, dmul, kw):
+def _ds_plain(c, tile, item, dp):
     """dS = (dP - D) * P as ONE VectorE scalar_tensor_tensor reading dP from PSUM, fp32 inside, rounded once to
-    the matmul dtype."""
-    ds = nl.ndarray((PMAX, kw), dtype=c.mm_dtype, buffer=nl.sbuf)
-    nisa.scalar_tensor_tensor(dst=ds, data=dp_ps, op0=nl.subtract, operand0=d_col, op1=nl.multiply, operand1=p_ds)
+    the matmul dtype (P: the grad steps' output, ``tile.saved["p_ds"]``)."""
+    ds = nl.ndarray((PMAX, tile.kw), dtype=c.mm_dtype, buffer=nl.sbuf)
+    nisa.scalar_tensor_tensor(dst=ds, data=dp, op0=nl.subtract, operand0=tile.d_col, op1=nl.multiply,
+                              operand1=tile.saved["p_ds"])
     return ds
 
 
-def _tile_steps(c):
-    """The tile steps of this call (see above): ``(cap, bias, score, p, grad, drop, ds)``."""
-    cap = _cap_none
-    grad = _grad_plain
+def _select_steps(c):
+    """The steps of this launch (see above), chosen once from the config."""
+    score = []
+    grad = []
     if c.softcap > 0.0:
-        cap = _cap_tanh
-        grad = _grad_softcap
-    bias = _bias_none
+        score.append(softcap_scores)
+        grad.append(_grad_softcap)
     if c.alibi:
-        bias = _bias_alibi
-    score = _scores_unmasked
-    p_step = _p_unmasked
+        score.append(_bias_alibi)
+    partial = no_step
+    p_mask = []
     if c.packing:
-        score = _scores_packed
+        partial = _scores_packed
         if c.trn1:
-            score = _scores_packed_trn1
+            partial = _scores_packed_trn1
     elif c.banded:
-        p_step = _p_causal_window
-    drop = _drop_none
+        p_mask.append(_p_band)
+    prob = []
     ds = _ds_plain
     if c.dropout:
-        drop = _drop_keep
+        prob.append(_drop_keep)
         ds = _ds_dropout
-    return cap, bias, score, p_step, grad, drop, ds
+    return Steps(score, no_step, partial, p_mask, prob, grad=grad, ds=ds)
 
 
-def _recompute_p(c, q_m, ks, kk, q0, v, nlse_col, mrow, steps):
+def _recompute_p(c, item, steps, tile, q_m, ks, kk, nlse_col):
     """Step 2: S = Q^T K (contracting head_dim on the partitions; softmax_scale is in Q, or in the activation's
-    scale when FOLD_SCALE_INTO_Q is off), then P = exp(S - LSE) as ONE activation with bias -LSE, reading S from
-    PSUM when no variant edits it: no max subtraction, no division (LSE = max + log(sum)). The variants and the
-    element masks are the tile steps. Returns P and tanh(S / cap) (None without soft-capping)."""
-    cap_step, bias_step, score_step, p_step = steps[0], steps[1], steps[2], steps[3]
-    s_ps = nl.ndarray((PMAX, v.kw), dtype=nl.float32, buffer=nl.psum)
+    scale when the scale is not folded into Q), then P = exp(S - LSE) as ONE activation with bias -LSE, reading S
+    from PSUM when no step edits it: no max subtraction, no division (LSE = max + log(sum)). The variants and the
+    element masks are the steps."""
+    s_ps = nl.ndarray((PMAX, tile.kw), dtype=nl.float32, buffer=nl.psum)
     for dt in range(len(c.qk_rows)):
-        nisa.nc_matmul(dst=s_ps, stationary=q_m[dt], moving=ks[dt][:, kk:kk + v.kw], accumulate=dt > 0)
-    src, sc, t = cap_step(c, s_ps, c.exp_scale, v)
-    src = bias_step(c, src, sc, q0, v, mrow)
-    src = score_step(c, src, q0, v, mrow[0])
-    p = nl.ndarray((PMAX, v.kw), dtype=c.p_dtype, buffer=nl.sbuf)
-    nisa.activation(dst=p, op=nl.exp, data=src, bias=nlse_col, scale=sc)
-    return p_step(c, p, q0, v), t
+        nisa.nc_matmul(dst=s_ps, stationary=q_m[dt], moving=ks[dt][:, kk:kk + tile.kw], accumulate=dt > 0)
+    src = run_steps(c, steps.score, tile, item, s_ps)
+    src = mask_step(steps, tile)(c, tile, item, src)
+    p = nl.ndarray((PMAX, tile.kw), dtype=c.p_dtype, buffer=nl.sbuf)
+    nisa.activation(dst=p, op=nl.exp, data=src, bias=nlse_col, scale=c.exp_scale)
+    return run_steps(c, steps.p_mask, tile, item, p)
 
 
-def _softmax_bwd(c, dy_m, vs, kk, kw, p_ds, d_col, dmul, ds_step):
+def _softmax_bwd(c, item, steps, tile, dy_m, vs, kk):
     """Steps 3.2 + 4: dP = dO V^T in PSUM, then dS = (dP - D) * P by the dS step (ONE fused op without
     dropout)."""
-    dp_ps = nl.ndarray((PMAX, kw), dtype=nl.float32, buffer=nl.psum)
+    dp_ps = nl.ndarray((PMAX, tile.kw), dtype=nl.float32, buffer=nl.psum)
     for dt in range(len(c.v_rows)):
-        nisa.nc_matmul(dst=dp_ps, stationary=dy_m[dt], moving=vs[dt][:, kk:kk + kw], accumulate=dt > 0)
-    return ds_step(c, dp_ps, d_col, p_ds, dmul, kw)
+        nisa.nc_matmul(dst=dp_ps, stationary=dy_m[dt], moving=vs[dt][:, kk:kk + tile.kw], accumulate=dt > 0)
+    return steps.ds(c, tile, item, dp_ps)
 
 
 def _dv_dk(c, v, dyT, qT, p_mm, ds, dv_ps, dk_ps):
@@ -979,22 +950,19 @@ def _dq(c, v, ds, kts, kk, dq_ps, dq_fresh):
                            moving=dsT[:, 0, ch, :], accumulate=not (dq_fresh and v.dq_first and ch == 0))
 
 
-def _visit(c, v, s_mem, t_mem, ks, vs, kts, k_lo, nlse_col, d_col, mrow, dv_ps, dk_ps, dq_ps, dq_fresh, steps,
-           seed):
-    """One member's visit of one key tile: the seed's steps 2-5 on a [128 queries x <= 512 keys] tile. ``s_mem``:
-    the member's (Q tiles, dO tiles) with head dim on the partitions, ``t_mem``: its (Q^T, dO^T); ``mrow`` its
-    runtime columns, ``steps`` the tile steps (``_tile_steps``)."""
-    q_m, dy_m, q0 = s_mem
-    qT, dyT = t_mem
-    grad_step, drop_step, ds_step = steps[4], steps[5], steps[6]
-    kk = v.k0 - k_lo
-    p, t = _recompute_p(c, q_m, ks, kk, q0, v, nlse_col, mrow, steps)
-    p_ds = grad_step(c, p, t, v)
-    p_dv, dmul = drop_step(c, p, q0, v, mrow, seed)
-    p_mm = _cast_p(c, p_dv)
-    ds = _softmax_bwd(c, dy_m, vs, kk, v.kw, p_ds, d_col, dmul, ds_step)
-    _dv_dk(c, v, dyT, qT, p_mm, ds, dv_ps, dk_ps)
-    _dq(c, v, ds, kts, kk, dq_ps, dq_fresh)
+def _visit(c, item, steps, sec, grp, blk, mem, v, gps):
+    """One member's visit of one key tile: the seed's steps 2-5 on a [128 queries x <= 512 keys] tile. ``mem``:
+    the member's ``_MemberData``, ``v`` the visit (``BwdVisit``), ``gps`` the group's PSUM tiles."""
+    g, i, col = grp.members[v.m]
+    tile = Tile(item.b, item.kvh * c.group + g, g, i, v.k0, v.kw, v.kt.needs_lo, v.kt.needs_hi, v.kt.kind,
+                rows=mem.rows, d_col=item.dsum[:, g, i:i + 1])
+    kk = v.k0 - sec.k_lo
+    p = _recompute_p(c, item, steps, tile, mem.q, sec.ks, kk, item.neg_lse[:, g, i:i + 1])
+    tile.saved["p_ds"] = run_steps(c, steps.grad, tile, item, p)
+    p_mm = _cast_p(c, run_steps(c, steps.prob, tile, item, p))
+    ds = _softmax_bwd(c, item, steps, tile, mem.dy, sec.vs, kk)
+    _dv_dk(c, v, mem.dyT, mem.qT, p_mm, ds, gps.dv, gps.dk)
+    _dq(c, v, ds, sec.kts, kk, gps.dq, blk.first)
 
 
 def _evict_dv_dk(c, kt, k_lo, dv_ps, dk_ps, dv_acc, dk_acc):
@@ -1041,30 +1009,75 @@ def _evict_dq(c, grp, blk, dq_ps, dq_stage):
             _copy_on_scalar(c, dq_stage[dt][:, col:col + PMAX], dq_ps[0:rn, pc:pc + PMAX], scale)
 
 
-def _group(c, grp, blk, q_b, dy_b, ks, vs, kts, k_lo, neg_lse, dsum, rowdat, dv_acc, dk_acc, dq_stage, dq_prev,
-           ident, steps):
+class _MemberData(nl.NKIObject):
+    """One member's views for its visits: ``q`` / ``dy`` its Q and dO tiles (head dim on the partitions), ``qT`` /
+    ``dyT`` their transposes (``_transpose_members``), ``rows`` its dropout row words (or None)."""
+
+    def __init__(self, q, dy, qT, dyT, rows):
+        self.q = q
+        self.dy = dy
+        self.qT = qT
+        self.dyT = dyT
+        self.rows = rows
+
+
+class _GroupPsum(nl.NKIObject):
+    """The PSUM tiles a group accumulates in: ``dv`` / ``dk`` of the current key tile (one per V / Q-K head-dim
+    tile) and ``dq`` of the whole group."""
+
+    def __init__(self, dv, dk, dq):
+        self.dv = dv
+        self.dk = dk
+        self.dq = dq
+
+
+class _SectionBufs(nl.NKIObject):
+    """The buffers of one K/V section ``s`` (keys ``[k_lo, k_lo + k_len)``): ``ks`` / ``vs`` / ``kts`` K, V and
+    K^T per head-dim tile (``_load_kv_section``), ``dk_acc`` / ``dv_acc`` the fp32 accumulators."""
+
+    def __init__(self, s, k_lo, k_len, ks, vs, kts, dk_acc, dv_acc):
+        self.s = s
+        self.k_lo = k_lo
+        self.k_len = k_len
+        self.ks = ks
+        self.vs = vs
+        self.kts = kts
+        self.dk_acc = dk_acc
+        self.dv_acc = dv_acc
+
+
+class _BlockBufs(nl.NKIObject):
+    """The buffers of one block: ``q`` / ``dy`` its Q (scaled) and dO tiles, ``dq_stage`` the dQ staging,
+    ``dq_prev`` the earlier sections' dQ partial sums (None in the members' first section)."""
+
+    def __init__(self, q, dy, dq_stage, dq_prev):
+        self.q = q
+        self.dy = dy
+        self.dq_stage = dq_stage
+        self.dq_prev = dq_prev
+
+
+def _group(c, item, steps, sec, blk, bb, grp):
     """All visits of one group: dV/dK of each key tile and the members' dQ accumulate in PSUM."""
-    bounds, acoef, b, hk, seed = rowdat
-    tr = _transpose_members(c, grp, q_b, dy_b)
+    tr = _transpose_members(c, grp, bb.q, bb.dy)
     dq_ps = nl.ndarray((PMAX, len(c.qk_rows) * c.group_size * PMAX), dtype=nl.float32, buffer=nl.psum)
     if not blk.first:
-        _reload_dq(c, grp, dq_ps, dq_prev, ident)
-    s_mem = []
-    mkeys = []
-    for mem in grp.members:
+        _reload_dq(c, grp, dq_ps, bb.dq_prev, item.ident)
+    mems = []
+    for mi in range(len(grp.members)):
+        g, i, col = grp.members[mi]
         # dropout row words of the member, once per group (keys below 65536; else per visit, _drop_keep)
+        rows = None
         if c.dropout and c.seqlen_k <= 65536:
-            mkeys.append(dropout_row_keys(seed, b, hk * c.group + mem[0], mem[1] * PMAX, PMAX, 0))
-        else:
-            mkeys.append(None)
-        col = mem[2]
+            rows = dropout_row_keys(item.seed, item.b, item.kvh * c.group + g, i * PMAX, PMAX, 0)
         q_m = []
-        for t in q_b:
+        for t in bb.q:
             q_m.append(t[:, col:col + PMAX])
         dy_m = []
-        for t in dy_b:
+        for t in bb.dy:
             dy_m.append(t[:, col:col + PMAX])
-        s_mem.append((q_m, dy_m, mem[1] * PMAX))
+        qT, dyT = tr[mi]
+        mems.append(_MemberData(q_m, dy_m, qT, dyT, rows))
     for kt in grp.ktiles:
         dv_ps = []
         for rt in c.v_rows:
@@ -1072,36 +1085,27 @@ def _group(c, grp, blk, q_b, dy_b, ks, vs, kts, k_lo, neg_lse, dsum, rowdat, dv_
         dk_ps = []
         for rt in c.qk_rows:
             dk_ps.append(nl.ndarray((rt[1], kt.uw), dtype=nl.float32, buffer=nl.psum))
+        gps = _GroupPsum(dv_ps, dk_ps, dq_ps)
         for v in kt.visits:
-            g, i, col = grp.members[v.m]
-            bcols = None
-            if c.packing:
-                bcols = (bounds[0][:, i:i + 1], bounds[1][:, i:i + 1])
-            acols = None
-            if c.alibi:
-                acols = (acoef[0][:, g:g + 1], acoef[1][:, g:g + 1])
-            mrow = (bcols, acols, b, hk * c.group + g, mkeys[v.m])
-            _visit(c, v, s_mem[v.m], tr[v.m], ks, vs, kts, k_lo, neg_lse[:, g, i:i + 1], dsum[:, g, i:i + 1],
-                   mrow, dv_ps, dk_ps, dq_ps, blk.first, steps, seed)
-        _evict_dv_dk(c, kt, k_lo, dv_ps, dk_ps, dv_acc, dk_acc)
-    _evict_dq(c, grp, blk, dq_ps, dq_stage)
+            _visit(c, item, steps, sec, grp, blk, mems[v.m], v, gps)
+        _evict_dv_dk(c, kt, sec.k_lo, dv_ps, dk_ps, sec.dv_acc, sec.dk_acc)
+    _evict_dq(c, grp, blk, dq_ps, bb.dq_stage)
 
 
-def _block(c, s, blk, b, hk, q_ref, o_ref, dy_ref, ks, vs, kts, neg_lse, dsum, ones, ident, rowdat, dv_acc,
-           dk_acc, out_dq, dq_scratch, steps):
-    """One block of members in section s: batched loads, D (first section), the groups, one dQ store per
+def _block(c, hbm, item, steps, sec, blk):
+    """One block of members in section ``sec``: batched loads, D (first section), the groups, one dQ store per
     head-dim tile."""
-    k_lo = c.sections[s][0]
-    h_abs0 = hk * c.group + blk.h0
+    b = item.b
+    h_abs0 = item.kvh * c.group + blk.h0
     ncols = blk.nt * PMAX
-    dy_b = _load_block(c, dy_ref, b, blk, h_abs0, c.v_rows)
-    q_b = _load_block(c, q_ref, b, blk, h_abs0, c.qk_rows)
-    if c.scale_q:
-        # softmax_scale folded into Q (FOLD_SCALE_INTO_Q), one instruction per head-dim tile for the whole block
+    dy_b = _load_block(c, hbm.dy, b, blk, h_abs0, c.v_rows)
+    q_b = _load_block(c, hbm.q, b, blk, h_abs0, c.qk_rows)
+    if c.fold_scale_into_q:
+        # softmax_scale folded into Q, one instruction per head-dim tile for the whole block
         for t in q_b:
             nisa.tensor_scalar(dst=t, data=t, op0=nl.multiply, operand0=c.scale)
     if blk.first:
-        _rowsum_o_dy(c, o_ref, b, blk, h_abs0, dy_b, ones, dsum)
+        _rowsum_o_dy(c, hbm.o, b, blk, h_abs0, dy_b, item.ones, item.dsum)
     to_scratch = c.dq_scratch and not blk.last
     dq_prev = None
     if not blk.first:
@@ -1111,11 +1115,11 @@ def _block(c, s, blk, b, hk, q_ref, o_ref, dy_ref, ks, vs, kts, neg_lse, dsum, o
             r0, rn = rt
             if c.dq_scratch:
                 t = nl.ndarray((rn, blk.nh * ncols), dtype=nl.float32, buffer=nl.sbuf)
-                nisa.dma_copy(dst=t, src=_hbm_block(dq_scratch, 0, blk.h0, blk.nh, r0, rn, blk.i0 * PMAX,
+                nisa.dma_copy(dst=t, src=_hbm_block(hbm.dq_scratch, 0, blk.h0, blk.nh, r0, rn, blk.i0 * PMAX,
                                                     ncols))
             else:
                 t = nl.ndarray((rn, blk.nh * ncols), dtype=c.mm_dtype, buffer=nl.sbuf)
-                nisa.dma_copy(dst=t, src=_hbm_block(out_dq, b, h_abs0, blk.nh, r0, rn, blk.i0 * PMAX, ncols))
+                nisa.dma_copy(dst=t, src=_hbm_block(hbm.dq, b, h_abs0, blk.nh, r0, rn, blk.i0 * PMAX, ncols))
             dq_prev.append(t)
     dq_stage = []
     for rt in c.qk_rows:
@@ -1123,15 +1127,15 @@ def _block(c, s, blk, b, hk, q_ref, o_ref, dy_ref, ks, vs, kts, neg_lse, dsum, o
             dq_stage.append(nl.ndarray((rt[1], blk.nh * ncols), dtype=nl.float32, buffer=nl.sbuf))
         else:
             dq_stage.append(nl.ndarray((rt[1], blk.nh * ncols), dtype=c.mm_dtype, buffer=nl.sbuf))
+    bb = _BlockBufs(q_b, dy_b, dq_stage, dq_prev)
     for grp in blk.groups:
-        _group(c, grp, blk, q_b, dy_b, ks, vs, kts, k_lo, neg_lse, dsum, rowdat, dv_acc, dk_acc, dq_stage, dq_prev,
-               ident, steps)
+        _group(c, item, steps, sec, blk, bb, grp)
     for dt in range(len(c.qk_rows)):
         r0, rn = c.qk_rows[dt]
         if to_scratch:
-            dst = _hbm_block(dq_scratch, 0, blk.h0, blk.nh, r0, rn, blk.i0 * PMAX, ncols)
+            dst = _hbm_block(hbm.dq_scratch, 0, blk.h0, blk.nh, r0, rn, blk.i0 * PMAX, ncols)
         else:
-            dst = _hbm_block(out_dq, b, h_abs0, blk.nh, r0, rn, blk.i0 * PMAX, ncols)
+            dst = _hbm_block(hbm.dq, b, h_abs0, blk.nh, r0, rn, blk.i0 * PMAX, ncols)
         nisa.dma_copy(dst=dst, src=dq_stage[dt])
 
 
@@ -1177,13 +1181,14 @@ def _identity(c):
     return ident
 
 
-def _section(c, s, b, hk, q_ref, k_ref, v_ref, o_ref, dy_ref, neg_lse, dsum, ones, ident, rowdat, out_dq, out_dk,
-             out_dv, dq_scratch, steps):
-    """One K/V section of a work item: load K, V, K^T, zero the fp32 dK, dV accumulators, run the section's
+def _section(c, hbm, item, steps, s):
+    """One K/V section ``s`` of a work item: load K, V, K^T, zero the fp32 dK, dV accumulators, run the section's
     blocks, write dK, dV. The section's tiles live in this function only, so one section's buffers are released
     before the next section's are allocated."""
+    b = item.b
+    hk = item.kvh
     k_lo, k_len = c.sections[s]
-    ks, vs, kts = _load_kv_section(c, k_ref, v_ref, b, hk, k_lo, k_len)
+    ks, vs, kts = _load_kv_section(c, hbm.k, hbm.v, b, hk, k_lo, k_len)
     dk_acc, dv_acc = [], []
     for rt in c.qk_rows:
         a_k = nl.ndarray((rt[1], k_len), dtype=nl.float32, buffer=nl.sbuf)
@@ -1193,40 +1198,38 @@ def _section(c, s, b, hk, q_ref, k_ref, v_ref, o_ref, dy_ref, neg_lse, dsum, one
         a_v = nl.ndarray((rt[1], k_len), dtype=nl.float32, buffer=nl.sbuf)
         nisa.memset(dst=a_v, value=0.0, engine=nisa.engine.gpsimd)
         dv_acc.append(a_v)
+    sec = _SectionBufs(s, k_lo, k_len, ks, vs, kts, dk_acc, dv_acc)
     for blk in c.blocks[s]:
-        _block(c, s, blk, b, hk, q_ref, o_ref, dy_ref, ks, vs, kts, neg_lse, dsum, ones, ident, rowdat, dv_acc,
-               dk_acc, out_dq, dq_scratch, steps)
+        _block(c, hbm, item, steps, sec, blk)
     for dt in range(len(c.qk_rows)):
         r0, rn = c.qk_rows[dt]
-        nisa.dma_copy(dst=out_dk[b, hk, r0:r0 + rn, k_lo:k_lo + k_len], src=dk_acc[dt])
+        nisa.dma_copy(dst=hbm.dk[b, hk, r0:r0 + rn, k_lo:k_lo + k_len], src=dk_acc[dt])
     for dt in range(len(c.v_rows)):
         r0, rn = c.v_rows[dt]
-        nisa.dma_copy(dst=out_dv[b, hk, r0:r0 + rn, k_lo:k_lo + k_len], src=dv_acc[dt])
+        nisa.dma_copy(dst=hbm.dv[b, hk, r0:r0 + rn, k_lo:k_lo + k_len], src=dv_acc[dt])
 
 
-def _load_alibi(c, alibi_slopes, b, hk):
-    """ALiBi coefficients of the kv head's query heads, [128, group] fp32 each, the same on every partition:
-    (-slope / s, +slope / s) with s the scale of the exp's input (``c.logit_scale``: the cap with soft-capping).
-    One broadcast DMA (stride-0 partition pattern) and two ops per work item."""
-    sl = nl.ndarray((PMAX, c.group), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.dma_copy(dst=sl, src=alibi_slopes.ap(pattern=[[0, PMAX], [1, c.group]], offset=b * c.nheads + hk * c.group))
+def _alibi_coefs(c, sl):
+    """ALiBi coefficients of the kv head's query heads from the broadcast slopes ``sl`` (``steps.load_slopes``),
+    [128, group] fp32 each: (-slope / e, +slope / e) with e the scale of the exp's input (``c.exp_scale``: the
+    cap with soft-capping). Two ops per work item."""
     neg = nl.ndarray((PMAX, c.group), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.tensor_scalar(dst=neg, data=sl, op0=nl.multiply, operand0=-1.0 / c.logit_scale)
+    nisa.tensor_scalar(dst=neg, data=sl, op0=nl.multiply, operand0=-1.0 / c.exp_scale)
     pos = nl.ndarray((PMAX, c.group), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.tensor_scalar(dst=pos, data=sl, op0=nl.multiply, operand0=1.0 / c.logit_scale)
+    nisa.tensor_scalar(dst=pos, data=sl, op0=nl.multiply, operand0=1.0 / c.exp_scale)
     return neg, pos
 
 
-def _work_item(c, b, hk, q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref, bounds, alibi_slopes, seed, ones,
-               ident, out_dq, out_dk, out_dv, out_dsinks, dq_scratch):
+def _work_item(c, hbm, steps, b, hk, bounds, seed, ones, ident):
     """All gradients of one (batch, kv head): KV sections outer, blocks and groups of members inner."""
-    steps = _tile_steps(c)
-    acoef = None
+    neg = None
+    pos = None
     if c.alibi:
-        acoef = _load_alibi(c, alibi_slopes, b, hk)
-    rowdat = (bounds, acoef, b, hk, seed)
-    neg_lse = _load_neg_lse(c, lse_ref, b, hk)
+        neg, pos = _alibi_coefs(c, load_slopes(hbm.alibi_slopes, c.nheads, c.group, b, hk))
+    neg_lse = _load_neg_lse(c, hbm.lse, b, hk)
     dsum = nl.ndarray((PMAX, c.group, c.nq), dtype=nl.float32, buffer=nl.sbuf)  # D, same layout as -LSE
+    item = Item(b, hk, slopes=neg, slopes_pos=pos, seed=seed, bounds=bounds, neg_lse=neg_lse, dsum=dsum, ones=ones,
+                ident=ident)
     if c.no_key_tiles:
         # query tiles that see no key: D = 0 (their O is 0), dQ = 0
         nisa.memset(dst=dsum, value=0.0)
@@ -1236,27 +1239,45 @@ def _work_item(c, b, hk, q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref,
             for i in c.no_key_tiles:
                 for rt in c.qk_rows:
                     r0, rn = rt
-                    nisa.dma_copy(dst=out_dq[b, hk * c.group + g, r0:r0 + rn, i * PMAX:(i + 1) * PMAX],
+                    nisa.dma_copy(dst=hbm.dq[b, hk * c.group + g, r0:r0 + rn, i * PMAX:(i + 1) * PMAX],
                                   src=zero[0:rn, :])
     for s in range(c.n_sections):
-        _section(c, s, b, hk, q_ref, k_ref, v_ref, o_ref, dy_ref, neg_lse, dsum, ones, ident, rowdat, out_dq, out_dk,
-                 out_dv, dq_scratch, steps)
+        _section(c, hbm, item, steps, s)
     if c.num_sinks:
-        _dsinks(c, sinks_ref, out_dsinks, b, hk, neg_lse, dsum)
+        _dsinks(c, hbm.sinks, hbm.dsinks, b, hk, neg_lse, dsum)
 
 
-def attention_bwd_core(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref=None, bound_min=None,
-                       bound_max=None, use_causal_mask=False, mixed_precision=False, softmax_scale=None,
-                       sliding_window=None, softcap=0.0, alibi_slopes=None, window_size=None, dropout_p=0.0,
-                       dropout_seed=None, k_section_len=None):
-    """Body of attention_bwd (inlined at trace time); ``k_section_len`` (a multiple of 128) overrides the K/V
-    section length chosen from the SBUF budget."""
+@nki.jit
+def attention_bwd(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref=None, bound_min=None, bound_max=None,
+                  use_causal_mask=False, mixed_precision=False, softmax_scale=None, sliding_window=None,
+                  softcap=0.0, alibi_slopes=None, window_size=None, dropout_p=0.0, dropout_seed=None,
+                  k_section_len=None, group_max=None, block_members_max=None, p_cast_on_gpsimd=None,
+                  ds_dma_transpose=None):
+    """Flash-attention backward: ``(dq, dk, dv)`` or ``(dq, dk, dv, dsinks)``. See the module docstring.
+
+    Tuning keywords (trace-time; None = the default; the modeled time changes, the gradients only by float32
+    summation order; docs/kernel-bwd.md, "Tuning keywords"):
+
+    - ``k_section_len``: keys per K/V section, a multiple of 128 (default: the largest multiple of 512 that fits
+      the SBUF section budget, at most ``K_SECTION_MAX``);
+    - ``group_max``: members per group for a head dim of one partition tile (``GROUP_MAX``, 4; halved per extra
+      head-dim tile), whose dV, dK and dQ partial sums stay in PSUM together;
+    - ``block_members_max``: members per block at most (``BLOCK_MEMBERS_MAX``, 8), loaded with one DMA per tensor;
+    - ``p_cast_on_gpsimd``: the fp32 -> matmul-dtype cast of P on GpSimdE (True, ``P_CAST_ON_GPSIMD``) or ScalarE,
+      from trn2 on;
+    - ``ds_dma_transpose``: allow dS transposes by DMA where the plan finds they pay (True, ``DS_DMA_TRANSPOSE``).
+
+    Invalid arguments fail the kernel's assert with the message of ``bwd_problem``;
+    ``nki_attn.kernel_api.attention_bwd`` raises it as ``ValueError`` instead."""
     problem = bwd_problem(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref, bound_min, bound_max,
                           use_causal_mask, mixed_precision, softmax_scale, sliding_window, softcap, alibi_slopes,
-                          window_size, dropout_p, dropout_seed, k_section_len)
+                          window_size, dropout_p, dropout_seed, k_section_len, group_max, block_members_max,
+                          p_cast_on_gpsimd, ds_dma_transpose)
     assert problem is None, problem
     c = _configure(q_ref, k_ref, sinks_ref, bound_min, use_causal_mask, mixed_precision, softmax_scale,
-                   sliding_window, k_section_len, v_ref, softcap, alibi_slopes, window_size, dropout_p)
+                   sliding_window, k_section_len, v_ref, softcap, alibi_slopes, window_size, dropout_p, group_max,
+                   block_members_max, p_cast_on_gpsimd, ds_dma_transpose)
+    steps = _select_steps(c)
     out_dq = nl.ndarray(q_ref.shape, dtype=q_ref.dtype, buffer=nl.shared_hbm)
     out_dk = nl.ndarray(k_ref.shape, dtype=k_ref.dtype, buffer=nl.shared_hbm)
     out_dv = nl.ndarray(v_ref.shape, dtype=v_ref.dtype, buffer=nl.shared_hbm)
@@ -1266,19 +1287,12 @@ def attention_bwd_core(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref=No
     dq_scratch = None
     if c.dq_scratch:
         dq_scratch = nl.ndarray((1, c.group, c.d_qk, c.seqlen_q), dtype=nl.float32, buffer=nl.private_hbm)
+    hbm = Hbm(q_ref, k_ref, v_ref, o=o_ref, dy=dy_ref, lse=lse_ref, sinks=sinks_ref, dq=out_dq, dk=out_dk,
+              dv=out_dv, dsinks=out_dsinks, dq_scratch=dq_scratch, alibi_slopes=alibi_slopes)
     seed = None
     if c.dropout:
         seed = load_dropout_seed(dropout_seed)
-
-    # SPMD: the bs * nheads_kv work items are split into contiguous blocks over the cores (LNC2).
-    if nl.program_ndim() == 0:
-        n_shards, shard = 1, 0
-    else:
-        n_shards, shard = nl.num_programs(0), nl.program_id(0)
-    n_items = c.bs * c.nheads_kv
-    per_shard = (n_items + n_shards - 1) // n_shards
-    start = shard * per_shard
-    end = min(start + per_shard, n_items)
+    start, end = spmd_items(c.bs * c.nheads_kv)
 
     bounds = None
     if c.packing:
@@ -1289,25 +1303,8 @@ def attention_bwd_core(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref=No
     ident = None
     if c.n_sections > 1:
         ident = _identity(c)
-    for item in range(start, end):
-        _work_item(c, item // c.nheads_kv, item % c.nheads_kv, q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref,
-                   sinks_ref, bounds, alibi_slopes, seed, ones, ident, out_dq, out_dk, out_dv, out_dsinks,
-                   dq_scratch)
+    for w in range(start, end):
+        _work_item(c, hbm, steps, w // c.nheads_kv, w % c.nheads_kv, bounds, seed, ones, ident)
     if c.num_sinks:
         return out_dq, out_dk, out_dv, out_dsinks
     return out_dq, out_dk, out_dv
-
-
-@nki.jit
-def attention_bwd(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref=None, bound_min=None, bound_max=None,
-                  use_causal_mask=False, mixed_precision=False, softmax_scale=None, sliding_window=None,
-                  softcap=0.0, alibi_slopes=None, window_size=None, dropout_p=0.0, dropout_seed=None,
-                  k_section_len=None):
-    """Flash-attention backward: ``(dq, dk, dv)`` or ``(dq, dk, dv, dsinks)``. See the module docstring.
-
-    ``k_section_len``: keys per K/V section, a multiple of 128 (default: the largest multiple of 512 that fits
-    the SBUF section budget, at most ``K_SECTION_MAX``). Invalid arguments fail the kernel's assert with the
-    message of ``bwd_problem``; ``nki_attn.kernel_api.attention_bwd`` raises it as ``ValueError`` instead."""
-    return attention_bwd_core(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref, bound_min, bound_max,
-                              use_causal_mask, mixed_precision, softmax_scale, sliding_window, softcap,
-                              alibi_slopes, window_size, dropout_p, dropout_seed, k_section_len)

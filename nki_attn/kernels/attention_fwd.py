@@ -2,152 +2,128 @@
 
     attention_fwd(q_ref, k_ref, v_ref, sinks_ref=None, bound_min=None, bound_max=None, use_causal_mask=False,
                   mixed_precision=True, softmax_scale=None, sliding_window=None, softcap=0.0, alibi_slopes=None,
-                  window_size=None, dropout_p=0.0, dropout_seed=None) -> (o, lse)
+                  window_size=None, dropout_p=0.0, dropout_seed=None, kb_tiles=None, block_members_max=None,
+                  slab_tiles=None) -> (o, lse)
 
 Layouts (head_dim on the partition axis): q ``[bs, nheads, d_qk, seqlen_q]``, k ``[bs, nheads_kv, d_qk,
-seqlen_k]``, v ``[bs, nheads_kv, d_v, seqlen_k]``, o ``[bs, nheads, d_v, seqlen_q]``, lse float32 ``[bs, nheads, 128, seqlen_q // 128]`` with
-``lse[b, h, p, t]`` the log-sum-exp of query row ``t * 128 + p`` (``+inf`` for a row that sees no key and has no
+seqlen_k]``, v ``[bs, nheads_kv, d_v, seqlen_k]``, o ``[bs, nheads, d_v, seqlen_q]``, lse float32 ``[bs, nheads,
+128, seqlen_q // 128]`` with ``lse[b, h, p, t]`` the log-sum-exp of query row ``t * 128 + p`` (``+inf`` for a row that sees no key and has no
 sink; its ``o`` is 0). Semantics follow ``golden/attention_fwd_torch.py``; docs/kernel-fwd.md explains the design.
 Kernel code stays in NKI's compile-time subset (checked by the simulator's frontend check): invalid arguments fail
 an ``assert`` on ``fwd_problem``'s message; ``nki_attn.kernel_api.attention_fwd`` raises it as ``ValueError``.
 
 Algorithm (FlashAttention-2, Q outer). The work is sharded over ``bs * nheads_kv`` (LNC2: ``nl.program_id``).
-For one (batch, kv head) the query tiles are processed in *sections* (as many 128-row tiles as the SBUF budget
-holds for every query head of the GQA group): Q is loaded, O and the LSE are stored, once per (head, section).
-A section's *units* (query tile, query head) are processed in *blocks* of up to ``MAX_UNITS``; a block streams
-the keys in *key blocks* of ``KB_TILES`` score tiles of 512 keys, loading K and V and transposing V once for all
-its units. Per key block, with ``c`` the factor the exponent applies (1 when the softmax scale is folded into Q,
-the scale itself when it is a power of two)::
+For one (batch, kv head) the query tiles are processed in *slabs* (as many 128-row tiles as the SBUF budget
+holds for every query head of the GQA group): Q is loaded, O and the LSE are stored, once per (head, slab).
+A slab's *members* (query head, query tile) are processed in *blocks* of up to ``block_members_max``; a block
+streams the keys in *key blocks* of ``kb_tiles`` key tiles of 512 keys, loading K and V and transposing V once
+for all its members (the words are both kernels', docs/kernel-fwd.md "Vocabulary"). Per key block, with ``c``
+the factor the exponent applies (1 when the softmax scale is folded into Q, the scale itself when it is a power of
+two)::
 
-    phase 1, per unit and score tile:  S = Q^T K (TensorE, fp32 PSUM);  S -> SBUF, masked, tile row max
-    phase 2, all units at once:        m' = max(m, tile maxima);  alpha = exp(c (m - m'));  bias = -c m'
-    phase 3, per unit and score tile:  P = exp(c S + bias), row sums (ONE activation);  P^T;  O_psum += P V
-             per unit:                 O = O * alpha + O_psum  (PV accumulated over the key block in PSUM)
-    phase 4, all units at once:        l = l * alpha + row sums
+    phase 1, per member and key tile:  S = Q^T K (TensorE, fp32 PSUM);  S -> SBUF, masked, tile row max
+    phase 2, all members at once:      m' = max(m, tile maxima);  alpha = exp(c (m - m'));  bias = -c m'
+    phase 3, per member and key tile:  P = exp(c S + bias), row sums (ONE activation);  P^T;  O_psum += P V
+             per member:               O = O * alpha + O_psum  (PV accumulated over the key block in PSUM)
+    phase 4, all members at once:      l = l * alpha + row sums
 
 and per block at the end ``o = O / l``, ``lse = c m + log(l)``; rows whose max is still the mask value (no visible
-key, no sink) are forced to ``o = 0``, ``lse = +inf`` by selects on a keep flag. The statistics of all units of a
-block live in the columns of ``[128, units]`` tiles, so each statistics instruction serves the whole block.
+key, no sink) are forced to ``o = 0``, ``lse = +inf`` by selects on a keep flag. The statistics of all members of a
+block live in the columns of ``[128, members]`` tiles, so each statistics instruction serves the whole block.
 
-Variants (soft-capping, ALiBi, bands, dropout) are tile steps chosen once per launch (``_tile_steps``,
-docs/kernel-fwd.md "Variants"); the default launch runs none of them.
+Variants (soft-capping, ALiBi, bands, dropout) are steps of the protocol shared with the backward
+(``nki_attn.kernels.steps``), chosen once per launch (``_select_steps``; docs/kernel-fwd.md "Variants"); the
+default launch runs none of them. Which (query tile, key tile) pairs are computed, and which are masked, is the
+band planner's decision (``nki_attn.kernels.band``), also shared.
 """
 import math
 
 from ..backend import nisa, nki, nl
-from .dropout import (dropout_row_keys, dropout_row_keys_units, dropout_values, keep_threshold,
+from .band import classify_keys
+from .dropout import (dropout_row_keys, dropout_row_keys_members, dropout_values, keep_threshold,
                       load_dropout_seed)
-from .tiling import attention_band, band_needs_hi_mask, band_needs_lo_mask, band_tile_fully_visible, band_tile_visible
+from .steps import (FOLD_SCALE_INTO_Q, FP32_MAX, FP32_MIN, K_TILE, PMAX, Hbm, Item, Steps, Tile, head_dim_tiles,
+                    itemsize, load_packing_bounds, load_slopes, mask_step, run_steps, softcap_scores, spmd_items)
 from .validation import attention_problem, attention_shape, sbuf_bytes_per_partition
 
-PMAX = 128
-K_TILE = 512  # keys per score tile: 128 x 512 fp32 = one 2 KiB PSUM bank per partition
-KB_TILES = 4  # score tiles per key block: the online-softmax statistics are updated once per 2048 keys
-MAX_UNITS = 8  # (query tile, query head) units per block: they share one K/V load and one set of statistics ops
-FP32_MIN = -3.4028235e38  # the mask value (range_select accepts nothing else)
-FP32_MAX = 3.4028235e38
+# Defaults of the tuning keywords of ``attention_fwd`` (``kb_tiles``, ``block_members_max``, ``slab_tiles``):
+KB_TILES = 4  # key tiles per key block: the online-softmax statistics are updated once per 2048 keys
+BLOCK_MEMBERS_MAX = 8  # members per block: they share one K/V load and one set of statistics ops
 # A row's running max stays at FP32_MIN while every score it saw was masked; any real score is many orders of
 # magnitude larger, so "max below -1e38" means "the row saw no key".
 EMPTY_MAX = -1.0e38
 L_FLOOR = 0.5  # a row that saw a key has l >= 1 (its max contributes exp(0)); keeps log/reciprocal in range
 POS_INF = float("inf")  # lse of a row that sees no key (module level: plain Python, not traced)
-SBUF_MARGIN = 8192  # bytes per partition left free when sizing a section
-# Where the softmax scale s is applied. False: folded into Q at load, rounded to the input dtype, exactly as
-# attention_bwd recomputes S = (s Q)^T K, so the LSE is that of the backward's S (a mismatch costs the gradients
-# accuracy: docs/kernel-fwd.md, "Precision"). True: the exponent applies s to the unrounded float32 S (a more
-# accurate forward, for use with a backward that does the same). Everything downstream reads cfg.exp_scale.
-SCALE_IN_EXP = False
-# the issue-#14 features (validation.FEATURES) this kernel implements; the shared validation refuses the others
-FWD_FEATURES = ("causal_unequal", "head_dim_any", "d_v", "softcap", "alibi", "window_size", "dropout")
+SBUF_MARGIN = 8192  # bytes per partition left free when sizing a slab
 
 
 # ----------------------------------------------------------------------------------------------------- trace-time plan
-def _partition_tiles(d):
-    """``[(start, size)]`` partition tiles of a head dimension ``d`` (1 .. 256): tiles of 128 rows and the
-    remainder (199 = 128 + 71). The Q/K contraction and the V/O columns each get their own list."""
-    tiles = []
-    for d0 in range(0, d, PMAX):
-        tiles.append((d0, min(PMAX, d - d0)))
-    return tiles
-
-
-def _chunk_range(q0, k0, kw, lo_rel, hi_rel):
-    """Visible 128-key chunks ``[lo, hi)`` of the key tile ``[k0, k0 + kw)`` for the query tile at ``q0`` under
-    the band ``(lo_rel, hi_rel)`` (``tiling.attention_band``: the visible keys of a query run form one interval,
-    so the visible chunks are contiguous); ``lo == hi`` when none is visible."""
-    lo = 0
-    hi = 0
-    for c in range(kw // PMAX):
-        if band_tile_visible(q0, q0 + PMAX, k0 + c * PMAX, k0 + (c + 1) * PMAX, lo_rel, hi_rel):
-            if hi == lo:
-                lo = c
-            hi = c + 1
-    return lo, hi
-
-
 class _FwdConfig(nl.NKIObject):
     """Trace-time facts of one launch: shapes, tilings, dtypes, the masking method and the blocking.
 
     qk_tiles / v_tiles: ``[(start, size)]`` partition tiles of the Q/K head dim (the QK contraction) and of the
-    V/O head dim (V^T and O columns); d_qk / d_v: the head dims. exp_scale: the factor the exponent applies to
-    the stored scores (1 when the softmax scale is folded into Q, see SCALE_IN_EXP; the cap with soft-capping);
-    q_scale: the factor Q is multiplied by at load; cap_scale: the tanh's factor (soft-capping). off, lo_rel,
-    hi_rel: the band (``tiling.attention_band``), band_lo / band_hi: that side masks something. alibi /
-    alibi_mm: ALiBi given / taken by ``_alibi_matmul``; dropout_p, o_factor = 1 / (1 - p). mask: "bounds" (range_select on per-query-tile key bounds, trn2+), "predicate" (trn1 packing: key
-    index compared with the bounds, select_reduce) or "affine" (trn1 causal / window: affine_select). group:
-    query heads per kv head; units: units per block (whole query tiles of the group when the group fits);
-    kb_tiles: score tiles per key block; sec_tiles: query tiles per section; p_dma_transpose: half of the full P
-    tiles are transposed by DMA (``_transpose_p``).
+    V/O head dim (V^T and O columns); d_qk / d_v: the head dims. fold_scale_into_q: softmax_scale is folded into
+    Q at load (``steps.FOLD_SCALE_INTO_Q``, except for a power-of-two scale, which the exponent applies exactly);
+    exp_scale: the factor the exponent applies to the stored scores (1 when the scale is in Q; the cap with
+    soft-capping); q_scale: the factor Q is multiplied by at load; cap_scale: the tanh's factor (soft-capping).
+    off, lo_rel, hi_rel: the band (``band.attention_band``), band_lo / band_hi: that side masks something. alibi
+    / alibi_mm: ALiBi given / taken by ``_alibi_matmul``; dropout_p, o_factor = 1 / (1 - p). mask: "bounds"
+    (range_select on per-query-tile key bounds, trn2+), "predicate" (trn1 packing: key index compared with the
+    bounds, select_reduce) or "affine" (trn1 causal / window: affine_select). group: query heads per kv head;
+    block_members_max: members per block at most; members: members per block (whole query tiles of the group
+    when the group fits); kb_tiles: key tiles per key block; slab_tiles: query tiles per slab; p_dma_transpose:
+    half of the full P tiles are transposed by DMA (``_transpose_p``).
+
+    ``shp`` is the call's ``validation.AttentionShape`` (its softcap, alibi, window_size and dropout_p give the
+    variants); ``kb_tiles``, ``block_members_max``, ``slab_tiles``: the kernel's tuning keywords (None: default).
     """
 
-    def __init__(self, shp, io_dtype, acc_dtype, range_select_ok, d_v=None, var=None):
+    def __init__(self, shp, io_dtype, acc_dtype, range_select_ok, d_v=None, kb_tiles=None, block_members_max=None,
+                 slab_tiles=None):
         if d_v is None:
-            d_v = shp.d_head
-        if var is None:
-            var = _Variants(0.0, False, None, 0.0)
+            d_v = shp.d_v
         self.shp = shp
         self.d_qk = shp.d_head
-        self.qk_tiles = _partition_tiles(shp.d_head)
-        self.v_tiles = _partition_tiles(d_v)
+        self.qk_tiles = head_dim_tiles(shp.d_head)
+        self.v_tiles = head_dim_tiles(d_v)
         self.d_v = d_v
         self.group = shp.group
         # a power-of-two scale commutes exactly with every rounding: applied by the exponent it gives the same bits
         # as folded into Q, without the pass over Q
-        in_exp = SCALE_IN_EXP or _power_of_two(shp.scale)
-        base = shp.scale if in_exp else 1.0  # what still multiplies the PSUM scores
-        self.q_scale = 1.0 if in_exp else shp.scale
-        # soft-capping c > 0: the stored scores are t = tanh(base * S / c) (``_softcap_scores``) and the exponent
-        # applies c, so exp(c t + bias) is still the ONE exponent of the softmax
-        self.softcap = var.softcap
-        self.cap_scale = base / var.softcap if var.softcap > 0 else 1.0
+        self.fold_scale_into_q = FOLD_SCALE_INTO_Q and not _power_of_two(shp.scale)
+        base = 1.0 if self.fold_scale_into_q else shp.scale  # what still multiplies the PSUM scores
+        self.q_scale = shp.scale if self.fold_scale_into_q else 1.0
+        # soft-capping c > 0: the stored scores are t = tanh(base * S / c) (``steps.softcap_scores``) and the
+        # exponent applies c, so exp(c t + bias) is still the ONE exponent of the softmax
+        self.softcap = shp.softcap
+        self.cap_scale = base / shp.softcap if shp.softcap > 0 else 1.0
         # the tanh makes ScalarE the busiest engine: the Q scaling and the O finishing move to VectorE (same
         # arithmetic), unless a VectorE-heavy variant (exact ALiBi, dropout) comes with it
-        self.scalar_busy = var.softcap > 0 and not var.alibi and var.dropout_p == 0.0
-        self.exp_scale = var.softcap if var.softcap > 0 else base
-        self.alibi = var.alibi
-        self.dropout_p = var.dropout_p
-        self.o_factor = 1.0 / (1.0 - var.dropout_p)  # dropout's 1 / (1 - p), applied with 1 / l
+        self.scalar_busy = shp.softcap > 0 and not shp.alibi and shp.dropout_p == 0.0
+        self.exp_scale = shp.softcap if shp.softcap > 0 else base
+        self.alibi = shp.alibi
+        self.dropout_p = shp.dropout_p
+        self.o_factor = 1.0 / (1.0 - shp.dropout_p)  # dropout's 1 / (1 - p), applied with 1 / l
         self.io_dtype = io_dtype
         self.acc_dtype = acc_dtype
+        self.kb_tiles = KB_TILES if kb_tiles is None else kb_tiles
+        self.block_members_max = BLOCK_MEMBERS_MAX if block_members_max is None else block_members_max
         self.n_qt = shp.seqlen_q // PMAX
         self.n_kt = (shp.seqlen_k + K_TILE - 1) // K_TILE
-        # the band (tiling.attention_band): key j visible to query i iff i + lo_rel <= j <= i + hi_rel, bottom-right
-        # aligned (off = seqlen_k - seqlen_q); band_lo / band_hi: that side cuts some pair of the problem
-        self.off = shp.seqlen_k - shp.seqlen_q
-        window = None
-        if shp.window > 0:
-            window = shp.window
-        band = attention_band(shp.causal, window, var.window_size, shp.seqlen_q, shp.seqlen_k)
-        self.lo_rel = band[0]
-        self.hi_rel = band[1]
+        # the band: key j visible to query i iff i + lo_rel <= j <= i + hi_rel, bottom-right aligned
+        # (off = seqlen_k - seqlen_q); band_lo / band_hi: that side cuts some pair of the problem
+        self.off = shp.off
+        self.lo_rel = shp.lo_rel
+        self.hi_rel = shp.hi_rel
         self.band_lo = self.lo_rel > 1 - shp.seqlen_q
         self.band_hi = self.hi_rel < shp.seqlen_k - 1
+        self.packing = shp.packing
         self.masked = shp.packing or self.band_lo or self.band_hi
         # ALiBi by TensorE (``_alibi_matmul``) when every visible key is left of the diagonal (causal), the inputs
         # are bfloat16, no soft-cap (the bias follows the tanh) and no sinks (they would need the row shift);
         # otherwise the exact VectorE step (``_alibi_scores``)
         # (positions up to 65536: 256 floor(j / 256) stays an exact bfloat16 integer)
-        self.alibi_mm = (var.alibi and self.hi_rel <= self.off and shp.num_sinks == 0 and var.softcap == 0.0
+        self.alibi_mm = (shp.alibi and self.hi_rel <= self.off and shp.num_sinks == 0 and shp.softcap == 0.0
                          and str(io_dtype) == str(nl.bfloat16) and shp.seqlen_k <= 65536)
         if range_select_ok:
             self.mask = "bounds"
@@ -155,14 +131,17 @@ class _FwdConfig(nl.NKIObject):
             self.mask = "predicate"
         else:
             self.mask = "affine"
-        if shp.group <= MAX_UNITS:
-            self.units = (MAX_UNITS // shp.group) * shp.group  # whole query tiles: every head of the group
+        g = shp.group
+        if g <= self.block_members_max:
+            self.members = (self.block_members_max // g) * g  # whole query tiles: every head of the group
         else:
-            self.units = MAX_UNITS  # a block holds some heads of one query tile
-        self.kb_tiles = KB_TILES
+            self.members = self.block_members_max  # a block holds some heads of one query tile
         # dma_transpose: trn2+ (the range_select generations), 2-byte dtypes only
-        self.p_dma_transpose = range_select_ok and _itemsize(io_dtype) == 2
-        self.sec_tiles = _section_tiles(self, _itemsize(io_dtype), _itemsize(acc_dtype))
+        self.p_dma_transpose = range_select_ok and itemsize(io_dtype) == 2
+        if slab_tiles is None:
+            self.slab_tiles = _slab_tiles(self, itemsize(io_dtype), itemsize(acc_dtype))
+        else:
+            self.slab_tiles = min(slab_tiles, self.n_qt)
 
 
 def _power_of_two(x):
@@ -170,22 +149,15 @@ def _power_of_two(x):
     return 2.0 ** math.floor(math.log2(x)) == x
 
 
-def _itemsize(dtype):
-    """Bytes per element of the kernel's dtypes (float32, or a 16-bit type)."""
-    if str(dtype) == str(nl.float32):
-        return 4
-    return 2
-
-
-def _section_tiles(cfg, e, acc_e):
-    """Query tiles per section: the most whose Q, O and LSE staging (every head of the group) fits the SBUF next
-    to the block's working set, sections of balanced length."""
+def _slab_tiles(cfg, e, acc_e):
+    """Query tiles per slab: the most whose Q, O and LSE staging (every head of the group) fits the SBUF next
+    to the block's working set, slabs of balanced length."""
     shp = cfg.shp
     kk = cfg.kb_tiles * K_TILE
     n_qk = len(cfg.qk_tiles)
     n_v = len(cfg.v_tiles)
-    u = cfg.units
-    fixed = u * kk * 4  # a key block's scores of every unit (float32)
+    u = cfg.members
+    fixed = u * kk * 4  # a key block's scores of every member (float32)
     fixed += (n_qk + n_v) * kk * e  # K and V of a key block
     fixed += (kk // PMAX) * cfg.d_v * e  # V^T
     fixed += u * cfg.d_v * acc_e  # O accumulators
@@ -203,99 +175,121 @@ def _section_tiles(cfg, e, acc_e):
 
 
 def _key_blocks(cfg, tiles):
-    """Visibility plan of a block whose units sit at query tiles ``tiles``: one entry per key block some unit sees,
-    ``(kt0, kt_n, vis, c_lo, c_hi, gaps)`` with ``vis[u][i] = (lo, hi)`` the visible 128-key chunks of score tile
-    ``kt0 + i`` for unit ``u`` (``lo == hi``: none), ``[c_lo, c_hi)`` the union in chunks from the key block start,
-    and ``gaps`` True when some (unit, score tile) slot of the key block is not computed."""
+    """Visibility plan of a block whose members sit at query tiles ``tiles``: one ``_KeyBlock`` per key block some
+    member sees (``band.classify_keys`` for every (member, key tile))."""
     shp = cfg.shp
     plan = []
+    ch = K_TILE // PMAX
     for kt0 in range(0, cfg.n_kt, cfg.kb_tiles):
         kt_n = min(cfg.kb_tiles, cfg.n_kt - kt0)
         vis = []
-        c_lo = cfg.kb_tiles * (K_TILE // PMAX)
+        c_lo = cfg.kb_tiles * ch
         c_hi = 0
         gaps = kt_n < cfg.kb_tiles
         for u in range(len(tiles)):
             row = []
             for i in range(kt_n):
                 k0 = (kt0 + i) * K_TILE
-                kw = min(K_TILE, shp.seqlen_k - k0)
-                lo, hi = _chunk_range(tiles[u] * PMAX, k0, kw, cfg.lo_rel, cfg.hi_rel)
-                row.append((lo, hi))
-                if hi > lo:
-                    c_lo = min(c_lo, i * (K_TILE // PMAX) + lo)
-                    c_hi = max(c_hi, i * (K_TILE // PMAX) + hi)
+                q0 = tiles[u] * PMAX
+                kt = classify_keys(q0, q0 + PMAX, k0, min(k0 + K_TILE, shp.seqlen_k), cfg.lo_rel, cfg.hi_rel,
+                                   cfg.packing)
+                row.append(kt)
+                if kt.k1 > kt.k0:
+                    c_lo = min(c_lo, i * ch + (kt.k0 - k0) // PMAX)
+                    c_hi = max(c_hi, i * ch + (kt.k1 - k0) // PMAX)
                 else:
                     gaps = True
             vis.append(row)
         if c_hi > c_lo:
-            plan.append((kt0, kt_n, vis, c_lo, c_hi, gaps))
+            plan.append(_KeyBlock(kt0, kt_n, vis, c_lo, c_hi, gaps))
     return plan
 
 
-# ----------------------------------------------------------------------------------------------------- masking steps
-def _evict_max(cfg, t, ks, src, dst, max_col, bounds, idx):
-    """A score tile no mask touches: copy to SBUF and take its row max in one VectorE instruction."""
-    nisa.tensor_scalar_reduce(dst=dst, data=src, op0=nl.multiply, operand0=1.0, reduce_op=nl.maximum,
-                              reduce_res=max_col)
+class _KeyBlock(nl.NKIObject):
+    """One key block of a block's plan: key tiles ``[kt0, kt0 + kt_n)``; ``vis[u][i]`` the ``band.KeyTile`` of
+    member u and key tile ``kt0 + i``; ``[c_lo, c_hi)`` the union of the visible 128-key chunks, counted from the
+    key block's first key (what is loaded); ``gaps``: some (member, key tile) slot of the key block is not
+    computed (its statistics slot must be preset)."""
+
+    def __init__(self, kt0, kt_n, vis, c_lo, c_hi, gaps):
+        self.kt0 = kt0
+        self.kt_n = kt_n
+        self.vis = vis
+        self.c_lo = c_lo
+        self.c_hi = c_hi
+        self.gaps = gaps
 
 
-def _mask_bounds(cfg, t, ks, src, dst, max_col, bounds, idx):
+# ----------------------------------------------------------------------------------------------------- mask steps
+# Forward mask steps (``steps`` protocol): S (PSUM, or the SBUF output of a score step) -> masked float32 scores
+# in SBUF, with the row max into ``tile.row_max`` in the same instruction where the engine allows it.
+def _evict_max(cfg, tile, item, s):
+    """A key tile no mask touches: copy to SBUF and take its row max in one VectorE instruction."""
+    dst = nl.ndarray((PMAX, tile.kw), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_scalar_reduce(dst=dst, data=s, op0=nl.multiply, operand0=1.0, reduce_op=nl.maximum,
+                              reduce_res=tile.row_max)
+    return dst
+
+
+def _mask_bounds(cfg, tile, item, s):
     """trn2+: keep key j iff ``bmin[q] <= j < bmax[q]`` (the bounds carry causal, window and packing): one
     range_select copies PSUM -> SBUF, fills the rest with FP32_MIN and yields the row max."""
-    bmin, bmax = bounds
-    nisa.range_select(dst=dst, on_true_tile=src, comp_op0=nl.greater_equal, comp_op1=nl.less,
+    bmin, bmax = item.bounds
+    t = tile.t
+    dst = nl.ndarray((PMAX, tile.kw), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.range_select(dst=dst, on_true_tile=s, comp_op0=nl.greater_equal, comp_op1=nl.less,
                       bound0=bmin[:, t:t + 1], bound1=bmax[:, t:t + 1], reduce_cmd=nisa.reduce_cmd.reset_reduce,
-                      reduce_res=max_col, reduce_op=nl.maximum, range_start=ks, on_false_value=FP32_MIN)
+                      reduce_res=tile.row_max, reduce_op=nl.maximum, range_start=tile.k0, on_false_value=FP32_MIN)
+    return dst
 
 
-def _mask_predicate(cfg, t, ks, src, dst, max_col, bounds, idx):
-    """trn1 packing (no range_select): keep = (j >= bmin) * (j < bmax) from ``idx`` (the key index of each column
-    of the tile), then one select that also takes the row max. Bit-identical to ``_mask_bounds``."""
-    bmin, bmax = bounds
-    keep = nl.ndarray((PMAX, dst.shape[1]), dtype=nl.uint8, buffer=nl.sbuf)
+def _mask_predicate(cfg, tile, item, s):
+    """trn1 packing (no range_select): keep = (j >= bmin) * (j < bmax) from ``tile.key_idx`` (the key index of
+    each column of the tile), then one select that also takes the row max. Bit-identical to ``_mask_bounds``."""
+    bmin, bmax = item.bounds
+    t = tile.t
+    idx = tile.key_idx
+    dst = nl.ndarray((PMAX, tile.kw), dtype=nl.float32, buffer=nl.sbuf)
+    keep = nl.ndarray((PMAX, tile.kw), dtype=nl.uint8, buffer=nl.sbuf)
     nisa.tensor_scalar(dst=keep, data=idx, op0=nl.greater_equal, operand0=bmin[:, t:t + 1])
     nisa.scalar_tensor_tensor(dst=keep, data=idx, op0=nl.less, operand0=bmax[:, t:t + 1], op1=nl.multiply,
                               operand1=keep)
-    nisa.select_reduce(dst=dst, predicate=keep, on_true=src, on_false=FP32_MIN, reduce_res=max_col,
+    nisa.select_reduce(dst=dst, predicate=keep, on_true=s, on_false=FP32_MIN, reduce_res=tile.row_max,
                        reduce_cmd=nisa.reduce_cmd.reset_reduce, reduce_op=nl.maximum)
+    return dst
 
 
-def _mask_affine(cfg, t, ks, src, dst, max_col, bounds, idx):
+def _mask_affine(cfg, tile, item, s):
     """trn1 band (causal, windows): copy to SBUF (affine_select is GpSimd, SBUF only), mask by the band's affine
     conditions where a side cuts the tile, then the row max."""
-    q0 = t * PMAX
-    width = dst.shape[1]
-    nisa.tensor_copy(dst=dst, src=src)
-    if band_needs_hi_mask(q0, q0 + PMAX, ks, ks + width, cfg.hi_rel):
+    q0 = tile.q0
+    ks = tile.k0
+    width = tile.kw
+    dst = nl.ndarray((PMAX, width), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_copy(dst=dst, src=s)
+    if tile.needs_hi:
         # keep key ks + j for query q0 + c when (q0 + hi_rel - ks) + c - j >= 0
         nisa.affine_select(dst=dst, pattern=[[-1, width]], channel_multiplier=1, on_true_tile=dst,
                            on_false_value=FP32_MIN, cmp_op=nl.greater_equal, offset=q0 + cfg.hi_rel - ks)
-    if band_needs_lo_mask(q0, q0 + PMAX, ks, ks + width, cfg.lo_rel):
+    if tile.needs_lo:
         # keep when key >= query + lo_rel:  (ks - q0 - lo_rel) + j - c >= 0
         nisa.affine_select(dst=dst, pattern=[[1, width]], channel_multiplier=-1, on_true_tile=dst,
                            on_false_value=FP32_MIN, cmp_op=nl.greater_equal, offset=ks - q0 - cfg.lo_rel)
-    nisa.tensor_reduce(dst=max_col, op=nl.maximum, data=dst, axis=1)
+    nisa.tensor_reduce(dst=tile.row_max, op=nl.maximum, data=dst, axis=1)
+    return dst
 
 
 # ----------------------------------------------------------------------------------------------------- variant steps
-def _softcap_scores(cfg, pos, src, rt):
-    """Score step, soft-capping: ``t = tanh(cap_scale * S)`` (ScalarE, reading the PSUM scores) into float32 SBUF.
-    With ``c`` the cap, ``c t`` is the capped logit ``c tanh(s q.k / c)``; the exponent applies the factor c
-    (``cfg.exp_scale``), so the softmax keeps its single exponent."""
-    t = nl.ndarray((PMAX, src.shape[1]), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.activation(dst=t, op=nl.tanh, data=src, scale=cfg.cap_scale)
-    return t
-
-
-def _alibi_scores(cfg, pos, src, rt):
+def _alibi_scores(cfg, tile, item, s):
     """Score step, ALiBi: ``S - slope |i + off - j| / exp_scale`` (the exponent multiplies by exp_scale again).
     The distance comes from one GpSimd ``iota`` whose signs are chosen at trace time: the tile's pairs all lie on
     one side of the diagonal (``j <= i + off``: ``i + off - j``; ``j >= i + off``: ``j - i - off``), or every
     visible pair does (the band ends at the diagonal: causal); only a non-causal tile crossing the diagonal takes
     ``|d| = max(-d, d)``. Then ONE VectorE ``scalar_tensor_tensor`` (``|d| * -slope/e + S``) from PSUM."""
-    b, hq, h, q0, ks = pos
-    w = src.shape[1]
+    q0 = tile.q0
+    ks = tile.k0
+    w = tile.kw
+    h = tile.h
     d0 = q0 + cfg.off - ks  # i + off - j at the tile's first query and first key
     dist = nl.ndarray((PMAX, w), dtype=nl.float32, buffer=nl.sbuf)
     if ks >= q0 + PMAX - 1 + cfg.off:
@@ -307,35 +301,35 @@ def _alibi_scores(cfg, pos, src, rt):
             nisa.scalar_tensor_tensor(dst=dist, data=dist, op0=nl.multiply, operand0=-1.0, op1=nl.maximum,
                                       operand1=dist)
     out = nl.ndarray((PMAX, w), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.scalar_tensor_tensor(dst=out, data=dist, op0=nl.multiply, operand0=rt.slopes[:, h:h + 1], op1=nl.add,
-                              operand1=src)
+    nisa.scalar_tensor_tensor(dst=out, data=dist, op0=nl.multiply, operand0=item.slopes[:, h:h + 1], op1=nl.add,
+                              operand1=s)
     return out
 
 
-def _alibi_matmul(cfg, pos, src, rt):
+def _alibi_matmul(cfg, tile, item, s):
     """Score step, ALiBi by TensorE (causal, bfloat16): with every visible key left of the diagonal the bias is
     ``-slope (i + off) + slope j``; the first term is a per-row constant, which the softmax ignores and
     ``_alibi_lse`` subtracts from the LSE at the end (FlashAttention's causal ALiBi does the same). The second,
     ``slope j / exp_scale``, is added to the scores in PSUM by ONE more matmul accumulating onto QK: stationary
-    ``rt.alibi_st[h]`` (the slope as three bfloat16 parts on partitions 0-2 and 32-34), moving the key-position
+    ``item.alibi_st[h]`` (the slope as three bfloat16 parts on partitions 0-2 and 32-34), moving the key-position
     table of the key block (``_alibi_positions``: ``j = 256 jh + jl`` as exact bfloat16 rows), so every product
     is exact and the sum is float32."""
-    b, hq, h, q0, ks = pos
-    w = src.shape[1]
+    ks = tile.k0
+    w = tile.kw
     kbw = cfg.kb_tiles * K_TILE
     col = ks - (ks // kbw) * kbw
-    nisa.nc_matmul(dst=src, stationary=rt.alibi_st[h], moving=rt.pos_tab[:, col:col + w])
-    return src
+    nisa.nc_matmul(dst=s, stationary=item.alibi_st[tile.h], moving=item.pos_tab[:, col:col + w])
+    return s
 
 
-def _alibi_positions(cfg, kt0, rt):
+def _alibi_positions(cfg, kt0, item):
     """Key-block step of ``_alibi_matmul``: the key positions ``j = k0 + x`` of the key block starting at key
-    ``k0 = kt0 * 512`` as bfloat16 rows of ``rt.pos_tab``: rows 0-2 ``256 floor(j / 256)``, rows 32-34
+    ``k0 = kt0 * 512`` as bfloat16 rows of ``item.pos_tab``: rows 0-2 ``256 floor(j / 256)``, rows 32-34
     ``j mod 256`` (both exact in bfloat16); rows 3-31 stay 0 (set once per launch)."""
     k0 = kt0 * K_TILE
     kbw = cfg.kb_tiles * K_TILE
-    nisa.iota(dst=rt.pos_tab[0:3, :], pattern=[[256, kbw // 256], [0, 256]], offset=k0, channel_multiplier=0)
-    nisa.iota(dst=rt.pos_tab[32:35, :], pattern=[[0, kbw // 256], [1, 256]], offset=0, channel_multiplier=0)
+    nisa.iota(dst=item.pos_tab[0:3, :], pattern=[[256, kbw // 256], [0, 256]], offset=k0, channel_multiplier=0)
+    nisa.iota(dst=item.pos_tab[32:35, :], pattern=[[0, kbw // 256], [1, 256]], offset=0, channel_multiplier=0)
 
 
 def _alibi_stationaries(cfg, slope_e):
@@ -365,25 +359,25 @@ def _alibi_stationaries(cfg, slope_e):
     return out
 
 
-def _alibi_lse(cfg, t0, j0, lse_real, rt):
+def _alibi_lse(cfg, t0, j0, lse_real, item):
     """Finishing step of ``_alibi_matmul``: add the dropped per-row term ``-slope (i + off)`` to the LSE of the
-    block's units (unit j: query tile ``t0 + j // group``, head ``j % group``)."""
+    block's members (member j: query tile ``t0 + j // group``, head ``j % group``)."""
     g = cfg.group
     n = lse_real.shape[1]
     qpos = nl.ndarray((PMAX, n), dtype=nl.float32, buffer=nl.sbuf)
     first = (t0 + j0 // g) * PMAX + cfg.off
-    if g <= MAX_UNITS:
+    if g <= cfg.block_members_max:
         nisa.iota(dst=qpos, pattern=[[PMAX, n // g], [0, g]], offset=first, channel_multiplier=1)
     else:
         nisa.iota(dst=qpos, pattern=[[0, n]], offset=first, channel_multiplier=1)
-    nisa.tensor_tensor(dst=qpos, data1=qpos, data2=_per_unit(rt.slopes, j0, n, g), op=nl.multiply)
+    nisa.tensor_tensor(dst=qpos, data1=qpos, data2=_per_member(cfg, item.slopes, j0, n), op=nl.multiply)
     nisa.tensor_tensor(dst=lse_real, data1=lse_real, data2=qpos, op=nl.add)
 
 
-def _dropout_section(cfg, b, kvh, t0, n_tiles, rt):
-    """Section step of dropout: the hash's row words (``dropout.dropout_row_keys_units``, keys below 65536) of
-    every unit of the section at once, as uint32 ``[128, units, 4]`` (unit j: query tile ``t0 + j // group``,
-    head ``j % group``): one set of instructions per section instead of per unit (they are [128, 1] each, so
+def _dropout_slab(cfg, b, kvh, t0, n_tiles, item):
+    """Slab step of dropout: the hash's row words (``dropout.dropout_row_keys_members``, keys below 65536) of
+    every member of the slab at once, as uint32 ``[128, members, 4]`` (member j: query tile ``t0 + j // group``,
+    head ``j % group``): one set of instructions per slab instead of per member (they are [128, 1] each, so
     their fixed cost would dominate)."""
     g = cfg.group
     n = n_tiles * g
@@ -391,21 +385,21 @@ def _dropout_section(cfg, b, kvh, t0, n_tiles, rt):
     nisa.iota(dst=ii, pattern=[[PMAX, n_tiles], [0, g]], offset=t0 * PMAX, channel_multiplier=1)  # query row
     hh = nl.ndarray((PMAX, n), dtype=nl.uint32, buffer=nl.sbuf)
     nisa.iota(dst=hh, pattern=[[0, n_tiles], [1, g]], offset=kvh * g, channel_multiplier=0)  # query head
-    return dropout_row_keys_units(rt.seed, b, ii, hh, n, 0)
+    return dropout_row_keys_members(item.seed, b, ii, hh, n, 0)
 
 
-def _dropout_probs(cfg, pos, p, rt, keys):
+def _dropout_probs(cfg, tile, item, p):
     """Probability step, dropout: ``P * M`` with the keep mask ``M`` of the tile regenerated from the seed
     (``dropout.dropout_values``: the element hash; then the keep flag ``v < T`` and ``P * keep``). The row sum
     was taken before (the LSE is pre-dropout); the factor ``1 / (1 - p)`` is applied once per row at the end
-    (``_finish_block``, ``cfg.o_factor``). ``keys``: the unit's row words (``_dropout_section``). A score tile
-    lies inside one 512-key tile, so it never straddles a 65536-key block of the hash; tiles beyond the first
-    block recompute their row words."""
-    b, hq, h, q0, ks = pos
-    w = p.shape[1]
+    (``_finish_block``, ``cfg.o_factor``). ``tile.rows``: the member's row words (``_dropout_slab``). A key tile
+    never straddles a 65536-key block of the hash; tiles beyond the first block recompute their row words."""
+    ks = tile.k0
+    w = tile.kw
+    keys = tile.rows
     kblk = ks >> 16
     if kblk != 0:
-        keys = dropout_row_keys(rt.seed, b, hq, q0, PMAX, kblk)
+        keys = dropout_row_keys(item.seed, tile.b, tile.hq, tile.q0, PMAX, kblk)
     v = dropout_values(keys, ks, PMAX, w)
     # keep flag on VectorE (one input), the product on GpSimdE (the hash leaves VectorE the busier engine)
     keep = nl.ndarray((PMAX, w), dtype=nl.float32, buffer=nl.sbuf)
@@ -414,14 +408,11 @@ def _dropout_probs(cfg, pos, p, rt, keys):
     return p
 
 
-def _load_slopes(cfg, alibi_slopes, b, kvh):
-    """ALiBi slopes of the kv head's query heads broadcast to the 128 partitions (one stride-0 DMA): returns
-    ``(slopes, stationaries)``, for ``_alibi_scores`` ``-slope / exp_scale`` ``[128, group]`` float32 (the factor
-    it multiplies the distance by) and None, for ``_alibi_matmul`` ``-slope`` and the per-head stationaries."""
-    shp = cfg.shp
+def _alibi_coefs(cfg, sl):
+    """The forward's ALiBi operands from the broadcast slopes ``sl`` (``steps.load_slopes``): for
+    ``_alibi_scores`` ``(-slope / exp_scale, None)`` (the factor it multiplies the distance by), for
+    ``_alibi_matmul`` ``(-slope, stationaries)`` (``-slope`` for the LSE correction)."""
     g = cfg.group
-    sl = nl.ndarray((PMAX, g), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.dma_copy(dst=sl, src=alibi_slopes.ap(pattern=[[0, PMAX], [1, g]], offset=b * shp.nheads + kvh * g))
     if cfg.alibi_mm:
         # -slope for the LSE correction; slope / e for the stationaries
         slope_e = nl.ndarray((PMAX, g), dtype=nl.float32, buffer=nl.sbuf)
@@ -432,86 +423,32 @@ def _load_slopes(cfg, alibi_slopes, b, kvh):
     return sl, None
 
 
-class _Variants(nl.NKIObject):
-    """The issue-#14 arguments of one launch that shape the trace: softcap (0 = off), alibi (slopes given),
-    window_size (``(left, right)`` or None), dropout_p (0 = off)."""
-
-    def __init__(self, softcap, alibi, window_size, dropout_p):
-        self.softcap = float(softcap)
-        self.alibi = alibi
-        self.window_size = window_size
-        self.dropout_p = float(dropout_p)
-
-
-class _ItemData(nl.NKIObject):
-    """Runtime tiles of one (batch, kv head) work item that tile steps read (None when unused): ``slopes``
-    ``[128, group]`` float32 per query head of the group (``_load_slopes``); ``seed`` the dropout seed tile;
-    ``alibi_st`` the ``_alibi_matmul`` stationaries per head; ``pos_tab`` its key-position table (per launch)."""
-
-    def __init__(self, slopes, seed, alibi_st, pos_tab):
-        self.slopes = slopes
-        self.seed = seed
-        self.alibi_st = alibi_st
-        self.pos_tab = pos_tab
-
-
-class _TileSteps(nl.NKIObject):
-    """The per-tile steps of the inner loop, chosen once per launch (docs/kernel-fwd.md, "Tile steps"); NKI
-    inlines them. ``pos = (b, head, q0, ks)``: batch, query head, first query row and first key of the tile.
-
-    score: steps applied in order to a score tile between the QK matmul and the mask, each
-        ``step(cfg, pos, src) -> tile`` returning float32 scores of the same shape in SBUF (soft-capping, a
-        position bias, ...); none today.
-    mask_full / mask_partial: the masking step of a tile whose every (query, key) pair is visible / of any other
-        tile, ``step(cfg, t, ks, src, dst, max_col, bounds, idx)``: masked float32 scores into ``dst``, their row
-        max into ``max_col``.
-    prob: steps applied in order to P after the exponent took its row sum, ``step(cfg, pos, p, rt, state) -> p``
-        (dropout).
-    kb: steps run once per (block, key block) before its scores, ``step(cfg, kt0, rt)`` (``_alibi_positions``).
-    lse: steps applied to the block's LSE columns before the empty-row select, ``step(cfg, t0, j0, lse, rt)``
-        (``_alibi_lse``).
-    section: None or ``step(cfg, b, kvh, t0, n_tiles, rt) -> state`` ``[128, units, k]``, run once per section;
-        the probability steps get their unit's slice ``state[:, j, :]`` as last argument (``_dropout_section``:
-        the row words of the hash).
-    ``rt`` is the work item's ``_ItemData``; score steps get ``pos = (b, query head, head in group, q0, ks)``.
-    """
-
-    def __init__(self, score, mask_full, mask_partial, prob, kb, lse, section):
-        self.section = section
-        self.score = score
-        self.mask_full = mask_full
-        self.mask_partial = mask_partial
-        self.prob = prob
-        self.kb = kb
-        self.lse = lse
-
-
-def _tile_steps(cfg):
-    """The launch's tile steps: the score steps of the variants in the order of the semantics (soft-capping, then
-    ALiBi), the masking step by generation and mask kind, the probability steps (dropout). The default launch
-    has no score or probability step."""
+def _select_steps(cfg):
+    """The launch's steps (``steps`` protocol): the score steps of the variants in the order of the semantics
+    (soft-capping, then ALiBi), the masking steps by generation and mask kind, the probability steps (dropout).
+    The default launch has no score or probability step."""
     partial = _mask_affine
     if cfg.mask == "bounds":
         partial = _mask_bounds
     elif cfg.mask == "predicate":
         partial = _mask_predicate
     score = []
-    kb = []
+    key_block = []
     lse = []
     if cfg.alibi_mm:
         score.append(_alibi_matmul)
-        kb.append(_alibi_positions)
+        key_block.append(_alibi_positions)
         lse.append(_alibi_lse)
     if cfg.softcap > 0:
-        score.append(_softcap_scores)
+        score.append(softcap_scores)
     if cfg.alibi and not cfg.alibi_mm:
         score.append(_alibi_scores)
     prob = []
-    section = None
+    rows = None
     if cfg.dropout_p > 0:
         prob.append(_dropout_probs)
-        section = _dropout_section
-    return _TileSteps(score, _evict_max, partial, prob, kb, lse, section)
+        rows = _dropout_slab
+    return Steps(score, _evict_max, partial, [], prob, key_block=key_block, lse=lse, rows=rows)
 
 
 def _load_bounds(cfg, bound_min, bound_max):
@@ -520,13 +457,11 @@ def _load_bounds(cfg, bound_min, bound_max):
     (causal, windows: ``bmax <= q + hi_rel + 1``, ``bmin >= q + lo_rel``) are folded in."""
     shp = cfg.shp
     n_qt = cfg.n_qt
-    bmin = nl.ndarray((PMAX, n_qt), dtype=nl.float32, buffer=nl.sbuf)
-    bmax = nl.ndarray((PMAX, n_qt), dtype=nl.float32, buffer=nl.sbuf)
     if shp.packing:
-        # element (p, t) <- bound[t * 128 + p]
-        nisa.dma_copy(dst=bmin, src=bound_min.ap(pattern=[[1, PMAX], [PMAX, n_qt]], offset=0))
-        nisa.dma_copy(dst=bmax, src=bound_max.ap(pattern=[[1, PMAX], [PMAX, n_qt]], offset=0))
+        bmin, bmax = load_packing_bounds(bound_min, bound_max, n_qt)
     else:
+        bmin = nl.ndarray((PMAX, n_qt), dtype=nl.float32, buffer=nl.sbuf)
+        bmax = nl.ndarray((PMAX, n_qt), dtype=nl.float32, buffer=nl.sbuf)
         nisa.memset(dst=bmin, value=0.0, engine=nisa.engine.gpsimd)
         nisa.memset(dst=bmax, value=float(shp.seqlen_k), engine=nisa.engine.gpsimd)
     if cfg.band_hi:
@@ -542,7 +477,7 @@ def _load_bounds(cfg, bound_min, bound_max):
 
 def _sink_stats(cfg, sinks_ref, b, kvh):
     """Starting statistics of the kv head's query heads from their sinks: ``m0`` ``[128, group]`` the sinks' max
-    in stored-score units (max / exp_scale, at least FP32_MIN) and ``l0`` the sum of exp(sink - max). All sinks
+    in stored-score members (max / exp_scale, at least FP32_MIN) and ``l0`` the sum of exp(sink - max). All sinks
     -inf (no sink) give exactly the no-sink start: FP32_MIN and 0."""
     shp = cfg.shp
     g = cfg.group
@@ -553,6 +488,13 @@ def _sink_stats(cfg, sinks_ref, b, kvh):
                                              offset=(b * shp.nheads + kvh * g) * ns))
     neg_max = nl.ndarray((PMAX, g), dtype=nl.float32, buffer=nl.sbuf)
     nisa.tensor_reduce(dst=neg_max, op=nl.maximum, data=sink, axis=2, negate=True)
+    # m0 from the UNCAPPED negated max: all sinks -inf give +inf * (-1/c) = -inf, clamped to FP32_MIN, the
+    # no-sink start that finishing reads as "no key". From the capped FP32_MAX it would be -FP32_MAX / c, which
+    # for c > 3.4 (a soft-cap, or a power-of-two scale applied in the exponent) is above EMPTY_MAX: an empty row
+    # would be finished as a real one, with lse = log(L_FLOOR) - FP32_MAX instead of +inf.
+    m0 = nl.ndarray((PMAX, g), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=m0, data=neg_max, op0=nl.multiply, operand0=-1.0 / cfg.exp_scale, op1=nl.maximum,
+                       operand1=FP32_MIN)
     # all sinks -inf: cap the negated max so exp(sink + neg_max) is exp(-inf) = 0, not exp(-inf + inf) = NaN
     nisa.tensor_scalar(dst=neg_max, data=neg_max, op0=nl.minimum, operand0=FP32_MAX)
     l0 = nl.ndarray((PMAX, g), dtype=nl.float32, buffer=nl.sbuf)
@@ -560,42 +502,70 @@ def _sink_stats(cfg, sinks_ref, b, kvh):
     for h in range(g):
         nisa.activation(dst=sink_p[:, h, :], op=nl.exp, data=sink[:, h, :], bias=neg_max[:, h:h + 1], scale=1.0,
                         reduce_op=nl.add, reduce_res=l0[:, h:h + 1], reduce_cmd=nisa.reduce_cmd.reset_reduce)
-    m0 = nl.ndarray((PMAX, g), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.tensor_scalar(dst=m0, data=neg_max, op0=nl.multiply, operand0=-1.0 / cfg.exp_scale, op1=nl.maximum,
-                       operand1=FP32_MIN)
     return m0, l0
 
 
-def _per_unit(stat, j0, n_units, group):
-    """View of a per-head ``[128, group]`` statistic in the unit order of the block starting at unit ``j0``
-    (unit j is head ``j % group``): whole query tiles repeat the group (stride-0 pattern), a block inside one
+def _per_member(cfg, stat, j0, n_members):
+    """View of a per-head ``[128, group]`` statistic in the member order of the block starting at member ``j0``
+    (member j is head ``j % group``): whole query tiles repeat the group (stride-0 pattern), a block inside one
     query tile is a slice."""
-    if group <= MAX_UNITS:
-        return stat.ap(pattern=[[group, PMAX], [0, n_units // group], [1, group]], offset=0)
+    group = cfg.group
+    if group <= cfg.block_members_max:
+        return stat.ap(pattern=[[group, PMAX], [0, n_members // group], [1, group]], offset=0)
     h0 = j0 % group
-    return stat[:, h0:h0 + n_units]
+    return stat[:, h0:h0 + n_members]
 
 
 def _blocks(cfg, n_tiles):
-    """``[(j0, j1)]`` unit ranges of a section of ``n_tiles`` query tiles: whole query tiles (every head of the
-    group) per block when the group fits a block, else at most MAX_UNITS heads of one query tile."""
+    """``[(j0, j1)]`` member ranges of a slab of ``n_tiles`` query tiles: whole query tiles (every head of the
+    group) per block when the group fits a block, else at most ``block_members_max`` heads of one query tile."""
     g = cfg.group
+    bmax = cfg.block_members_max
     out = []
-    if g <= MAX_UNITS:
-        for j0 in range(0, n_tiles * g, cfg.units):
-            out.append((j0, min(j0 + cfg.units, n_tiles * g)))
+    if g <= bmax:
+        for j0 in range(0, n_tiles * g, cfg.members):
+            out.append((j0, min(j0 + cfg.members, n_tiles * g)))
     else:
         for r in range(n_tiles):
-            for h0 in range(0, g, MAX_UNITS):
-                out.append((r * g + h0, r * g + min(h0 + MAX_UNITS, g)))
+            for h0 in range(0, g, bmax):
+                out.append((r * g + h0, r * g + min(h0 + bmax, g)))
     return out
+
+
+class _Slab(nl.NKIObject):
+    """The buffers of one slab: query tiles ``[t0, t0 + n)``; ``q[h][qi]`` the (scaled) Q of head h of the group
+    per Q/K partition tile; ``o[vi]`` / ``lse`` the O^T and LSE staging in member order (column block j = member
+    j); ``state``: the per-row state of the row steps (``[128, members, k]``, or None)."""
+
+    def __init__(self, t0, n, q, o, lse, state):
+        self.t0 = t0
+        self.n = n
+        self.q = q
+        self.o = o
+        self.lse = lse
+        self.state = state
+
+
+class _Block(nl.NKIObject):
+    """The work of one block: members ``[j0, j1)`` of its slab (member j: query tile ``t0 + j // group``, head
+    ``j % group``), their ``heads`` and query ``tiles``, ``plan`` (``_key_blocks``); its O accumulator ``o_acc``
+    ``[128, members, d_v]`` and ``started[u]``: member u's O holds a key block's PV already."""
+
+    def __init__(self, j0, j1, heads, tiles, plan, o_acc, started):
+        self.j0 = j0
+        self.j1 = j1
+        self.heads = heads
+        self.tiles = tiles
+        self.plan = plan
+        self.o_acc = o_acc
+        self.started = started
 
 
 # ----------------------------------------------------------------------------------------------------- key block phases
 def _transpose_v(cfg, v_tiles, n_ch):
     """V^T ``[128 keys, n_ch, d_v]`` from the loaded V tiles (TensorE transposes, as many chunks per PSUM bank
     as fit, one eviction per bank)."""
-    e = _itemsize(cfg.io_dtype)
+    e = itemsize(cfg.io_dtype)
     vt = nl.ndarray((PMAX, n_ch, cfg.d_v), dtype=cfg.io_dtype, buffer=nl.sbuf)
     per = max(1, 2048 // (cfg.d_v * e))
     for c0 in range(0, n_ch, per):
@@ -610,48 +580,49 @@ def _transpose_v(cfg, v_tiles, n_ch):
     return vt
 
 
-def _scores(cfg, q_sec, k_tiles, b, kvh, t0, heads, tiles, kb, pm, bounds, idx, steps, rt):
-    """Phase 1 (scoring and masking): S = Q^T K of every visible (unit, score tile) of key block ``kb``, through
-    the score steps, masked and copied to SBUF (float32), its row max into ``pm[:, u, i]``. Returns ``s[u][i]`` (None where
-    the unit sees nothing of score tile i)."""
-    shp = cfg.shp
-    kt0, kt_n, vis, c_lo, c_hi, gaps = kb
+def _scores(cfg, item, steps, slab, blk, kb, k_tiles, idx, pm):
+    """Phase 1 (scoring and masking): S = Q^T K of every visible (member, key tile) of key block ``kb``, through
+    the score steps and the mask step of the tile's kind into float32 SBUF, its row max into ``pm[:, u, i]``.
+    Returns ``(s, tiles)``: ``s[u][i]`` the scores and ``tiles[u][i]`` the ``steps.Tile`` (None where the member
+    sees nothing of key tile i)."""
     ch = K_TILE // PMAX
     s = []
-    for u in range(len(heads)):
-        q0 = tiles[u] * PMAX
-        qcol = (tiles[u] - t0) * PMAX
+    tl = []
+    for u in range(len(blk.heads)):
+        h = blk.heads[u]
+        qcol = (blk.tiles[u] - slab.t0) * PMAX
+        rows = None
+        if slab.state is not None:
+            rows = slab.state[:, blk.j0 + u, :]
         row = []
-        for i in range(kt_n):
-            lo, hi = vis[u][i]
-            if hi > lo:
-                ks = (kt0 + i) * K_TILE + lo * PMAX
-                w = (hi - lo) * PMAX
-                col = (i * ch + lo - c_lo) * PMAX  # first visible key in the loaded K
+        trow = []
+        for i in range(kb.kt_n):
+            kt = kb.vis[u][i]
+            if kt.k1 > kt.k0:
+                w = kt.k1 - kt.k0
+                col = kt.k0 - kb.kt0 * K_TILE - kb.c_lo * PMAX  # first visible key in the loaded K
+                key_idx = None
+                if idx is not None:
+                    key_idx = idx[:, col:col + w]
+                tile = Tile(item.b, item.kvh * cfg.group + h, h, blk.tiles[u], kt.k0, w, kt.needs_lo, kt.needs_hi,
+                            kt.kind, rows, pm[:, u, i], key_idx)
                 s_ps = nl.ndarray((PMAX, w), dtype=nl.float32, buffer=nl.psum)
                 for qi in range(len(cfg.qk_tiles)):
-                    nisa.nc_matmul(dst=s_ps, stationary=q_sec[heads[u]][qi][:, qcol:qcol + PMAX],
+                    nisa.nc_matmul(dst=s_ps, stationary=slab.q[h][qi][:, qcol:qcol + PMAX],
                                    moving=k_tiles[qi][:, col:col + w])
-                src = s_ps
-                for f in steps.score:
-                    src = f(cfg, (b, kvh * cfg.group + heads[u], heads[u], q0, ks), src, rt)
-                s_sb = nl.ndarray((PMAX, w), dtype=nl.float32, buffer=nl.sbuf)
-                full = not shp.packing and band_tile_fully_visible(q0, q0 + PMAX, ks, ks + w, cfg.lo_rel,
-                                                                   cfg.hi_rel)
-                mask = steps.mask_full if full else steps.mask_partial
-                j = None
-                if idx is not None:
-                    j = idx[:, col:col + w]
-                mask(cfg, tiles[u], ks, src, s_sb, pm[:, u, i], bounds, j)
-                row.append(s_sb)
+                src = run_steps(cfg, steps.score, tile, item, s_ps)
+                row.append(mask_step(steps, tile)(cfg, tile, item, src))
+                trow.append(tile)
             else:
                 row.append(None)
+                trow.append(None)
         s.append(row)
-    return s
+        tl.append(trow)
+    return s, tl
 
 
 def _update_max(cfg, pm, pm_next):
-    """Phase 2 (online-softmax max, all units at once): ``m' = max(m, tile maxima)`` into ``pm_next[:, :, KB]``
+    """Phase 2 (online-softmax max, all members at once): ``m' = max(m, tile maxima)`` into ``pm_next[:, :, KB]``
     (``pm[:, :, KB]`` holds m), ``alpha = exp(c (m - m'))`` and the exponent bias ``-c m'`` (c = exp_scale),
     capped at FP32_MAX (with c > 1 a row that saw only masked scores would give -inf + inf in the exponent)."""
     kb = cfg.kb_tiles
@@ -668,8 +639,8 @@ def _update_max(cfg, pm, pm_next):
 
 
 def _rescale_o(o_acc, u, alpha, o_ps, first):
-    """Online-softmax update of unit ``u``'s O with a key block's PV (float32 PSUM): ``O = O * alpha + PV``, or
-    ``O = PV`` at the unit's first key block (O is not initialised; sinks add to l only)."""
+    """Online-softmax update of member ``u``'s O with a key block's PV (float32 PSUM): ``O = O * alpha + PV``, or
+    ``O = PV`` at the member's first key block (O is not initialised; sinks add to l only)."""
     if first:
         nisa.tensor_copy(dst=o_acc[:, u, :], src=o_ps)
     else:
@@ -679,7 +650,7 @@ def _rescale_o(o_acc, u, alpha, o_ps, first):
 
 def _transpose_p(cfg, p_sb, n_ch, dma_turn):
     """P^T ``[128 keys, n_ch, 128 queries]`` (SBUF) for the PV matmul. TensorE transposes (PSUM) and one eviction
-    by default; on trn2+ with 16-bit P, every other full score tile (``dma_turn``) goes by one SBUF -> SBUF
+    by default; on trn2+ with 16-bit P, every other full key tile (``dma_turn``) goes by one SBUF -> SBUF
     dma_transpose instead (bit-exact too), which balances TensorE and VectorE against the otherwise idle DMA
     queues (docs/kernel-fwd.md, "Engine balance")."""
     pt_sb = nl.ndarray((PMAX, n_ch, PMAX), dtype=cfg.io_dtype, buffer=nl.sbuf)
@@ -693,36 +664,35 @@ def _transpose_p(cfg, p_sb, n_ch, dma_turn):
     return pt_sb
 
 
-def _exp_pv(cfg, s, b, kvh, heads, tiles, kb, vt, bias, alpha, rs, o_acc, started, steps, rt, ust):
-    """Phase 3 (exponent and PV): per visible (unit, score tile) ``P = exp(c S + bias)`` with its row sum into
+def _exp_pv(cfg, item, steps, blk, kb, s, tl, vt, bias, alpha, rs):
+    """Phase 3 (exponent and PV): per visible (member, key tile) ``P = exp(c S + bias)`` with its row sum into
     ``rs[:, u, i]`` in ONE activation, the probability steps, P^T, PV accumulated over the whole key block in one
-    PSUM tile; then per unit the O update."""
-    kt0, kt_n, vis, c_lo, c_hi, gaps = kb
+    PSUM tile; then per member the O update."""
     ch = K_TILE // PMAX
     for u in range(len(s)):
         o_ps = None
-        for i in range(kt_n):
-            lo, hi = vis[u][i]
-            if hi > lo:
-                w = (hi - lo) * PMAX
-                p_sb = nl.ndarray((PMAX, w), dtype=cfg.io_dtype, buffer=nl.sbuf)
+        for i in range(kb.kt_n):
+            tile = tl[u][i]
+            if tile is not None:
+                n_ch = tile.kw // PMAX
+                lo = (tile.k0 - (kb.kt0 + i) * K_TILE) // PMAX
+                p_sb = nl.ndarray((PMAX, tile.kw), dtype=cfg.io_dtype, buffer=nl.sbuf)
                 nisa.activation(dst=p_sb, op=nl.exp, data=s[u][i], bias=bias[:, u:u + 1], scale=cfg.exp_scale,
                                 reduce_op=nl.add, reduce_res=rs[:, u, i], reduce_cmd=nisa.reduce_cmd.reset_reduce)
-                for f in steps.prob:
-                    p_sb = f(cfg, (b, kvh * cfg.group + heads[u], heads[u], tiles[u] * PMAX,
-                                   (kt0 + i) * K_TILE + lo * PMAX), p_sb, rt, ust[u])
-                pt_sb = _transpose_p(cfg, p_sb, hi - lo, (u + kt0 + i) % 2 == 0)
+                p_sb = run_steps(cfg, steps.p_mask, tile, item, p_sb)
+                p_sb = run_steps(cfg, steps.prob, tile, item, p_sb)
+                pt_sb = _transpose_p(cfg, p_sb, n_ch, (u + kb.kt0 + i) % 2 == 0)
                 if o_ps is None:
                     o_ps = nl.ndarray((PMAX, cfg.d_v), dtype=nl.float32, buffer=nl.psum)
-                for c in range(hi - lo):
-                    nisa.nc_matmul(dst=o_ps, stationary=pt_sb[:, c, :], moving=vt[:, i * ch + lo + c - c_lo, :])
+                for c in range(n_ch):
+                    nisa.nc_matmul(dst=o_ps, stationary=pt_sb[:, c, :], moving=vt[:, i * ch + lo + c - kb.c_lo, :])
         if o_ps is not None:
-            _rescale_o(o_acc, u, alpha, o_ps, not started[u])
-            started[u] = True
+            _rescale_o(blk.o_acc, u, alpha, o_ps, not blk.started[u])
+            blk.started[u] = True
 
 
 def _update_sum(cfg, l_sum, alpha, rs):
-    """Phase 4 (online-softmax sum, all units at once): ``l' = l * alpha + sum of the row sums``."""
+    """Phase 4 (online-softmax sum, all members at once): ``l' = l * alpha + sum of the row sums``."""
     kb = cfg.kb_tiles
     nisa.tensor_tensor(dst=rs[:, :, kb], data1=l_sum, data2=alpha, op=nl.multiply)
     l_new = nl.ndarray((PMAX, rs.shape[1]), dtype=nl.float32, buffer=nl.sbuf)
@@ -730,52 +700,54 @@ def _update_sum(cfg, l_sum, alpha, rs):
     return l_new
 
 
-def _key_block(cfg, k_ref, v_ref, b, kvh, q_sec, t0, heads, tiles, kb, gaps_next, pm, l_sum, o_acc, started,
-               bounds, steps, rt, ust):
-    """One key block of a block of units: load K and V (the union of the units' visible chunks), V^T, then the
-    four phases. Returns the statistics after it: ``(pm_next, l, bias)``."""
-    kt0, kt_n, vis, c_lo, c_hi, gaps = kb
-    key0 = kt0 * K_TILE + c_lo * PMAX
-    width = (c_hi - c_lo) * PMAX
+def _key_block(cfg, hbm, item, steps, slab, blk, kb, gaps_next, pm, l_sum):
+    """One key block ``kb`` of block ``blk``: load K and V (the union of the members' visible chunks), V^T, then
+    the four phases. Returns the statistics after it: ``(pm_next, l, bias)``."""
+    b = item.b
+    kvh = item.kvh
+    key0 = kb.kt0 * K_TILE + kb.c_lo * PMAX
+    width = (kb.c_hi - kb.c_lo) * PMAX
     k_tiles = []
     for qi in range(len(cfg.qk_tiles)):
         d0, dsz = cfg.qk_tiles[qi]
         kt_sb = nl.ndarray((dsz, width), dtype=cfg.io_dtype, buffer=nl.sbuf)
-        nisa.dma_copy(dst=kt_sb, src=k_ref[b, kvh, d0:d0 + dsz, key0:key0 + width])
+        nisa.dma_copy(dst=kt_sb, src=hbm.k[b, kvh, d0:d0 + dsz, key0:key0 + width])
         k_tiles.append(kt_sb)
     v_tiles = []
     for vi in range(len(cfg.v_tiles)):
         v0, vsz = cfg.v_tiles[vi]
         v_sb = nl.ndarray((vsz, width), dtype=cfg.io_dtype, buffer=nl.sbuf)
-        nisa.dma_copy(dst=v_sb, src=v_ref[b, kvh, v0:v0 + vsz, key0:key0 + width])
+        nisa.dma_copy(dst=v_sb, src=hbm.v[b, kvh, v0:v0 + vsz, key0:key0 + width])
         v_tiles.append(v_sb)
-    vt = _transpose_v(cfg, v_tiles, c_hi - c_lo)
+    vt = _transpose_v(cfg, v_tiles, kb.c_hi - kb.c_lo)
     idx = None
     if cfg.mask == "predicate":
         idx = nl.ndarray((PMAX, width), dtype=nl.float32, buffer=nl.sbuf)
         nisa.iota(dst=idx, pattern=[[1, width]], offset=key0, channel_multiplier=0)  # key index per column
 
-    for f in steps.kb:
-        f(cfg, kt0, rt)
-    s = _scores(cfg, q_sec, k_tiles, b, kvh, t0, heads, tiles, kb, pm, bounds, idx, steps, rt)
-    n = len(heads)
+    for f in steps.key_block:
+        f(cfg, kb.kt0, item)
+    s, tl = _scores(cfg, item, steps, slab, blk, kb, k_tiles, idx, pm)
+    n = len(blk.heads)
     pm_next = nl.ndarray((PMAX, n, cfg.kb_tiles + 1), dtype=nl.float32, buffer=nl.sbuf)
     if gaps_next:
-        nisa.memset(dst=pm_next, value=FP32_MIN, engine=nisa.engine.gpsimd)  # slots no score tile will write
+        nisa.memset(dst=pm_next, value=FP32_MIN, engine=nisa.engine.gpsimd)  # slots no key tile will write
     alpha, bias = _update_max(cfg, pm, pm_next)
     rs = nl.ndarray((PMAX, n, cfg.kb_tiles + 1), dtype=nl.float32, buffer=nl.sbuf)
-    if gaps:
+    if kb.gaps:
         nisa.memset(dst=rs, value=0.0, engine=nisa.engine.gpsimd)
-    _exp_pv(cfg, s, b, kvh, heads, tiles, kb, vt, bias, alpha, rs, o_acc, started, steps, rt, ust)
+    _exp_pv(cfg, item, steps, blk, kb, s, tl, vt, bias, alpha, rs)
     l_new = _update_sum(cfg, l_sum, alpha, rs)
     return pm_next, l_new, bias
 
 
-# ----------------------------------------------------------------------------------------------------- blocks, sections
-def _finish_block(cfg, pm, l_sum, bias, o_acc, t0, j0, o_sec, lse_sec, steps, rt):
-    """Finishing, all units at once: ``o = O / l`` and ``lse = c m + log(l)`` (= log(l) - bias); rows that saw no
-    key (and have no sink) get 0 and +inf. O is normalised per unit, transposed back to ``[d, q]`` into the
-    section's O staging, the LSE columns go to the section's LSE staging."""
+# ----------------------------------------------------------------------------------------------------- blocks, slabs
+def _finish_block(cfg, item, steps, slab, blk, pm, l_sum, bias):
+    """Finishing, all members at once: ``o = O / l`` and ``lse = c m + log(l)`` (= log(l) - bias); rows that saw
+    no key (and have no sink) get 0 and +inf. O is normalised per member, transposed back to ``[d, q]`` into the
+    slab's O staging, the LSE columns go to the slab's LSE staging."""
+    j0 = blk.j0
+    o_acc = blk.o_acc
     n = pm.shape[1]
     keep = nl.ndarray((PMAX, n), dtype=nl.uint8, buffer=nl.sbuf)
     nisa.tensor_scalar(dst=keep, data=pm[:, :, cfg.kb_tiles], op0=nl.greater, operand0=EMPTY_MAX)
@@ -791,9 +763,9 @@ def _finish_block(cfg, pm, l_sum, bias, o_acc, t0, j0, o_sec, lse_sec, steps, rt
     lse_real = nl.ndarray((PMAX, n), dtype=nl.float32, buffer=nl.sbuf)
     nisa.tensor_tensor(dst=lse_real, data1=log_l, data2=bias, op=nl.subtract)
     for f in steps.lse:
-        f(cfg, t0, j0, lse_real, rt)
-    nisa.select_reduce(dst=lse_sec[:, j0:j0 + n], predicate=keep, on_true=lse_real, on_false=POS_INF)
-    # Per unit on ScalarE (its exponents leave it idle at the end of a block, VectorE is the busier engine):
+        f(cfg, slab.t0, j0, lse_real, item)
+    nisa.select_reduce(dst=slab.lse[:, j0:j0 + n], predicate=keep, on_true=lse_real, on_false=POS_INF)
+    # Per member on ScalarE (its exponents leave it idle at the end of a block, VectorE is the busier engine):
     # O * (1/l) into o's dtype, then O^T per V/O partition tile into the staging.
     for u in range(n):
         o_n = nl.ndarray((PMAX, cfg.d_v), dtype=cfg.io_dtype, buffer=nl.sbuf)
@@ -807,15 +779,14 @@ def _finish_block(cfg, pm, l_sum, bias, o_acc, t0, j0, o_sec, lse_sec, steps, rt
             ot_ps = nl.ndarray((vsz, PMAX), dtype=cfg.io_dtype, buffer=nl.psum)
             nisa.nc_transpose(dst=ot_ps, data=o_n[:, v0:v0 + vsz])
             if cfg.scalar_busy:
-                nisa.tensor_copy(dst=o_sec[vi][:, col:col + PMAX], src=ot_ps)
+                nisa.tensor_copy(dst=slab.o[vi][:, col:col + PMAX], src=ot_ps)
             else:
-                nisa.activation(dst=o_sec[vi][:, col:col + PMAX], op=nl.copy, data=ot_ps)
+                nisa.activation(dst=slab.o[vi][:, col:col + PMAX], op=nl.copy, data=ot_ps)
 
 
-def _attend_block(cfg, k_ref, v_ref, b, kvh, q_sec, t0, j0, j1, bounds, sink_stats, steps, rt, sec_state, o_sec,
-                  lse_sec):
-    """Units ``j0 .. j1 - 1`` of the section starting at query tile ``t0`` (unit j: query tile ``t0 + j // group``,
-    head ``j % group``) against every key block one of them sees."""
+def _attend_block(cfg, hbm, item, steps, slab, j0, j1):
+    """Members ``j0 .. j1 - 1`` of ``slab`` (member j: query tile ``t0 + j // group``, head ``j % group``)
+    against every key block one of them sees."""
     g = cfg.group
     n = j1 - j0
     heads = []
@@ -823,57 +794,54 @@ def _attend_block(cfg, k_ref, v_ref, b, kvh, q_sec, t0, j0, j1, bounds, sink_sta
     started = []
     for j in range(j0, j1):
         heads.append(j % g)
-        tiles.append(t0 + j // g)
+        tiles.append(slab.t0 + j // g)
         started.append(False)
     # (a bottom-right band can leave whole query tiles without a visible key: seqlen_q > seqlen_k with causal,
-    # windows that end before the first key or start after the last; such units are finished as empty rows)
+    # windows that end before the first key or start after the last; such members are finished as empty rows)
     plan = _key_blocks(cfg, tiles)
-    # pm[:, u, i]: row max of score tile i of the current key block; pm[:, u, KB]: the running max m
+    # pm[:, u, i]: row max of key tile i of the current key block; pm[:, u, KB]: the running max m
     pm = nl.ndarray((PMAX, n, cfg.kb_tiles + 1), dtype=nl.float32, buffer=nl.sbuf)
     l_sum = nl.ndarray((PMAX, n), dtype=nl.float32, buffer=nl.sbuf)
-    if sink_stats is None:
+    if item.sinks is None:
         nisa.memset(dst=pm, value=FP32_MIN, engine=nisa.engine.gpsimd)
         nisa.memset(dst=l_sum, value=0.0, engine=nisa.engine.gpsimd)
     else:
-        if len(plan) == 0 or plan[0][5]:
+        if len(plan) == 0 or plan[0].gaps:
             nisa.memset(dst=pm, value=FP32_MIN, engine=nisa.engine.gpsimd)
-        m0, l0 = sink_stats
-        nisa.tensor_copy(dst=pm[:, :, cfg.kb_tiles], src=_per_unit(m0, j0, n, g))
-        nisa.tensor_copy(dst=l_sum, src=_per_unit(l0, j0, n, g))
+        m0, l0 = item.sinks
+        nisa.tensor_copy(dst=pm[:, :, cfg.kb_tiles], src=_per_member(cfg, m0, j0, n))
+        nisa.tensor_copy(dst=l_sum, src=_per_member(cfg, l0, j0, n))
     o_acc = nl.ndarray((PMAX, n, cfg.d_v), dtype=cfg.acc_dtype, buffer=nl.sbuf)
-    ust = []
-    for u in range(n):
-        st = None
-        if sec_state is not None:
-            st = sec_state[:, j0 + u, :]
-        ust.append(st)
+    blk = _Block(j0, j1, heads, tiles, plan, o_acc, started)
     bias = None
     for k in range(len(plan)):
-        gaps_next = k + 1 < len(plan) and plan[k + 1][5]
-        pm, l_sum, bias = _key_block(cfg, k_ref, v_ref, b, kvh, q_sec, t0, heads, tiles, plan[k], gaps_next, pm,
-                                     l_sum, o_acc, started, bounds, steps, rt, ust)
+        gaps_next = k + 1 < len(plan) and plan[k + 1].gaps
+        pm, l_sum, bias = _key_block(cfg, hbm, item, steps, slab, blk, plan[k], gaps_next, pm, l_sum)
     for u in range(n):
         if not started[u]:
-            # no visible key for this unit's rows: O = 0 (o = 0; with sinks lse = their logsumexp)
+            # no visible key for this member's rows: O = 0 (o = 0; with sinks lse = their logsumexp)
             nisa.memset(dst=o_acc[:, u, :], value=0.0, engine=nisa.engine.gpsimd)
     if bias is None:
         bias = nl.ndarray((PMAX, n), dtype=nl.float32, buffer=nl.sbuf)
         nisa.tensor_scalar(dst=bias, data=pm[:, :, cfg.kb_tiles], op0=nl.multiply, operand0=-cfg.exp_scale,
                            op1=nl.minimum, operand1=FP32_MAX)
-    _finish_block(cfg, pm, l_sum, bias, o_acc, t0, j0, o_sec, lse_sec, steps, rt)
+    _finish_block(cfg, item, steps, slab, blk, pm, l_sum, bias)
 
 
-def _attend_section(cfg, q_ref, k_ref, v_ref, o_ref, lse_ref, b, kvh, t0, t1, bounds, sink_stats, steps, rt):
-    """Query tiles ``[t0, t1)`` of every query head of kv head ``kvh``: Q loaded and O, LSE stored once per head."""
+def _attend_slab(cfg, hbm, item, steps, t0, t1):
+    """Query tiles ``[t0, t1)`` of every query head of the work item's kv head: Q loaded and O, LSE stored once
+    per head."""
     g = cfg.group
     n = t1 - t0
-    q_sec = []
+    b = item.b
+    kvh = item.kvh
+    q_slab = []
     for h in range(g):
         row = []
         for qi in range(len(cfg.qk_tiles)):
             d0, dsz = cfg.qk_tiles[qi]
             qt = nl.ndarray((dsz, n * PMAX), dtype=cfg.io_dtype, buffer=nl.sbuf)
-            nisa.dma_copy(dst=qt, src=q_ref[b, kvh * g + h, d0:d0 + dsz, t0 * PMAX:t1 * PMAX])
+            nisa.dma_copy(dst=qt, src=hbm.q[b, kvh * g + h, d0:d0 + dsz, t0 * PMAX:t1 * PMAX])
             if cfg.q_scale != 1.0:
                 # s Q rounded to the input dtype, as attention_bwd computes it (ScalarE has room, VectorE not)
                 if cfg.scalar_busy:
@@ -881,51 +849,81 @@ def _attend_section(cfg, q_ref, k_ref, v_ref, o_ref, lse_ref, b, kvh, t0, t1, bo
                 else:
                     nisa.activation(dst=qt, op=nl.copy, data=qt, scale=cfg.q_scale)
             row.append(qt)
-        q_sec.append(row)
-    # O^T and LSE staging in unit order (column block j = unit j), stored per head by strided reads
-    o_sec = []
+        q_slab.append(row)
+    # O^T and LSE staging in member order (column block j = member j), stored per head by strided reads
+    o_slab = []
     for vi in range(len(cfg.v_tiles)):
         v0, vsz = cfg.v_tiles[vi]
         o_stage = nl.ndarray((vsz, n * g * PMAX), dtype=cfg.io_dtype, buffer=nl.sbuf)
-        o_sec.append(o_stage)
-    lse_sec = nl.ndarray((PMAX, n * g), dtype=nl.float32, buffer=nl.sbuf)
-    sec_state = None
-    if steps.section is not None:
-        sec_state = steps.section(cfg, b, kvh, t0, n, rt)
+        o_slab.append(o_stage)
+    lse_slab = nl.ndarray((PMAX, n * g), dtype=nl.float32, buffer=nl.sbuf)
+    state = None
+    if steps.rows is not None:
+        state = steps.rows(cfg, b, kvh, t0, n, item)
+    slab = _Slab(t0, n, q_slab, o_slab, lse_slab, state)
     blocks = _blocks(cfg, n)
     for i in range(len(blocks)):
         j0, j1 = blocks[i]
-        _attend_block(cfg, k_ref, v_ref, b, kvh, q_sec, t0, j0, j1, bounds, sink_stats, steps, rt, sec_state, o_sec,
-                      lse_sec)
+        _attend_block(cfg, hbm, item, steps, slab, j0, j1)
     for h in range(g):
         hq = kvh * g + h
         for vi in range(len(cfg.v_tiles)):
             v0, vsz = cfg.v_tiles[vi]
-            nisa.dma_copy(dst=o_ref[b, hq, v0:v0 + vsz, t0 * PMAX:t1 * PMAX],
-                          src=o_sec[vi].ap(pattern=[[n * g * PMAX, vsz], [g * PMAX, n], [1, PMAX]],
-                                           offset=h * PMAX))
-        nisa.dma_copy(dst=lse_ref[b, hq, :, t0:t1], src=lse_sec.ap(pattern=[[n * g, PMAX], [g, n]], offset=h))
+            nisa.dma_copy(dst=hbm.o[b, hq, v0:v0 + vsz, t0 * PMAX:t1 * PMAX],
+                          src=o_slab[vi].ap(pattern=[[n * g * PMAX, vsz], [g * PMAX, n], [1, PMAX]],
+                                            offset=h * PMAX))
+        nisa.dma_copy(dst=hbm.lse[b, hq, :, t0:t1], src=lse_slab.ap(pattern=[[n * g, PMAX], [g, n]], offset=h))
+
+
+def _positive_int_problem(name, value):
+    """The problem with a tuning keyword that must be None or an int >= 1 (None when it is fine)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        return f"{name}={value!r} must be None (the default) or an int >= 1"
+    return None
 
 
 def fwd_problem(q_ref, k_ref, v_ref, sinks_ref=None, bound_min=None, bound_max=None, use_causal_mask=False,
                 mixed_precision=True, softmax_scale=None, sliding_window=None, softcap=0.0, alibi_slopes=None,
-                window_size=None, dropout_p=0.0, dropout_seed=None):
+                window_size=None, dropout_p=0.0, dropout_seed=None, kb_tiles=None, block_members_max=None,
+                slab_tiles=None):
     """``None`` when ``attention_fwd`` accepts these arguments, else the first problem as a message. The kernel
     asserts on it; ``nki_attn.kernel_api.attention_fwd`` raises it as ``ValueError`` before launching."""
     problem = attention_problem(q_ref, k_ref, v_ref, sinks=sinks_ref, bound_min=bound_min, bound_max=bound_max,
                                 use_causal_mask=use_causal_mask, softmax_scale=softmax_scale,
                                 sliding_window=sliding_window, softcap=softcap, alibi_slopes=alibi_slopes,
                                 window_size=window_size, dropout_p=dropout_p, dropout_seed=dropout_seed,
-                                supports=FWD_FEATURES, kernel="attention_fwd")
+                                kernel="attention_fwd")
     if problem is None and not isinstance(mixed_precision, bool):
         problem = f"mixed_precision={mixed_precision!r} must be True or False"
+    if problem is None:
+        problem = _positive_int_problem("kb_tiles", kb_tiles)
+    if problem is None:
+        problem = _positive_int_problem("block_members_max", block_members_max)
+    if problem is None:
+        problem = _positive_int_problem("slab_tiles", slab_tiles)
     return problem
+
+
+def _setup_config(q_ref, k_ref, v_ref, sinks_ref, bound_min, use_causal_mask, mixed_precision, softmax_scale,
+                  sliding_window, softcap, alibi_slopes, window_size, dropout_p, kb_tiles, block_members_max,
+                  slab_tiles):
+    """The launch's ``_FwdConfig``, built once from the kernel's (valid) arguments."""
+    shp = attention_shape(q_ref, k_ref, sinks=sinks_ref, bound_min=bound_min, use_causal_mask=use_causal_mask,
+                          softmax_scale=softmax_scale, sliding_window=sliding_window, v=v_ref, softcap=softcap,
+                          alibi_slopes=alibi_slopes, window_size=window_size, dropout_p=dropout_p)
+    range_select_ok = nisa.get_nc_version() >= nisa.nc_version.gen3  # range_select exists on trn2+
+    acc_dtype = nl.float32 if mixed_precision else q_ref.dtype
+    return _FwdConfig(shp, q_ref.dtype, acc_dtype, range_select_ok, v_ref.shape[2], kb_tiles, block_members_max,
+                      slab_tiles)
 
 
 @nki.jit
 def attention_fwd(q_ref, k_ref, v_ref, sinks_ref=None, bound_min=None, bound_max=None, use_causal_mask=False,
                   mixed_precision=True, softmax_scale=None, sliding_window=None, softcap=0.0, alibi_slopes=None,
-                  window_size=None, dropout_p=0.0, dropout_seed=None):
+                  window_size=None, dropout_p=0.0, dropout_seed=None, kb_tiles=None, block_members_max=None,
+                  slab_tiles=None):
     """Flash-attention forward; returns ``(o, lse)`` in shared HBM.
 
     Args:
@@ -949,36 +947,28 @@ def attention_fwd(q_ref, k_ref, v_ref, sinks_ref=None, bound_min=None, bound_max
         dropout_p: drop probability in [0, 1) (trace-time); dropout_seed: int32/uint32 ``[2]`` HBM
             ``(seed, offset)``, given iff dropout_p > 0; the keep mask is ``golden.dropout.keep_mask``'s, the LSE
             stays pre-dropout.
+        kb_tiles, block_members_max, slab_tiles: tuning (trace-time ints >= 1, None = the default): key tiles
+            per key block (``KB_TILES``), members per block at most (``BLOCK_MEMBERS_MAX``), query tiles per slab
+            (default: the most the SBUF holds, balanced). The modeled time changes, the result only by float32
+            summation order (docs/kernel-fwd.md, "Tuning keywords").
 
     Returns:
         o: ``[bs, nheads, d_v, seqlen_q]`` in q's dtype; lse: float32 ``[bs, nheads, 128, seqlen_q // 128]``.
     """
     problem = fwd_problem(q_ref, k_ref, v_ref, sinks_ref, bound_min, bound_max, use_causal_mask, mixed_precision,
-                          softmax_scale, sliding_window, softcap, alibi_slopes, window_size, dropout_p, dropout_seed)
+                          softmax_scale, sliding_window, softcap, alibi_slopes, window_size, dropout_p, dropout_seed,
+                          kb_tiles, block_members_max, slab_tiles)
     assert problem is None, problem
-    shp = attention_shape(q_ref, k_ref, sinks=sinks_ref, bound_min=bound_min, use_causal_mask=use_causal_mask,
-                          softmax_scale=softmax_scale, sliding_window=sliding_window)
-    range_select_ok = nisa.get_nc_version() >= nisa.nc_version.gen3  # range_select exists on trn2+
-    acc_dtype = nl.float32 if mixed_precision else q_ref.dtype
-    d_v = v_ref.shape[2]
-    var = _Variants(softcap, alibi_slopes is not None, window_size, dropout_p)
-    cfg = _FwdConfig(shp, q_ref.dtype, acc_dtype, range_select_ok, d_v, var)
-    steps = _tile_steps(cfg)
+    cfg = _setup_config(q_ref, k_ref, v_ref, sinks_ref, bound_min, use_causal_mask, mixed_precision, softmax_scale,
+                        sliding_window, softcap, alibi_slopes, window_size, dropout_p, kb_tiles, block_members_max,
+                        slab_tiles)
+    shp = cfg.shp
+    steps = _select_steps(cfg)
 
-    o_ref = nl.ndarray((shp.bs, shp.nheads, d_v, shp.seqlen_q), dtype=q_ref.dtype, buffer=nl.shared_hbm)
+    o_ref = nl.ndarray((shp.bs, shp.nheads, cfg.d_v, shp.seqlen_q), dtype=q_ref.dtype, buffer=nl.shared_hbm)
     lse_ref = nl.ndarray((shp.bs, shp.nheads, PMAX, cfg.n_qt), dtype=nl.float32, buffer=nl.shared_hbm)
-
-    # LNC sharding over bs * nheads_kv: core `pid` of `n_prog` takes a contiguous range of (batch, kv head)
-    if nl.program_ndim() == 0:
-        n_prog = 1
-        pid = 0
-    else:
-        n_prog = nl.num_programs(0)
-        pid = nl.program_id(0)
-    n_items = shp.bs * shp.nheads_kv
-    per_core = (n_items + n_prog - 1) // n_prog
-    start = pid * per_core
-    stop = min(n_items, start + per_core)
+    hbm = Hbm(q_ref, k_ref, v_ref, o=o_ref, lse=lse_ref)
+    start, stop = spmd_items(shp.bs * shp.nheads_kv)
 
     seed_sb = None
     if cfg.dropout_p > 0:
@@ -990,22 +980,22 @@ def attention_fwd(q_ref, k_ref, v_ref, sinks_ref=None, bound_min=None, bound_max
     bounds = None
     if cfg.masked and cfg.mask != "affine":
         bounds = _load_bounds(cfg, bound_min, bound_max)
-    sections = []
-    for t0 in range(0, cfg.n_qt, cfg.sec_tiles):
-        sections.append((t0, min(t0 + cfg.sec_tiles, cfg.n_qt)))
-    for item in range(start, stop):
-        b = item // shp.nheads_kv
-        kvh = item % shp.nheads_kv
+    slabs = []
+    for t0 in range(0, cfg.n_qt, cfg.slab_tiles):
+        slabs.append((t0, min(t0 + cfg.slab_tiles, cfg.n_qt)))
+    for w in range(start, stop):
+        b = w // shp.nheads_kv
+        kvh = w % shp.nheads_kv
         sink_stats = None
         if shp.num_sinks > 0:
             sink_stats = _sink_stats(cfg, sinks_ref, b, kvh)
         slopes = None
         alibi_st = None
         if cfg.alibi:
-            slopes, alibi_st = _load_slopes(cfg, alibi_slopes, b, kvh)
-        rt = _ItemData(slopes, seed_sb, alibi_st, pos_tab)
-        for i in range(len(sections)):
-            t0, t1 = sections[i]
-            _attend_section(cfg, q_ref, k_ref, v_ref, o_ref, lse_ref, b, kvh, t0, t1, bounds, sink_stats, steps,
-                            rt)
+            slopes, alibi_st = _alibi_coefs(cfg, load_slopes(alibi_slopes, shp.nheads, cfg.group, b, kvh))
+        item = Item(b, kvh, slopes=slopes, seed=seed_sb, bounds=bounds, alibi_st=alibi_st, pos_tab=pos_tab,
+                    sinks=sink_stats)
+        for i in range(len(slabs)):
+            t0, t1 = slabs[i]
+            _attend_slab(cfg, hbm, item, steps, t0, t1)
     return o_ref, lse_ref

@@ -26,8 +26,8 @@ encodes them as int32 or float32. Cost per [128 x 512] tile (modeled): scripts/b
 Kernel code: NKI's compile-time subset (the simulator's frontend check enforces it).
 """
 from ..backend import nisa, nki, nl
+from .steps import PMAX
 
-PMAX = 128
 M16 = 0xFFFF
 KEY_BLOCK = 1 << 16  # key columns sharing one set of row words (the element hash sees j & 0xFFFF)
 MAX_COLS = 512  # widest tile one call produces (one PSUM bank of fp32 scores)
@@ -145,7 +145,7 @@ def dropout_row_keys(seed_sb, b, h, q0, rows, key_block=0):
     return keys[:, 0, :]
 
 
-def dropout_row_keys_units(seed_sb, b, ii, hh, n, key_block=0):
+def dropout_row_keys_members(seed_sb, b, ii, hh, n, key_block=0):
     """``dropout_row_keys`` for ``n`` (query row base, query head) units at once, on 128 rows.
 
     Args:

@@ -5,28 +5,19 @@ message naming the argument, its value and the rule it breaks (``None`` when the
 cannot raise, so the kernels ``assert`` on it (as the NKI Library's ``kernel_assert`` does); host code raises the
 same message as ``ValueError`` before launching (``nki_attn.kernel_api``). ``attention_shape`` returns the facts
 the kernels need as an ``AttentionShape`` (sizes, head-dim partition tiles, the mask band, the variant flags).
-
-**Features.** The variants of docs/semantics.md (causal and windows with ``seqlen_q != seqlen_k``, any head dim
-1..256, ``d_qk != d_v``, softcap, ALiBi, two-sided ``window_size``, dropout) are checked here for every kernel,
-but a kernel only accepts those it names in ``supports`` (a tuple of ``FEATURES`` names); for the others
-``attention_problem`` returns a "not supported by this kernel" message instead of letting it compute something
-wrong. ``supports=()`` (the default) is the original kernel contract: causal needs equal lengths, the head dim
-splits into equal tiles, ``d_v == d_qk``, and no new keyword may leave its default.
+Both kernels implement every variant of docs/semantics.md, so there is one contract for both.
 """
 import math
 
 from ..backend import nl
-from .tiling import attention_band, head_dim_tiles
+from .band import attention_band
+from .steps import PMAX, head_dim_tiles
 
-PMAX = 128
 MAX_D_HEAD = 256
 _DTYPES = ("float32", "bfloat16", "float16")  # for messages
 
-# Names a kernel may list in ``supports``:
-#   causal_unequal  use_causal_mask / sliding_window / window_size with seqlen_q != seqlen_k (bottom-right)
-#   head_dim_any    head dims 1..256 tiled as 128 + remainder (otherwise: equal tiles of <= 128 rows)
-#   d_v             v / o / dy head dim d_v different from q / k head dim d_qk
-#   softcap, alibi, window_size, dropout   the keywords of the same names
+# The variant names ``nki_attn.kernel_api.supports`` still takes (every kernel implements all of them; the
+# host-side probing that reads this goes away with it).
 FEATURES = ("causal_unequal", "head_dim_any", "d_v", "softcap", "alibi", "window_size", "dropout")
 _FLOAT_MAX = 3.4028234663852886e38
 DROPOUT_SEED_SHAPE = (2,)  # (seed, offset); (1,) is (seed,) with offset 0: kernels/dropout.py, docs/semantics.md
@@ -38,17 +29,16 @@ class AttentionShape(nl.NKIObject):
     Sizes: q ``[bs, nheads, d_qk, seqlen_q]``, k ``[bs, nheads_kv, d_qk, seqlen_k]``, v ``[bs, nheads_kv, d_v,
     seqlen_k]``; group = nheads // nheads_kv (query heads per kv head); ``d_head`` = d_qk (the older name).
     qk_tiles / v_tiles: partition tiles ``[(first row, rows), ...]`` of d_qk / d_v, 128 + remainder
-    (``tiling.head_dim_tiles``). d_tiles, d_tile: the older equal split of d_qk (``d_tiles`` tiles of ``d_tile``
-    rows; exact only when d_qk splits evenly, which ``supports`` without ``head_dim_any`` guarantees).
+    (``steps.head_dim_tiles``).
     num_sinks: sink logits per head (0 without sinks); sinks_3d: sinks given as ``[bs, nheads, num_sinks]``.
     scale: the softmax scale applied to q.k (default ``1/sqrt(d_qk)``).
     causal, window (sliding window, 0 when none), window_size (``(left, right)``, -1 = unbounded, or None),
     packing (bounds given). off = seqlen_k - seqlen_q; band ``(lo_rel, hi_rel)``: key j is visible to query i
-    iff ``i + lo_rel <= j <= i + hi_rel`` (``tiling.attention_band``, before packing bounds); banded: the band
+    iff ``i + lo_rel <= j <= i + hi_rel`` (``band.attention_band``, before packing bounds); banded: the band
     masks something. softcap (0.0 = off), alibi (slopes given), dropout_p (0.0 = off), dropout (p > 0).
     """
 
-    def __init__(self, bs, nheads, nheads_kv, d_head, seqlen_q, seqlen_k, d_tiles, num_sinks, sinks_3d, scale,
+    def __init__(self, bs, nheads, nheads_kv, d_head, seqlen_q, seqlen_k, num_sinks, sinks_3d, scale,
                  causal, window, packing, d_v, window_size, softcap, alibi, dropout_p):
         self.bs = bs
         self.nheads = nheads
@@ -61,8 +51,6 @@ class AttentionShape(nl.NKIObject):
         self.v_tiles = head_dim_tiles(d_v)
         self.seqlen_q = seqlen_q
         self.seqlen_k = seqlen_k
-        self.d_tiles = d_tiles
-        self.d_tile = d_head // d_tiles
         self.num_sinks = num_sinks
         self.sinks_3d = sinks_3d
         self.scale = scale
@@ -125,11 +113,7 @@ def _rank4_problem(name, t):
     return None
 
 
-def _unsupported(name, value, kernel):
-    return f"{name}={value!r} is not supported by {kernel} (leave it at its default)"
-
-
-def _shape_problem(q, k, v, o, dy, lse, supports):
+def _shape_problem(q, k, v, o, dy, lse):
     """Ranks, sizes, head dims and dtypes of the tensors (first problem or None)."""
     for item in (("q", q), ("k", k), ("v", v)):
         name, t = item
@@ -139,13 +123,10 @@ def _shape_problem(q, k, v, o, dy, lse, supports):
     bs, nheads, d_qk, seqlen_q = _shape(q)
     bs_k, nheads_kv, d_k, seqlen_k = _shape(k)
     d_v = _shape(v)[2]
-    if "d_v" in supports:
-        want_v = (bs_k, nheads_kv, d_v, seqlen_k)
-        if _shape(v) != want_v:
-            return (f"v shape {_shape(v)} must be [bs, nheads_kv, d_v, seqlen_k] with k's bs, nheads_kv and "
-                    f"seqlen_k: {want_v}")
-    elif _shape(v) != _shape(k):
-        return f"v shape {_shape(v)} must equal k shape {_shape(k)}"
+    want_v = (bs_k, nheads_kv, d_v, seqlen_k)
+    if _shape(v) != want_v:
+        return (f"v shape {_shape(v)} must be [bs, nheads_kv, d_v, seqlen_k] with k's bs, nheads_kv and "
+                f"seqlen_k: {want_v}")
     if bs_k != bs:
         return f"k batch {bs_k} must equal q batch {bs}"
     if d_k != d_qk:
@@ -163,9 +144,6 @@ def _shape_problem(q, k, v, o, dy, lse, supports):
             return f"{name}={d} must be >= 1"
         if d > MAX_D_HEAD:
             return f"{name}={d} exceeds the supported maximum {MAX_D_HEAD}"
-        d_tiles = -(-d // PMAX)
-        if "head_dim_any" not in supports and d % d_tiles != 0:
-            return f"{name}={d} cannot be split into {d_tiles} equal partition tiles of at most {PMAX}"
     dt = str(q.dtype)
     if not supported_dtype(q.dtype):
         return f"q dtype {dt} is not supported; use one of {_DTYPES}"
@@ -189,19 +167,14 @@ def _shape_problem(q, k, v, o, dy, lse, supports):
     return None
 
 
-def _mask_problem(seqlen_q, seqlen_k, use_causal_mask, sliding_window, window_size, bound_min, bound_max,
-                  supports, kernel):
+def _mask_problem(seqlen_q, seqlen_k, use_causal_mask, sliding_window, window_size, bound_min, bound_max):
     """Causal, sliding window, window_size and packing bounds (first problem or None)."""
-    if "causal_unequal" not in supports and use_causal_mask and seqlen_q != seqlen_k:
-        return f"use_causal_mask=True needs seqlen_q == seqlen_k, got {seqlen_q} and {seqlen_k}"
     if sliding_window is not None:
         if not _is_int(sliding_window) or sliding_window < 1:
             return f"sliding_window={sliding_window!r} must be None or an int >= 1"
         if not use_causal_mask:
             return f"sliding_window={sliding_window} is only supported with use_causal_mask=True"
     if window_size is not None:
-        if "window_size" not in supports:
-            return _unsupported("window_size", window_size, kernel)
         pair = isinstance(window_size, tuple) or isinstance(window_size, list)
         if not pair or len(window_size) != 2 or not _is_int(window_size[0]) or not _is_int(window_size[1]):
             return f"window_size={window_size!r} must be None or a pair (left, right) of ints, -1 = unbounded"
@@ -210,9 +183,6 @@ def _mask_problem(seqlen_q, seqlen_k, use_causal_mask, sliding_window, window_si
         if sliding_window is not None:
             return (f"window_size={window_size!r} and sliding_window={sliding_window} were both given; use one "
                     f"(sliding_window=W is window_size=(W - 1, 0) with use_causal_mask=True)")
-        if "causal_unequal" not in supports and seqlen_q != seqlen_k:
-            return (f"window_size={window_size!r} needs seqlen_q == seqlen_k on this kernel, got {seqlen_q} and "
-                    f"{seqlen_k}")
     if (bound_min is None) != (bound_max is None):
         if bound_min is not None:
             return "bound_min was given without bound_max; sequence packing needs both"
@@ -227,15 +197,11 @@ def _mask_problem(seqlen_q, seqlen_k, use_causal_mask, sliding_window, window_si
     return None
 
 
-def _variant_problem(bs, nheads, softcap, alibi_slopes, dropout_p, dropout_seed, supports, kernel):
+def _variant_problem(bs, nheads, softcap, alibi_slopes, dropout_p, dropout_seed):
     """softcap, alibi_slopes, dropout_p and dropout_seed (first problem or None)."""
     if not _is_number(softcap) or not (softcap >= 0.0 and softcap <= _FLOAT_MAX):
         return f"softcap={softcap!r} must be a finite number >= 0 (0.0 disables soft-capping)"
-    if softcap > 0.0 and "softcap" not in supports:
-        return _unsupported("softcap", softcap, kernel)
     if alibi_slopes is not None:
-        if "alibi" not in supports:
-            return _unsupported("alibi_slopes", "a tensor", kernel)
         if not _is_array(alibi_slopes):
             return f"alibi_slopes={alibi_slopes!r} must be None or a float32 tensor [bs, nheads]"
         if _shape(alibi_slopes) != (bs, nheads):
@@ -246,8 +212,6 @@ def _variant_problem(bs, nheads, softcap, alibi_slopes, dropout_p, dropout_seed,
     if not _is_number(dropout_p) or not (dropout_p >= 0.0 and dropout_p < 1.0):
         return f"dropout_p={dropout_p!r} must be a number in [0, 1) (the kept probabilities are scaled by 1/(1-p))"
     if dropout_p > 0.0:
-        if "dropout" not in supports:
-            return _unsupported("dropout_p", dropout_p, kernel)
         if dropout_seed is None:
             return f"dropout_p={dropout_p} needs dropout_seed (an int32 or uint32 HBM tensor), got None"
         if not _is_array(dropout_seed):
@@ -265,7 +229,7 @@ def _variant_problem(bs, nheads, softcap, alibi_slopes, dropout_p, dropout_seed,
 
 def attention_problem(q, k, v, o=None, dy=None, lse=None, sinks=None, bound_min=None, bound_max=None,
                       use_causal_mask=False, softmax_scale=None, sliding_window=None, softcap=0.0,
-                      alibi_slopes=None, window_size=None, dropout_p=0.0, dropout_seed=None, supports=(),
+                      alibi_slopes=None, window_size=None, dropout_p=0.0, dropout_seed=None, supports=None,
                       kernel="this kernel"):
     """Check the arguments of attention_fwd / attention_bwd: ``None`` when they are valid, else the first
     problem as a message naming the argument, its value and the rule. The kernels ``assert`` on it (kernel
@@ -279,16 +243,16 @@ def attention_problem(q, k, v, o=None, dy=None, lse=None, sinks=None, bound_min=
     (docs/semantics.md, "Dropout").
     Scalars: softcap >= 0 (0 = off); window_size None or ``(left, right)`` ints >= -1 (-1 = unbounded), not
     with sliding_window; dropout_p in [0, 1) with dropout_seed given iff dropout_p > 0.
-    ``supports``: the ``FEATURES`` the calling kernel implements (module docstring); ``kernel`` names it in the
-    "not supported" messages.
+    ``supports`` and ``kernel`` are accepted and ignored (every kernel implements every variant; the host's
+    ``kernel_api`` still passes them).
     """
-    problem = _shape_problem(q, k, v, o, dy, lse, supports)
+    problem = _shape_problem(q, k, v, o, dy, lse)
     if problem is not None:
         return problem
     bs, nheads, _, seqlen_q = _shape(q)
     seqlen_k = _shape(k)[3]
     problem = _mask_problem(seqlen_q, seqlen_k, use_causal_mask, sliding_window, window_size, bound_min,
-                            bound_max, supports, kernel)
+                            bound_max)
     if problem is not None:
         return problem
     if sinks is not None:
@@ -302,7 +266,7 @@ def attention_problem(q, k, v, o=None, dy=None, lse=None, sinks=None, bound_min=
     if softmax_scale is not None:
         if not _is_number(softmax_scale) or not softmax_scale > 0:
             return f"softmax_scale={softmax_scale!r} must be None or a positive number"
-    return _variant_problem(bs, nheads, softcap, alibi_slopes, dropout_p, dropout_seed, supports, kernel)
+    return _variant_problem(bs, nheads, softcap, alibi_slopes, dropout_p, dropout_seed)
 
 
 def attention_shape(q, k, sinks=None, bound_min=None, use_causal_mask=False, softmax_scale=None,
@@ -315,7 +279,6 @@ def attention_shape(q, k, sinks=None, bound_min=None, use_causal_mask=False, sof
     d_v = d_head
     if v is not None:
         d_v = _shape(v)[2]
-    d_tiles = -(-d_head // PMAX)
     num_sinks = 0
     sinks_3d = False
     if sinks is not None:
@@ -326,20 +289,6 @@ def attention_shape(q, k, sinks=None, bound_min=None, use_causal_mask=False, sof
     pair = None
     if window_size is not None:
         pair = (window_size[0], window_size[1])
-    return AttentionShape(bs, nheads, nheads_kv, d_head, seqlen_q, seqlen_k, d_tiles, num_sinks, sinks_3d, scale,
+    return AttentionShape(bs, nheads, nheads_kv, d_head, seqlen_q, seqlen_k, num_sinks, sinks_3d, scale,
                           bool(use_causal_mask), window, bound_min is not None, d_v, pair, float(softcap),
                           alibi_slopes is not None, float(dropout_p))
-
-
-def validate_attention(q, k, v, o=None, dy=None, lse=None, sinks=None, bound_min=None, bound_max=None,
-                       use_causal_mask=False, softmax_scale=None, sliding_window=None, softcap=0.0,
-                       alibi_slopes=None, window_size=None, dropout_p=0.0, dropout_seed=None, supports=(),
-                       kernel="this kernel"):
-    """Kernel-side check of the arguments of attention_fwd / attention_bwd (assert on ``attention_problem``)
-    and their ``AttentionShape``."""
-    problem = attention_problem(q, k, v, o, dy, lse, sinks, bound_min, bound_max, use_causal_mask, softmax_scale,
-                                sliding_window, softcap, alibi_slopes, window_size, dropout_p, dropout_seed,
-                                supports, kernel)
-    assert problem is None, problem
-    return attention_shape(q, k, sinks, bound_min, use_causal_mask, softmax_scale, sliding_window, v, softcap,
-                           alibi_slopes, window_size, dropout_p)

@@ -14,6 +14,9 @@ import sys
 import time
 
 from ..harness.cli import HelpFormatter, non_negative_int, positive_int, writable_file_problem
+from ..sim.trace import ENGINES
+from .model import RESOURCES
+from .params import MODEL
 
 KERNELS = ("fwd", "bwd", "demo")
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
@@ -54,6 +57,11 @@ def add_parser(sub):
     p.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
     p.add_argument("--json", metavar="F", help="write the profile as JSON to F")
     p.add_argument("--plot", metavar="F.png", help="write a bar chart of engine busy time to F.png (matplotlib)")
+    p.add_argument("--trace", metavar="F.json",
+                   help="write the modeled schedule as a Chrome trace (one track per engine and DMA queue; opens "
+                        "in Perfetto or chrome://tracing)")
+    p.add_argument("--timeline", metavar="F.png",
+                   help="write a picture of the modeled schedule to F.png (matplotlib)")
     add_variant_arguments(p)
     p.set_defaults(func=run, _parser=p)
     return p
@@ -61,7 +69,7 @@ def add_parser(sub):
 
 def validate(args, parser):
     """Usage checks before any work; parser.error (exit 2, no traceback) on failure."""
-    for flag in ("json", "plot"):
+    for flag in ("json", "plot", "trace", "timeline"):
         path = getattr(args, flag)
         problem = writable_file_problem(path) if path else None
         if problem:
@@ -131,14 +139,17 @@ def _launch(kernel, lnc):
 
 
 def run_kernel(args):
-    """Build inputs, run the kernel once under ``trace.recording()``; returns (records, sim_wall_seconds).
+    """Build inputs and run the kernel once through ``nki.benchmark`` (``nki_attn.sim.benchmark.run_benchmark``:
+    the simulator's, with the instruction trace on, or a real NKI's on a Trainium host); returns (records,
+    sim_wall_seconds). ``records`` is None when a real device measured the latency; ``LAST_RESULT[0]`` holds the
+    benchmark result either way.
 
-    The backward's ``o`` and ``lse`` come from the torch golden forward, outside the recording, so the trace
+    The backward's ``o`` and ``lse`` come from the torch golden forward, outside the benchmark, so the trace
     holds the backward kernel only.
     """
     import numpy as np
 
-    from ..sim import trace
+    from ..sim.benchmark import run_benchmark
 
     if is_variant(args):
         return run_variant_kernel(args)
@@ -147,20 +158,23 @@ def run_kernel(args):
         rng = np.random.default_rng(args.seed)
         lhsT = (rng.standard_normal((args.head_dim, 128)) * 0.1).astype(np.float32)
         rhs = (rng.standard_normal((args.head_dim, args.seqlen)) * 0.1).astype(np.float32)
-        call = (lambda: kernel(lhsT, rhs, 0.5))
+        call, kw = (lhsT, rhs, 0.5), {}
     else:
         x = _inputs(args)
         kw = dict(sinks_ref=x.get("sinks"), use_causal_mask=args.causal, sliding_window=args.window)
         if args.kernel == "fwd":
-            call = (lambda: kernel(x["q"], x["k"], x["v"], **kw))
+            call = (x["q"], x["k"], x["v"])
         else:
             o, lse = _golden_o_lse(args, x)
-            call = (lambda: kernel(x["q"], x["k"], x["v"], o, x["dy"], lse, **kw))
-    with trace.recording() as rec:
-        t0 = time.perf_counter()
-        call()
-        wall = time.perf_counter() - t0
-    return rec.records, wall
+            call = (x["q"], x["k"], x["v"], o, x["dy"], lse)
+    t0 = time.perf_counter()
+    _, result = run_benchmark(kernel, call, kw, warmup=0, iters=1)
+    wall = time.perf_counter() - t0
+    LAST_RESULT[0] = result
+    return result.records, wall
+
+
+LAST_RESULT = [None]
 
 
 def useful_flops(args):
@@ -199,7 +213,7 @@ def format_report(prof, title, wall=None):
     g = prof.gen
     idle = sorted(set(range(prof.n_cores)) - set(prof.cores))
     lines = [f"{title}  target={g.name} cores={prof.n_cores}" + (f" (idle: {idle})" if idle else ""),
-             "Device times are MODELED from public architecture numbers (docs/performance.md), not measured.",
+             f"Device times are MODELED ({MODEL}), not measured (docs/performance.md).",
              "",
              f"{'engine':<9}{'instrs':>9}{'busy (us)':>12}{'share':>8}{'active':>8}",
              "-" * 46]
@@ -207,16 +221,24 @@ def format_report(prof, title, wall=None):
         lines.append(f"{e:<9}{n:>9}{b / 1e3:>12.2f}{share:>8.1%}{active:>8.1%}")
     for r, b, active in prof.resource_rows():
         lines.append(f"  shared: {r} {b / 1e3:.2f} us, active {active:.1%}")
+    t = prof.time_ns
     lines += ["-" * 46,
               "share = engine busy / sum of all engines; active = engine busy / busiest engine "
               "(busy on the slowest core)",
               "",
+              f"modeled time, scheduled (dependencies, semaphores, DMA latency): {t / 1e3:10.2f} us   <- headline",
+              "busy share of the scheduled time: " + ", ".join(
+                  f"{e} {prof.scheduled_share(e):.0%}" for e in ENGINES + RESOURCES if prof.engine_busy(e) > 0),
+              "critical path by kind: " + ", ".join(
+                  f"{k} {v / 1e3:.2f} us" for k, v in sorted(prof.critical_path_by_kind().items(),
+                                                           key=lambda kv: -kv[1])[:6]),
               f"modeled time, perfect overlap (busiest engine: {prof.bottleneck}): "
               f"{prof.time_overlap_ns / 1e3:10.2f} us",
               f"modeled time, no overlap (sum of engines):          {prof.time_serial_ns / 1e3:10.2f} us",
               f"useful FLOPs {prof.useful_flops:.4g}; TensorE matmul FLOPs {prof.matmul_flops:.4g}; "
               f"TensorE transposes {prof.transposes}",
-              f"useful TFLOPS: {prof.tflops(True):.1f} (overlap) / {prof.tflops(False):.1f} (no overlap); "
+              f"useful TFLOPS: {prof.tflops('scheduled'):.1f} (scheduled) / {prof.tflops(True):.1f} (overlap) / "
+              f"{prof.tflops(False):.1f} (no overlap); "
               f"peak {g.peak_tflops:.1f} per core",
               f"TensorE utilisation, useful FLOPs: {prof.useful_tensor_utilisation(True):.1%} (overlap) / "
               f"{prof.useful_tensor_utilisation(False):.1%} (no overlap); useful-FLOP bound "
@@ -266,6 +288,48 @@ def write_plot(prof, path, title):
     return True
 
 
+def write_timeline(prof, path, title, max_events=None):
+    """Gantt picture of the modeled schedule (one row per engine, DMA queue and DGE block of the slowest core);
+    returns False (with a message on stderr) when matplotlib is missing."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"nki-attn profile: matplotlib is not installed, so {path} was not written; "
+              f"install it with: pip install 'nki-attn[plot]'", file=sys.stderr)
+        return False
+    from .schedule import chrome_trace
+    sched = prof.schedule
+    core = max(sched.end_by_core, key=sched.end_by_core.get)
+    trace = chrome_trace(sched)
+    names = {(e["pid"], e["tid"]): e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "thread_name"}
+    rows = [k for k in sorted(names, key=lambda k: k[1]) if k[0] == core]
+    colours = {"TensorE": "#4c72b0", "VectorE": "#dd8452", "ScalarE": "#55a868", "GpSimdE": "#c44e52",
+               "DMA": "#8172b3"}
+    fig, ax = plt.subplots(figsize=(10, 0.28 * len(rows) + 1.3))
+    for y, key in enumerate(rows):
+        bars = [(e["ts"], e["dur"]) for e in trace["traceEvents"]
+                if e["ph"] == "X" and (e["pid"], e["tid"]) == key]
+        cats = [e["cat"] for e in trace["traceEvents"] if e["ph"] == "X" and (e["pid"], e["tid"]) == key]
+        name = names[key]
+        colour = colours.get(cats[0] if cats else name, "#937860")
+        if not name.split()[0] in colours and not name.startswith("DMA"):
+            colour = "#937860"
+        ax.broken_barh(bars, (len(rows) - 1 - y - 0.4, 0.8), facecolors=colour, linewidth=0)
+    ax.set_yticks(range(len(rows)))
+    ax.set_yticklabels([names[k] for k in rows][::-1], fontsize=7)
+    ax.set_xlim(0, sched.time_ns / 1e3)
+    ax.set_xlabel("modeled time (us) - MODELED, not measured")
+    ax.set_title(f"{title}, {prof.gen.name}: scheduled {sched.time_ns / 1e3:.1f} us "
+                 f"(perfect overlap {prof.time_overlap_ns / 1e3:.1f}, no overlap {prof.time_serial_ns / 1e3:.1f})",
+                 fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
 def run(args):
     """Entry point of ``nki-attn profile``; returns the exit status."""
     parser = getattr(args, "_parser", None) or argparse.ArgumentParser(prog="nki-attn profile")
@@ -294,6 +358,11 @@ def run(args):
             os.environ.pop("NEURON_PLATFORM_TARGET_OVERRIDE", None)
         else:
             os.environ["NEURON_PLATFORM_TARGET_OVERRIDE"] = prev
+    if records is None:  # a real NeuronDevice measured it (Trainium host): no trace to model
+        lat = LAST_RESULT[0].nc_latency
+        print(f"{describe(args)}: MEASURED on a NeuronDevice: p50 {lat.get_latency_percentile(50):.2f} us, "
+              f"p99 {lat.get_latency_percentile(99):.2f} us")
+        return 0
     prof = profile(records, generation(args.target), useful_flops(args), n_cores=args.lnc)
     title = describe(args) + (f" lnc={args.lnc}" if args.lnc != 1 else "")
     print(format_report(prof, title, wall))
@@ -309,6 +378,13 @@ def run(args):
         print(f"wrote {args.json}")
     if args.plot and write_plot(prof, args.plot, title):
         print(f"wrote {args.plot}")
+    if args.trace:
+        from .schedule import chrome_trace
+        with open(args.trace, "w") as f:
+            json.dump(chrome_trace(prof.schedule, f"{title} {prof.gen.name}"), f)
+        print(f"wrote {args.trace} (Chrome trace of the modeled schedule: open it in Perfetto)")
+    if args.timeline and write_timeline(prof, args.timeline, title):
+        print(f"wrote {args.timeline}")
     return 0
 
 
@@ -461,11 +537,12 @@ def run_variant_kernel(args):
 
         def call():
             return kernel(x["q"], x["k"], x["v"], o, x["dy"], lse.float(), **kw, **args.knobs)
-    with trace.recording() as rec:
-        t0 = time.perf_counter()
-        call()
-        wall = time.perf_counter() - t0
-    return rec.records, wall
+    from ..sim.benchmark import run_benchmark
+    t0 = time.perf_counter()
+    _, result = run_benchmark(call, (), warmup=0, iters=1)
+    wall = time.perf_counter() - t0
+    LAST_RESULT[0] = result
+    return result.records, wall
 
 
 def variant_flops(args):

@@ -22,24 +22,27 @@ them with their sources):
   Partitions used do not matter.
 - **DMA**: a transfer is split over the queues that serve its SBUF partitions (partition ``p`` -> queue
   ``p // dma_partitions_per_queue``; HBM -> HBM transfers over all queues evenly); each piece occupies its queue
-  ``max(dma_min_piece_ns, bytes / dma_queue_bytes_per_ns) + dma_fixed_ns`` (bandwidth scaled by the transpose
-  efficiency for ``dma_transpose``). The DMA engine's busy time is its busiest queue's. The ~1300 ns
-  semaphore-to-start latency (``dma_latency_ns``) is reported, not charged: queued transfers hide it.
+  ``max(dma_min_piece_ns, bytes / dma_queue_bytes_per_ns) + dma_fixed_ns``; a ``dma_transpose`` piece costs that
+  divided by the transpose efficiency, and a direct transpose is split into hardware-DGE instructions
+  (``transpose_instructions``). The DMA engine's busy time is its busiest queue's. The ~1300 ns
+  semaphore-to-start latency (``dma_latency_ns``) is not occupancy: the schedule (schedule.py) delays each
+  transfer by it.
 - **Shared resources** (engines that cannot work at once): the SBUF port VectorE shares with GpSimdE
   (``vector_gpsimd_port``: every VectorE instruction on v2, the perf-mode ones on v3+, plus all GpSimdE
   instructions), the PSUM port of v2 (VectorE and ScalarE instructions touching PSUM,
   ``vector_scalar_psum_shared``), and the hardware DGE (``dge_instr_ns`` per ``dge_mode=hwdge`` DMA, spread over
   ``dge_instances``). Each is busy for the sum of the time of the instructions that need it.
 
-A profile sums instruction times per engine and core; the modeled kernel time is reported two ways: the busiest
-engine or shared resource (perfect overlap, a lower bound) and the sum over engines (no overlap, an upper bound for
-this model).
+A profile sums instruction times per engine and core and schedules the trace (schedule.py): ``time_ns``, the
+headline, is the dependency-aware schedule's; ``time_overlap_ns`` (the busiest engine or shared resource, a lower
+bound) and ``time_serial_ns`` (the sum over engines; latencies and waits are not in it) are kept.
 """
 import math
 from collections import defaultdict
 from dataclasses import dataclass
 
 from ..sim.trace import DMA_INSTRUCTIONS, ENGINES
+from .params import MODEL
 
 _HALF = frozenset({"bfloat16", "float16"})
 # A2: VectorE and ScalarE have 128 parallel lanes, one per partition.
@@ -57,7 +60,9 @@ class InstrCost:
     queue piece), ``cycles`` on that engine's clock (None for DMAs), ``queues``: ``(queue, ns)`` pieces of a DMA
     (empty otherwise), ``shared``: ``(resource, ns)`` it also holds (see ``RESOURCES``), ``dependent``: it paid the
     static overhead for reading its engine's previous output, ``unmodelled_issue``: a software-DGE DMA whose
-    descriptor generation on GpSimdE has no published cost."""
+    descriptor generation on GpSimdE has no published cost. For the schedule: ``latency_ns`` after the
+    instruction ends before its result is visible (access overhead; not occupancy), ``dge``: hardware-DGE
+    instructions it issues (each ``dge_instr_ns`` on one DGE block, before its queue pieces start)."""
 
     engine: str
     ns: float
@@ -66,6 +71,9 @@ class InstrCost:
     shared: tuple = ()
     dependent: bool = False
     unmodelled_issue: bool = False
+    latency_ns: float = 0.0
+    dge: int = 0
+    # ``queues`` holds the pieces of each of the ``dge`` instructions in turn (equal counts), for the schedule.
 
 
 # ----------------------------------------------------------------------------------------------------- TensorE
@@ -140,6 +148,8 @@ def elementwise_cycles(rec, gen, dependent=False):
             work = n * gen.vector_reciprocal_factor  # SH: max(MIN_II, 8N), stated without a width speedup
         else:
             work = n * inputs / vector_speedup(rec, gen, n)
+    elif gen.gpsimd_vector_factor:  # sensitivity: GpSimdE as a multiple of VectorE, on VectorE's clock
+        work = n * inputs / vector_speedup(rec, gen, n) * gen.gpsimd_vector_factor * gen.gpsimd_ghz / gen.vector_ghz
     else:  # GpSimdE: no published rule; one element per partition per cycle like v2's VectorE
         work = n * inputs
     cycles = max(gen.min_ii_cycles, work)
@@ -191,20 +201,56 @@ def dma_piece_ns(nbytes, gen, bw):
     return max(gen.dma_min_piece_ns, nbytes / bw) + gen.dma_fixed_ns
 
 
+HWDGE_TRANSPOSE_PARTITIONS = (1, 2, 4, 8, 16)
+
+
+def transpose_instructions(rec, gen):
+    """Hardware-DGE instructions one ``dma_transpose`` record lowers to: 1, or with ``gen.dge_transpose_split``
+    ``ceil(P / 16)`` when the source partition count ``P`` is not one the hardware DGE takes (ISA
+    ``dma_transpose``: 2-D needs ``P == 16``, 3-D/4-D ``P`` in {1, 2, 4, 8, 16})."""
+    if not gen.dge_transpose_split or not rec.srcs:
+        return 1
+    p = rec.srcs[0].shape[0]
+    ok = p == 16 if len(rec.srcs[0].shape) == 2 else p in HWDGE_TRANSPOSE_PARTITIONS
+    return 1 if ok else math.ceil(p / 16)
+
+
 def dma_cost(rec, gen):
-    """InstrCost of a DMA record: per-queue pieces, and the DGE time when it forces hardware DGE."""
+    """InstrCost of a DMA record: per-queue pieces, and the DGE instructions it issues.
+
+    ``dma_transpose`` runs at ``dma_transpose_*_eff`` of a copy's throughput for the whole piece: each piece costs
+    the same-size copy's occupancy (floor included) divided by the efficiency (A3: "up to 50% of DMA throughput"
+    SBUF -> SBUF, 90% from HBM), so it never costs what a copy costs. Direct transposes only take the hardware-DGE
+    path (ISA ``dma_transpose``), split as ``transpose_instructions`` says; each instruction pays its own pieces."""
     bw = gen.dma_queue_bytes_per_ns
+    dge = (rec.info or {}).get("dge")
     if rec.instr == "dma_transpose":
         from_hbm = any(s.buffer == "hbm" for s in rec.srcs)
-        bw *= gen.dma_transpose_hbm_eff if from_hbm else gen.dma_transpose_sbuf_eff
-    queues = tuple((q, dma_piece_ns(b, gen, bw)) for q, b in dma_pieces(rec, gen))
-    dge = (rec.info or {}).get("dge")
+        eff = gen.dma_transpose_hbm_eff if from_hbm else gen.dma_transpose_sbuf_eff
+        n_instr = transpose_instructions(rec, gen)
+        if gen.dma_transpose_whole_piece:
+            queues = tuple((q, dma_piece_ns(b / n_instr, gen, bw) / eff) for _ in range(n_instr)
+                           for q, b in dma_pieces(rec, gen))
+        else:  # the earlier rule: only the bandwidth scaled, so small transposes cost what the copy costs
+            queues = tuple((q, dma_piece_ns(b / n_instr, gen, bw * eff)) for _ in range(n_instr)
+                           for q, b in dma_pieces(rec, gen))
+        # Direct transposes only take the hardware-DGE path (ISA); the earlier model (no split) did not charge it
+        # unless the kernel forced dge_mode=hwdge.
+        n_dge = n_instr if (gen.dge_charge_transposes or dge == "hwdge") else 0
+        dge = "hwdge" if n_dge else dge
+    else:
+        queues = tuple((q, dma_piece_ns(b, gen, bw)) for q, b in dma_pieces(rec, gen))
+        n_dge = 1 if dge == "hwdge" else 0
+    n_dge = n_dge if gen.dge_instr_ns else 0
     # Static descriptors (dge_mode none, and what the compiler picks for the trace-time addresses of both
-    # kernels) cost nothing on the device (DGE reference). A hardware-DGE instruction holds a DGE block; its
-    # trigger engine (ScalarE or SyncE) only issues it and can keep computing (A3).
-    shared = ((DGE, gen.dge_instr_ns),) if dge == "hwdge" and gen.dge_instr_ns else ()
-    return InstrCost("DMA", max(ns for _, ns in queues), None, queues, shared,
-                     unmodelled_issue=dge == "swdge")
+    # kernels' copies) cost nothing on the device (DGE reference). A hardware-DGE instruction holds a DGE block;
+    # its trigger engine (ScalarE or SyncE) only issues it and can keep computing (A3).
+    shared = ((DGE, gen.dge_instr_ns * n_dge),) if n_dge else ()
+    per_queue = defaultdict(float)
+    for q, ns in queues:
+        per_queue[q] += ns
+    return InstrCost("DMA", max(per_queue.values()), None, queues, shared,
+                     unmodelled_issue=dge == "swdge", dge=n_dge)
 
 
 # ----------------------------------------------------------------------------------------------------- dispatch
@@ -216,14 +262,15 @@ def instruction_cost(rec, gen, prev=None):
         return dma_cost(rec, gen)
     if rec.engine == "TensorE":
         c = tensor_cycles(rec, gen)
-        return InstrCost("TensorE", c / gen.tensor_ghz, c)
+        return InstrCost("TensorE", c / gen.tensor_ghz, c, latency_ns=gen.access_overhead_cycles / gen.tensor_ghz)
     if rec.engine in _CLOCK:
         dep = depends_on(rec, prev)
         c = elementwise_cycles(rec, gen, dep)
         ns = c / getattr(gen, _CLOCK[rec.engine])
         n, _ = _elems_and_inputs(rec)
         return InstrCost(rec.engine, ns, c, shared=_shared_ports(rec, gen, ns, n),
-                         dependent=dep and gen.static_overhead_applies == "dependent")
+                         dependent=dep and gen.static_overhead_applies == "dependent",
+                         latency_ns=gen.access_overhead_cycles / getattr(gen, _CLOCK[rec.engine]))
     return InstrCost(rec.engine, 0.0, 0.0)
 
 
@@ -257,10 +304,14 @@ class Profile:
         self.dma_transfers = 0
         self.dependent = 0
         last = {}
+        self._records = records = list(records)
+        self._costs = costs = []
+        self._schedule = None
         for rec in records:
             core = rec.core
             cost = instruction_cost(rec, gen, last.get((core, rec.engine)))
             last[(core, rec.engine)] = rec
+            costs.append(cost if cost.engine in ENGINES else None)
             if cost.engine == "DMA":
                 qb = self.queue_busy[core]
                 for q, ns in cost.queues:
@@ -291,6 +342,31 @@ class Profile:
         self.useful_flops = self.matmul_flops if useful_flops is None else useful_flops
 
     # ------------------------------------------------------------------ times
+    @property
+    def schedule(self):
+        """The dependency-aware ``schedule.Schedule`` of the records (built on first use)."""
+        if self._schedule is None:
+            from .schedule import Schedule
+            self._schedule = Schedule(self._records, self._costs, self.gen)
+        return self._schedule
+
+    @property
+    def time_ns(self):
+        """Modeled time, the headline: the dependency-aware schedule's (``schedule.py``). Never below
+        ``time_overlap_ns``: the schedule keeps every engine, queue and shared resource busy at most once at a
+        time."""
+        return self.schedule.time_ns
+
+    def scheduled_share(self, engine):
+        """Busy time of ``engine`` (or shared resource) on the busiest core over the scheduled time."""
+        t = self.time_ns
+        return self.engine_busy(engine) / t if t else 0.0
+
+    def critical_path_by_kind(self):
+        """``{kind: ns}``: the scheduled time split along the critical path by instruction kind (``"VectorE
+        tensor_tensor"``...) and waits (semaphore, DMA latency, access overhead)."""
+        return self.schedule.critical_path_by_kind()
+
     def engine_busy(self, engine):
         """Busy ns of ``engine`` (or shared resource) on the busiest core (the critical one)."""
         table = self.shared if engine in RESOURCES else self.busy
@@ -329,6 +405,9 @@ class Profile:
         return amount / t if t > 0 else 0.0
 
     def _time(self, overlap):
+        """``overlap``: True (perfect overlap), False (no overlap) or ``"scheduled"`` (the headline)."""
+        if overlap == "scheduled":
+            return self.time_ns
         return self.time_overlap_ns if overlap else self.time_serial_ns
 
     def tflops(self, overlap=True):
@@ -394,6 +473,14 @@ class Profile:
             "dma_queue_busy_ns_by_core": {str(c): list(self.queue_busy[c]) for c in self.cores},
             "by_instruction": [{"engine": e, "instr": i, "count": n, "ns": ns}
                                for (e, i), (n, ns) in sorted(self.by_instr.items())],
+            "model": MODEL,
+            "time_ns": self.time_ns,
+            "scheduled_share": {e: self.scheduled_share(e) for e in ENGINES + RESOURCES
+                                if self.engine_busy(e) > 0},
+            "critical_path_ns_by_kind": self.critical_path_by_kind(),
+            "tflops_scheduled": self.tflops("scheduled"),
+            "useful_tensor_utilisation_scheduled": self.useful_tensor_utilisation("scheduled"),
+            "floor_ratio_scheduled": self.floor_ratio("scheduled"),
             "time_overlap_ns": self.time_overlap_ns,
             "time_serial_ns": self.time_serial_ns,
             "bottleneck": self.bottleneck,

@@ -12,6 +12,10 @@ cited ones.
 """
 from dataclasses import dataclass, field, fields
 
+# The name every modeled figure carries (docs say which model produced them).
+MODEL = "cost model v2 (dependency-aware schedule; parameters from the public docs, calibrated on the published " \
+        "trn2 fp32 / trn1 bf16 matmul tutorial and fused Mamba timings)"
+
 
 def _p(source, meaning):
     """A dataclass field that carries its source and meaning (rendered into the docs table)."""
@@ -66,8 +70,9 @@ class Generation:
     # --- shared by Vector / Scalar / GpSimd
     min_ii_cycles: int = _p("SH (MIN_II: minimum instruction initiation interval, roughly 64 engine cycles)",
                             "an instruction takes at least this many cycles: max(MIN_II, work)")
-    static_overhead_cycles: int = _p("A2 (VectorE static instruction overhead 100 cycles; ScalarE inherits "
-                                     "VectorE's notes), PERF (~100 cycles)",
+    static_overhead_cycles: int = _p("trn1: A2 (VectorE static instruction overhead 100 cycles; ScalarE "
+                                     "inherits VectorE's notes), PERF (~100 cycles); trn2/trn3: 0, calibrated on "
+                                     "fused Mamba v3 (trn2): with 100 the VectorE-bound sweep is 16-32 % too slow",
                                      "cycles added where static_overhead_applies says")
     static_overhead_applies: str = _p("A2 (only for back-to-back instructions each depending on the previous "
                                       "one's output, or with N << 128: MIN_II covers the latter, SH)",
@@ -77,20 +82,25 @@ class Generation:
     dma_queues: int = _p("DMA (16 DMA engines per NeuronCore)", "DMA queues (engines) per core")
     dma_partitions_per_queue: int = _p("DMA (each engine moves 8 SBUF partitions of a transfer)",
                                        "SBUF partitions served by one queue")
-    dma_queue_bytes_per_ns: float = _p("DMABW and DMA tables (BW / engine; DMA's 27.2 / 38.4 GB/s 'theoretical' "
-                                       "is AMBIGUOUS); trn2 measured 32 KiB in 1416 ns on one engine, DMA",
-                                       "sustained bandwidth of one queue (bytes/ns = GB/s), per-transfer costs "
-                                       "included")
-    dma_min_piece_ns: float = _p("d: DMA figure 'throughput vs bytes per partition, p_dim = 128' (trn2): "
-                                 "throughput grows in proportion to bytes up to 1 KiB/partition, i.e. a constant "
-                                 "~0.85 us per engine piece (128 B - 2 KiB points: 841-875 ns at 23 B/ns); "
-                                 "reused for trn1/trn3",
-                                 "a queue piece occupies its queue max(this, bytes / bandwidth) ns")
-    dma_fixed_ns: float = _p("DMABW: the ~1300 ns per transfer is semaphore-to-start latency, and the "
-                             "bandwidth above already includes per-transfer costs, so 0",
-                             "extra queue occupancy per piece (ns); the earlier model charged 1300")
-    dma_latency_ns: float = _p("DMABW (descriptor setup, synchronisation, semaphore-to-start ~1300 ns)",
-                               "latency of one transfer: reported, not charged (queued transfers hide it)")
+    dma_queue_bytes_per_ns: float = _p("trn2/trn3: DMABW table (BW / engine 23 / 33 B/ns); trn2 measured 32 KiB in "
+                                       "1416 ns on one engine, DMA. trn1: calibrated on the trn1 bf16 matmul "
+                                       "tutorial (tiled / hoist_load / block_free: ~100 GB/s per core achieved, "
+                                       "6.5 B/ns per queue; the table's 17 B/ns peak is not reached by those "
+                                       "kernels' 256 B - 1 KiB rows)",
+                                       "sustained bandwidth of one queue (bytes/ns = GB/s)")
+    dma_min_piece_ns: float = _p("calibrated on trn2 fp32 matmul v2 (total and DMA active time): an 850 ns "
+                                 "occupancy floor (read off the DMA figure 'throughput vs bytes per partition', a "
+                                 "single-transfer measurement that includes the start latency) makes v2 44 % too "
+                                 "slow, so it is latency (dma_latency_ns), not occupancy: 0; the sensitivity "
+                                 "runs cover 0-850",
+                                 "a queue piece occupies its queue at least this long (ns)")
+    dma_fixed_ns: float = _p("trn2: calibrated on trn2 fp32 matmul v2 (total, DMA active; v3's DMA active "
+                             "agrees): per-packet overhead (DMABW: 'descriptor setup, synchronization'); trn3 "
+                             "reuses trn2's; trn1: 0 (its calibrated bandwidth already absorbs it)",
+                             "queue occupancy added to every piece (ns)")
+    dma_latency_ns: float = _p("DMABW (semaphore-to-start latency ~1300 ns cross-engine)",
+                               "a transfer's pieces start no earlier than this after it is ready (latency: delays "
+                               "the transfer, does not occupy the queue)")
     dge_instr_ns: float = _p("A3, DGE (a hardware-DGE DMA instruction takes ~600 ns on NeuronCore-v3); v2 has "
                              "no HWDGE; A4 silent (v3 kept)",
                              "DGE time of a DMA issued with dge_mode=hwdge (ns)")
@@ -98,6 +108,37 @@ class Generation:
     dma_transpose_hbm_eff: float = _p("A3 (DMA transpose <= 90% of DMA throughput from HBM)",
                                       "dma_transpose bandwidth fraction, HBM source")
     dma_transpose_sbuf_eff: float = _p("A3 (<= 50% SBUF -> SBUF)", "dma_transpose bandwidth fraction, SBUF source")
+    dge_transpose_split: bool = _p("ISA dma_transpose (hardware-DGE path: 3-D/4-D src.shape[0] in {1, 2, 4, 8, "
+                                   "16}; only dge_mode unknown/hwdge allowed for direct transposes); AMBIGUOUS "
+                                   "whether the compiler splits (a sensitivity parameter)",
+                                   "a direct dma_transpose takes the hardware-DGE path, split into "
+                                   "ceil(src partitions / 16) instructions, each paying dge_instr_ns and its own "
+                                   "queue pieces")
+    dma_transpose_whole_piece: bool = _p("A3 ('SBUF2SBUF transpose can achieve up to 50% of DMA throughput'), "
+                                         "PERF ('Excessive use of DMA transposes ... can degrade DMA bandwidth "
+                                         "significantly')",
+                                         "the efficiency divides the whole piece's occupancy (floor and fixed "
+                                         "cost included); False: the earlier rule (bandwidth scaled, then the "
+                                         "copy's floor)")
+    dge_charge_transposes: bool = _p("ISA dma_transpose (direct transposes only take dge_mode unknown / hwdge: "
+                                     "the hardware DGE), DGE (~600 ns per hardware-DGE instruction)",
+                                     "every direct dma_transpose pays dge_instr_ns per instruction; False: the "
+                                     "earlier model (only when the kernel forced dge_mode=hwdge)")
+    # --- the schedule
+    sem_wait_ns: float = _p("calibrated on trn2 fp32 matmul v2 TensorE active time (34.82 ms for 28.0 ms of "
+                            "matmuls: ~200 ns per matmul waiting on its DMA); reused for trn1/trn3. The largest "
+                            "documented figure, DMABW's ~1300 ns cross-engine semaphore-to-start latency, is the "
+                            "sensitivity maximum",
+                            "added to the ready time of an instruction waiting on another engine's result")
+    access_overhead_cycles: int = _p("A2 ('Tensor access overhead ... a static overhead approximately 60 cycles "
+                                     "on NeuronCore-v2 ... engines can typically hide some of this latency'); "
+                                     "v3/v4 silent (v2 kept)",
+                                     "engine cycles after a compute instruction ends before its result is "
+                                     "visible: latency, not occupancy (hidden unless a consumer waits)")
+    gpsimd_vector_factor: float = _p("sensitivity only (the docs give GpSimd no rule of thumb); 0 = the default "
+                                     "rule N x inputs cycles at the GpSimdE clock",
+                                     "when > 0, GpSimdE costs this x what VectorE would take for the same "
+                                     "instruction")
     hbm_bytes_per_ns: float = _p("d: device HBM / cores: 820 GB/s / 2 (A2), 3 TB/s / 8 (A3), 4.7 TB/s / 8 (A4)",
                                  "HBM bandwidth per core (GB/s), for HBM utilisation only")
     peak_tflops_documented: float = _p("A2, A3, A4 (bf16/fp16 dense)", "documented TensorE peak (TFLOPS)")
@@ -114,26 +155,30 @@ class Generation:
 
 
 _COMMON = dict(pe_dim=128, mm_min_cycles=64, load_stationary_speedup=4, fp32_matmul_factor=4,
-               vector_reciprocal_factor=8, min_ii_cycles=64, static_overhead_cycles=100,
+               vector_reciprocal_factor=8, min_ii_cycles=64,
                static_overhead_applies="dependent", dma_queues=16, dma_partitions_per_queue=8,
-               dma_min_piece_ns=850.0, dma_fixed_ns=0.0, dma_latency_ns=1300.0, dge_instances=2,
-               dma_transpose_hbm_eff=0.9, dma_transpose_sbuf_eff=0.5)
+               dma_min_piece_ns=0.0, dma_latency_ns=1300.0, dge_instances=2,
+               dma_transpose_hbm_eff=0.9, dma_transpose_sbuf_eff=0.5,
+               dge_transpose_split=True, dge_charge_transposes=True, dma_transpose_whole_piece=True, sem_wait_ns=200.0, access_overhead_cycles=60, gpsimd_vector_factor=0.0)
 
 TRN1 = Generation(name="trn1", nc_version=2, tensor_ghz=2.8, fp32_transpose_factor=4, vector_ghz=1.12,
                   vector_width_other=128, vector_fast_copy=1, vector_half_copy=1, vector_fast_tt=1,
                   vector_gpsimd_port="all", vector_scalar_psum_shared=True, scalar_ghz=1.4, scalar_fast_copy=1,
-                  gpsimd_ghz=1.4, dma_queue_bytes_per_ns=17.0, dge_instr_ns=0.0, hbm_bytes_per_ns=410.0,
+                  gpsimd_ghz=1.4, dma_queue_bytes_per_ns=6.5, dma_fixed_ns=0.0, static_overhead_cycles=100,
+                  dge_instr_ns=0.0, hbm_bytes_per_ns=410.0,
                   peak_tflops_documented=92.0, **_COMMON)
 TRN2 = Generation(name="trn2", nc_version=3, tensor_ghz=2.4, fp32_transpose_factor=2, vector_ghz=0.96,
                   vector_width_other=256, vector_fast_copy=4, vector_half_copy=2, vector_fast_tt=2,
                   vector_gpsimd_port="perf_mode", vector_scalar_psum_shared=False, scalar_ghz=1.2,
-                  scalar_fast_copy=1, gpsimd_ghz=1.2, dma_queue_bytes_per_ns=23.0, dge_instr_ns=600.0,
+                  scalar_fast_copy=1, gpsimd_ghz=1.2, dma_queue_bytes_per_ns=23.0, dma_fixed_ns=150.0,
+                  static_overhead_cycles=0, dge_instr_ns=600.0,
                   hbm_bytes_per_ns=375.0,
                   peak_tflops_documented=79.0, **_COMMON)
 TRN3 = Generation(name="trn3", nc_version=4, tensor_ghz=2.4, fp32_transpose_factor=2, vector_ghz=1.2,
                   vector_width_other=256, vector_fast_copy=4, vector_half_copy=2, vector_fast_tt=2,
                   vector_gpsimd_port="perf_mode", vector_scalar_psum_shared=False, scalar_ghz=1.2,
-                  scalar_fast_copy=2, gpsimd_ghz=1.2, dma_queue_bytes_per_ns=33.0, dge_instr_ns=600.0,
+                  scalar_fast_copy=2, gpsimd_ghz=1.2, dma_queue_bytes_per_ns=33.0, dma_fixed_ns=150.0,
+                  static_overhead_cycles=0, dge_instr_ns=600.0,
                   hbm_bytes_per_ns=588.0,
                   peak_tflops_documented=79.0, **_COMMON)
 
@@ -182,12 +227,34 @@ CORRECTIONS = {
 }
 
 
+# The changes of the calibrated, dependency-aware model (cost model v2), per generation where they differ: the
+# parameter values that undo each (docs/performance.md reports the figures before and after each).
+CORRECTIONS_V2 = {
+    "dma_transpose_whole_piece": {"*": dict(dma_transpose_whole_piece=False)},
+    "hwdge_transpose": {"*": dict(dge_transpose_split=False, dge_charge_transposes=False)},
+    "access_overhead": {"*": dict(access_overhead_cycles=0)},
+    "semaphore_wait": {"*": dict(sem_wait_ns=0.0)},
+    "calibrated_dma": {"trn1": dict(dma_queue_bytes_per_ns=17.0, dma_min_piece_ns=850.0),
+                       "*": dict(dma_fixed_ns=0.0, dma_min_piece_ns=850.0)},
+    "calibrated_static_overhead": {"trn1": {}, "*": dict(static_overhead_cycles=100)},
+}
+CORRECTIONS.update({k: v for k, v in CORRECTIONS_V2.items()})
+
+
 def revert(gen, names):
     """``gen`` with the named ``CORRECTIONS`` undone (an earlier model, for before/after figures)."""
     from dataclasses import replace
     changes = {}
+    order = list(CORRECTIONS)
     for name in names:
         if name not in CORRECTIONS:
             raise ValueError(f"unknown correction {name!r}; use one of {sorted(CORRECTIONS)}")
-        changes.update(CORRECTIONS[name])
+    # undo the latest first, so an earlier correction's values win where two touch the same parameter
+    for name in sorted(names, key=order.index, reverse=True):
+        if name not in CORRECTIONS:
+            raise ValueError(f"unknown correction {name!r}; use one of {sorted(CORRECTIONS)}")
+        c = CORRECTIONS[name]
+        if "*" in c:
+            c = c.get(gen.name, c["*"])
+        changes.update({k: v for k, v in c.items() if not k.startswith("_")})
     return replace(gen, **changes)

@@ -11,12 +11,14 @@ import sys
 
 from . import frontend, isa, language  # noqa: F401
 from . import nki_typing as typing  # noqa: F401 - nki.typing
+from .benchmark import benchmark  # noqa: F401 - nki.benchmark, with modeled latencies (benchmark.py)
 from .checks import LaunchStats, checking, last_launch_stats  # noqa: F401
 from .errors import NkiValidationError  # noqa: F401
 from .runtime import Kernel, jit, simulate, simulate_kernel  # noqa: F401
 
 __all__ = ["jit", "simulate", "simulate_kernel", "Kernel", "NkiValidationError", "language", "isa", "typing",
-           "install_as_nki", "real_nki_available", "checking", "last_launch_stats", "LaunchStats", "frontend"]
+           "install_as_nki", "real_nki_available", "checking", "last_launch_stats", "LaunchStats", "frontend",
+           "benchmark"]
 
 
 def real_nki_available():

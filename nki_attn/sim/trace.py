@@ -14,6 +14,8 @@ derives the bytes each instruction reads, writes and moves through HBM, and its 
 recorded here: the cost model (``nki_attn.profiler``) turns records into modeled engine time per generation.
 """
 import contextlib
+import os
+import sys
 import threading
 from collections import Counter
 
@@ -105,18 +107,20 @@ class Record:
     ``instr`` name, ``engine`` (one of ``ENGINES``), ``core`` (program id), ``dst`` (Operand or None), ``srcs``
     (list of tensor Operands; numbers are not recorded), ``info`` (dict of instruction facts or None). DMA records
     carry the trigger engine the kernel asked for (``sync``, ``scalar``, ...) as ``info["trigger"]`` when it
-    was not the default.
+    was not the default. ``line``: ``"file.py:N"``, the first caller outside the simulator (the kernel source
+    line that issued it), for timelines.
     """
 
-    __slots__ = ("instr", "engine", "core", "dst", "srcs", "info")
+    __slots__ = ("instr", "engine", "core", "dst", "srcs", "info", "line")
 
-    def __init__(self, instr, engine, core, dst, srcs, info):
+    def __init__(self, instr, engine, core, dst, srcs, info, line=None):
         self.instr = instr
         self.engine = engine
         self.core = core
         self.dst = dst
         self.srcs = srcs
         self.info = info
+        self.line = line
 
     @property
     def is_transpose(self):
@@ -181,7 +185,7 @@ class Recorder:
         else:
             name = ENGINE_NAMES.get(raw, raw)
         rec = Record(instr, name, context.current().program_id, Operand(dst) if dst is not None else None,
-                     [Operand(s) for s in srcs], info)
+                     [Operand(s) for s in srcs], info, _caller_line())
         with self._lock:
             self.records.append(rec)
 
@@ -212,6 +216,17 @@ class Recorder:
     def hbm_bytes(self):
         """Bytes moved to or from HBM by all DMAs."""
         return sum(r.hbm_bytes for r in self.records)
+
+
+_SIM_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def _caller_line():
+    """``"file.py:N"`` of the innermost frame outside the simulator package (the issuing kernel line)."""
+    f = sys._getframe(2)
+    while f is not None and os.path.dirname(f.f_code.co_filename) == _SIM_DIR:
+        f = f.f_back
+    return f"{os.path.basename(f.f_code.co_filename)}:{f.f_lineno}" if f is not None else None
 
 
 active_recorder = context.active_recorder  # the innermost active Recorder, or None (read by every new launch)

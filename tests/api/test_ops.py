@@ -1,4 +1,4 @@
-"""The custom-op layer (nki_attn.ops): torch.compile, FakeTensor / meta, autograd edges (lse gradient, double
+"""The custom-op pair (nki_attn.ops): torch.compile, FakeTensor / meta, autograd edges (lse gradient, double
 backward), the ops against the golden, sinks of -inf, and torch.library.opcheck.
 
 Compile figures (per-call overhead, first-call time) come from scripts/bench.py compile, not from these tests:
@@ -13,6 +13,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 import nki_attn
 from golden import attention_bwd_torch_ref, attention_fwd_torch_ref
 from nki_attn import ops
+from nki_attn.spec import AttentionSpec, flash_spec
 
 
 def rand(*shape, seed=0, dtype=torch.float32):
@@ -87,8 +88,9 @@ def test_fake_and_meta_inputs_get_the_right_shapes(device):
         o = nki_attn.scaled_dot_product_attention(mk(3, 4, 50, 64), mk(3, 4, 60, 64), mk(3, 4, 60, 64),
                                                   is_causal=True)
         assert o.shape == (3, 4, 50, 64)
-        o, l = ops.attention_fwd(mk(1, 4, 64, 256), mk(1, 2, 64, 256), mk(1, 2, 64, 256), use_causal_mask=True)
-        assert o.shape == (1, 4, 64, 256) and l.shape == (1, 4, 128, 2)
+        qq, kk, vv = mk(1, 256, 4, 32), mk(1, 256, 2, 32), mk(1, 256, 2, 48)
+        o, l = ops.attention(flash_spec("t", qq, kk, vv, causal=True), qq, kk, vv)
+        assert o.shape == (1, 256, 4, 48) and l.shape == (1, 4, 256)
         return out
     if device == "meta":
         assert run().device.type == "meta"
@@ -118,66 +120,71 @@ def test_lse_gradient_is_refused_not_dropped():
 
 
 # ---------------------------------------------------------------------------------------------- the ops themselves
+def _kl(x):
+    return x.permute(0, 2, 3, 1).contiguous()
+
+
+def _fa(x):
+    return x.permute(0, 3, 1, 2)
+
+
 @pytest.mark.parametrize("causal,window,bounds,sinks", [(True, 64, False, True), (False, None, True, False)])
 def test_ops_match_the_golden(causal, window, bounds, sinks):
-    """The documented ring-attention building blocks: forward (o, lse) and backward per block, kernel layout."""
+    """The documented ring-attention building blocks: attention (out, lse) and attention_backward per block."""
     b, h, hk, d, s = 1, 4, 2, 64, 256
-    q, k, v = rand(b, h, d, s, seed=10), rand(b, hk, d, s, seed=11), rand(b, hk, d, s, seed=12)
-    do = rand(b, h, d, s, seed=13)
-    sk = rand(b, h, seed=14) if sinks else None
+    q, k, v = rand(b, s, h, d, seed=10), rand(b, s, hk, d, seed=11), rand(b, s, hk, d, seed=12)
+    do = rand(b, s, h, d, seed=13)
+    sk = rand(h, seed=14) if sinks else None
     bmin = bmax = None
+    spec = flash_spec("t", q, k, v, softmax_scale=0.2, causal=causal,
+                      window_size=(window - 1 if window else -1, -1), sinks=sk)
     if bounds:
         bmin = torch.cat([torch.zeros(100), torch.full((156,), 100.0)])
         bmax = torch.cat([torch.full((100,), 100.0), torch.full((156,), 230.0)])
+        spec = spec.with_mask(s, s, key_lo=bmin.long(), key_hi=bmax.long())
     kw = dict(use_causal_mask=causal, sliding_window=window, softmax_scale=0.2)
-    o, lse = ops.attention_fwd(q, k, v, sk, bmin, bmax, **kw)
-    go, glse = attention_fwd_torch_ref(q.double(), k.double(), v.double(), None if sk is None else sk.double(),
-                                       bmin, bmax, **kw)
-    torch.testing.assert_close(o.double(), go, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(lse.double(), glse, rtol=1e-5, atol=1e-5)
-    dq, dk, dv, dsinks = ops.attention_bwd(q, k, v, o, do, lse, sk, bmin, bmax, **kw)
-    g = attention_bwd_torch_ref(q.double(), k.double(), v.double(), go, do.double(), glse,
-                                None if sk is None else sk.double(), bmin, bmax, **kw)
+    out, lse = ops.attention(spec, q, k, v)
+    assert out.is_contiguous() and lse.is_contiguous()
+    gsk = None if sk is None else sk.double()[None].expand(b, h).contiguous()
+    go, glse = attention_fwd_torch_ref(_kl(q.double()), _kl(k.double()), _kl(v.double()), gsk, bmin, bmax, **kw)
+    torch.testing.assert_close(_kl(out).double(), go, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse.double(), glse.transpose(-1, -2).reshape(b, h, s), rtol=1e-5, atol=1e-5)
+    dq, dk, dv, dsinks = ops.attention_backward(spec, q, k, v, out, do, lse)
+    g = attention_bwd_torch_ref(_kl(q.double()), _kl(k.double()), _kl(v.double()), go, _kl(do.double()), glse,
+                                gsk, bmin, bmax, **kw)
     for name, a in (("dq", dq), ("dk", dk), ("dv", dv)):
-        torch.testing.assert_close(a.double(), g[f"out_{name}_ref"], rtol=1e-4, atol=1e-4)
+        assert a.is_contiguous()
+        torch.testing.assert_close(_kl(a).double(), g[f"out_{name}_ref"], rtol=1e-4, atol=1e-4)
     if sinks:
-        torch.testing.assert_close(dsinks.double(), g["out_dsinks_ref"], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(dsinks.double(), g["out_dsinks_ref"].sum(0), rtol=1e-4, atol=1e-4)
     else:
         assert dsinks.shape == (0,)
     # autograd through the forward op gives the backward op's result
     ql, kl, vl = leaves(q, k, v)
-    o2, _ = ops.attention_fwd(ql, kl, vl, sk, bmin, bmax, **kw)
+    o2, _ = ops.attention(spec, ql, kl, vl)
     o2.backward(do)
     assert torch.equal(ql.grad, dq) and torch.equal(kl.grad, dk) and torch.equal(vl.grad, dv)
 
 
-def test_ops_refuse_kernel_rule_violations_on_the_host():
-    q = rand(1, 2, 64, 256)
-    with pytest.raises(ValueError, match=r"seqlen_q=200"):
-        ops.attention_fwd(q[..., :200], q[..., :200], q[..., :200])
-    with pytest.raises(ValueError, match=r"attention_fwd: window_size=\(4, 4\) and sliding_window=3 were both "
-                                         r"given"):
-        ops.attention_fwd(q, q[..., :128], q[..., :128], use_causal_mask=True, sliding_window=3, window_size=(4, 4))
+def test_a_kernel_rule_the_host_did_not_check_still_raises_value_error():
+    """The op pair trusts its spec (checked once on the host); should a spec built by hand break a kernel rule,
+    the kernel's own message comes back as ValueError, not as an AssertionError from inside the trace."""
+    q = rand(1, 128, 2, 64)
+    spec = AttentionSpec("hand-made", 1, 128, 128, 2, 2, 64, 64, torch.float32, 0.125, softcap=-1.0)
     with pytest.raises(ValueError, match=r"attention_fwd: softcap=-1.0 must be a finite number >= 0"):
-        ops.attention_fwd(q, q, q, softcap=-1.0)
-    with pytest.raises(ValueError, match=r"attention_fwd: sliding_window=4 is only supported with "
-                                         r"use_causal_mask=True"):
-        ops.attention_fwd(q, q, q, sliding_window=4)
-    with pytest.raises(ValueError, match=r"attention_bwd: lse shape \(1, 2, 128, 1\) must be "
-                                         r"\[bs, nheads, 128, seqlen_q // 128\] = \(1, 2, 128, 2\)"):
-        ops.attention_bwd(q, q, q, q, q, torch.zeros(1, 2, 128, 1))
+        ops.attention(spec, q, q, q)
 
 
 def test_opcheck():
-    q, k, v = rand(1, 2, 32, 128, seed=15), rand(1, 1, 32, 128, seed=16), rand(1, 1, 32, 128, seed=17)
-    sk = rand(1, 2, seed=18)
-    o, lse = ops.attention_fwd(q, k, v, sk, use_causal_mask=True)
-    torch.library.opcheck(torch.ops.nki_attn.attention_fwd.default,
-                          (q, k, v, sk, None, None, True, 0.25, 32, True),
+    q, k, v = rand(1, 128, 2, 32, seed=15), rand(1, 128, 1, 32, seed=16), rand(1, 128, 1, 32, seed=17)
+    sk = rand(2, seed=18)
+    spec = flash_spec("t", q, k, v, causal=True, window_size=(31, 0), sinks=sk)
+    out, lse = ops.attention(spec, q, k, v)
+    flags = (31, 0, 0, 0.25, 0.0, 0.0)
+    torch.library.opcheck(torch.ops.nki_attn.attention_fwd.default, (q, k, v, sk, None, None, None, None) + flags,
                           test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static"))
     torch.library.opcheck(torch.ops.nki_attn.attention_bwd.default,
-                          (q, k, v, o, rand(1, 2, 32, 128, seed=19), lse, sk, None, None, True, 0.25, None, True,
-                           None),
+                          (q, k, v, out, rand(1, 128, 2, 32, seed=19), lse, None, sk, None, None, None, None) + flags,
                           test_utils=("test_schema", "test_faketensor"))
 
 
@@ -186,25 +193,29 @@ def test_opcheck():
 @pytest.mark.parametrize("mask", ["causal", "bounds"])
 def test_minus_inf_sinks_are_exactly_no_sink_in_kernels_and_golden(mask, dtype):
     b, h, d, s = 2, 2, 64, 256
-    q, k, v, do = (rand(b, h, d, s, seed=20 + i, dtype=dtype) for i in range(4))
-    sinks = torch.full((b, h, 2), -math.inf)
+    q, k, v, do = (rand(b, s, h, d, seed=20 + i, dtype=dtype) for i in range(4))
+    sinks = torch.full((h, 2), -math.inf)
     kw = dict(use_causal_mask=mask == "causal")
+    spec = flash_spec("t", q, k, v, causal=mask == "causal")
     if mask == "bounds":  # rows 200.. see no key at all: empty rows with (no) sinks
         kw["bound_min"] = torch.cat([torch.zeros(200), torch.full((56,), 300.0)])
         kw["bound_max"] = torch.cat([torch.full((200,), 180.0), torch.full((56,), 300.0)])
-    o, lse = ops.attention_fwd(q, k, v, sinks, **kw)
-    o0, lse0 = ops.attention_fwd(q, k, v, None, **kw)
+        spec = spec.with_mask(s, s, key_lo=kw["bound_min"].long(), key_hi=kw["bound_max"].long().clamp(max=s))
+    with_sinks = spec.with_mask(s, s, spec.left, spec.right, spec.shift, spec.key_lo, spec.key_hi, sinks=sinks)
+    o, lse = ops.attention(with_sinks, q, k, v)
+    o0, lse0 = ops.attention(spec, q, k, v)
     assert torch.equal(o, o0) and torch.equal(lse, lse0)
-    dq, dk, dv, dsinks = ops.attention_bwd(q, k, v, o, do, lse, sinks, **kw)
-    dq0, dk0, dv0, _ = ops.attention_bwd(q, k, v, o0, do, lse0, None, **kw)
+    dq, dk, dv, dsinks = ops.attention_backward(with_sinks, q, k, v, o, do, lse)
+    dq0, dk0, dv0, _ = ops.attention_backward(spec, q, k, v, o0, do, lse0)
     assert torch.equal(dq, dq0) and torch.equal(dk, dk0) and torch.equal(dv, dv0)
     assert torch.equal(dsinks, torch.zeros_like(dsinks))
     # the golden, in float64
-    g = [t.double() for t in (q, k, v, do)]
-    go, gl = attention_fwd_torch_ref(g[0], g[1], g[2], sinks.double(), **kw)
+    g = [_kl(t.double()) for t in (q, k, v, do)]
+    gs = sinks.double()[None].expand(b, h, 2).contiguous()
+    go, gl = attention_fwd_torch_ref(g[0], g[1], g[2], gs, **kw)
     go0, gl0 = attention_fwd_torch_ref(g[0], g[1], g[2], None, **kw)
     assert torch.equal(go, go0) and torch.equal(gl, gl0)
-    gb = attention_bwd_torch_ref(g[0], g[1], g[2], go, g[3], gl, sinks.double(), **kw)
+    gb = attention_bwd_torch_ref(g[0], g[1], g[2], go, g[3], gl, gs, **kw)
     gb0 = attention_bwd_torch_ref(g[0], g[1], g[2], go0, g[3], gl0, None, **kw)
     for key in gb0:
         assert torch.equal(gb[key], gb0[key])

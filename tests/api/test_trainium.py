@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import nki_attn
-from nki_attn import ops
+from nki_attn import spec
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "trainium.md"
@@ -98,33 +98,33 @@ def _on(device_type):
 
 
 def test_cpu_tensors_are_refused_when_the_real_nki_is_selected(monkeypatch):
-    monkeypatch.setattr(ops, "BACKEND", "nki")
+    monkeypatch.setattr(spec, "BACKEND", "nki")
     with pytest.raises(RuntimeError, match="CPU tensors run on the simulator.*XLA"):
-        ops.check_device(torch.zeros(1))
+        spec.check_device(torch.zeros(1))
     q = torch.zeros(1, 128, 1, 64)
     with pytest.raises(RuntimeError, match="NKI_ATTN_BACKEND=sim"):  # the public API says the same, before work
         nki_attn.flash_attn_func(q, q, q)
 
 
 def test_xla_tensors_are_refused_without_the_real_nki(monkeypatch):
-    monkeypatch.setattr(ops, "BACKEND", "sim")
+    monkeypatch.setattr(spec, "BACKEND", "sim")
     with pytest.raises(RuntimeError, match="XLA tensors need the real nki package"):
-        ops.check_device(_on("xla"))
-    monkeypatch.setattr(ops, "BACKEND", "nki")
-    ops.check_device(_on("xla"))  # accepted: this is the Trainium path
+        spec.check_device(_on("xla"))
+    monkeypatch.setattr(spec, "BACKEND", "nki")
+    spec.check_device(_on("xla"))  # accepted: this is the Trainium path
 
 
 @pytest.mark.parametrize("device", ["cuda", "mps", "privateuseone"])
 def test_other_devices_are_refused_naming_the_device(device):
     with pytest.raises(ValueError, match=f"q is on {device}.*CPU \\(simulator\\), XLA \\(Trainium\\)"):
-        ops.check_device(_on(device))
+        spec.check_device(_on(device))
 
 
 def test_meta_tensors_give_shapes_on_either_backend(monkeypatch):
     q = torch.empty(1, 200, 4, 64, device="meta")
     k = torch.empty(1, 200, 2, 64, device="meta")
     for backend in ("sim", "nki"):
-        monkeypatch.setattr(ops, "BACKEND", backend)
+        monkeypatch.setattr(spec, "BACKEND", backend)
         assert nki_attn.flash_attn_func(q, k, k, causal=True).shape == (1, 200, 4, 64)
 
 

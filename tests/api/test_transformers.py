@@ -21,7 +21,6 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import nki_attn.integrations.transformers as nki_hf  # noqa: E402
-from nki_attn import kernel_api  # noqa: E402
 
 K = 10.0
 FLOOR = 2.0 ** -22
@@ -128,8 +127,6 @@ def _check(name, ours, truth, base, worst):
 @pytest.mark.parametrize("model", ["llama", "qwen3", "mistral", "gemma2", "gemma2_softcap", "gpt_oss"])
 def test_tiny_model_matches_reference(model, pad):
     cfg, ref_impl = _configs()[model]
-    if model == "gemma2_softcap" and not kernel_api.supports("softcap"):
-        pytest.skip("the kernels of this build have no soft-capping (test_softcap_and_dropout_when_unsupported)")
     torch.manual_seed(0)
     state = _model(cfg, ref_impl).state_dict()
     if model == "gpt_oss":
@@ -174,33 +171,10 @@ def test_tiny_llama_trains_like_sdpa():
         assert abs(a - b) <= 1e-5 * abs(b), f"loss curves diverge: {ours} vs {theirs}"
 
 
-def test_softcap_and_dropout_when_unsupported():
-    """Kernels without soft-capping / dropout: the variant raises NotImplementedError naming it (never ignored)."""
-    from transformers import AutoModelForCausalLM, Gemma2Config, LlamaConfig
-    if kernel_api.supports("softcap") and kernel_api.supports("dropout"):
-        pytest.skip("the kernels implement both (test_tiny_model_matches_reference[gemma2_softcap], "
-                    "test_dropout_training_is_seeded)")
-    if not kernel_api.supports("softcap"):
-        cfg = Gemma2Config(**COMMON, sliding_window=16, query_pre_attn_scalar=16, attn_logit_softcapping=50.0,
-                           layer_types=["sliding_attention", "full_attention"])
-        model = AutoModelForCausalLM.from_config(cfg, attn_implementation=nki_hf.NAME)
-        with pytest.raises(NotImplementedError, match="softcap"):
-            model(input_ids=torch.zeros(1, 8, dtype=torch.long))
-    if not kernel_api.supports("dropout"):
-        model = AutoModelForCausalLM.from_config(LlamaConfig(**COMMON, attention_dropout=0.1),
-                                                 attn_implementation=nki_hf.NAME).train()
-        with pytest.raises(NotImplementedError, match="dropout_p"):
-            model(input_ids=torch.zeros(1, 8, dtype=torch.long))
-        model.eval()  # transformers passes dropout 0 in eval mode
-        assert model(input_ids=torch.zeros(1, 8, dtype=torch.long)).logits.shape == (1, 8, COMMON["vocab_size"])
-
-
 def test_dropout_training_is_seeded():
     """attention_dropout 0.1 in training: the same torch.manual_seed gives bit-identical loss and gradients, a
     different seed a different loss; eval mode (dropout 0) matches SDPA's eval-mode logits."""
     from transformers import AutoModelForCausalLM, LlamaConfig
-    if not kernel_api.supports("dropout"):
-        pytest.skip("the kernels of this build have no dropout (test_softcap_and_dropout_when_unsupported)")
     cfg = LlamaConfig(**COMMON, attention_dropout=0.1)
     torch.manual_seed(0)
     state = AutoModelForCausalLM.from_config(copy.deepcopy(cfg), attn_implementation="sdpa").state_dict()

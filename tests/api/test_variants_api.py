@@ -8,9 +8,6 @@ of 2^-20 * max(max|truth|, 1) (docs/validation.md).
 The golden takes the kernels' layout with seqlen_q a multiple of 128; the API's bottom-right alignment is kept by
 padding q with zero rows at the FRONT (row i becomes row a + i and the golden's offset sk - (sq + a) shifts back
 by a, so every pair keeps its distance i + sk - sq - j), and those rows are dropped.
-
-Variants the kernels of this build do not implement (``nki_attn.kernel_api.supports``) are skipped here and
-must raise NotImplementedError naming the argument (test_unsupported_variants_raise).
 """
 import pytest
 import torch
@@ -18,16 +15,9 @@ import torch.nn.functional as F
 
 from golden.attention_fwd_torch import attention_fwd_torch_ref
 from nki_attn import attention as api
-from nki_attn import kernel_api
 from nki_attn.attention import flash_attn_func, flash_attn_varlen_func
 
 K = 3.0
-
-
-def _need(*features):
-    for f in features:
-        if not kernel_api.supports(f):
-            pytest.skip(f"the kernels of this build do not implement {f!r} (test_unsupported_variants_raise)")
 
 
 def golden_fa(q, k, v, causal=False, window=(-1, -1), softcap=0.0, alibi=None, scale=None, keep=None, p=0.0):
@@ -125,7 +115,6 @@ def _split_alibi(kw, b, h):
 @pytest.mark.parametrize("case", list(CASES))
 def test_flash_attn_func_variants_match_golden(case):
     shape, kw, features = CASES[case]
-    _need(*features)
     b, sq, sk, h, hk, d_qk, d_v = shape
     kw, slopes = _split_alibi(kw, b, h)
     causal = kw.get("causal", False)
@@ -142,7 +131,6 @@ def test_flash_attn_func_variants_match_golden(case):
 
 
 def test_bf16_softcap_alibi_window():
-    _need("softcap", "alibi")
     b, sq, sk, h = 1, 200, 330, 2
     slopes = _slopes(h)
 
@@ -157,12 +145,9 @@ def test_bf16_softcap_alibi_window():
 
 def test_lse_matches_golden():
     """return_lse: our lse is the golden's (logits after soft-cap and ALiBi, docs/api.md on the convention)."""
-    feats = [f for f in ("softcap", "alibi") if kernel_api.supports(f)]
     q, k, v = _qkv(1, 130, 260, 2, 1, 64, 64)
-    kw = dict(causal=True)
-    if "softcap" in feats:
-        kw["softcap"] = 2.0
-    slopes = _slopes(2) if "alibi" in feats else None
+    kw = dict(causal=True, softcap=2.0)
+    slopes = _slopes(2)
     out, lse = flash_attn_func(q, k, v, alibi_slopes=slopes, return_lse=True, **kw)
     o_ref, lse_ref = golden_fa(q.double(), k.double(), v.double(), True, (-1, -1), kw.get("softcap", 0.0), slopes)
     torch.testing.assert_close(lse.double(), lse_ref, rtol=0, atol=1e-5)
@@ -172,11 +157,7 @@ def test_lse_matches_golden():
 def test_packed_variants_forward_keywords():
     """qkvpacked / kvpacked pass every variant keyword through (same result as flash_attn_func)."""
     q, k, v = _qkv(1, 128, 128, 2, 2, 32, 32)
-    kw = dict(causal=True, window_size=(20, 0))
-    if kernel_api.supports("softcap"):
-        kw["softcap"] = 2.0
-    if kernel_api.supports("alibi"):
-        kw["alibi_slopes"] = _slopes(2)
+    kw = dict(causal=True, window_size=(20, 0), softcap=2.0, alibi_slopes=_slopes(2))
     ref = flash_attn_func(q, k, v, **kw)
     assert torch.equal(api.flash_attn_qkvpacked_func(torch.stack([q, k, v], 2), **kw), ref)
     assert torch.equal(api.flash_attn_kvpacked_func(q, torch.stack([k, v], 2), **kw), ref)
@@ -206,7 +187,6 @@ VARLEN = {
 @pytest.mark.parametrize("case", list(VARLEN))
 def test_flash_attn_varlen_func_variants_match_golden(case):
     cq, ck, kw, features = VARLEN[case]
-    _need(*features)
     kw = dict(kw)
     d_v = kw.pop("d_v", 32)
     kw, slopes = _split_alibi(kw, len(cq) - 1, 2)
@@ -233,7 +213,6 @@ def _dropout_call(q, k, v, **kw):
 
 
 def test_dropout_is_deterministic_given_seed_or_generator():
-    _need("dropout")
     q, k, v = _qkv(1, 130, 200, 2, 1, 32, 32)
     a = flash_attn_func(q, k, v, dropout_p=0.25, dropout_seed=1234)
     assert torch.equal(a, flash_attn_func(q, k, v, dropout_p=0.25, dropout_seed=1234))
@@ -253,7 +232,6 @@ def test_dropout_is_deterministic_given_seed_or_generator():
 def test_dropout_matches_golden_with_its_mask(varlen):
     """The keep mask the API reports (S_dmask's sign, FlashAttention's encoding: negative = dropped) is the one the
     kernels applied, forward and backward: out and the gradients equal the golden's with that mask."""
-    _need("dropout")
     p = 0.25
     q, k, v = _qkv(1, 130, 200, 2, 1, 32, 32)
     if varlen:
@@ -335,21 +313,6 @@ def test_varlen_alibi_shape_is_per_sequence():
         flash_attn_varlen_func(q, k, v, cu, cu, 120, 120, alibi_slopes=torch.ones(3, 2))
 
 
-def test_unsupported_variants_raise():
-    """A variant the kernels of this build lack raises NotImplementedError naming it (never silently ignored)."""
-    missing = [f for f in ("softcap", "alibi", "dropout") if not kernel_api.supports(f)]
-    if not missing:
-        pytest.skip("the kernels implement every variant")
-    q, k, v = _qkv(1, 128, 128, 2, 1, 32, 32)
-    calls = {"softcap": (dict(softcap=30.0), r"softcap=30\.0"),
-             "alibi": (dict(alibi_slopes=torch.ones(2)), r"alibi_slopes=\(2,\)"),
-             "dropout": (dict(dropout_p=0.1), r"dropout_p=0\.1")}
-    for f in missing:
-        kw, match = calls[f]
-        with pytest.raises(NotImplementedError, match=match):
-            flash_attn_func(q, k, v, **kw)
-
-
 def test_meta_shapes_with_d_v():
     """meta tensors: shapes only (what torch.compile's fake tensors see), head_dim_v != head_dim."""
     q = torch.empty(2, 130, 4, 192, device="meta")
@@ -359,34 +322,31 @@ def test_meta_shapes_with_d_v():
     assert out.shape == (2, 130, 4, 128) and lse.shape == (2, 4, 130)
 
 
-def test_ops_layer_carries_variants():
-    """nki_attn.ops (the kernels' layout): d_v and window_size reach the kernels; o has d_v rows."""
-    g = torch.Generator().manual_seed(1)
-    q = torch.randn(1, 2, 64, 256, generator=g)
-    k = torch.randn(1, 1, 64, 256, generator=g)
-    v = torch.randn(1, 1, 64, 256, generator=g)
-    from nki_attn import ops
-    o, lse = ops.attention_fwd(q, k, v, use_causal_mask=True, sliding_window=32)
-    o_ref, lse_ref = attention_fwd_torch_ref(q.double(), k.double(), v.double(), use_causal_mask=True,
-                                             sliding_window=32)
-    torch.testing.assert_close(o.double(), o_ref, rtol=0, atol=2e-5)
-    with pytest.raises(ValueError, match=r"attention_fwd: window_size=\(4, 4\) and sliding_window=3 were both "
-                                         r"given"):
-        ops.attention_fwd(q, k, v, use_causal_mask=True, sliding_window=3, window_size=(4, 4))
-
-
 def test_compile_fullgraph_with_variants():
     """torch.compile(fullgraph=True) carries soft-capping, ALiBi, a two-sided window, head_dim_v and (with an
     explicit seed) dropout through the custom ops: no graph break, output equal to eager bit for bit."""
-    _need("softcap", "alibi")
     q, k, v = _qkv(1, 130, 200, 2, 1, 64, 48)
     slopes = _slopes(2)
-    kw = dict(causal=True, softcap=2.0, alibi_slopes=slopes, window_size=(50, -1))
-    if kernel_api.supports("dropout"):
-        kw.update(dropout_p=0.1, dropout_seed=5)
+    kw = dict(causal=True, softcap=2.0, alibi_slopes=slopes, window_size=(50, -1), dropout_p=0.1, dropout_seed=5)
 
     def f(q, k, v):
         return flash_attn_func(q, k, v, **kw)
 
     compiled = torch.compile(f, fullgraph=True)
     assert torch.equal(compiled(q, k, v), f(q, k, v))
+
+
+def test_window_size_as_a_tensor_or_any_pair():
+    """FlashAttention's tests pass window_size as a 1-D integer tensor of 2 elements (torch.randint(0, seqlen_k,
+    (2,))); it, a list and a tuple give the same result bit for bit. Other tensors are refused naming them."""
+    q, k, v = _qkv(1, 130, 200, 2, 1, 32, 32)
+    ref = flash_attn_func(q, k, v, window_size=(17, 40))
+    for w in ([17, 40], torch.tensor([17, 40]), torch.tensor([17, 40], dtype=torch.int32)):
+        assert torch.equal(flash_attn_func(q, k, v, window_size=w), ref)
+    cu = torch.tensor([0, 130], dtype=torch.int32)
+    cuk = torch.tensor([0, 200], dtype=torch.int32)
+    assert torch.equal(flash_attn_varlen_func(q[0], k[0], v[0], cu, cuk, 130, 200,
+                                              window_size=torch.tensor([17, 40]))[None], ref)
+    for bad in (torch.tensor([[17, 40]]), torch.tensor([17.0, 40.0]), torch.tensor([True, False])):
+        with pytest.raises(TypeError, match=r"flash_attn_func: window_size=a torch\.\w+ tensor of shape"):
+            flash_attn_func(q, k, v, window_size=bad)

@@ -10,7 +10,7 @@ import torch
 
 import nki_attn
 from golden import attention_bwd_torch_ref, attention_fwd_torch_ref
-from nki_attn.attention import window_intervals
+from nki_attn.spec import window_intervals
 
 
 def _kl(x):

@@ -1,4 +1,4 @@
-"""Brute-force checks of the band functions of ``nki_attn/kernels/tiling.py`` against dense masks.
+"""Brute-force checks of the band planner ``nki_attn/kernels/band.py`` against dense masks.
 
 The band ``(lo_rel, hi_rel)`` of ``attention_band`` stands for causal + sliding window + two-sided
 ``window_size`` with bottom-right alignment (``off = seqlen_k - seqlen_q``). Here every rule is written out
@@ -9,7 +9,8 @@ element by element, straight from docs/semantics.md (no band involved), and comp
   ranges, for every sub-rectangle of small problems (no 128 alignment assumed), and for the 128-row tiles
   and 1..4-chunk key ranges the kernels ask about, with windows around multiples of 128 and lengths that are
   not multiples of 512, seqlen_q != seqlen_k both ways;
-* the older ``tile_visible`` / ``tile_fully_visible`` (equal lengths), which are now wrappers over the band.
+* the classification both kernels plan with (``classify_keys``: skip / full / partial, trimmed to the visible
+  chunks, with the band sides that cut the tile) and the host's whole-problem ``band_plan``.
 
 The band functions are kernel code: the last test gathers them with the simulator's NKI frontend check.
 """
@@ -18,10 +19,10 @@ import itertools
 import numpy as np
 import pytest
 
-from nki_attn.kernels import tiling
-from nki_attn.kernels.tiling import (attention_band, band_is_full, band_key_range, band_needs_hi_mask,
-                                     band_needs_lo_mask, band_query_range, band_tile_fully_visible,
-                                     band_tile_visible, tile_fully_visible, tile_visible)
+from nki_attn.kernels import band as band_mod
+from nki_attn.kernels.band import (FULL, PARTIAL, SKIP, attention_band, band_is_full, band_key_range,
+                                   band_needs_hi_mask, band_needs_lo_mask, band_plan, band_query_range,
+                                   band_tile_fully_visible, band_tile_visible, classify_keys)
 
 P = 128
 
@@ -176,17 +177,40 @@ def test_bounded_window_visits_linear_number_of_tiles():
     assert counts == [3 * (s // P) - 2 for s in lengths], counts
 
 
-# ----------------------------------------------------------------------------------------------- older interface
-def test_legacy_functions_are_the_equal_length_band():
-    n = 9
-    for causal in (False, True):
-        for window in range(0, n + 2):
-            band = attention_band(causal, window or None, None, n, n)
-            for q0, q1 in itertools.combinations(range(n + 1), 2):
-                for k0, k1 in itertools.combinations(range(n + 1), 2):
-                    assert tile_visible(q0, q1, k0, k1, causal, window) == band_tile_visible(q0, q1, k0, k1, *band)
-                    assert tile_fully_visible(q0, q1, k0, k1, causal, window) == \
-                        band_tile_fully_visible(q0, q1, k0, k1, *band)
+# ----------------------------------------------------------------------------------------------- classification
+PLAN_CASES = [(384, 384, True, None, None), (384, 384, True, 130, None), (640, 640, True, 127, None),
+              (256, 640, True, None, None), (640, 256, True, None, None), (384, 896, False, None, (200, 130)),
+              (896, 384, False, None, (0, 300)), (512, 512, False, None, (128, 0)), (256, 1152, False, None, None),
+              (640, 640, False, None, (-1, 129)), (384, 1024, True, 257, None)]
+
+
+@pytest.mark.parametrize("packing", [False, True])
+@pytest.mark.parametrize("sq,sk,causal,sw,ws", PLAN_CASES)
+def test_band_plan_classifies_every_tile(sq, sk, causal, sw, ws, packing):
+    """Each (128-row query tile, 512-key tile) of ``band_plan``: SKIP iff no pair is visible; otherwise the
+    trimmed keys [k0, k1) hold every visible pair of the tile and start and end on a chunk with one; needs_lo /
+    needs_hi iff that side of the rules cuts the trimmed tile; FULL iff nothing is cut and no packing."""
+    lower, upper = rule_masks(sq, sk, causal, sw, ws)
+    vis = lower & upper
+    lo, hi = attention_band(causal, sw, ws, sq, sk)
+    plan = band_plan(sq, sk, lo, hi, packing)
+    assert len(plan) == sq // P and all(len(row) == -(-sk // 512) for row in plan)
+    for qt, row in enumerate(plan):
+        rows = slice(qt * P, qt * P + P)
+        for j, kt in enumerate(row):
+            t0, t1 = j * 512, min(j * 512 + 512, sk)
+            what = (sq, sk, causal, sw, ws, packing, qt, j)
+            assert kt.kind == classify_keys(qt * P, qt * P + P, t0, t1, lo, hi, packing).kind
+            if not vis[rows, t0:t1].any():
+                assert kt.kind == SKIP and kt.k0 == kt.k1, what
+                continue
+            assert t0 <= kt.k0 < kt.k1 <= t1 and kt.k0 % P == 0 and kt.k1 % P == 0, what
+            assert vis[rows, kt.k0:kt.k1].sum() == vis[rows, t0:t1].sum(), ("a visible pair trimmed away", what)
+            assert vis[rows, kt.k0:kt.k0 + P].any() and vis[rows, kt.k1 - P:kt.k1].any(), what
+            assert kt.needs_lo == (not lower[rows, kt.k0:kt.k1].all()), what
+            assert kt.needs_hi == (not upper[rows, kt.k0:kt.k1].all()), what
+            full = vis[rows, kt.k0:kt.k1].all() and not packing
+            assert kt.kind == (FULL if full else PARTIAL), what
 
 
 def test_examples():
@@ -205,7 +229,7 @@ def test_examples():
 def test_band_functions_pass_the_nki_frontend_gathering():
     from nki_attn.sim import frontend
     for name in ("attention_band", "band_is_full", "band_tile_visible", "band_tile_fully_visible",
-                 "band_needs_lo_mask", "band_needs_hi_mask", "band_key_range", "band_query_range", "tile_visible",
-                 "tile_fully_visible"):
-        g = frontend.gather(getattr(tiling, name))
+                 "band_needs_lo_mask", "band_needs_hi_mask", "band_key_range", "band_query_range", "classify_keys",
+                 "band_plan"):
+        g = frontend.gather(getattr(band_mod, name))
         assert not g.problems, (name, [p.format() for p in g.problems])

@@ -9,18 +9,15 @@ grouping edge cases (group sizes that do not divide the tile count, GQA groups o
 that end inside a group, windows that give the members of a group different keys, several sections with the
 fp32 dQ scratch) under the accuracy rule of docs/validation.md.
 """
-import os
-import sys
 import types
 
 import numpy as np
 import pytest
 
-sys.path.insert(0, os.path.dirname(__file__))
-from test_attention_bwd import Case, run_case  # noqa: E402
+from .conftest import Case, run_bwd_case as run_case
 
 from nki_attn.kernels import attention_bwd as kb  # noqa: E402
-from nki_attn.kernels.tiling import tile_visible  # noqa: E402
+from nki_attn.kernels.band import band_tile_visible  # noqa: E402
 from nki_attn.sim import trace  # noqa: E402
 
 P = 128
@@ -73,11 +70,11 @@ def check_plan(cfg):
                     assert (g, i) not in seen
                     continue
                 # the member visits exactly its visible key tiles, in order
-                got = [(v.k0, v.kw, v.cmask, v.wmask) for v in seen[(g, i)]]
+                got = [v.kt for v in seen[(g, i)]]
                 assert got == want
                 # brute force: the visited 128-key chunks are exactly the visible ones
                 vis = {c for c in range(k_lo, k_lo + k_len, P)
-                       if tile_visible(i * P, (i + 1) * P, c, c + P, cfg.causal, cfg.window)}
+                       if band_tile_visible(i * P, (i + 1) * P, c, c + P, cfg.lo_rel, cfg.hi_rel)}
                 chunks = [c for v in seen[(g, i)] for c in range(v.k0, v.k0 + v.kw, P)]
                 assert sorted(chunks) == sorted(vis) and len(chunks) == len(set(chunks))
                 assert seen[(g, i)][0].dq_first and not any(v.dq_first for v in seen[(g, i)][1:])
@@ -210,8 +207,8 @@ def test_trace_matches_plan(kw, target):
     section = kw.pop("section", None)
     c = Case(**kw)
     with trace.recording() as rec:
-        out = c.run(k_section_len=section)
-    c.check(out)
+        out = c.bwd(k_section_len=section)
+    c.check_bwd(out)
     cfg = plan(h=kw.get("h", 1), hk=kw.get("hk", 1), sq=kw["sq"], causal=kw.get("causal", False),
                window=kw.get("window"), section=section, dtype=kw.get("dtype", "float32"),
                mixed=kw.get("mixed", False))
@@ -237,13 +234,13 @@ def test_dma_transpose_and_tensor_transpose_agree(target):
     c = Case(sq=512, dtype="bfloat16", mixed=True, h=2, hk=1)
     target("trn2")
     with trace.recording() as rec:
-        a = c.run()
+        a = c.bwd()
     assert rec.count("dma_transpose") > 0
     target("trn1")
     with trace.recording() as rec:
-        b = c.run()
+        b = c.bwd()
     assert rec.count("dma_transpose") == 0
-    c.check(a)
+    c.check_bwd(a)
     for x, y in zip(a, b):
         assert np.array_equal(np.asarray(x).view(np.uint8), np.asarray(y).view(np.uint8))
 
@@ -271,3 +268,66 @@ def test_grouping_numerics(kw):
 ], ids=["inside-group", "window-runs", "gqa-scratch", "unequal"])
 def test_grouping_numerics_sections(section, kw):
     run_case(k_section_len=section, **kw)
+
+
+# ----------------------------------------------------------------------------------------------- tuning keywords
+def _bwd_inputs(dtype=np.float32, seed=70):
+    import ml_dtypes
+    from nki_attn.kernels.attention_fwd import attention_fwd
+    dt = ml_dtypes.bfloat16 if dtype == "bfloat16" else dtype
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((1, 4, 64, 1024)).astype(dt)
+    k = rng.standard_normal((1, 1, 64, 1024)).astype(dt)
+    v = rng.standard_normal((1, 1, 64, 1024)).astype(dt)
+    dy = rng.standard_normal((1, 4, 64, 1024)).astype(dt)
+    o, lse = attention_fwd(q, k, v)
+    return q, k, v, o, dy, lse
+
+
+def _run_bwd(x, **kw):
+    with trace.recording() as rec:
+        out = kb.attention_bwd(*x, **kw)
+    return [np.asarray(t).astype(np.float64) for t in out], rec.records
+
+
+def test_tuning_keywords_change_the_plan_not_the_gradients(target):
+    """group_max and block_members_max reach the plan (the instruction stream changes) and leave the gradients
+    equal to the default launch's up to float32 summation order (dV and dK add over a group's members in another
+    order); invalid values fail the kernel's assert naming the keyword."""
+    target("trn2")
+    x = _bwd_inputs()
+    base, rec0 = _run_bwd(x, use_causal_mask=True)
+    for kw in (dict(group_max=1), dict(block_members_max=1), dict(group_max=2, block_members_max=6)):
+        got, rec1 = _run_bwd(x, use_causal_mask=True, **kw)
+        assert len(rec1) != len(rec0), kw
+        for a, b in zip(got, base):
+            np.testing.assert_allclose(a, b, rtol=0, atol=1e-5)
+    q, k, v = x[:3]
+    c = kb._configure(q, k, None, None, True, False, None, None, None, v, group_max=2, block_members_max=2)
+    assert (c.group_size, c.block_members) == (2, 2)
+    for name, bad in (("group_max", 0), ("block_members_max", 2.0), ("p_cast_on_gpsimd", 1),
+                      ("ds_dma_transpose", "no")):
+        with pytest.raises(AssertionError, match=rf"{name}="):
+            kb.attention_bwd(*x, **{name: bad})
+
+
+def test_engine_keywords_move_instructions_not_results(target):
+    """bf16, mixed precision, trn2: p_cast_on_gpsimd=False moves the P cast from GpSimdE to ScalarE and
+    ds_dma_transpose=False the whole-tile dS transposes from DMA to TensorE; the arithmetic is the same, so the
+    gradients are bit-identical."""
+    target("trn2")
+    x = _bwd_inputs("bfloat16")
+    base, rec0 = _run_bwd(x, mixed_precision=True)
+
+    def casts(rec, engine):
+        return sum(1 for r in rec if r.engine == engine and r.dst is not None and r.dst.dtype == "bfloat16"
+                   and r.srcs and r.srcs[0].dtype == "float32" and r.dst.shape == (128, 512)
+                   and r.instr in ("tensor_copy", "activation"))
+    assert casts(rec0, "GpSimdE") > 0 and casts(rec0, "ScalarE") == 0
+    got, rec1 = _run_bwd(x, mixed_precision=True, p_cast_on_gpsimd=False)
+    assert casts(rec1, "GpSimdE") == 0 and casts(rec1, "ScalarE") == casts(rec0, "GpSimdE")
+    assert all(np.array_equal(a, b) for a, b in zip(got, base))
+    assert any(r.instr == "dma_transpose" for r in rec0)
+    got, rec2 = _run_bwd(x, mixed_precision=True, ds_dma_transpose=False)
+    assert not any(r.instr == "dma_transpose" for r in rec2)
+    assert all(np.array_equal(a, b) for a, b in zip(got, base))

@@ -1,22 +1,19 @@
 """The forward kernel's grouping and batching (nki_attn/kernels/attention_fwd.py, docs/kernel-fwd.md "Loop nest"):
-query sections, blocks of (query tile, head) units, key blocks, statistics batched over a block's units, and
-transfers batched per (head, section).
+query slabs, blocks of (query tile, head) members, key blocks, statistics batched over a block's members, and
+transfers batched per (head, slab).
 
 Pinned two ways: structurally (the trace-time plans against brute force, instruction and transfer counts from the
 simulator's trace) and numerically at the edges of each grouping (against the golden with the project's criterion,
-tests/kernels/_compare.py, as in test_attention_fwd.py).
+tests/kernels/conftest.py).
 """
 import math
-import os
-import sys
 import types
 
 import numpy as np
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
-from test_attention_fwd import make_qkv, run_and_check  # noqa: E402
+from .conftest import make_qkv, run_and_check
 
 import nki_attn.sim as sim  # noqa: E402
 from golden import packing_bounds  # noqa: E402
@@ -61,11 +58,11 @@ def dmas(records, src=None, dst_hbm_dtype=None):
     return out
 
 
-def n_units_blocks(cfg):
-    """Blocks of every section of one kv head."""
+def n_members_blocks(cfg):
+    """Blocks of every slab of one kv head."""
     blocks = []
-    for t0 in range(0, cfg.n_qt, cfg.sec_tiles):
-        n = min(cfg.sec_tiles, cfg.n_qt - t0)
+    for t0 in range(0, cfg.n_qt, cfg.slab_tiles):
+        n = min(cfg.slab_tiles, cfg.n_qt - t0)
         for j0, j1 in fwd._blocks(cfg, n):
             blocks.append((t0, j0, j1))
     return blocks
@@ -74,22 +71,22 @@ def n_units_blocks(cfg):
 # ----------------------------------------------------------------------------------------------- plans (structure)
 @pytest.mark.parametrize("group", [1, 2, 3, 5, 8, 9, 16, 24])
 @pytest.mark.parametrize("n_tiles", [1, 3, 7])
-def test_blocks_partition_the_units(group, n_tiles):
+def test_blocks_partition_the_members(group, n_tiles):
     cfg = config(nheads=group, nheads_kv=1)
     blocks = fwd._blocks(cfg, n_tiles)
     covered = []
     for j0, j1 in blocks:
-        assert 0 < j1 - j0 <= fwd.MAX_UNITS
+        assert 0 < j1 - j0 <= fwd.BLOCK_MEMBERS_MAX
         covered += list(range(j0, j1))
-        if group <= fwd.MAX_UNITS:
+        if group <= fwd.BLOCK_MEMBERS_MAX:
             # whole query tiles: every head of the group, so per-head statistics repeat with period `group`
             assert j0 % group == 0 and (j1 - j0) % group == 0
         else:
             assert j0 // group == (j1 - 1) // group  # never across a query tile
-    assert covered == list(range(n_tiles * group))  # in order, each unit once
-    if group <= fwd.MAX_UNITS:
-        assert cfg.units == (fwd.MAX_UNITS // group) * group
-        assert len(blocks) == math.ceil(n_tiles * group / cfg.units)
+    assert covered == list(range(n_tiles * group))  # in order, each member once
+    if group <= fwd.BLOCK_MEMBERS_MAX:
+        assert cfg.members == (fwd.BLOCK_MEMBERS_MAX // group) * group
+        assert len(blocks) == math.ceil(n_tiles * group / cfg.members)
 
 
 def _brute_visible(q0, k0, k1, causal, window):
@@ -111,7 +108,8 @@ def test_key_block_plan_matches_brute_force(sk, causal, window, tiles):
     cfg = config(sq=sk, sk=sk, causal=causal, window=window)
     plan = fwd._key_blocks(cfg, tiles)
     seen = {}
-    for kt0, kt_n, vis, c_lo, c_hi, gaps in plan:
+    for kb in plan:
+        kt0, kt_n, c_lo, c_hi, gaps = kb.kt0, kb.kt_n, kb.c_lo, kb.c_hi, kb.gaps
         assert kt0 % fwd.KB_TILES == 0 and kt_n == min(fwd.KB_TILES, cfg.n_kt - kt0)
         union = []
         want_gaps = kt_n < fwd.KB_TILES
@@ -120,7 +118,8 @@ def test_key_block_plan_matches_brute_force(sk, causal, window, tiles):
                 k0 = (kt0 + i) * 512
                 k1 = min(k0 + 512, sk)
                 chunks = np.flatnonzero(_brute_visible(t * 128, k0, k1, causal, window).reshape(-1, 128).any(1))
-                lo, hi = vis[u][i]
+                kt = kb.vis[u][i]
+                lo, hi = (kt.k0 - k0) // 128, (kt.k1 - k0) // 128
                 if len(chunks):
                     assert (lo, hi) == (chunks[0], chunks[-1] + 1)  # exactly the visible chunks (contiguous)
                     union += [i * 4 + lo, i * 4 + hi]
@@ -128,43 +127,43 @@ def test_key_block_plan_matches_brute_force(sk, causal, window, tiles):
                 else:
                     assert lo == hi
                     want_gaps = True
-        assert (c_lo, c_hi) == (min(union), max(union))  # K/V loaded for the union of the units' chunks
+        assert (c_lo, c_hi) == (min(union), max(union))  # K/V loaded for the union of the members' chunks
         assert gaps == want_gaps
-    # every visible (unit, score tile) is in exactly one key block; key blocks nobody sees are absent
+    # every visible (member, key tile) is in exactly one key block; key blocks nobody sees are absent
     for u, t in enumerate(tiles):
         for kt in range(cfg.n_kt):
             k0 = kt * 512
             if _brute_visible(t * 128, k0, min(k0 + 512, sk), causal, window).any():
                 assert seen.get((u, kt))
-    assert len(plan) == len({kt0 for kt0, *_ in plan})
+    assert len(plan) == len({kb.kt0 for kb in plan})
 
 
 @pytest.mark.parametrize("target", ["trn1", "trn2", "trn3"])
 @pytest.mark.parametrize("dtype,d,group,s", [("float32", 256, 8, 32768), ("bfloat16", 128, 4, 32768),
                                              ("bfloat16", 64, 8, 4096), ("bfloat16", 128, 4, 4096),
                                              ("float32", 96, 1, 16384), ("bfloat16", 256, 16, 8192)])
-def test_sections_are_balanced_and_sized_by_the_budget(monkeypatch, target, dtype, d, group, s):
+def test_slabs_are_balanced_and_sized_by_the_budget(monkeypatch, target, dtype, d, group, s):
     monkeypatch.setenv("NEURON_PLATFORM_TARGET_OVERRIDE", target)
     dt = nl.float32 if dtype == "float32" else nl.bfloat16
     cfg = config(nheads=group, d=d, sq=s, dtype=dt, packing=True, sinks=2, causal=True,
                  range_select=target != "trn1")
-    assert 1 <= cfg.sec_tiles <= cfg.n_qt
-    n_sec = math.ceil(cfg.n_qt / cfg.sec_tiles)
-    assert cfg.sec_tiles == math.ceil(cfg.n_qt / n_sec)  # balanced: no short last section
+    assert 1 <= cfg.slab_tiles <= cfg.n_qt
+    n_sec = math.ceil(cfg.n_qt / cfg.slab_tiles)
+    assert cfg.slab_tiles == math.ceil(cfg.n_qt / n_sec)  # balanced: no short last slab
     e = 4 if dtype == "float32" else 2
-    staging = cfg.sec_tiles * group * (2 * len(cfg.qk_tiles) * 128 * e + 4)  # Q, O, LSE of one section
-    scores = cfg.units * KB_KEYS * 4  # the largest item of the block's working set beside the staging
+    staging = cfg.slab_tiles * group * (2 * len(cfg.qk_tiles) * 128 * e + 4)  # Q, O, LSE of one slab
+    scores = cfg.members * KB_KEYS * 4  # the largest item of the block's working set beside the staging
     assert staging + scores <= fwd.sbuf_bytes_per_partition()
     if group * s <= 16384 and dtype == "bfloat16" and target != "trn1":
         assert n_sec == 1  # a whole head fits: Q, O and LSE move once per head
 
 
 # ----------------------------------------------------------------------------------------------- traces (structure)
-def test_transfers_once_per_head_and_section():
-    # 4 query heads / 1 kv head, 1024 queries, d 256 (two partition tiles), bf16, causal, sinks: one section
+def test_transfers_once_per_head_and_slab():
+    # 4 query heads / 1 kv head, 1024 queries, d 256 (two partition tiles), bf16, causal, sinks: one slab
     q, k, v = make_qkv(nheads=4, nheads_kv=1, d=256, sq=1024, dtype=torch.bfloat16, seed=30)
     cfg = config(nheads=4, d=256, sq=1024, causal=True, sinks=1)
-    assert cfg.sec_tiles == cfg.n_qt
+    assert cfg.slab_tiles == cfg.n_qt
     _, rec = traced(q, k, v, sinks_ref=torch.zeros(1, 4), use_causal_mask=True)
     assert len(dmas(rec, src="arg0")) == 4 * 2  # Q: one DMA per (head, d tile), all 1024 queries
     assert len(dmas(rec, dst_hbm_dtype="bfloat16")) == 4 * 2  # O: one per (head, d tile)
@@ -172,17 +171,17 @@ def test_transfers_once_per_head_and_section():
     assert len(lse) == 4 and all(r.dst.shape == (128, 8) for r in lse)  # LSE: once per head, every tile
     assert len(dmas(rec, src="arg3")) == 1  # the sinks: once per kv head
     # K and V: one DMA per (block, key block, d tile); blocks of 2 query tiles x 4 heads, one key block each
-    n_blocks = len(n_units_blocks(cfg))
+    n_blocks = len(n_members_blocks(cfg))
     assert n_blocks == 4
     assert len(dmas(rec, src="arg1")) == len(dmas(rec, src="arg2")) == n_blocks * 2
 
 
-def test_transfers_with_several_sections(monkeypatch):
-    # trn1, float32, d 256, 8 query heads per kv head: the budget leaves room for 2 query tiles per section
+def test_transfers_with_several_slabs(monkeypatch):
+    # trn1, float32, d 256, 8 query heads per kv head: the budget leaves room for 2 query tiles per slab
     monkeypatch.setenv("NEURON_PLATFORM_TARGET_OVERRIDE", "trn1")
     cfg = config(nheads=8, d=256, sq=1024, dtype=nl.float32, causal=True, packing=True, sinks=2,
                  range_select=False)
-    assert cfg.sec_tiles == 2
+    assert cfg.slab_tiles == 2
     q, k, v = make_qkv(nheads=8, d=256, sq=1024, seed=31)
     bmin, bmax = packing_bounds([0, 300, 700, 1024])
     sinks = torch.randn(1, 8, 2, generator=torch.Generator().manual_seed(32))
@@ -197,11 +196,11 @@ def test_transfers_with_several_sections(monkeypatch):
 
 def test_statistics_batched_per_block():
     # trn2, no sinks, no packing: per block one reciprocal and two selects (finishing), per (block, key block)
-    # one max reduction and one sum reduction, each on the [128, units] columns of the whole block
+    # one max reduction and one sum reduction, each on the [128, members] columns of the whole block
     q, k, v = make_qkv(nheads=2, nheads_kv=1, d=64, sq=2560, dtype=torch.bfloat16, seed=33)
     cfg = config(nheads=2, d=64, sq=2560, causal=True)
     _, rec = traced(q, k, v, use_causal_mask=True)
-    blocks = n_units_blocks(cfg)
+    blocks = n_members_blocks(cfg)
     widths = []
     n_kb = 0
     for t0, j0, j1 in blocks:
@@ -209,12 +208,12 @@ def test_statistics_batched_per_block():
         n_kb += len(fwd._key_blocks(cfg, tiles))
         widths.append(j1 - j0)
     recips = [r for r in rec if r.instr == "reciprocal"]
-    assert [r.dst.shape[1] for r in recips] == widths  # one per block, over all its units
+    assert [r.dst.shape[1] for r in recips] == widths  # one per block, over all its members
     assert sum(1 for r in rec if r.instr == "select_reduce") == 2 * len(blocks)
     reduces = [r for r in rec if r.instr == "tensor_reduce"]
     assert len(reduces) == 2 * n_kb
     assert all(r.srcs[0].shape[2] == fwd.KB_TILES + 1 for r in reduces)  # tile maxima / sums + running value
-    # one online-softmax rescale of O per unit and key block after its first; PV accumulated over a key block
+    # one online-softmax rescale of O per member and key block after its first; PV accumulated over a key block
     o_updates = sum(1 for r in rec if r.instr == "scalar_tensor_tensor")
     want = 0
     for t0, j0, j1 in blocks:
@@ -227,7 +226,7 @@ def test_statistics_batched_per_block():
 @pytest.mark.parametrize("nheads", [3, 5, 16])
 def test_gqa_groups_and_sinks_at_block_edges(nheads):
     # 3: blocks of 2 query tiles x 3 heads; 5: one query tile per block; 16: two blocks inside each query tile.
-    # Per-head sink statistics are spread over the units of each block.
+    # Per-head sink statistics are spread over the members of each block.
     q, k, v = make_qkv(nheads=nheads, nheads_kv=1, d=64, sq=384, seed=40 + nheads)
     sinks = torch.randn(1, nheads, generator=torch.Generator().manual_seed(41)) * 2.0
     run_and_check(q, k, v, sinks=sinks, causal=True, window=200)
@@ -277,10 +276,10 @@ def test_minus_inf_sinks_equal_no_sinks_across_blocks():
 
 @pytest.mark.parametrize("scale", [0.3, 2.5])
 def test_scale_in_exponent_variant(monkeypatch, scale):
-    # SCALE_IN_EXP=True (the exponent applies the scale to float32 S; statistics in raw units, sinks divided by
-    # the scale, the bias capped for scale > 1): the same criterion. The frontend's global-change rule is off:
+    # FOLD_SCALE_INTO_Q=False (the exponent applies the scale to float32 S; statistics in raw members, sinks divided
+    # by the scale, the bias capped for scale > 1): the same criterion. The frontend's global-change rule is off:
     # this test changes a module constant between launches on purpose.
-    monkeypatch.setattr(fwd, "SCALE_IN_EXP", True)
+    monkeypatch.setattr(fwd, "FOLD_SCALE_INTO_Q", False)
     bmin, bmax = packing_bounds([0, 100, 333, 450], seqlen_q=512)
     sinks = torch.tensor([[0.4, -math.inf], [-1.0, 2.0]]).reshape(1, 2, 2)
     with sim.checking(frontend=False):
@@ -293,7 +292,7 @@ def test_scale_in_exponent_variant(monkeypatch, scale):
 @pytest.mark.parametrize("target,dtype,want_dma", [("trn2", torch.bfloat16, True), ("trn3", torch.float16, True),
                                                    ("trn2", torch.float32, False), ("trn1", torch.bfloat16, False)])
 def test_p_transposes_split_between_tensor_engine_and_dma(monkeypatch, target, dtype, want_dma):
-    # 2 heads x 8 query tiles, 1024 keys non-causal: every (unit, score tile) is a full 512-key tile; on trn2+
+    # 2 heads x 8 query tiles, 1024 keys non-causal: every (member, key tile) is a full 512-key tile; on trn2+
     # with 16-bit P every other one is transposed by dma_transpose, the rest by 4 TensorE transposes
     monkeypatch.setenv("NEURON_PLATFORM_TARGET_OVERRIDE", target)
     q, k, v = make_qkv(nheads=2, nheads_kv=1, d=64, sq=1024, dtype=dtype, seed=50)
@@ -320,3 +319,22 @@ def test_power_of_two_scale_in_the_exponent_is_bit_identical_to_folding_it_into_
     with sim.checking(frontend=False):  # the monkeypatched helper is not NKI code
         o_q, l_q = attention_fwd(q, k, v, **kw)
     assert torch.equal(o_exp, o_q) and torch.equal(l_exp, l_q)
+
+
+# ----------------------------------------------------------------------------------------------- tuning keywords
+def test_tuning_keywords_change_the_plan_not_the_result():
+    """kb_tiles, block_members_max and slab_tiles reach the config (the plan and the instruction stream change)
+    and leave the result equal to the default launch's up to float32 summation order (the online softmax
+    rescales at other key-block boundaries); invalid values fail the kernel's assert naming the keyword."""
+    q, k, v = make_qkv(nheads=4, nheads_kv=1, d=64, sq=1024, seed=60)
+    (o0, l0), rec0 = traced(q, k, v, use_causal_mask=True)
+    for kw in (dict(kb_tiles=1), dict(block_members_max=2), dict(slab_tiles=3)):
+        (o1, l1), rec1 = traced(q, k, v, use_causal_mask=True, **kw)
+        assert len(rec1) != len(rec0), kw
+        np.testing.assert_allclose(np.asarray(o1), np.asarray(o0), rtol=0, atol=1e-6)
+        np.testing.assert_allclose(np.asarray(l1), np.asarray(l0), rtol=0, atol=1e-5)
+    cfg = fwd._setup_config(q, k, v, None, None, True, True, None, None, 0.0, None, None, 0.0, 2, 3, 1)
+    assert (cfg.kb_tiles, cfg.block_members_max, cfg.members, cfg.slab_tiles) == (2, 3, 3, 1)
+    for name, bad in (("kb_tiles", 0), ("block_members_max", True), ("slab_tiles", 1.5)):
+        with pytest.raises(AssertionError, match=rf"{name}={bad!r} must be None \(the default\) or an int >= 1"):
+            attention_fwd(q, k, v, **{name: bad})

@@ -1,6 +1,6 @@
 """Brute-force checks of the trace-time tile decisions against a naive dense mask.
 
-``nki_attn/kernels/tiling.py`` decides, per (query tile, key tile), whether anything is visible (compute it) and
+``nki_attn/kernels/band.py`` decides, per (query tile, key tile), whether anything is visible (compute it) and
 whether everything is visible (skip the element mask). An off-by-one there only shows for window widths near a
 multiple of 128 (W = 127, 130, ...), so these tests compare the decisions with a boolean mask built the plain way
 (``vis[i, j] = (j <= i if causal) and (j >= i - W + 1 if window)``) over many widths and positions:
@@ -22,7 +22,7 @@ import pytest
 
 from nki_attn.kernels import attention_bwd as kb
 from nki_attn.kernels import attention_fwd as kf
-from nki_attn.kernels.tiling import tile_fully_visible, tile_visible
+from nki_attn.kernels.band import attention_band, band_tile_fully_visible, band_tile_visible
 
 P = 128  # query tile height and key chunk width of both kernels (the partition count)
 WINDOWS = [1, 2, 3, 64, 126, 127, 128, 129, 130, 131, 254, 255, 256, 257, 258, 383, 384, 385, 386, 511, 512, 513,
@@ -45,7 +45,16 @@ def _flag(causal, window):
     return f"causal={causal},W={window}"
 
 
-# ----------------------------------------------------------------------------------------------- tiling.py
+def tile_visible(q0, q1, k0, k1, causal, window, n):
+    """The band decision for the flags of ``dense_mask`` (equal lengths ``n``)."""
+    return band_tile_visible(q0, q1, k0, k1, *attention_band(causal, window or None, None, n, n))
+
+
+def tile_fully_visible(q0, q1, k0, k1, causal, window, n):
+    return band_tile_fully_visible(q0, q1, k0, k1, *attention_band(causal, window or None, None, n, n))
+
+
+# ----------------------------------------------------------------------------------------------- band.py
 @pytest.mark.parametrize("causal", [False, True])
 def test_tile_functions_exhaustive_small_universe(causal):
     # Every query range [q0, q1) and key range [k0, k1) inside 0..N and every window 0..N+2: the decisions must be
@@ -56,9 +65,9 @@ def test_tile_functions_exhaustive_small_universe(causal):
         for q0, q1 in itertools.combinations(range(n + 1), 2):
             for k0, k1 in itertools.combinations(range(n + 1), 2):
                 block = vis[q0:q1, k0:k1]
-                assert tile_visible(q0, q1, k0, k1, causal, window) == block.any(), \
+                assert tile_visible(q0, q1, k0, k1, causal, window, n) == block.any(), \
                     ("tile_visible", q0, q1, k0, k1, _flag(causal, window))
-                assert tile_fully_visible(q0, q1, k0, k1, causal, window) == block.all(), \
+                assert tile_fully_visible(q0, q1, k0, k1, causal, window, n) == block.all(), \
                     ("tile_fully_visible", q0, q1, k0, k1, _flag(causal, window))
 
 
@@ -80,9 +89,9 @@ def test_tile_functions_on_kernel_tiles(causal, window):
                     break
                 k0, k1 = c0 * P, (c0 + n_ch) * P
                 count = int(n_vis[qt, c0:c0 + n_ch].sum())
-                assert tile_visible(q0, q0 + P, k0, k1, causal, window) == (count > 0), \
+                assert tile_visible(q0, q0 + P, k0, k1, causal, window, sq) == (count > 0), \
                     ("tile_visible", q0, k0, k1, _flag(causal, window))
-                assert tile_fully_visible(q0, q0 + P, k0, k1, causal, window) == (count == P * (k1 - k0)), \
+                assert tile_fully_visible(q0, q0 + P, k0, k1, causal, window, sq) == (count == P * (k1 - k0)), \
                     ("tile_fully_visible", q0, k0, k1, _flag(causal, window))
 
 
@@ -98,15 +107,15 @@ def bwd_plan(sq, sk, causal, window, section_len):
     planned = []
     for s in range(cfg.n_sections):
         for i in range(cfg.nq):
-            for k0, kw, cmask, wmask in cfg.tiles[s][i]:
-                planned.append((i * P, k0, kw, cmask, wmask))
+            for kt in cfg.tiles[s][i]:
+                planned.append((i * P, kt.k0, kt.k1 - kt.k0, kt.needs_hi, kt.needs_lo))
     return planned, list(cfg.sections)
 
 
 def fwd_plan(sq, sk, causal, window):
     """The forward kernel's plan as ``[(q0, k0, kw, needs_causal, needs_window)]``: the blocks of query tiles the
-    kernel forms (one head), the key blocks ``_key_blocks`` plans for each, and per (query tile, 512-key score
-    tile) the visible chunk run and the mask decisions ``_scores`` / ``_mask_affine`` take on it. Reads
+    kernel forms (one head), the key blocks ``_key_blocks`` plans for each, and per (query tile, 512-key key
+    tile) the visible chunk run and the band sides its ``band.KeyTile`` says cut it (what ``_mask_affine`` masks). Reads
     ``_FwdConfig`` with shape-only stand-ins (planning runs before any instruction)."""
     def t(*shape):
         return types.SimpleNamespace(shape=shape, dtype="float32")
@@ -114,21 +123,20 @@ def fwd_plan(sq, sk, causal, window):
                              sliding_window=window or None)
     cfg = kf._FwdConfig(shp, kf.nl.float32, kf.nl.float32, False)
     planned = []
-    for s0 in range(0, cfg.n_qt, cfg.sec_tiles):
-        for j0, j1 in kf._blocks(cfg, min(cfg.sec_tiles, cfg.n_qt - s0)):
+    for s0 in range(0, cfg.n_qt, cfg.slab_tiles):
+        for j0, j1 in kf._blocks(cfg, min(cfg.slab_tiles, cfg.n_qt - s0)):
             tiles = [s0 + j for j in range(j0, j1)]
-            for kt0, kt_n, vis, c_lo, c_hi, gaps in kf._key_blocks(cfg, tiles):
+            for kb in kf._key_blocks(cfg, tiles):
                 for u, qt in enumerate(tiles):
-                    for i in range(kt_n):
-                        lo, hi = vis[u][i]
-                        if hi <= lo:
+                    for i in range(kb.kt_n):
+                        kt = kb.vis[u][i]
+                        if kt.k1 <= kt.k0:
                             continue
-                        q0, k0, kw = qt * P, (kt0 + i) * kf.K_TILE + lo * P, (hi - lo) * P
+                        lo, hi = (kt.k0 - (kb.kt0 + i) * kf.K_TILE) // P, (kt.k1 - (kb.kt0 + i) * kf.K_TILE) // P
+                        q0, k0, kw = qt * P, kt.k0, kt.k1 - kt.k0
                         assert 0 <= lo < hi <= kf.K_TILE // P
-                        assert c_lo <= i * (kf.K_TILE // P) + lo and i * (kf.K_TILE // P) + hi <= c_hi
-                        need_c = causal and not tile_fully_visible(q0, q0 + P, k0, k0 + kw, True, 0)
-                        need_w = window > 0 and not tile_fully_visible(q0, q0 + P, k0, k0 + kw, False, window)
-                        planned.append((q0, k0, kw, need_c, need_w))
+                        assert kb.c_lo <= i * (kf.K_TILE // P) + lo and i * (kf.K_TILE // P) + hi <= kb.c_hi
+                        planned.append((q0, k0, kw, kt.needs_hi, kt.needs_lo))
     return planned
 
 

@@ -1,9 +1,9 @@
-"""The shared kernel-side checks (nki_attn/kernels/validation.py) for the variant keywords of issue #14, and the
-host wrappers (nki_attn/kernel_api.py) that raise them as ValueError.
+"""The shared kernel-side checks (nki_attn/kernels/validation.py) for the variant keywords, and the host wrappers
+(nki_attn/kernel_api.py) that raise them as ValueError.
 
-Each rule is exercised with one argument wrong at a time (the message must name the argument and its value), the
-``supports`` gate must refuse a variant a kernel does not implement, and the checks must run inside a kernel
-under the simulator's NKI frontend check (kernel code is NKI's subset: no raise, no comprehensions, ...).
+Each rule is exercised with one argument wrong at a time (the message must name the argument and its value), and
+the checks must run inside a kernel under the simulator's NKI frontend check (kernel code is NKI's subset: no
+raise, no comprehensions, ...).
 """
 import numpy as np
 import pytest
@@ -102,27 +102,6 @@ def test_spec_arguments_refused(kw, match):
         assert got is not None and re.search(match, got), got
 
 
-@pytest.mark.parametrize("kw,match", [
-    (dict(softcap=30.0), r"softcap=30.0 is not supported by fwd"),
-    (dict(alibi_slopes=_t(1, 2)), r"alibi_slopes='a tensor' is not supported by fwd"),
-    (dict(window_size=(3, 3)), r"window_size=\(3, 3\) is not supported by fwd"),
-    (dict(dropout_p=0.1, dropout_seed=SEED), r"dropout_p=0.1 is not supported by fwd"),
-    (dict(d_qk=199, d_v=199), r"d_head=199 cannot be split into 2 equal partition tiles"),
-    (dict(d_qk=64, d_v=32), r"v shape .* must equal k shape"),
-    (dict(sq=128, use_causal_mask=True), r"use_causal_mask=True needs seqlen_q == seqlen_k, got 128 and 256"),
-])
-def test_supports_gate(kw, match):
-    """``supports=()`` (the original kernel contract) refuses every variant with a clear message."""
-    kw = dict(kw)
-    a = _args(**{k: kw.pop(k) for k in ("d_qk", "d_v", "sq") if k in kw})
-    a.update(kw)
-    host = {k: kernel_api._host(x) for k, x in a.items()}
-    got = V.attention_problem(**host, kernel="fwd")
-    import re
-    assert got is not None and re.search(match, got), got
-    assert V.attention_problem(**host, supports=V.FEATURES, kernel="fwd") is None
-
-
 def test_shape_facts():
     s = V.attention_shape(_t(1, 4, 199, 256), _t(1, 2, 199, 384), v=_t(1, 2, 128, 384), use_causal_mask=True,
                           window_size=(10, -1), softcap=50.0, alibi_slopes=_t(1, 4), dropout_p=0.1)
@@ -132,7 +111,6 @@ def test_shape_facts():
     assert (s.softcap, s.alibi, s.dropout_p, s.dropout) == (50.0, True, 0.1, True)
     plain = V.attention_shape(_t(1, 1, 64, 256), _t(1, 1, 64, 256))
     assert (plain.d_v, plain.softcap, plain.alibi, plain.dropout, plain.banded) == (64, 0.0, False, False, False)
-    assert plain.d_tiles == 1 and plain.d_tile == 64
 
 
 def test_checks_run_in_a_kernel_under_the_frontend_check():
@@ -153,7 +131,7 @@ def _kernel_ok(q, k, v, alibi_slopes, dropout_seed, use_causal_mask=False, softc
                dropout_p=0.0):
     problem = V.attention_problem(q, k, v, alibi_slopes=alibi_slopes, use_causal_mask=use_causal_mask,
                                   softcap=softcap, window_size=window_size, dropout_p=dropout_p,
-                                  dropout_seed=dropout_seed, supports=V.FEATURES, kernel="probe")
+                                  dropout_seed=dropout_seed, kernel="probe")
     assert problem is None, problem
     shp = V.attention_shape(q, k, v=v, use_causal_mask=use_causal_mask, softcap=softcap,
                             alibi_slopes=alibi_slopes, window_size=window_size, dropout_p=dropout_p)
@@ -182,43 +160,3 @@ def test_kernel_api_drops_variant_keywords_at_default_and_refuses_others():
         fwd.check(q, k, k, softcap=-2.0)
     with pytest.raises(ValueError, match=r"window_size=\(4, 4\) and sliding_window=3 were both given"):
         fwd.check(q, k, k, use_causal_mask=True, sliding_window=3, window_size=(4, 4))
-
-
-def test_supports_probe_follows_the_kernels_checks(monkeypatch):
-    """kernel_api.supports reads the kernels' own checks: a kernel whose check allows every feature is reported
-    as supporting each; today's checks with supports=() support none."""
-    sig_fwd = kernel_api.attention_fwd
-
-    def full_problem(q_ref, k_ref, v_ref, sinks_ref=None, bound_min=None, bound_max=None, use_causal_mask=False,
-                     mixed_precision=True, softmax_scale=None, sliding_window=None, softcap=0.0, alibi_slopes=None,
-                     window_size=None, dropout_p=0.0, dropout_seed=None, o_ref=None, dy_ref=None, lse_ref=None):
-        return V.attention_problem(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref, bound_min, bound_max,
-                                   use_causal_mask, softmax_scale, sliding_window, softcap, alibi_slopes,
-                                   window_size, dropout_p, dropout_seed, supports=V.FEATURES)
-
-    def fake_fwd(q_ref, k_ref, v_ref, sinks_ref=None, bound_min=None, bound_max=None, use_causal_mask=False,
-                 mixed_precision=True, softmax_scale=None, sliding_window=None, softcap=0.0, alibi_slopes=None,
-                 window_size=None, dropout_p=0.0, dropout_seed=None):
-        raise AssertionError("never launched by a probe")
-
-    def fake_bwd(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref=None, bound_min=None, bound_max=None,
-                 use_causal_mask=False, mixed_precision=False, softmax_scale=None, sliding_window=None, softcap=0.0,
-                 alibi_slopes=None, window_size=None, dropout_p=0.0, dropout_seed=None):
-        raise AssertionError("never launched by a probe")
-
-    monkeypatch.setattr(kernel_api, "attention_fwd", kernel_api.CheckedKernel(fake_fwd, full_problem))
-    monkeypatch.setattr(kernel_api, "attention_bwd", kernel_api.CheckedKernel(fake_bwd, full_problem))
-    for f in V.FEATURES:
-        assert kernel_api.supports(f), f
-    monkeypatch.setattr(kernel_api, "attention_fwd", sig_fwd)
-    monkeypatch.setattr(kernel_api, "attention_bwd", kernel_api.CheckedKernel(fake_bwd, _legacy_problem))
-    for f in ("head_dim_any", "d_v", "causal_unequal"):
-        assert not kernel_api.supports(f), f
-
-
-def _legacy_problem(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, use_causal_mask=False, softcap=0.0,
-                    alibi_slopes=None, window_size=None, dropout_p=0.0, dropout_seed=None):
-    return V.attention_problem(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, use_causal_mask=use_causal_mask,
-                               softcap=softcap,
-                               alibi_slopes=alibi_slopes, window_size=window_size, dropout_p=dropout_p,
-                               dropout_seed=dropout_seed)

@@ -208,7 +208,8 @@ def _records(fn):
 
 
 def test_static_overhead_only_for_an_instruction_reading_its_engines_previous_output(trn):
-    g = trn(TRN2)
+    # trn1: the 100 cycles are A2's figure (trn2/trn3 calibrate them to 0, params.py)
+    g = trn(TRN1)
     a, b = tile((128, 512), nl.float32), tile((128, 512), nl.float32)
     t1, t2, t3 = (nl.ndarray((128, 512), nl.float32, buffer=nl.sbuf) for _ in range(3))
 
@@ -220,12 +221,14 @@ def test_static_overhead_only_for_an_instruction_reading_its_engines_previous_ou
 
     recs = _records(chain)
     p = profile(recs, g)
-    base = 512 / 2 / 0.96
-    assert p.engine_busy("VectorE") == pytest.approx(4 * base + 100 / 0.96)
+    base = 512 / 1.12  # trn1 VectorE: one fp32 element per lane per cycle at 1.12 GHz
+    assert p.engine_busy("VectorE") == pytest.approx(4 * base + 100 / 1.12)
     assert p.dependent == 1
-    # the earlier rule: every instruction paid the 100 cycles, and VectorE streamed one fp32 element per cycle
+    # the earlier rule: every instruction paid the 100 cycles
     old = revert(g, ["min_ii_and_dependent_overhead", "vector_width_other"])
-    assert profile(recs, old).engine_busy("VectorE") == pytest.approx(4 * (100 + 512) / 0.96)
+    assert profile(recs, old).engine_busy("VectorE") == pytest.approx(4 * (100 + 512) / 1.12)
+    # trn2: the calibrated model charges no static overhead
+    assert profile(recs, TRN2).engine_busy("VectorE") == pytest.approx(4 * 512 / 2 / 0.96)
 
 
 def test_dependency_is_per_engine_and_by_overlapping_bytes(trn):
@@ -265,7 +268,7 @@ def test_affine_select_on_gpsimd(trn):
 
 
 # ----------------------------------------------------------------------------------------------------- DMA
-MIN_PIECE = 850.0  # ns a queue piece occupies at least (trn2 figure of the DMA overview, params.py)
+FIXED = 150.0  # ns every trn2/trn3 queue piece adds (calibrated on the trn2 fp32 matmul tutorial, params.py)
 
 
 def test_full_partition_load_spreads_over_all_16_queues(trn):
@@ -277,45 +280,50 @@ def test_full_partition_load_spreads_over_all_16_queues(trn):
     assert r.engine == "DMA" and r.hbm_bytes == 128 * 2048 * 2
     per_queue = 8 * 2048 * 2  # 8 partitions x 4 KiB: past the small-transfer floor
     assert sorted(q for q, _ in c.queues) == list(range(16))
-    assert all(ns == pytest.approx(per_queue / 23) for _, ns in c.queues)
-    assert c.ns == pytest.approx(per_queue / 23)
+    assert all(ns == pytest.approx(per_queue / 23 + FIXED) for _, ns in c.queues)
+    assert c.ns == pytest.approx(per_queue / 23 + FIXED)
 
 
-def test_small_pieces_cost_the_per_piece_floor(trn):
+def test_small_pieces_pay_the_fixed_cost_and_the_floor_when_set(trn):
     g = trn(TRN2)
     src = tile((128, 512), nl.bfloat16, nl.hbm)   # 1 KiB per partition
     dst = nl.ndarray((128, 512), nl.bfloat16, buffer=nl.sbuf)
-    c = instruction_cost(only_record(lambda: nisa.dma_copy(dst=dst, src=src)), g)
-    assert c.ns == pytest.approx(MIN_PIECE)
+    r = only_record(lambda: nisa.dma_copy(dst=dst, src=src))
+    assert instruction_cost(r, g).ns == pytest.approx(8 * 1024 / 23 + FIXED)
+    # the earlier 850 ns occupancy floor (a sensitivity setting now)
+    assert instruction_cost(r, revert(g, ["calibrated_dma"])).ns == pytest.approx(850)
     col = tile((128, 1), nl.float32, nl.hbm)      # one 4-byte element per partition
     dcol = nl.ndarray((128, 1), nl.float32, buffer=nl.sbuf)
     c = instruction_cost(only_record(lambda: nisa.dma_copy(dst=dcol, src=col)), g)
-    assert c.ns == pytest.approx(MIN_PIECE) and len(c.queues) == 16
+    assert c.ns == pytest.approx(8 * 4 / 23 + FIXED) and len(c.queues) == 16
 
 
-def test_model_follows_the_dma_overview_throughput_figure(trn):
-    """The DMA overview's figure (trn2, p_dim = 128) read off at 1, 2 and 4 KiB per partition: 42%, 81% and 97%
-    of the 32 KiB throughput. The one-parameter model (max(floor, bytes / 23 B/ns)) must stay within 0.05 of each
-    reading (the readings are +-1%; the model has no term for the gentle approach to the plateau above 2 KiB)."""
+def test_single_transfer_efficiency_against_the_dma_overview_figure(trn):
+    """The DMA overview's figure (trn2, p_dim = 128, one transfer) reads 42 %, 81 % and 97 % of the 32 KiB
+    throughput at 1, 2 and 4 KiB per partition. The calibrated model puts the transfer's fixed costs in the
+    semaphore-to-start latency (1300 ns, not occupancy) and 150 ns of occupancy per piece, so a lone transfer
+    takes 1300 + bytes / 23 + 150 ns end to end: efficiencies 25 %, 37 % and 52 % of the 23 B/ns (relative to
+    its 32 KiB value: 0.35, 0.52, 0.74). The matmul tutorial's measured times (docs/performance.md) decided
+    this; the figure's single-transfer curve is not reproduced, and this test pins the numbers."""
     g = trn(TRN2)
-    for per_partition, reading in ((1024, 0.424), (2048, 0.814), (4096, 0.966)):
+    for per_partition in (1024, 2048, 4096):
         src = tile((128, per_partition // 2), nl.bfloat16, nl.hbm)
         dst = nl.ndarray((128, per_partition // 2), nl.bfloat16, buffer=nl.sbuf)
-        c = instruction_cost(only_record(lambda: nisa.dma_copy(dst=dst, src=src)), g)
-        efficiency = (8 * per_partition / 23) / c.ns
-        assert efficiency == pytest.approx(reading, abs=0.05), per_partition
+        p = profile([only_record(lambda: nisa.dma_copy(dst=dst, src=src))], g)
+        data = 8 * per_partition / 23
+        assert p.time_ns == pytest.approx(1300 + data + FIXED), per_partition
 
 
 def test_few_partitions_use_one_queue(trn):
     # The DMA overview's example: A[4, 4096] bf16 HBM -> SBUF occupies a single engine with 32 KiB; measured on
-    # trn2 in 1416 ns. The model (no fixed cost added to the 23 B/ns) lands within 1% of the measurement.
+    # trn2 in 1416 ns. The model's queue occupancy (23 B/ns plus the calibrated 150 ns) is 11 % above it.
     g = trn(TRN2)
     src = tile((4, 4096), nl.bfloat16, nl.hbm)
     dst = nl.ndarray((4, 4096), nl.bfloat16, buffer=nl.sbuf)
     c = instruction_cost(only_record(lambda: nisa.dma_copy(dst=dst, src=src)), g)
     assert [q for q, _ in c.queues] == [0]
-    assert c.ns == pytest.approx(32768 / 23)
-    assert c.ns == pytest.approx(1416, rel=0.01)
+    assert c.ns == pytest.approx(32768 / 23 + FIXED)
+    assert c.ns == pytest.approx(1416, rel=0.12)
     # the earlier model added 1300 ns of queue occupancy: almost twice the measured time
     assert instruction_cost(c and only_record(lambda: nisa.dma_copy(dst=dst, src=src)),
                             revert(g, ["dma_fixed_cost_is_latency"])).ns == pytest.approx(1300 + 32768 / 23)
@@ -327,7 +335,7 @@ def test_partition_offset_selects_the_queues(trn):
     big = nl.ndarray((128, 4096), nl.float32, buffer=nl.sbuf)
     c = instruction_cost(only_record(lambda: nisa.dma_copy(dst=big[64:80, :], src=src)), g)
     assert [q for q, _ in c.queues] == [8, 9]  # partitions 64..79 -> queues 64//8 and 72//8
-    assert c.ns == pytest.approx(8 * 4096 * 4 / 23)
+    assert c.ns == pytest.approx(8 * 4096 * 4 / 23 + FIXED)
 
 
 def test_store_to_hbm_counts_hbm_bytes_of_the_hbm_side(trn):
@@ -337,7 +345,7 @@ def test_store_to_hbm_counts_hbm_bytes_of_the_hbm_side(trn):
     r = only_record(lambda: nisa.dma_copy(dst=dst, src=src))
     assert r.hbm_bytes == 128 * 2048 * 2
     assert r.bytes_moved == 128 * 2048 * 4
-    assert instruction_cost(r, g).ns == pytest.approx(8 * 2048 * 4 / 33)
+    assert instruction_cost(r, g).ns == pytest.approx(8 * 2048 * 4 / 33 + FIXED)
 
 
 def test_hbm_to_hbm_copy_spreads_evenly(trn):
@@ -347,7 +355,7 @@ def test_hbm_to_hbm_copy_spreads_evenly(trn):
     r = only_record(lambda: nisa.dma_copy(dst=dst, src=src))
     c = instruction_cost(r, g)
     assert len(c.queues) == 16
-    assert c.ns == pytest.approx(64 * 1024 * 4 / 16 / 17)
+    assert c.ns == pytest.approx(64 * 1024 * 4 / 16 / 6.5)  # trn1: calibrated 6.5 B/ns per queue
     assert r.hbm_bytes == 2 * 64 * 1024 * 4  # read and written in HBM
 
 
@@ -356,9 +364,18 @@ def test_dma_transpose_runs_at_90_percent_from_hbm(trn):
     src = tile((2048, 64), nl.bfloat16, nl.hbm)
     dst = nl.ndarray((64, 2048), nl.bfloat16, buffer=nl.sbuf)
     r = only_record(lambda: nisa.dma_transpose(dst=dst, src=src))
-    c = instruction_cost(r, g)
+    from dataclasses import replace
+    c = instruction_cost(r, replace(g, dge_transpose_split=False))
     assert len(c.queues) == 8  # 64 destination partitions
-    assert c.ns == pytest.approx(8 * 2048 * 2 / (23 * 0.9))
+    # the copy's occupancy (8 partitions x 4 KiB per queue at 23 B/ns, above the floor) at 90 % throughput
+    assert c.ns == pytest.approx((8 * 2048 * 2 / 23 + FIXED) / 0.9)
+    assert c.dge == 1 and c.shared == ((DGE, 600.0),)  # direct transposes take the hardware DGE path
+    # Split as the hardware DGE requires: a 2-D source needs 16 partitions, so 2048 / 16 = 128 instructions, each
+    # 256 B per queue, each piece's occupancy at 90 %, 128 times per queue, and 128 DGE instructions.
+    c = instruction_cost(r, g)
+    assert len(c.queues) == 128 * 8 and c.dge == 128
+    assert c.ns == pytest.approx(128 * (256 / 23 + FIXED) / 0.9)
+    assert c.shared == ((DGE, 128 * 600.0),)
 
 
 def test_hardware_dge_dma_holds_a_dge_block_not_its_trigger_engine(trn):

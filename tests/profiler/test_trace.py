@@ -72,8 +72,8 @@ def test_tiny_kernel_modeled_time(x):
     p = profile(rec.records, TRN2, useful_flops=2 * 128 * 512 * 64)
     tensor = 512 / 2.4
     scalar = 512 / 1.2  # max(MIN_II = 64, N = 512); it reads PSUM written by TensorE: no same-engine dependency
-    # every queue carries 8 partitions of each transfer: 8 KiB in, 16 KiB out, both under the 850 ns piece floor
-    dma = 850 + 850
+    # every queue carries 8 partitions of each transfer: 8 KiB in, 16 KiB out, each plus the 150 ns per piece
+    dma = 8192 / 23 + 150 + 16384 / 23 + 150
     assert p.engine_busy("TensorE") == pytest.approx(tensor)
     assert p.engine_busy("ScalarE") == pytest.approx(scalar)
     assert p.engine_busy("DMA") == pytest.approx(dma)

@@ -1,0 +1,213 @@
+"""What both attention kernels share: the constants, the step protocol, and the small helpers written once.
+
+**The step protocol.** Every variant of the attention (soft-capping, ALiBi, the masks, dropout) is a *step*:
+a module-level function with ONE signature, the same in the forward and the backward::
+
+    step(cfg, tile, item, x) -> x
+
+``cfg`` is the kernel's trace-time config (built once per launch), ``tile`` the ``Tile`` being computed (its
+position and band classification, fixed at trace time), ``item`` the ``Item`` of the (batch, kv head) work item
+(its runtime tiles: slopes, packing bounds, the dropout seed, ...), and ``x`` the tile's data at that stage. Each
+kernel picks its steps ONCE per launch from its config into a ``Steps`` object; the drivers run the lists in
+order and never test a variant. The stages, in the order a tile goes through them:
+
+    score         S -> S           before the exponent: soft-capping (``softcap_scores``), ALiBi
+    mask_full     S -> S           masking of a FULL tile (forward: the eviction with the row max; backward: none)
+    mask_partial  S -> S           masking of a PARTIAL tile (packing bounds; forward: also the band)
+    p_mask        P -> P           after the exponent (backward: the band's element masks on P)
+    prob          P -> P           the P operand of the value matmul (PV / dV): dropout
+    grad          P -> P           backward: the P operand of dS (soft-capping's chain rule)
+    ds            dP -> dS         backward: ``dS = (dP - D) * P`` (dropout multiplies dP first)
+
+A step that needs what an earlier one made for the same tile reads it from ``tile.saved`` (a dict: soft-capping's
+tanh for its gradient, dropout's keep multiplier for dS). A per-head logit scale, for example, is one more score
+step ``S -> S * scale[h]`` reading a column of ``item``: no driver changes.
+
+**The scale convention.** ``FOLD_SCALE_INTO_Q`` is the one switch for where ``softmax_scale`` is applied, read by
+both kernels (their configs' ``fold_scale_into_q``): True folds it into Q at load, rounded to the input dtype, so
+the backward recomputes exactly the forward's scores (the LSE it gets came from them); False applies it in
+float32 inside the exponent (and the backward's dK eviction).
+"""
+from ..backend import nisa, nl
+
+PMAX = 128  # partitions: query rows per query tile, keys per chunk
+K_TILE = 512  # keys per key tile: 128 x 512 fp32 is one 2 KiB PSUM bank per partition
+FP32_MIN = -3.4028235e38  # the mask value (range_select accepts nothing else); exp of it is exactly 0
+FP32_MAX = 3.4028235e38
+FOLD_SCALE_INTO_Q = True
+
+
+class Tile(nl.NKIObject):
+    """One score tile at trace time: query rows ``[q0, q0 + 128)`` (query tile ``t``) of query head ``hq`` (``h``
+    within the kv head's group) of batch ``b``, keys ``[k0, k0 + kw)``; ``needs_lo`` / ``needs_hi`` and ``kind``
+    from ``band.classify_keys``. ``rows``: the per-row state of the tile's rows (dropout's row words, or None);
+    ``row_max``: the forward's column for the masked row max; ``key_idx``: the key index of every column (trn1
+    packing in the forward); ``d_col``: the backward's D column. ``saved``: what a step leaves for a later one."""
+
+    def __init__(self, b, hq, h, t, k0, kw, needs_lo, needs_hi, kind, rows=None, row_max=None, key_idx=None,
+                 d_col=None):
+        self.b = b
+        self.hq = hq
+        self.h = h
+        self.t = t
+        self.q0 = t * PMAX
+        self.k0 = k0
+        self.kw = kw
+        self.needs_lo = needs_lo
+        self.needs_hi = needs_hi
+        self.kind = kind
+        self.rows = rows
+        self.row_max = row_max
+        self.key_idx = key_idx
+        self.d_col = d_col
+        self.saved = {}
+
+
+class Item(nl.NKIObject):
+    """One (batch ``b``, kv head ``kvh``) work item and its runtime tiles (None when unused): ``slopes`` the ALiBi
+    coefficient ``-slope / e`` ``[128, group]`` (e: the exponent's scale), ``slopes_pos`` its negation (backward);
+    ``alibi_st`` / ``pos_tab`` the forward's TensorE ALiBi operands; ``bounds`` ``(bmin, bmax)`` key bounds
+    ``[128, n_qt]``; ``seed`` the dropout seed tile; ``sinks`` the forward's starting statistics ``(m0, l0)``
+    from the sinks; the backward's row statistics ``neg_lse`` / ``dsum`` ``[128, group, nq]`` (-LSE and D of
+    every member), its D matmul's ``ones`` column and its dQ reload's ``ident`` identity (launch-wide)."""
+
+    def __init__(self, b, kvh, slopes=None, slopes_pos=None, seed=None, bounds=None, alibi_st=None, pos_tab=None,
+                 sinks=None, neg_lse=None, dsum=None, ones=None, ident=None):
+        self.b = b
+        self.kvh = kvh
+        self.slopes = slopes
+        self.slopes_pos = slopes_pos
+        self.seed = seed
+        self.bounds = bounds
+        self.alibi_st = alibi_st
+        self.pos_tab = pos_tab
+        self.sinks = sinks
+        self.neg_lse = neg_lse
+        self.dsum = dsum
+        self.ones = ones
+        self.ident = ident
+
+
+class Hbm(nl.NKIObject):
+    """The HBM tensors of one launch, inputs and outputs (None when the kernel has no such tensor): q ``[bs,
+    nheads, d_qk, seqlen_q]``, k ``[bs, nheads_kv, d_qk, seqlen_k]``, v ``[bs, nheads_kv, d_v, seqlen_k]``, o /
+    dy ``[bs, nheads, d_v, seqlen_q]``, lse ``[bs, nheads, 128, seqlen_q // 128]``, sinks; the backward's
+    gradients dq, dk, dv, dsinks shaped like their inputs and its fp32 dQ scratch; alibi_slopes ``[bs,
+    nheads]``."""
+
+    def __init__(self, q, k, v, o=None, dy=None, lse=None, sinks=None, dq=None, dk=None, dv=None, dsinks=None,
+                 dq_scratch=None, alibi_slopes=None):
+        self.q = q
+        self.k = k
+        self.v = v
+        self.o = o
+        self.dy = dy
+        self.lse = lse
+        self.sinks = sinks
+        self.dq = dq
+        self.dk = dk
+        self.dv = dv
+        self.dsinks = dsinks
+        self.dq_scratch = dq_scratch
+        self.alibi_slopes = alibi_slopes
+
+
+class Steps(nl.NKIObject):
+    """The steps of one launch, chosen once from the config (module docstring): lists run in order, or one
+    function per tile kind. ``key_block`` / ``lse`` / ``rows`` are the forward's once-per-key-block, LSE and
+    per-slab row-state steps (``_alibi_positions``, ``_alibi_lse``, ``_dropout_slab``)."""
+
+    def __init__(self, score, mask_full, mask_partial, p_mask, prob, grad=None, ds=None, key_block=None, lse=None,
+                 rows=None):
+        self.score = score
+        self.mask_full = mask_full
+        self.mask_partial = mask_partial
+        self.p_mask = p_mask
+        self.prob = prob
+        self.grad = grad
+        self.ds = ds
+        self.key_block = key_block
+        self.lse = lse
+        self.rows = rows
+
+
+def run_steps(cfg, fns, tile, item, x):
+    """``x`` through the steps ``fns`` in order."""
+    for f in fns:
+        x = f(cfg, tile, item, x)
+    return x
+
+
+def mask_step(steps, tile):
+    """The masking step of ``tile``'s kind."""
+    if tile.kind == "full":
+        return steps.mask_full
+    return steps.mask_partial
+
+
+def no_step(cfg, tile, item, x):
+    """The identity step (a stage with nothing to do for this tile kind)."""
+    return x
+
+
+# ----------------------------------------------------------------------------------------------- shared steps
+def softcap_scores(cfg, tile, item, s):
+    """Score step, soft-capping: ``t = tanh(cap_scale * S)`` (ONE ScalarE activation, PSUM -> float32 SBUF). With
+    ``c`` the cap, ``c t`` is the capped logit ``c tanh(scale q.k / c)``; the exponent applies the factor c (the
+    config's ``exp_scale``), so the softmax keeps its single exponent. ``t`` is saved for the backward's
+    chain rule (``tile.saved["tanh"]``)."""
+    t = nl.ndarray((PMAX, tile.kw), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.activation(dst=t, op=nl.tanh, data=s, scale=cfg.cap_scale)
+    tile.saved["tanh"] = t
+    return t
+
+
+# ----------------------------------------------------------------------------------------------- shared helpers
+def itemsize(dtype):
+    """Bytes per element of the kernels' dtypes (float32, or a 16-bit type)."""
+    if str(dtype) == str(nl.float32):
+        return 4
+    return 2
+
+
+def head_dim_tiles(d):
+    """Partition tiles of a head dimension ``d`` (1..256): ``[(first row, rows), ...]``, full tiles of 128 rows
+    and one remainder tile (199 -> ``[(0, 128), (128, 71)]``). Q/K (``d_qk``) and V/O (``d_v``) get one list
+    each."""
+    tiles = []
+    for start in range(0, d, PMAX):
+        tiles.append((start, min(PMAX, d - start)))
+    return tiles
+
+
+def spmd_items(n_items):
+    """``[start, stop)`` of the work items this core runs: the items are split into contiguous ranges over the
+    cores of the launch (LNC2: ``nl.program_id``)."""
+    if nl.program_ndim() == 0:
+        n_prog = 1
+        pid = 0
+    else:
+        n_prog = nl.num_programs(0)
+        pid = nl.program_id(0)
+    per_core = (n_items + n_prog - 1) // n_prog
+    start = pid * per_core
+    stop = min(n_items, start + per_core)
+    return start, stop
+
+
+def load_slopes(alibi_slopes, nheads, group, b, kvh):
+    """ALiBi slopes of the kv head's query heads broadcast to the 128 partitions: ``[128, group]`` float32, one
+    stride-0 DMA from the ``[bs, nheads]`` HBM tensor."""
+    sl = nl.ndarray((PMAX, group), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.dma_copy(dst=sl, src=alibi_slopes.ap(pattern=[[0, PMAX], [1, group]], offset=b * nheads + kvh * group))
+    return sl
+
+
+def load_packing_bounds(bound_min, bound_max, n_qt):
+    """Packing bounds as SBUF ``[128, n_qt]`` float32 columns (element ``(p, t)`` is query row ``t * 128 + p``):
+    key j is visible to query q iff ``bmin[q] <= j < bmax[q]``."""
+    bmin = nl.ndarray((PMAX, n_qt), dtype=nl.float32, buffer=nl.sbuf)
+    bmax = nl.ndarray((PMAX, n_qt), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.dma_copy(dst=bmin, src=bound_min.ap(pattern=[[1, PMAX], [PMAX, n_qt]], offset=0))
+    nisa.dma_copy(dst=bmax, src=bound_max.ap(pattern=[[1, PMAX], [PMAX, n_qt]], offset=0))
+    return bmin, bmax
