@@ -5,6 +5,7 @@
     python scripts/figures.py bwd-tolerances [--write]       the backward's accuracy sweep (docs/validation.md)
     python scripts/figures.py ring steps|threshold|balance|tolerances   ring attention (docs/distributed.md)
     python scripts/figures.py validation-note REPORT... [--candidate REPORT]   docs/validation.md from reports
+    python scripts/figures.py accuracy [--seqlens N...] [--write]   bf16 errors vs power-of-two scale and torch
     python scripts/figures.py readme measure|write|check     README.md's generated times and preset rows
 
 Instruction counts come from the simulator's trace (nki_attn.sim.trace.recording(): one record per executed
@@ -1307,6 +1308,137 @@ def cmd_readme(a):
 
 
 # ----------------------------------------------------------------------------------------------------- main
+
+# ------------------------------------------------------------------------------------------------------ accuracy
+ACCURACY_DOC_MARK = "<!-- figures.py accuracy -->"
+
+
+def _acc_inputs(b, h, s, d, seed, q_factor=1.0):
+    """Kernel-layout bfloat16 inputs ``q, k, v, dy`` ``[b, h, d, s]`` (one kv head per query head); ``q`` is the
+    standard normal draw times ``q_factor`` before its rounding to bfloat16 (the same draw for every factor)."""
+    g = torch.Generator().manual_seed(seed)
+    q, k, v, dy = (torch.randn(b, h, d, s, generator=g, dtype=torch.float64) for _ in range(4))
+    return (q * q_factor).bfloat16(), k.bfloat16(), v.bfloat16(), dy.bfloat16()
+
+
+def _acc_torch(q, k, v, dy, scale, causal, dtype, reduce_in_dtype=False):
+    """o, dq, dk, dv of torch's SDPA math path (``aten._scaled_dot_product_attention_math``) in ``dtype``, from
+    kernel-layout ``[b, h, d, s]`` tensors, returned in that layout. ``reduce_in_dtype``: torch's
+    ``allow_fp16_bf16_reduction_math_sdp(True)``, the whole computation in the 16-bit dtype; False (torch's
+    default): the math path computes in float32 and rounds its outputs to the dtype."""
+    was = torch.backends.cuda.fp16_bf16_reduction_math_sdp_allowed()
+    torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(reduce_in_dtype)
+    try:
+        leaves = [x.transpose(-1, -2).to(dtype).detach().requires_grad_(True) for x in (q, k, v)]
+        o = torch.ops.aten._scaled_dot_product_attention_math(*leaves, None, 0.0, causal, scale=scale)[0]
+        o.backward(dy.transpose(-1, -2).to(dtype))
+    finally:
+        torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(was)
+    return [t.transpose(-1, -2).detach() for t in (o, *(x.grad for x in leaves))]
+
+
+def _acc_errors(q, k, v, dy, scale, causal):
+    """Relative Frobenius errors {output: (ours, torch SDPA math in bfloat16 with float32 reductions, the same
+    with bfloat16 reductions)} against float64 computed from the same bfloat16 inputs; ours =
+    ``kernel_api.attention_fwd`` then ``attention_bwd`` on its own o and LSE."""
+    from nki_attn.kernel_api import attention_bwd, attention_fwd
+    ref = _acc_torch(q, k, v, dy, scale, causal, torch.float64)
+    low = _acc_torch(q, k, v, dy, scale, causal, torch.bfloat16)
+    low16 = _acc_torch(q, k, v, dy, scale, causal, torch.bfloat16, reduce_in_dtype=True)
+    o, lse = attention_fwd(q, k, v, use_causal_mask=causal, softmax_scale=scale)
+    dq, dk, dv = attention_bwd(q, k, v, o, dy, lse, use_causal_mask=causal, softmax_scale=scale)[:3]
+
+    def rel(t, r):
+        t = torch.as_tensor(t).double()
+        return float((t - r).norm() / r.norm())
+    return {n: (rel(got, r), rel(t, r), rel(t16, r))
+            for n, got, t, t16, r in zip(("o", "dq", "dk", "dv"), (o, dq, dk, dv), low, low16, ref)}
+
+
+def args_accuracy(p):
+    """Arguments of the ``accuracy`` subcommand."""
+    p.add_argument("--head-dims", type=int, nargs="+", default=[32, 64, 96, 128, 192, 256])
+    p.add_argument("--seqlens", type=int, nargs="+", default=[1024, 2048])
+    p.add_argument("--heads", type=int, default=1)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", help="also write the rows to this file")
+    p.add_argument("--from-json", nargs="+", default=[], metavar="FILE",
+                   help="do not measure: tabulate the rows of earlier --json files (concatenated)")
+    p.add_argument("--write", action="store_true", help="write the table into docs/validation.md")
+
+
+def run_accuracy(a):
+    """bfloat16 accuracy of forward + backward with the default scale 1/sqrt(d_head) against a power-of-two scale
+    and torch's bfloat16 SDPA math path.
+
+    Per (head dim, causal, tokens): every output's relative Frobenius error against float64 computed from the
+    same bfloat16-rounded inputs, at the default scale s = 1/sqrt(d) (ours and torch's), and ours at the nearest
+    power-of-two scale p with q drawn s/p times larger (the same draw, so the logits have the same distribution
+    and only the scale's value differs). Ratios: ``vs p2`` = ours(s) / ours(p) (target <= 1.05); ``vs torch`` =
+    ours(s) / torch(s) for torch's bfloat16 SDPA math path in its two modes: ``f32`` its default (float32
+    reductions, outputs rounded to bfloat16) and ``bf16`` (``allow_fp16_bf16_reduction_math_sdp(True)``, the
+    computation in bfloat16). Runs the kernels on the simulator (numerics only; no time is reported). Exit
+    status 1 when a ratio to the power-of-two scale exceeds 1.05.
+    """
+    rows = []
+    for path in a.from_json:
+        with open(path) as f:
+            rows += json.load(f)
+    for d in [] if a.from_json else a.head_dims:
+        s = d ** -0.5
+        p2 = 2.0 ** round(math.log2(s))
+        for n in a.seqlens:
+            for causal in (False, True):
+                t0 = time.time()
+                e_s = _acc_errors(*_acc_inputs(1, a.heads, n, d, a.seed), s, causal)
+                e_p = e_s if p2 == s else _acc_errors(*_acc_inputs(1, a.heads, n, d, a.seed, s / p2), p2, causal)
+                row = dict(d=d, seqlen=n, causal=causal, scale=s, p2=p2,
+                           ours={k: v[0] for k, v in e_s.items()}, torch={k: v[1] for k, v in e_s.items()},
+                           torch_bf16={k: v[2] for k, v in e_s.items()}, ours_p2={k: v[0] for k, v in e_p.items()})
+                row["vs_p2"] = {k: row["ours"][k] / row["ours_p2"][k] for k in row["ours"]}
+                row["vs_torch"] = {k: row["ours"][k] / row["torch"][k] for k in row["ours"]}
+                row["vs_torch_bf16"] = {k: row["ours"][k] / row["torch_bf16"][k] for k in row["ours"]}
+                rows.append(row)
+                print(f"d={d} n={n} causal={causal} ({time.time() - t0:.0f} s wall): "
+                      + "  ".join(f"{k} {row['ours'][k]:.3e} p2x{row['vs_p2'][k]:.3f} f32x{row['vs_torch'][k]:.3f} "
+                                  f"bf16x{row['vs_torch_bf16'][k]:.3f}" for k in row["ours"]), flush=True)
+    outs = ("o", "dq", "dk", "dv")
+
+    def worst(r, key):
+        w = max(r[key], key=r[key].get)
+        return f"{r[key][w]:.3f} ({w})"
+    head = ("| head_dim | tokens | causal | ours o / dq / dk / dv | worst vs p2 | worst vs torch f32 | "
+            "worst vs torch bf16 | torch f32 o / dq / dk / dv | torch bf16 o / dq / dk / dv |\n"
+            "|---|---|---|---|---|---|---|---|---|\n")
+    body = ""
+    for r in rows:
+        body += (f"| {r['d']} | {r['seqlen']} | {'yes' if r['causal'] else 'no'} | "
+                 + " / ".join(f"{r['ours'][k]:.2e}" for k in outs)
+                 + f" | {worst(r, 'vs_p2')} | {worst(r, 'vs_torch')} | {worst(r, 'vs_torch_bf16')} | "
+                 + " / ".join(f"{r['torch'][k]:.2e}" for k in outs) + " | "
+                 + " / ".join(f"{r['torch_bf16'][k]:.2e}" for k in outs) + " |\n")
+    worst_p = max(max(r["vs_p2"].values()) for r in rows)
+    per_out = {k: max(r["vs_torch"][k] for r in rows) for k in outs}
+    per_out16 = {k: max(r["vs_torch_bf16"][k] for r in rows) for k in outs}
+    table = head + body + (
+        f"\nWorst ratio to the power-of-two scale: {worst_p:.3f} (target 1.05). Worst ratio per output to torch "
+        "f32 (default math path): " + ", ".join(f"{k} {v:.3f}" for k, v in per_out.items())
+        + "; to torch bf16 (reductions in bfloat16): " + ", ".join(f"{k} {v:.3f}" for k, v in per_out16.items())
+        + " (target 1.55).\n")
+    print(table)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    if a.write:
+        path = os.path.join(DOCS, "validation.md")
+        text = open(path).read()
+        i = text.index(ACCURACY_DOC_MARK) + len(ACCURACY_DOC_MARK)
+        j = text.index(ACCURACY_DOC_MARK, i)
+        with open(path, "w") as f:
+            f.write(text[:i] + "\n" + table + text[j:])
+    return 0 if worst_p <= 1.05 else 1
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n")[1],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -1364,6 +1496,7 @@ def main(argv=None):
                                               "reports/harness_report_models.json)")
     v.add_argument("--candidate", action="append", default=[], metavar="REPORT",
                    help="a report of nki-attn check --candidate-bwd/--candidate-fwd (repeatable)")
+    args_accuracy(add(sub, "accuracy", run_accuracy))
     r = sub.add_parser("readme", help=cmd_readme.__doc__.split("\n")[0], description=cmd_readme.__doc__,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     r.set_defaults(run=cmd_readme)
