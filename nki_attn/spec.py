@@ -163,7 +163,7 @@ def resolve_scale(fn, softmax_scale, d_head, name="softmax_scale"):
     if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
         fail(fn, name, repr(softmax_scale), "must be None or a real number", TypeError)
     if not (math.isfinite(softmax_scale) and softmax_scale > 0):
-        fail(fn, name, softmax_scale, "must be finite and > 0 (the kernels fold it into Q)")
+        fail(fn, name, softmax_scale, "must be finite and > 0 (the kernels scale the scores by it in float32)")
     return float(softmax_scale)
 
 

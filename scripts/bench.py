@@ -8,6 +8,8 @@
     python scripts/bench.py dropout-stats [--seeds 8]                statistics of the dropout keep mask
     python scripts/bench.py blas-orders [--reuse DIR] [--write]      float32 rows under other CPUs' BLAS kernels
     python scripts/bench.py planted-bugs [--write]                   planted bugs against the tolerance rules
+    python scripts/bench.py sim-speed [--seqlens 512,2048,8192] [--skip-kernels] [--skip-llama] [--matmul-tiles N]
+                                      [--torch-threads N] [--profile-llama F]   the simulator vs torch, wall clock
 
 Every device time printed is MODELED by nki_attn.profiler (the cost model over the simulator's instruction
 trace, docs/performance.md), never measured; wall-clock times are this machine's CPU running the simulator.
@@ -15,7 +17,7 @@ trace, docs/performance.md), never measured; wall-clock times are this machine's
 A study is two functions registered in COMMANDS: ``args_<name>(parser)`` adds its options and
 ``run_<name>(args)`` runs it and returns the exit status (its docstring's first line is the help). Heavy imports
 stay inside the run functions, so that ``--blas-threads`` (sim-overhead) can set OPENBLAS_NUM_THREADS before
-numpy loads. A new study (e.g. the simulator's speed benchmark) is one more such pair and one COMMANDS line.
+numpy loads. A new study is one more such pair and one COMMANDS line.
 """
 import argparse
 import contextlib
@@ -861,6 +863,246 @@ def run_planted_bugs(a):
     return 0
 
 
+# ----------------------------------------------------------------------------------------------------- sim-speed
+def _load():
+    return os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+
+
+def _best_of(fn, repeats):
+    """The best wall time of ``repeats`` calls of ``fn`` (seconds)."""
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def _timed(fn):
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def _matmul_act_loop_kernel():
+    """The matmul loop's kernel, made on first use (numpy and the simulator load inside ``run_sim_speed``)."""
+    from nki_attn.sim import isa as nisa
+    from nki_attn.sim import jit
+    from nki_attn.sim import language as nl
+
+    @jit
+    def matmul_act_loop(stat, mov, n_tiles):
+        """stat [128, 128] bf16, mov [128, 512] bf16 in HBM; n_tiles matmul + activation pairs; returns the
+        last."""
+        out = nl.ndarray((128, 512), nl.bfloat16, buffer=nl.shared_hbm)
+        s = nl.ndarray((128, 128), nl.bfloat16, buffer=nl.sbuf)
+        m = nl.ndarray((128, 512), nl.bfloat16, buffer=nl.sbuf)
+        nisa.dma_copy(dst=s, src=stat)
+        nisa.dma_copy(dst=m, src=mov)
+        res = nl.ndarray((128, 512), nl.bfloat16, buffer=nl.sbuf)
+        for _ in range(n_tiles):
+            acc = nl.ndarray((128, 512), nl.float32, buffer=nl.psum)
+            nisa.nc_matmul(dst=acc, stationary=s, moving=m)
+            nisa.activation(dst=res, op=nl.exp, data=acc, scale=0.01)
+        nisa.dma_copy(dst=out, src=res)
+        return out
+    return matmul_act_loop
+
+
+def _numpy_loop(stat, mov, n_tiles):
+    import ml_dtypes
+    import numpy as np
+    res = None
+    for _ in range(n_tiles):
+        acc = stat.astype(np.float32).T @ mov.astype(np.float32)
+        res = np.exp(acc * np.float32(0.01)).astype(ml_dtypes.bfloat16)
+    return res
+
+
+def _sim_speed_matmul_loop(tiles, repeats):
+    import ml_dtypes
+    import numpy as np
+    matmul_act_loop = _matmul_act_loop_kernel()
+    rng = np.random.default_rng(0)
+    stat = rng.standard_normal((128, 128)).astype(ml_dtypes.bfloat16)
+    mov = rng.standard_normal((128, 512)).astype(ml_dtypes.bfloat16)
+    sim_out = matmul_act_loop(stat, mov, tiles)
+    assert np.array_equal(sim_out.astype(np.float32), _numpy_loop(stat, mov, 1).astype(np.float32)), \
+        "simulator and numpy disagree"
+    t_sim = _best_of(lambda: matmul_act_loop(stat, mov, tiles), repeats)
+    t_np = _best_of(lambda: _numpy_loop(stat, mov, tiles), repeats)
+    print(f"\nmatmul-loop: {tiles} x (128x128x512 bf16 nc_matmul + exp activation), best of {repeats}")
+    print(f"  simulator {t_sim * 1e3:8.1f} ms ({t_sim / tiles * 1e6:.0f} us per pair)  load {_load():.1f}")
+    print(f"  numpy     {t_np * 1e3:8.1f} ms ({t_np / tiles * 1e6:.0f} us per pair)  load {_load():.1f}")
+    print(f"  ratio     {t_sim / t_np:8.2f}x")
+
+
+def _sim_speed_kernels(seqlens, heads, head_dim, repeats):
+    import ml_dtypes
+    import numpy as np
+    import torch
+    import torch.nn.functional as F
+
+    from golden.attention_bwd_torch import attention_bwd_torch_ref
+    from golden.attention_fwd_torch import attention_fwd_torch_ref
+    from nki_attn.kernels.attention_bwd import attention_bwd
+    from nki_attn.kernels.attention_fwd import attention_fwd
+    from nki_attn.sim import replay
+
+    print(f"\nkernels: attention fwd+bwd, B=1 H={heads} D={head_dim} bf16 causal; best of {repeats}, sides "
+          f"alternated; times in seconds (wall clock, CPU)")
+    print(f"  {'seqlen':>6} | {'golden':>8} | {'SDPA':>8} | {'sim 1st':>8} | {'sim rep':>8} | {'rep/gold':>8} | "
+          f"{'rep/SDPA':>8} | {'1st/rep':>7} | load (golden, SDPA, 1st, rep)")
+    rows = []
+    process_first = None
+    for s in seqlens:
+        rng = np.random.default_rng(s)
+        shapes = {"q": (1, heads, head_dim, s), "k": (1, heads, head_dim, s), "v": (1, heads, head_dim, s),
+                  "dy": (1, heads, head_dim, s)}
+        npx = {n: rng.standard_normal(sh).astype(np.float32).astype(ml_dtypes.bfloat16) for n, sh in shapes.items()}
+        tx = {n: torch.from_numpy(a.view(np.int16)).view(torch.bfloat16) for n, a in npx.items()}
+        # SDPA takes [B, H, S, D]
+        sq = {n: t.transpose(-1, -2).contiguous() for n, t in tx.items()}
+
+        def simulated():
+            o, lse = attention_fwd(npx["q"], npx["k"], npx["v"], use_causal_mask=True)
+            return attention_bwd(npx["q"], npx["k"], npx["v"], o, npx["dy"], lse, use_causal_mask=True)
+
+        def golden():
+            o, lse = attention_fwd_torch_ref(tx["q"], tx["k"], tx["v"], use_causal_mask=True)
+            return attention_bwd_torch_ref(tx["q"], tx["k"], tx["v"], o, tx["dy"], lse, use_causal_mask=True)
+
+        def sdpa():
+            q, k, v = (sq[n].detach().requires_grad_() for n in ("q", "k", "v"))
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            o.backward(sq["dy"])
+            return q.grad, k.grad, v.grad
+
+        golden()
+        sdpa()
+        t_gold, t_sdpa, t_first, t_rep = [], [], [], []
+        l_gold = l_sdpa = l_first = l_rep = 0.0
+        for _ in range(repeats):
+            t_gold.append(_timed(golden))
+            l_gold = _load()
+            t_sdpa.append(_timed(sdpa))
+            l_sdpa = _load()
+            replay.clear()                  # the first call of the signature: a trace (recorded)
+            t_first.append(_timed(simulated))
+            l_first = _load()
+            t_rep.append(_timed(simulated))  # a repeated call: a replay
+            l_rep = _load()
+        if process_first is None:  # the kernels' first call in this process: gathering and instrumenting too
+            process_first = (s, t_first[0], t_rep[0])
+        replayed = sum(r for _, r, _, _ in replay.info()[0]) > 0
+        g, d, f, r = min(t_gold), min(t_sdpa), min(t_first), min(t_rep)
+        note = "" if replayed else " (not replayed: " + "; ".join(sorted(set(replay.info()[1].values()))) + ")"
+        print(f"  {s:>6} | {g:8.3f} | {d:8.3f} | {f:8.3f} | {r:8.3f} | {r / g:7.2f}x | {r / d:7.2f}x | "
+              f"{f / r:6.2f}x | {l_gold:.1f}, {l_sdpa:.1f}, {l_first:.1f}, {l_rep:.1f}{note}", flush=True)
+        rows.append((s, g, d, f, r))
+    s, f, r = process_first
+    print(f"  first call in the process (frontend gathering and instrumenting, then the trace) at seqlen {s}: "
+          f"{f:.3f} s, {f / r:.1f}x the second call")
+    return rows
+
+
+def _sim_speed_llama(repeats, profile=None):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from nki_attn.integrations.transformers import register
+
+    name = register()
+    ids = torch.randint(0, 256, (1, 128), generator=torch.Generator().manual_seed(0))
+
+    def build(impl):
+        torch.manual_seed(0)
+        cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=256)
+        return LlamaForCausalLM._from_config(cfg, attn_implementation=impl)
+
+    def step(m):
+        m(input_ids=ids, labels=ids).loss.backward()
+        m.zero_grad(set_to_none=True)
+
+    models = {name: build(name), "sdpa": build("sdpa")}
+    first = {}
+    for impl, m in models.items():
+        first[impl] = (_timed(lambda: step(m)), _load())
+    times = {impl: [] for impl in models}
+    loads = {}
+    for _ in range(repeats):
+        for impl, m in models.items():
+            times[impl].append(_timed(lambda: step(m)))
+            loads[impl] = _load()
+    n, s = min(times[name]), min(times["sdpa"])
+    print(f"\nllama: one training step, 2 layers, hidden 64, 4 heads, 128 tokens, float32; best of {repeats}, "
+          f"sides alternated (torch {torch.get_num_threads()} threads)")
+    print(f"  sdpa     step {s * 1e3:8.1f} ms  load {loads['sdpa']:.1f}   (first step {first['sdpa'][0] * 1e3:.1f} ms)")
+    print(f"  nki_attn step {n * 1e3:8.1f} ms  load {loads[name]:.1f}   (first step {first[name][0] * 1e3:.1f} ms, "
+          f"load {first[name][1]:.1f}: {first[name][0] / n:.1f}x the steady step)")
+    print(f"  ratio nki_attn / sdpa: {n / s:.2f}x")
+    if profile:
+        import cProfile
+        import pstats
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(repeats):
+            step(models[name])
+        prof.disable()
+        prof.dump_stats(profile)
+        print(f"\ncProfile of {repeats} nki_attn steps -> {profile}")
+        pstats.Stats(prof).sort_stats("tottime").print_stats(30)
+    return n, s
+
+def args_sim_speed(p):
+    p.add_argument("--seqlens", default="512,2048,8192", help="comma-separated sequence lengths (kernels)")
+    p.add_argument("--heads", type=int, default=1)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--skip-kernels", action="store_true")
+    p.add_argument("--skip-llama", action="store_true")
+    p.add_argument("--matmul-tiles", type=int, default=0, help="also run the matmul loop with this many tiles")
+    p.add_argument("--profile-llama", metavar="F", help="cProfile nki_attn llama steps into F")
+    p.add_argument("--torch-threads", type=int, default=None,
+                   help="torch.set_num_threads (default: torch's own; the simulator runs numpy single-threaded)")
+
+
+def run_sim_speed(a):
+    """The simulator's speed: simulated kernels and a tiny Hugging Face model against torch on the same CPU.
+
+Wall-clock CPU times (nothing here is a device time). Every figure is printed with the 1-minute load average read
+right after it, and each ratio is taken from figures of the same run, sides alternated, best of --repeats:
+
+1. kernels: simulated attention_fwd + attention_bwd (bf16, causal, batch 1) against the torch golden forward +
+   backward (golden/) and against torch SDPA forward + backward on CPU, at each --seqlens. The simulated figure
+   is given twice: the first call of a signature (the kernel body runs: a trace, recorded) and a repeated call (a
+   replay of the recording, nki_attn.sim.replay; when the signature is not replayable, a second trace, and the
+   row says why), with their ratio.
+2. llama: one training step (forward, loss, backward) of a 2-layer, 64-hidden Llama (4 heads, 128 tokens) built
+   from a config with attn_implementation="nki_attn" against "sdpa"; the first nki_attn step (traces) and the
+   steady one (replays).
+3. matmul-loop (--matmul-tiles N): the per-instruction overhead of the simulator, N x (128x128x512 bf16
+   nc_matmul + one exp activation) simulated vs the same arithmetic in plain numpy.
+"""
+    import platform
+
+    import numpy as np
+    import torch
+    if a.torch_threads:
+        torch.set_num_threads(a.torch_threads)
+    print(f"machine: {os.cpu_count()} CPUs, python {platform.python_version()}, numpy {np.__version__}, torch "
+          f"{torch.__version__} ({torch.get_num_threads()} threads); NKI_ATTN_SIM_REPLAY="
+          f"{os.environ.get('NKI_ATTN_SIM_REPLAY', 'unset (on)')}; load {_load():.1f}")
+    if not a.skip_kernels:
+        _sim_speed_kernels([int(s) for s in a.seqlens.split(",") if s], a.heads, a.head_dim, a.repeats)
+    if not a.skip_llama:
+        _sim_speed_llama(a.repeats, a.profile_llama)
+    if a.matmul_tiles:
+        _sim_speed_matmul_loop(a.matmul_tiles, a.repeats)
+    return 0
+
+
 # ----------------------------------------------------------------------------------------------------- main
 COMMANDS = {
     "compile": (args_compile, run_compile),
@@ -871,6 +1113,7 @@ COMMANDS = {
     "dropout-stats": (args_dropout_stats, run_dropout_stats),
     "blas-orders": (args_blas_orders, run_blas_orders),
     "planted-bugs": (args_planted_bugs, run_planted_bugs),
+    "sim-speed": (args_sim_speed, run_sim_speed),
 }
 
 

@@ -5,19 +5,25 @@
     python scripts/figures.py bwd-tolerances [--write]       the backward's accuracy sweep (docs/validation.md)
     python scripts/figures.py ring steps|threshold|balance|tolerances   ring attention (docs/distributed.md)
     python scripts/figures.py validation-note REPORT... [--candidate REPORT]   docs/validation.md from reports
+    python scripts/figures.py accuracy [--seqlens N...] [--write]   bf16 errors vs power-of-two scale and torch
+    python scripts/figures.py readme measure|write|check     README.md's generated times and preset rows
 
 Instruction counts come from the simulator's trace (nki_attn.sim.trace.recording(): one record per executed
 instruction). Device times are MODELED by nki_attn.profiler (cost model over the simulator's instruction trace),
 not measured; wall-clock times are this machine's CPU running the simulator, not device times.
 """
 import argparse
+import datetime
 import inspect
 import json
 import math
 import os
+import pathlib
 import re
+import shlex
 import subprocess
 import sys
+import tempfile
 import time
 from collections import defaultdict
 
@@ -1116,7 +1122,323 @@ def cmd_validation_note(args, out=None):
     return 0
 
 
+# ----------------------------------------------------------------------------------------------------- readme
+# The README's figures (how long each command takes, how many rows each preset has), generated from committed
+# measurements so that they are never typed by hand. ``readme measure`` runs one README command once, from the
+# repository root, and records in TIMINGS its wall time, the 1-minute load average at its start and end, the CPU
+# and the date (the machine is shared, so every time comes with its load); ``measure install`` installs into the
+# interpreter given by ``--python`` (a virtual environment: it must not replace the package installed in the
+# environment you work in). ``readme write`` fills the sections between ``<!-- readme-times:begin/end -->`` and
+# ``<!-- readme-presets:begin/end -->`` from TIMINGS and the committed harness reports (the rows per preset and the
+# full and models runs' own times and loads); ``readme check`` exits 1 when README.md differs from ``write``.
+README_ROOT = pathlib.Path(ROOT)
+README = README_ROOT / "README.md"
+# Where the committed reports live: the harness reports and the README's timings. The one place to change if
+# they move.
+REPORTS_DIR = README_ROOT / "reports"
+TIMINGS = REPORTS_DIR / "readme_timings.json"
+PRESET_REPORTS = {"full": "harness_report_full.json", "models": "harness_report_models.json"}
+
+README_SEP = "&&"
+
+
+def readme_command(marker):
+    """The shell command in the first ```bash block after ``<!-- {marker} -->`` in README.md."""
+    text = README.read_text()
+    found = re.search(rf"<!-- {re.escape(marker)} -->\s*```bash\n(.*?)```", text, flags=re.S)
+    if not found:
+        raise SystemExit(f"README.md has no ```bash block after <!-- {marker} -->")
+    return found.group(1).strip()
+
+
+def _readme_parts(marker):
+    """README's `install && run` command split into its two halves."""
+    install, run = readme_command(marker).split(README_SEP, 1)
+    return install.strip(), run.strip()
+
+
+def _readme_run(argv, env=None, cwd=README_ROOT):
+    from nki_attn.harness.report import cpu_model, load_average
+    load0, t0 = load_average(), time.perf_counter()
+    proc = subprocess.run(argv, cwd=cwd, capture_output=True, text=True, env=env)
+    seconds = round(time.perf_counter() - t0, 1)
+    entry = {"command": " ".join(shlex.quote(a) for a in argv), "seconds": seconds,
+             "load_average": {"start": load0, "end": load_average()}, "cpu_model": cpu_model(),
+             "cpus": os.cpu_count(), "date": datetime.date.today().isoformat(), "exit_code": proc.returncode}
+    return entry, proc
+
+
+def readme_measure(what, python=None):
+    """Run one README command and return its timing entry (raises SystemExit when the command fails)."""
+    if what == "quick":
+        _, run = _readme_parts("quick-command")
+        argv = [sys.executable, "-m", "nki_attn.cli"] + shlex.split(run)[1:]  # `nki-attn` from this checkout
+        env = dict(os.environ, PYTHONPATH=str(README_ROOT))
+    elif what == "suite":
+        _, run = _readme_parts("test-command")
+        argv = [sys.executable] + shlex.split(run)[1:]
+        env = dict(os.environ, PYTHONPATH=str(README_ROOT))
+    else:
+        if not python:
+            raise SystemExit("readme measure install needs --python: the interpreter of a virtual environment to "
+                             "install into (not the one you work in)")
+        install, _ = _readme_parts("quick-command")
+        argv = [python, "-m"] + shlex.split(install)
+        env = None
+    with tempfile.TemporaryDirectory() as tmp:  # the check writes harness_report.json where it runs
+        entry, proc = _readme_run(argv, env, cwd=tmp if what == "quick" else README_ROOT)
+    entry["command"] = install if what == "install" else run  # as the README prints it
+    if proc.returncode != 0:
+        raise SystemExit(f"{entry['command']} exited {proc.returncode}:\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
+    if what == "suite":
+        counts = re.findall(r"(\d+) (passed|failed|skipped|xfailed|deselected)", proc.stdout.splitlines()[-1])
+        entry["tests"] = {k: int(n) for n, k in counts}
+    return entry
+
+
+def load_timings():
+    return json.loads(TIMINGS.read_text()) if TIMINGS.exists() else {}
+
+
+def _readme_duration(seconds):
+    s = round(seconds)
+    return f"{s} s" if s < 120 else f"{s // 60} min {s % 60:02d} s"
+
+
+def _readme_load(entry):
+    la = entry.get("load_average") or {}
+    if la.get("start") is None:
+        return "load average not recorded"
+    a, b = la["start"], la["end"]
+    return f"load average {a:.0f}" if round(a) == round(b) else f"load average {a:.0f} to {b:.0f}"
+
+
+def _readme_where(entry):
+    cpu = " ".join(w for w in str(entry.get("cpu_model") or "").split() if not w.startswith("(")) or "CPU unknown"
+    cores = f"{entry['cpus']} cores" if entry.get("cpus") else "cores unknown"
+    return f"{cpu}, {cores}, {_readme_load(entry)}, {entry.get('date', 'date unknown')}"
+
+
+def times_sentence(timings):
+    """The first screen's sentence: how long the install, the quick check and the test suite took."""
+    parts = []
+    if "install" in timings:
+        t = timings["install"]
+        parts.append(f"the install {_readme_duration(t['seconds'])} with every dependency already present "
+                     f"({_readme_where(t)})")
+    if "quick" in timings:
+        t = timings["quick"]
+        parts.append(f"the quick check {_readme_duration(t['seconds'])} ({_readme_where(t)})")
+    if "suite" in timings:
+        t = timings["suite"]
+        n = sum(v for k, v in t.get("tests", {}).items() if k in ("passed", "failed", "skipped", "xfailed"))
+        parts.append(f"the test suite {_readme_duration(t['seconds'])} ({n:,} tests; {_readme_where(t)})")
+    return ("Real time of each, on machines shared with other jobs (1-minute load average at the start and end): "
+            + "; ".join(parts) + ". Generated from `" + TIMINGS.relative_to(README_ROOT).as_posix()
+            + "` by `python scripts/figures.py readme write`; `readme measure` re-times a command.")
+
+
+def preset_reports():
+    return {name: json.loads((REPORTS_DIR / f).read_text()) for name, f in PRESET_REPORTS.items()}
+
+
+def presets_paragraph(timings, reports):
+    """The check section's paragraph: rows and time of each preset, from the timings and the committed reports."""
+    items = []
+    if "quick" in timings:
+        t = timings["quick"]
+        items.append(f"quick {_readme_duration(t['seconds'])} with `-j 2` ({_readme_where(t)})")
+    for name, rep in reports.items():
+        s = rep["summary"]
+        where = _readme_where({**rep["machine"], "load_average": rep["load_average"], "date": rep["created"][:10]})
+        items.append(f"{name} ({s['rows']} rows, {s['passed']} pass) {_readme_duration(rep['wall_seconds'])} with "
+                     f"`-j {rep['jobs']}` ({where}; the committed report "
+                     f"`{(REPORTS_DIR / PRESET_REPORTS[name]).relative_to(README_ROOT).as_posix()}`)")
+    return ("Real times on machines shared with other jobs (1-minute load average at the start and end of each "
+            "run; each report records its own): " + "; ".join(items) + ".")
+
+
+README_SECTIONS = {"readme-times": lambda t, r: times_sentence(t), "readme-presets": presets_paragraph}
+
+
+def render(text, timings, reports):
+    """README text with every generated section rewritten."""
+    for name, make in README_SECTIONS.items():
+        begin, end = f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
+        head, rest = text.split(begin, 1)
+        _, tail = rest.split(end, 1)
+        text = head + begin + "\n" + make(timings, reports) + "\n" + end + tail
+    return text
+
+
+def readme_write():
+    from nki_attn.harness.report import replace_marked_section
+    timings, reports = load_timings(), preset_reports()
+    for name, make in README_SECTIONS.items():
+        replace_marked_section(str(README), name, make(timings, reports))
+
+
+def cmd_readme(a):
+    """The README's generated figures: time a README command, write README.md's sections, or check them.
+
+    python scripts/figures.py readme measure quick        time `nki-attn check --preset quick -j 2`
+    python scripts/figures.py readme measure suite        time the README's test run (pytest -q -n 2)
+    python scripts/figures.py readme measure install --python VENV/bin/python   time the README's install
+    python scripts/figures.py readme write                rewrite README.md's generated sections
+    python scripts/figures.py readme check                exit 1 when README.md differs from `write`
+"""
+    if a.readme_command == "measure":
+        entry = readme_measure(a.what, a.python)
+        timings = load_timings()
+        timings[a.what] = entry
+        TIMINGS.write_text(json.dumps(timings, indent=1) + "\n")
+        print(json.dumps(entry, indent=1))
+        if not a.no_write:
+            readme_write()
+        return 0
+    if a.readme_command == "write":
+        readme_write()
+        return 0
+    want = render(README.read_text(), load_timings(), preset_reports())
+    if want != README.read_text():
+        print("README.md's generated sections are out of date: run python scripts/figures.py readme write",
+              file=sys.stderr)
+        return 1
+    return 0
+
+
 # ----------------------------------------------------------------------------------------------------- main
+
+# ------------------------------------------------------------------------------------------------------ accuracy
+ACCURACY_DOC_MARK = "<!-- figures.py accuracy -->"
+
+
+def _acc_inputs(b, h, s, d, seed, q_factor=1.0):
+    """Kernel-layout bfloat16 inputs ``q, k, v, dy`` ``[b, h, d, s]`` (one kv head per query head); ``q`` is the
+    standard normal draw times ``q_factor`` before its rounding to bfloat16 (the same draw for every factor)."""
+    g = torch.Generator().manual_seed(seed)
+    q, k, v, dy = (torch.randn(b, h, d, s, generator=g, dtype=torch.float64) for _ in range(4))
+    return (q * q_factor).bfloat16(), k.bfloat16(), v.bfloat16(), dy.bfloat16()
+
+
+def _acc_torch(q, k, v, dy, scale, causal, dtype, reduce_in_dtype=False):
+    """o, dq, dk, dv of torch's SDPA math path (``aten._scaled_dot_product_attention_math``) in ``dtype``, from
+    kernel-layout ``[b, h, d, s]`` tensors, returned in that layout. ``reduce_in_dtype``: torch's
+    ``allow_fp16_bf16_reduction_math_sdp(True)``, the whole computation in the 16-bit dtype; False (torch's
+    default): the math path computes in float32 and rounds its outputs to the dtype."""
+    was = torch.backends.cuda.fp16_bf16_reduction_math_sdp_allowed()
+    torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(reduce_in_dtype)
+    try:
+        leaves = [x.transpose(-1, -2).to(dtype).detach().requires_grad_(True) for x in (q, k, v)]
+        o = torch.ops.aten._scaled_dot_product_attention_math(*leaves, None, 0.0, causal, scale=scale)[0]
+        o.backward(dy.transpose(-1, -2).to(dtype))
+    finally:
+        torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(was)
+    return [t.transpose(-1, -2).detach() for t in (o, *(x.grad for x in leaves))]
+
+
+def _acc_errors(q, k, v, dy, scale, causal):
+    """Relative Frobenius errors {output: (ours, torch SDPA math in bfloat16 with float32 reductions, the same
+    with bfloat16 reductions)} against float64 computed from the same bfloat16 inputs; ours =
+    ``kernel_api.attention_fwd`` then ``attention_bwd`` on its own o and LSE."""
+    from nki_attn.kernel_api import attention_bwd, attention_fwd
+    ref = _acc_torch(q, k, v, dy, scale, causal, torch.float64)
+    low = _acc_torch(q, k, v, dy, scale, causal, torch.bfloat16)
+    low16 = _acc_torch(q, k, v, dy, scale, causal, torch.bfloat16, reduce_in_dtype=True)
+    o, lse = attention_fwd(q, k, v, use_causal_mask=causal, softmax_scale=scale)
+    dq, dk, dv = attention_bwd(q, k, v, o, dy, lse, use_causal_mask=causal, softmax_scale=scale)[:3]
+
+    def rel(t, r):
+        t = torch.as_tensor(t).double()
+        return float((t - r).norm() / r.norm())
+    return {n: (rel(got, r), rel(t, r), rel(t16, r))
+            for n, got, t, t16, r in zip(("o", "dq", "dk", "dv"), (o, dq, dk, dv), low, low16, ref)}
+
+
+def args_accuracy(p):
+    """Arguments of the ``accuracy`` subcommand."""
+    p.add_argument("--head-dims", type=int, nargs="+", default=[32, 64, 96, 128, 192, 256])
+    p.add_argument("--seqlens", type=int, nargs="+", default=[1024, 2048])
+    p.add_argument("--heads", type=int, default=1)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", help="also write the rows to this file")
+    p.add_argument("--from-json", nargs="+", default=[], metavar="FILE",
+                   help="do not measure: tabulate the rows of earlier --json files (concatenated)")
+    p.add_argument("--write", action="store_true", help="write the table into docs/validation.md")
+
+
+def run_accuracy(a):
+    """bfloat16 accuracy of forward + backward with the default scale 1/sqrt(d_head) against a power-of-two scale
+    and torch's bfloat16 SDPA math path.
+
+    Per (head dim, causal, tokens): every output's relative Frobenius error against float64 computed from the
+    same bfloat16-rounded inputs, at the default scale s = 1/sqrt(d) (ours and torch's), and ours at the nearest
+    power-of-two scale p with q drawn s/p times larger (the same draw, so the logits have the same distribution
+    and only the scale's value differs). Ratios: ``vs p2`` = ours(s) / ours(p) (target <= 1.05); ``vs torch`` =
+    ours(s) / torch(s) for torch's bfloat16 SDPA math path in its two modes: ``f32`` its default (float32
+    reductions, outputs rounded to bfloat16) and ``bf16`` (``allow_fp16_bf16_reduction_math_sdp(True)``, the
+    computation in bfloat16). Runs the kernels on the simulator (numerics only; no time is reported). Exit
+    status 1 when a ratio to the power-of-two scale exceeds 1.05.
+    """
+    rows = []
+    for path in a.from_json:
+        with open(path) as f:
+            rows += json.load(f)
+    for d in [] if a.from_json else a.head_dims:
+        s = d ** -0.5
+        p2 = 2.0 ** round(math.log2(s))
+        for n in a.seqlens:
+            for causal in (False, True):
+                t0 = time.time()
+                e_s = _acc_errors(*_acc_inputs(1, a.heads, n, d, a.seed), s, causal)
+                e_p = e_s if p2 == s else _acc_errors(*_acc_inputs(1, a.heads, n, d, a.seed, s / p2), p2, causal)
+                row = dict(d=d, seqlen=n, causal=causal, scale=s, p2=p2,
+                           ours={k: v[0] for k, v in e_s.items()}, torch={k: v[1] for k, v in e_s.items()},
+                           torch_bf16={k: v[2] for k, v in e_s.items()}, ours_p2={k: v[0] for k, v in e_p.items()})
+                row["vs_p2"] = {k: row["ours"][k] / row["ours_p2"][k] for k in row["ours"]}
+                row["vs_torch"] = {k: row["ours"][k] / row["torch"][k] for k in row["ours"]}
+                row["vs_torch_bf16"] = {k: row["ours"][k] / row["torch_bf16"][k] for k in row["ours"]}
+                rows.append(row)
+                print(f"d={d} n={n} causal={causal} ({time.time() - t0:.0f} s wall): "
+                      + "  ".join(f"{k} {row['ours'][k]:.3e} p2x{row['vs_p2'][k]:.3f} f32x{row['vs_torch'][k]:.3f} "
+                                  f"bf16x{row['vs_torch_bf16'][k]:.3f}" for k in row["ours"]), flush=True)
+    outs = ("o", "dq", "dk", "dv")
+
+    def worst(r, key):
+        w = max(r[key], key=r[key].get)
+        return f"{r[key][w]:.3f} ({w})"
+    head = ("| head_dim | tokens | causal | ours o / dq / dk / dv | worst vs p2 | worst vs torch f32 | "
+            "worst vs torch bf16 | torch f32 o / dq / dk / dv | torch bf16 o / dq / dk / dv |\n"
+            "|---|---|---|---|---|---|---|---|---|\n")
+    body = ""
+    for r in rows:
+        body += (f"| {r['d']} | {r['seqlen']} | {'yes' if r['causal'] else 'no'} | "
+                 + " / ".join(f"{r['ours'][k]:.2e}" for k in outs)
+                 + f" | {worst(r, 'vs_p2')} | {worst(r, 'vs_torch')} | {worst(r, 'vs_torch_bf16')} | "
+                 + " / ".join(f"{r['torch'][k]:.2e}" for k in outs) + " | "
+                 + " / ".join(f"{r['torch_bf16'][k]:.2e}" for k in outs) + " |\n")
+    worst_p = max(max(r["vs_p2"].values()) for r in rows)
+    per_out = {k: max(r["vs_torch"][k] for r in rows) for k in outs}
+    per_out16 = {k: max(r["vs_torch_bf16"][k] for r in rows) for k in outs}
+    table = head + body + (
+        f"\nWorst ratio to the power-of-two scale: {worst_p:.3f} (target 1.05). Worst ratio per output to torch "
+        "f32 (default math path): " + ", ".join(f"{k} {v:.3f}" for k, v in per_out.items())
+        + "; to torch bf16 (reductions in bfloat16): " + ", ".join(f"{k} {v:.3f}" for k, v in per_out16.items())
+        + " (target 1.55).\n")
+    print(table)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    if a.write:
+        path = os.path.join(DOCS, "validation.md")
+        text = open(path).read()
+        i = text.index(ACCURACY_DOC_MARK) + len(ACCURACY_DOC_MARK)
+        j = text.index(ACCURACY_DOC_MARK, i)
+        with open(path, "w") as f:
+            f.write(text[:i] + "\n" + table + text[j:])
+    return 0 if worst_p <= 1.05 else 1
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n")[1],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -1174,6 +1496,17 @@ def main(argv=None):
                                               "reports/harness_report_models.json)")
     v.add_argument("--candidate", action="append", default=[], metavar="REPORT",
                    help="a report of nki-attn check --candidate-bwd/--candidate-fwd (repeatable)")
+    args_accuracy(add(sub, "accuracy", run_accuracy))
+    r = sub.add_parser("readme", help=cmd_readme.__doc__.split("\n")[0], description=cmd_readme.__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    r.set_defaults(run=cmd_readme)
+    rsub = r.add_subparsers(dest="readme_command", required=True, metavar="README_COMMAND")
+    m = rsub.add_parser("measure", help="time one README command and record it")
+    m.add_argument("what", choices=["install", "quick", "suite"])
+    m.add_argument("--python", help="(install) the interpreter of a virtual environment to install into")
+    m.add_argument("--no-write", action="store_true", help="record the timing but leave README.md as it is")
+    rsub.add_parser("write", help="rewrite README.md's generated sections")
+    rsub.add_parser("check", help="exit 1 when README.md's generated sections are out of date")
     a = ap.parse_args(argv)
     if getattr(a, "window", None) and hasattr(a, "causal"):
         a.causal = True

@@ -60,8 +60,7 @@ T_TILING = ["tests/kernels/test_tiling_bruteforce.py", "tests/kernels/test_band_
 T_FWD = ["tests/kernels/test_fwd_coverage.py", "tests/kernels/test_fwd_blocking.py"]
 T_BWD = ["tests/kernels/test_bwd_coverage.py", "tests/kernels/test_bwd_grouping.py"]
 T_VARLEN = ["tests/api/test_varlen_unequal.py"]
-T_VALIDATION = ["tests/kernels/test_attention_bwd.py::test_validation_errors",
-                "tests/kernels/test_attention_fwd.py::test_validation_errors",
+T_VALIDATION = ["tests/kernels/test_kernel_errors.py::test_validation_errors",
                 "tests/kernels/test_coverage_gaps.py"]
 
 
@@ -169,8 +168,11 @@ MUTATIONS = [
       "lse = log(l) + bias instead of log(l) - bias (= c m + log l)", T_FWD),
     M("f_empty_rows_lse_zero", FWD, "on_true=lse_real, on_false=POS_INF)", "on_true=lse_real, on_false=0.0)",
       "a row with no visible key gets LSE 0 instead of +inf", T_FWD),
-    M("f_scale_twice", FWD, "base = 1.0 if self.fold_scale_into_q else shp.scale", "base = shp.scale",
-      "wrong scale placement: a non-power-of-two softmax scale applied in the exponent and folded into Q", T_FWD),
+    M("f_scale_twice", FWD, "self.exp_scale = shp.softcap if shp.softcap > 0 else shp.scale",
+      "self.exp_scale = shp.softcap if shp.softcap > 0 else shp.scale * shp.scale",
+      "wrong scale placement: the softmax scale applied twice by the forward's float32 exponent", T_FWD),
+    M("b_dk_eviction_unscaled", BWD, "self.dk_scale = a.scale", "self.dk_scale = 1.0",
+      "wrong scale placement: dK leaves PSUM without the softmax scale (Q is not scaled at load)", T_BWD),
     # ---- forward: masks and tile bounds
     M("k_classify_run_drops_last", BAND, "            k1 = c0 + PMAX\n", "            k1 = c0\n",
       "off-by-one tile bound: a member's visible chunk run loses its last chunk", T_TILING + T_FWD + T_BWD),

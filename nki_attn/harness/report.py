@@ -116,8 +116,21 @@ def build(rows, meta, determinism=None, drift=None):
                     "passed": len(rows) - len(failed) - len(unsupported), "failed": len(failed),
                     "failed_rows": [r["case"]["name"] for r in failed], "unsupported": len(unsupported),
                     "unsupported_rows": [r["case"]["name"] for r in unsupported],
-                    "worst_ratio": max(ratios) if ratios else None, "pass": ok},
+                    "worst_ratio": max(ratios) if ratios else None, "pass": ok,
+                    "worst_vs_sdpa": worst_vs_sdpa(rows)},
     }
+
+
+def worst_vs_sdpa(rows):
+    """Per output (o, dq, dk, dv): the worst (largest) ratio of our relative Frobenius error to torch's SDPA math
+    in the row's dtype over the 16-bit rows that have it, with its row: ``{output: [ratio, row name]}``."""
+    worst = {}
+    for r in rows:
+        for name, o in (r.get("outputs") or {}).items():
+            v = o.get("vs_sdpa")
+            if v is not None and (name not in worst or v > worst[name][0]):
+                worst[name] = [v, r["case"]["name"]]
+    return worst
 
 
 def write(report, path):
@@ -159,6 +172,9 @@ def table(report, only_failing=False):
     if s["worst_ratio"] is not None:
         tail += f"; worst error/bound ratio {s['worst_ratio']:.3f} (either rule)"
     lines.append(tail)
+    if s.get("worst_vs_sdpa"):
+        lines.append("worst relative Frobenius error / torch SDPA math's in the row dtype: " + ", ".join(
+            f"{k} {v[0]:.2f} ({v[1]})" for k, v in s["worst_vs_sdpa"].items()))
     if s.get("judged") == 0:
         lines.append("no row could be judged: the candidate refused every row")
     for d in report.get("determinism") or []:

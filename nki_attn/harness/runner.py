@@ -476,6 +476,8 @@ def run_case(case, candidate):
                                              inputs=_np(from_inputs[name]) if name in from_inputs else None,
                                              vec_axis=VECTOR_AXIS.get(name), zero_scale=zs)
         row["outputs"] = checks
+        if case.dtype in ("bfloat16", "float16"):
+            vs_sdpa(checks, got, ref, sdpa_low_precision(ins, case))
         row["status"] = "pass" if all(c["ok"] for c in checks.values()) else "fail"
         row["worst_ratio"] = max(max(tolerance.ratios(c)) for c in checks.values())
     except Unsupported as exc:
@@ -516,3 +518,77 @@ def _dsinks_input_scale(ref, ins, case):
 
 def _np(t):
     return t.detach().to(torch.float64).numpy() if isinstance(t, torch.Tensor) else t
+
+
+# ------------------------------------------------------------------------ accuracy against torch's own SDPA
+SDPA_OUTPUTS = ("o", "dq", "dk", "dv")
+
+
+def sdpa_low_precision(ins, case):
+    """o, dq, dk, dv of torch's SDPA math path (``aten._scaled_dot_product_attention_math``) computed in the
+    row's dtype (``allow_fp16_bf16_reduction_math_sdp(True)``: its matmuls, softmax and gradients in bf16/fp16,
+    like FlashAttention's tests' low-precision reference) on the row's inputs, in the reference's layouts
+    (``[b, h, d, sq]``, ``[b, hk, d, sk]``); None when SDPA cannot express the row (soft-capping, dropout).
+
+    Masks (causal, windows, packing) and ALiBi become its float ``attn_mask``; sinks become extra keys with a
+    zero key and value whose mask entry is the sink logit (exactly a sink's softmax term). Query rows that see
+    no key (NaN in SDPA) are left out of every output: zero rows in o and dq of both, their keys' terms absent."""
+    from golden.attention_fwd_torch import alibi_bias, visibility_mask
+    if case.softcap or case.dropout:
+        return None
+    dt = _TORCH[case.dtype]
+    q, k, v, dy = (ins[n] for n in ("q", "k", "v", "dy"))
+    b, h, d_qk, sq = q.shape
+    hk, sk, group = k.shape[1], k.shape[3], q.shape[1] // k.shape[1]
+    vis = visibility_mask(sq, sk, case.causal, case.window or None,
+                          ins["bound_min"] if case.cu_seqlens else None, ins["bound_max"] if case.cu_seqlens else None,
+                          window_size=tuple(case.window_size) or None)
+    bias = torch.zeros(b, h, sq, sk, dtype=torch.float32)
+    if case.alibi:
+        bias = bias + alibi_bias(ins["alibi_slopes"], sq, sk, torch.float32)
+    bias = bias.masked_fill(~vis, float("-inf"))
+    seen = vis.any(dim=1)  # [sq]
+    kx = k.repeat_interleave(group, dim=1).transpose(-1, -2)
+    vx = v.repeat_interleave(group, dim=1).transpose(-1, -2)
+    if ins["sinks"] is not None:
+        sinks = ins["sinks"].to(torch.float32)
+        sinks = sinks[..., None] if sinks.dim() == 2 else sinks  # [b, h, n]
+        n = sinks.shape[-1]
+        kx = torch.cat([kx, torch.zeros(b, h, n, d_qk, dtype=kx.dtype)], dim=2)
+        vx = torch.cat([vx, torch.zeros(b, h, n, vx.shape[-1], dtype=vx.dtype)], dim=2)
+        bias = torch.cat([bias, sinks[:, :, None, :].expand(b, h, sq, n)], dim=-1)
+        seen = seen | True
+    was = torch.backends.cuda.fp16_bf16_reduction_math_sdp_allowed()
+    torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(True)
+    try:
+        leaves = [t.to(dt).detach().requires_grad_(True) for t in (q.transpose(-1, -2), kx, vx)]
+        o = torch.ops.aten._scaled_dot_product_attention_math(*leaves, bias.to(dt), 0.0, False,
+                                                              scale=case.scale or d_qk ** -0.5)[0]
+        keep = seen[None, None, :, None]
+        o = torch.where(keep, o, torch.zeros((), dtype=dt))
+        o.backward(torch.where(keep, dy.transpose(-1, -2).to(dt), torch.zeros((), dtype=dt)))
+    finally:
+        torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(was)
+    dq, dkx, dvx = (t.grad for t in leaves)
+
+    def kv_grad(g):  # [b, h, sk(+n), d] -> [b, hk, d, sk], summed over each kv head's query heads
+        return g[:, :, :sk].float().reshape(b, hk, group, sk, -1).sum(2).transpose(-1, -2).to(dt)
+    return {"o": o.detach().transpose(-1, -2), "dq": dq.transpose(-1, -2), "dk": kv_grad(dkx), "dv": kv_grad(dvx)}
+
+
+def vs_sdpa(checks, got, ref, sdpa):
+    """Add to each of o, dq, dk, dv's checks the relative Frobenius errors against the float64 reference of ours
+    (``rel_fro``) and of torch's SDPA math in the row's dtype (``sdpa_rel_fro``, ``sdpa_low_precision``), and
+    their ratio ``vs_sdpa`` (ours / SDPA; None when SDPA cannot express the row). Information, not a verdict."""
+    for name in SDPA_OUTPUTS:
+        if name not in checks:
+            continue
+        r = ref[name].to(torch.float64)
+        norm = float(r.norm()) or 1.0
+
+        def rel(t):
+            return float((torch.as_tensor(t).to(torch.float64) - r).norm()) / norm
+        c = checks[name]
+        c["rel_fro"] = rel(got[name])
+        c["sdpa_rel_fro"] = None if sdpa is None else rel(sdpa[name])
+        c["vs_sdpa"] = (c["rel_fro"] / c["sdpa_rel_fro"] if c["sdpa_rel_fro"] else None)

@@ -24,16 +24,16 @@ dV, dK and dQ partial sums stay in PSUM:
     for each K/V section (<= K_SECTION_MAX keys so SBUF holds it, or k_section_len)  KV-outer
         load K, V (+ K^T for dQ); zero the fp32 dK, dV section accumulators     _load_kv_section
         for each block of members with a visible key in the section (trace-time plan, BwdConfig.blocks)
-            load dO, scaled Q (and O) of the block; previous dQ partial sums    _load_block
+            load dO, Q (and O) of the block; previous dQ partial sums           _load_block
             member's first section: D = rowsum(O * dO)                          _rowsum_o_dy
             for each group of the block: Q^T, dO^T of its members              _transpose_members
                 for each visible 512-key tile of the group
                     for each member that sees it                                _visit
-                        S = (scale*Q)^T K; P = exp(S - LSE) (ONE activation); mask  _recompute_p
+                        S = Q^T K; P = exp(scale*S - LSE) (ONE activation); mask  _recompute_p
                         dP = dO V^T;  dS = (dP - D) * P           (ONE fused op)  _softmax_bwd
-                        dV += P^T dO;  dK += (scale*Q)^T dS  (group's PSUM)       _dv_dk
+                        dV += P^T dO;  dK += Q^T dS          (group's PSUM)       _dv_dk
                         dQ += dS K                      (member's PSUM columns)   _dq
-                    add the group's dV, dK into the section accumulators        _evict_dv_dk
+                    add dV, scale * dK into the section accumulators            _evict_dv_dk
                 dQ = scale * PSUM (+ previous partial)                          _evict_dq
             store the block's dQ (one DMA)
         write dK, dV of the section
@@ -43,7 +43,7 @@ dV, dK and dQ partial sums stay in PSUM:
 from ..backend import nisa, nki, nl
 from .band import classify_keys
 from .dropout import dropout_row_keys, dropout_scale_keys, dropout_scale_tile, load_dropout_seed
-from .steps import (FOLD_SCALE_INTO_Q, FP32_MIN, K_TILE, PMAX, Hbm, Item, Steps, Tile, itemsize,
+from .steps import (FP32_MIN, K_TILE, PMAX, Hbm, Item, Steps, Tile, itemsize,
                     load_packing_bounds, load_slopes, mask_step, no_step, run_steps, softcap_scores, spmd_items)
 from .validation import attention_problem, attention_shape, sbuf_bytes_per_partition
 
@@ -364,10 +364,9 @@ class BwdConfig(nl.NKIObject):
         self.seqlen_k = a.seqlen_k
         self.nq = a.seqlen_q // PMAX
         self.scale = a.scale
-        # where softmax_scale is applied (steps.FOLD_SCALE_INTO_Q): to Q at load, or in the exp and the dK eviction
-        self.fold_scale_into_q = FOLD_SCALE_INTO_Q
-        base = 1.0 if FOLD_SCALE_INTO_Q else a.scale  # what still multiplies the PSUM scores
-        self.dk_scale = base
+        # the scale convention (``steps``): softmax_scale is a float32 factor of the exp (or of the tanh), of the
+        # dK eviction and of the dQ eviction; Q and the scores are never scaled in the input dtype
+        self.dk_scale = a.scale
         self.causal = a.causal
         self.window = a.window
         # the band of causal / sliding window / window_size: key j visible to query i iff
@@ -382,10 +381,10 @@ class BwdConfig(nl.NKIObject):
         self.alibi = a.alibi
         self.dropout_p = a.dropout_p
         self.dropout = a.dropout
-        # the scale of the exp's input after the score steps: soft-capping hands over tanh(base S / c) with scale
-        # c, so ALiBi divides its bias by it (``_bias_alibi``)
-        self.cap_scale = base / a.softcap if a.softcap > 0.0 else 1.0
-        self.exp_scale = a.softcap if a.softcap > 0.0 else base
+        # the scale of the exp's input after the score steps: soft-capping hands over tanh(scale S / c) with
+        # scale c, so ALiBi divides its bias by it (``_bias_alibi``)
+        self.cap_scale = a.scale / a.softcap if a.softcap > 0.0 else 1.0
+        self.exp_scale = a.softcap if a.softcap > 0.0 else a.scale
         self.packing = a.packing
         self.num_sinks = a.num_sinks
         self.sinks_3d = a.sinks_3d
@@ -878,8 +877,8 @@ def _select_steps(c):
 
 
 def _recompute_p(c, item, steps, tile, q_m, ks, kk, nlse_col):
-    """Step 2: S = Q^T K (contracting head_dim on the partitions; softmax_scale is in Q, or in the activation's
-    scale when the scale is not folded into Q), then P = exp(S - LSE) as ONE activation with bias -LSE, reading S
+    """Step 2: S = Q^T K (contracting head_dim on the partitions, unscaled), then P = exp(scale S - LSE) as ONE
+    activation with the float32 softmax_scale as its ``scale`` and -LSE as its bias, reading S
     from PSUM when no step edits it: no max subtraction, no division (LSE = max + log(sum)). The variants and the
     element masks are the steps."""
     s_ps = nl.ndarray((PMAX, tile.kw), dtype=nl.float32, buffer=nl.psum)
@@ -904,8 +903,8 @@ def _softmax_bwd(c, item, steps, tile, dy_m, vs, kk):
 def _dv_dk(c, v, dyT, qT, p_mm, ds, dv_ps, dk_ps):
     """Steps 3.1 + 5.2: dV += P^T dO and dK += Q^T dS (contracting the 128 query rows) into the group's PSUM
     tiles of this key tile: the group's members (query tiles, or the query heads of a kv head) accumulate there,
-    each matmul overwriting the columns no earlier member wrote (``v.segs``). dK carries softmax_scale through the
-    scaled Q (or gets it when it leaves PSUM, ``_evict_dv_dk``, with FOLD_SCALE_INTO_Q off)."""
+    each matmul overwriting the columns no earlier member wrote (``v.segs``). dK gets softmax_scale when it leaves
+    PSUM (``_evict_dv_dk``)."""
     for seg in v.segs:
         a, e, acc = seg
         cols = slice(a - v.off, e - v.off)
@@ -966,8 +965,9 @@ def _visit(c, item, steps, sec, grp, blk, mem, v, gps):
 
 
 def _evict_dv_dk(c, kt, k_lo, dv_ps, dk_ps, dv_acc, dk_acc):
-    """Add the group's dV and dK of one key tile into the section's fp32 SBUF accumulators: one VectorE
-    instruction per head-dim tile and group, not per member (the PSUM adds of the group's matmuls are free)."""
+    """Add the group's dV and softmax_scale times its dK of one key tile into the section's fp32 SBUF
+    accumulators: one VectorE instruction per head-dim tile and group, not per member (the PSUM adds of the
+    group's matmuls are free; the scale rides on the dK add, in float32)."""
     a = kt.u0 - k_lo
     e = a + kt.uw
     for dt in range(len(c.v_rows)):
@@ -1089,6 +1089,11 @@ def _group(c, item, steps, sec, blk, bb, grp):
         for v in kt.visits:
             _visit(c, item, steps, sec, grp, blk, mems[v.m], v, gps)
         _evict_dv_dk(c, kt, sec.k_lo, dv_ps, dk_ps, sec.dv_acc, sec.dk_acc)
+        # release this key tile's dV / dK banks before the next one allocates its own: with two head-dim tiles
+        # (d_head > 128) two generations of them would not fit the 8 PSUM banks next to S, dP and dQ
+        gps = None
+        dv_ps = None
+        dk_ps = None
     _evict_dq(c, grp, blk, dq_ps, bb.dq_stage)
 
 
@@ -1100,10 +1105,6 @@ def _block(c, hbm, item, steps, sec, blk):
     ncols = blk.nt * PMAX
     dy_b = _load_block(c, hbm.dy, b, blk, h_abs0, c.v_rows)
     q_b = _load_block(c, hbm.q, b, blk, h_abs0, c.qk_rows)
-    if c.fold_scale_into_q:
-        # softmax_scale folded into Q, one instruction per head-dim tile for the whole block
-        for t in q_b:
-            nisa.tensor_scalar(dst=t, data=t, op0=nl.multiply, operand0=c.scale)
     if blk.first:
         _rowsum_o_dy(c, hbm.o, b, blk, h_abs0, dy_b, item.ones, item.dsum)
     to_scratch = c.dq_scratch and not blk.last

@@ -18,8 +18,7 @@ holds for every query head of the GQA group): Q is loaded, O and the LSE are sto
 A slab's *members* (query head, query tile) are processed in *blocks* of up to ``block_members_max``; a block
 streams the keys in *key blocks* of ``kb_tiles`` key tiles of 512 keys, loading K and V and transposing V once
 for all its members (the words are both kernels', docs/kernel-fwd.md "Vocabulary"). Per key block, with ``c``
-the factor the exponent applies (1 when the softmax scale is folded into Q, the scale itself when it is a power of
-two)::
+the factor the exponent applies (the softmax scale, in float32: ``steps`` "The scale convention")::
 
     phase 1, per member and key tile:  S = Q^T K (TensorE, fp32 PSUM);  S -> SBUF, masked, tile row max
     phase 2, all members at once:      m' = max(m, tile maxima);  alpha = exp(c (m - m'));  bias = -c m'
@@ -42,7 +41,7 @@ from ..backend import nisa, nki, nl
 from .band import classify_keys
 from .dropout import (dropout_row_keys, dropout_row_keys_members, dropout_values, keep_threshold,
                       load_dropout_seed)
-from .steps import (FOLD_SCALE_INTO_Q, FP32_MAX, FP32_MIN, K_TILE, PMAX, Hbm, Item, Steps, Tile, head_dim_tiles,
+from .steps import (FP32_MAX, FP32_MIN, K_TILE, PMAX, Hbm, Item, Steps, Tile, head_dim_tiles,
                     itemsize, load_packing_bounds, load_slopes, mask_step, run_steps, softcap_scores, spmd_items)
 from .validation import attention_problem, attention_shape, sbuf_bytes_per_partition
 
@@ -62,10 +61,9 @@ class _FwdConfig(nl.NKIObject):
     """Trace-time facts of one launch: shapes, tilings, dtypes, the masking method and the blocking.
 
     qk_tiles / v_tiles: ``[(start, size)]`` partition tiles of the Q/K head dim (the QK contraction) and of the
-    V/O head dim (V^T and O columns); d_qk / d_v: the head dims. fold_scale_into_q: softmax_scale is folded into
-    Q at load (``steps.FOLD_SCALE_INTO_Q``, except for a power-of-two scale, which the exponent applies exactly);
-    exp_scale: the factor the exponent applies to the stored scores (1 when the scale is in Q; the cap with
-    soft-capping); q_scale: the factor Q is multiplied by at load; cap_scale: the tanh's factor (soft-capping).
+    V/O head dim (V^T and O columns); d_qk / d_v: the head dims. exp_scale: the
+    float32 factor the exponent applies to the stored scores (softmax_scale; the cap with soft-capping, ``steps``
+    "The scale convention"); cap_scale: the tanh's float32 input factor (soft-capping: softmax_scale / cap).
     off, lo_rel, hi_rel: the band (``band.attention_band``), band_lo / band_hi: that side masks something. alibi
     / alibi_mm: ALiBi given / taken by ``_alibi_matmul``; dropout_p, o_factor = 1 / (1 - p). mask: "bounds"
     (range_select on per-query-tile key bounds, trn2+), "predicate" (trn1 packing: key index compared with the
@@ -88,19 +86,16 @@ class _FwdConfig(nl.NKIObject):
         self.v_tiles = head_dim_tiles(d_v)
         self.d_v = d_v
         self.group = shp.group
-        # a power-of-two scale commutes exactly with every rounding: applied by the exponent it gives the same bits
-        # as folded into Q, without the pass over Q
-        self.fold_scale_into_q = FOLD_SCALE_INTO_Q and not _power_of_two(shp.scale)
-        base = 1.0 if self.fold_scale_into_q else shp.scale  # what still multiplies the PSUM scores
-        self.q_scale = shp.scale if self.fold_scale_into_q else 1.0
-        # soft-capping c > 0: the stored scores are t = tanh(base * S / c) (``steps.softcap_scores``) and the
+        # the scale convention (``steps``): the stored scores are the unscaled float32 S = Q^T K; softmax_scale
+        # reaches them only as a float32 factor of the exponent (or of the tanh with soft-capping)
+        # soft-capping c > 0: the stored scores are t = tanh(scale * S / c) (``steps.softcap_scores``) and the
         # exponent applies c, so exp(c t + bias) is still the ONE exponent of the softmax
         self.softcap = shp.softcap
-        self.cap_scale = base / shp.softcap if shp.softcap > 0 else 1.0
-        # the tanh makes ScalarE the busiest engine: the Q scaling and the O finishing move to VectorE (same
-        # arithmetic), unless a VectorE-heavy variant (exact ALiBi, dropout) comes with it
+        self.cap_scale = shp.scale / shp.softcap if shp.softcap > 0 else 1.0
+        # the tanh makes ScalarE the busiest engine: the O finishing moves to VectorE (same arithmetic), unless a
+        # VectorE-heavy variant (exact ALiBi, dropout) comes with it
         self.scalar_busy = shp.softcap > 0 and not shp.alibi and shp.dropout_p == 0.0
-        self.exp_scale = shp.softcap if shp.softcap > 0 else base
+        self.exp_scale = shp.softcap if shp.softcap > 0 else shp.scale
         self.alibi = shp.alibi
         self.dropout_p = shp.dropout_p
         self.o_factor = 1.0 / (1.0 - shp.dropout_p)  # dropout's 1 / (1 - p), applied with 1 / l
@@ -142,11 +137,6 @@ class _FwdConfig(nl.NKIObject):
             self.slab_tiles = _slab_tiles(self, itemsize(io_dtype), itemsize(acc_dtype))
         else:
             self.slab_tiles = min(slab_tiles, self.n_qt)
-
-
-def _power_of_two(x):
-    """True when the positive number ``x`` is an exact power of two."""
-    return 2.0 ** math.floor(math.log2(x)) == x
 
 
 def _slab_tiles(cfg, e, acc_e):
@@ -533,7 +523,7 @@ def _blocks(cfg, n_tiles):
 
 
 class _Slab(nl.NKIObject):
-    """The buffers of one slab: query tiles ``[t0, t0 + n)``; ``q[h][qi]`` the (scaled) Q of head h of the group
+    """The buffers of one slab: query tiles ``[t0, t0 + n)``; ``q[h][qi]`` the Q of head h of the group
     per Q/K partition tile; ``o[vi]`` / ``lse`` the O^T and LSE staging in member order (column block j = member
     j); ``state``: the per-row state of the row steps (``[128, members, k]``, or None)."""
 
@@ -842,12 +832,6 @@ def _attend_slab(cfg, hbm, item, steps, t0, t1):
             d0, dsz = cfg.qk_tiles[qi]
             qt = nl.ndarray((dsz, n * PMAX), dtype=cfg.io_dtype, buffer=nl.sbuf)
             nisa.dma_copy(dst=qt, src=hbm.q[b, kvh * g + h, d0:d0 + dsz, t0 * PMAX:t1 * PMAX])
-            if cfg.q_scale != 1.0:
-                # s Q rounded to the input dtype, as attention_bwd computes it (ScalarE has room, VectorE not)
-                if cfg.scalar_busy:
-                    nisa.tensor_scalar(dst=qt, data=qt, op0=nl.multiply, operand0=cfg.q_scale)
-                else:
-                    nisa.activation(dst=qt, op=nl.copy, data=qt, scale=cfg.q_scale)
             row.append(qt)
         q_slab.append(row)
     # O^T and LSE staging in member order (column block j = member j), stored per head by strided reads

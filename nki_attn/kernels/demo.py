@@ -1,7 +1,7 @@
 """A small demonstration kernel: ``out = exp(scale * lhsT.T @ rhs)`` tile by tile.
 
 It exercises the path every attention kernel uses (DMA in, TensorE matmul into PSUM, one ScalarE activation
-reading PSUM, DMA out) and serves as the simulator's speed benchmark workload (scripts/bench_sim_speed.py).
+reading PSUM, DMA out) and serves as the simulator's speed benchmark workload (`scripts/bench.py sim-speed`).
 """
 from ..backend import nisa, nki, nl
 

@@ -23,10 +23,16 @@ A step that needs what an earlier one made for the same tile reads it from ``til
 tanh for its gradient, dropout's keep multiplier for dS). A per-head logit scale, for example, is one more score
 step ``S -> S * scale[h]`` reading a column of ``item``: no driver changes.
 
-**The scale convention.** ``FOLD_SCALE_INTO_Q`` is the one switch for where ``softmax_scale`` is applied, read by
-both kernels (their configs' ``fold_scale_into_q``): True folds it into Q at load, rounded to the input dtype, so
-the backward recomputes exactly the forward's scores (the LSE it gets came from them); False applies it in
-float32 inside the exponent (and the backward's dK eviction).
+**The scale convention** (both kernels, no switch): ``softmax_scale`` is applied in float32, never to an
+input-dtype operand. The score matmul gives the unscaled S = Q^T K in float32 PSUM; the forward takes its row max
+m on S and the exponent applies the scale as the activation's float32 ``scale`` with the bias ``-scale m``
+(with soft-capping the tanh's input ``scale`` is ``softmax_scale / cap`` and the exponent's is the cap); the
+LSE it writes is ``scale m + log(l)``, the log-sum-exp of the float32 ``scale S`` (the configs' ``exp_scale``).
+The backward recomputes the same S from the same Q and K and feeds it to ONE activation with the same float32
+``scale`` and the bias ``-LSE``, so P is computed from exactly the scaled scores the forward's LSE was taken
+over. The gradients get the scale on their way out of PSUM: dK = scale Q^T dS on the dK eviction, dQ = scale dS
+K on the dQ eviction. Folding the scale into Q instead would round every ``scale q`` to the input dtype, one more
+rounding of every score (2^-9 relative in bfloat16) unless the scale is a power of two.
 """
 from ..backend import nisa, nl
 
@@ -34,7 +40,6 @@ PMAX = 128  # partitions: query rows per query tile, keys per chunk
 K_TILE = 512  # keys per key tile: 128 x 512 fp32 is one 2 KiB PSUM bank per partition
 FP32_MIN = -3.4028235e38  # the mask value (range_select accepts nothing else); exp of it is exactly 0
 FP32_MAX = 3.4028235e38
-FOLD_SCALE_INTO_Q = True
 
 
 class Tile(nl.NKIObject):

@@ -200,7 +200,7 @@ def _cast_for(dst, vals):
         lo, hi = _dt.int_range(dt)
         with np.errstate(invalid="ignore"):
             r = np.rint(vals.astype(np.float64))
-        r = np.nan_to_num(r, nan=0.0)
+        r[np.isnan(r)] = 0.0  # NaN -> 0; infinities saturate in the clip
         return np.clip(r, lo, hi).astype(store)
     return vals.astype(store, copy=False)
 
@@ -238,6 +238,8 @@ def _dge_info(mode):
 
 
 def _trace(instr, eng, dst, srcs, **info):
+    if getattr(_ops.REPLAY, "on", False):
+        return  # a replay never runs under a tracer (nki_attn.sim.replay.signature)
     tracer = _state().launch.tracer
     if tracer is not None:
         tracer.record(instr, eng, dst, [s for s in srcs if isinstance(s, NkiTensor)], info)
@@ -288,27 +290,71 @@ def _float_only(instr, name, t):
         fail(instr, name, f"dtype {t.dtype} is not accepted; this operand must be a float type")
 
 
+def fixed_result(fn, args, kwargs):
+    """For replay (nki_attn.sim.replay): ``(dst, poisons VectorE's accumulator)`` when the instruction ``fn``
+    called with ``args``/``kwargs`` writes values that depend on its static arguments alone (``iota``, ``memset``:
+    no tensor is read), else None."""
+    fn = getattr(fn, "__wrapped__", fn)  # the recording holds the unwrapped instruction functions
+    is_iota = fn is getattr(iota, "__wrapped__", iota)
+    if not is_iota and fn is not getattr(memset, "__wrapped__", memset):
+        return None
+    bound = _signature(fn).bind(*args, **kwargs)
+    bound.apply_defaults()
+    a = bound.arguments
+    if is_iota:
+        return a["dst"], False
+    return a["dst"], _engine("memset", a["engine"], (_E.vector, _E.gpsimd), _E.vector) is _E.vector
+
+
+def blas_size(fn, args, kwargs):
+    """For replay (nki_attn.sim.replay): the M*N*K of the BLAS product the instruction ``fn`` called with
+    ``args``/``kwargs`` computes (``nc_matmul``), else 0."""
+    fn = getattr(fn, "__wrapped__", fn)
+    if fn is not getattr(nc_matmul, "__wrapped__", nc_matmul):
+        return 0
+    a = _signature(fn).bind(*args, **kwargs).arguments
+    k, m = _pf(a["stationary"])
+    return k * m * a["moving"].free_elems
+
+
+@functools.lru_cache(maxsize=None)
+def _signature(fn):
+    import inspect
+    return inspect.signature(fn)
+
+
+def write_fixed(dst, vals, poison):
+    """Replay of an instruction found by ``fixed_result``: its recorded values and the bookkeeping of the write
+    (dirty flag, PSUM history, strict-mode written mask), as the instruction does them."""
+    np.copyto(dst.np(), vals)
+    _wrote(None, dst)
+    if poison:
+        _poison_vector_acc()
+
+
 # ----------------------------------------------------------------------------------------------------- data movement
 def dma_copy(dst, src, priority=None, oob_mode=oob_mode.error, dge_mode=dge_mode.unknown,
              engine=engine.unknown, name=None):
     """``dst = src`` through a DMA queue. HBM or SBUF on both sides (never PSUM); equal element counts, paired in
     row-major order; a dtype change goes through float32; equal dtypes copy bits."""
     instr = "dma_copy"
-    _tensor(instr, "dst", dst)
-    _tensor(instr, "src", src)
-    for nm, t in (("dst", dst), ("src", src)):
-        if t.buffer.kind == "psum":
-            fail(instr, nm, f"{t.name} is in PSUM; DMA cannot access PSUM (copy it to SBUF with tensor_copy first)")
-        if t.on_chip and t.shape[0] > PMAX:
-            fail(instr, nm, f"partition dimension {t.shape[0]} exceeds maximum {PMAX}")
-    if dst.size != src.size:
-        fail(instr, "src", f"has {src.size} elements ({src.shape}), dst has {dst.size} ({dst.shape})")
-    if priority is not None:
-        _need_version(instr, 4, "priority")
-    if dge_mode is _DGE.hwdge:
-        _need_version(instr, 3, "dge_mode=hwdge")
-        if dst.dtype != src.dtype:
-            fail(instr, "dge_mode", f"hwdge needs equal dtypes, got {src.dtype} -> {dst.dtype}")
+    if not _ops.replaying():  # static checks (a replayed step passed them in its trace)
+        _tensor(instr, "dst", dst)
+        _tensor(instr, "src", src)
+        for nm, t in (("dst", dst), ("src", src)):
+            if t.buffer.kind == "psum":
+                fail(instr, nm, f"{t.name} is in PSUM; DMA cannot access PSUM (copy it to SBUF with tensor_copy "
+                                f"first)")
+            if t.on_chip and t.shape[0] > PMAX:
+                fail(instr, nm, f"partition dimension {t.shape[0]} exceeds maximum {PMAX}")
+        if dst.size != src.size:
+            fail(instr, "src", f"has {src.size} elements ({src.shape}), dst has {dst.size} ({dst.shape})")
+        if priority is not None:
+            _need_version(instr, 4, "priority")
+        if dge_mode is _DGE.hwdge:
+            _need_version(instr, 3, "dge_mode=hwdge")
+            if dst.dtype != src.dtype:
+                fail(instr, "dge_mode", f"hwdge needs equal dtypes, got {src.dtype} -> {dst.dtype}")
     _read_checked(instr, "src", src)
     s = src.np()
     if dst.dtype == src.dtype and s.dtype == dst.np().dtype:
@@ -445,31 +491,17 @@ def dma_transpose(dst, src, axes=None, priority=None, dge_mode=dge_mode.unknown,
 _MM_DTYPES = {"float8_e4m3", "float8_e5m2", "bfloat16", "float16", "tfloat32", "float32"}
 
 
-def nc_matmul(dst, stationary, moving, is_stationary_onezero=False, is_moving_onezero=False, is_transpose=False,
-              accumulate=None, tile_position=(), tile_size=(), perf_mode=matmul_perf_mode.none, name=None):
-    """TensorE matmul ``dst[m, n] (+)= sum_k stationary[k, m] * moving[k, n]`` (``dst = stationary.T @ moving``).
-
-    stationary ``[K, M]`` and moving ``[K, N]`` in SBUF (extra free dims flatten), dst ``[M, N]`` in PSUM.
-    Limits: K <= 128, M <= 128, N <= 512 on v2/v3 (the output fits one 2 KiB PSUM bank). ``accumulate=None``:
-    elements no matmul has written since allocation are overwritten, the others accumulated; ``True`` always adds
-    (undefined on elements no matmul started: raised); ``False`` overwrites.
-    """
-    instr = "nc_matmul"
-    ver = context.version()
+def _matmul_operand_checks(instr, ver, dst, stationary, moving, k, m, k2, n, double, is_transpose):
+    """nc_matmul's checks of its operand views, dtypes and perf mode (static: a replay skips them)."""
     _onchip(instr, "stationary", stationary, ("sbuf",))
     _onchip(instr, "moving", moving, ("sbuf",))
     _onchip(instr, "dst", dst, ("psum",))
-    k, m = _pf(stationary)
-    k2, n = _pf(moving)
-    double = perf_mode is matmul_perf_mode.double_row
     if double:
         _need_version(instr, 3, "perf_mode=double_row")
         if stationary.ndim != 3 or stationary.shape[1] != 2 or moving.ndim != 3 or moving.shape[1] != 2:
             fail(instr, "perf_mode", "double_row needs stationary [P, 2, M] and moving [P, 2, N]")
         if not (str(stationary.dtype).startswith("float8") and str(moving.dtype).startswith("float8")):
             fail(instr, "perf_mode", "double_row is for fp8 operands only")
-        m //= 2
-        n //= 2
     if k != k2:
         fail(instr, "moving", f"contraction (partition) size {k2} differs from stationary's {k}")
     if k > PMAX:
@@ -492,9 +524,14 @@ def nc_matmul(dst, stationary, moving, is_stationary_onezero=False, is_moving_on
         fail(instr, "moving", "float8_e4m3fn cannot be mixed with the legacy float8_e4m3")
     if is_transpose:
         _need_version(instr, 3, "is_transpose")
-        mv = _read(moving)
-        if k != n or not np.array_equal(mv, np.eye(k, dtype=_F32)):
+        if k != n:
             fail(instr, "moving", "is_transpose=True needs an identity matrix as moving")
+
+
+def _matmul_output_checks(instr, ver, dst, stationary, m, n, k, is_transpose, accumulate, tile_position,
+                          tile_size):
+    """nc_matmul's checks of its output view and the remaining scalar arguments."""
+    if is_transpose:
         if dst.dtype != stationary.dtype and dst.dtype != _dt.float32:
             fail(instr, "dst", f"dtype {dst.dtype} must be {stationary.dtype} or float32 for a transpose")
     else:
@@ -512,6 +549,38 @@ def nc_matmul(dst, stationary, moving, is_stationary_onezero=False, is_moving_on
     if accumulate not in (None, True, False):
         fail(instr, "accumulate", f"{accumulate!r} must be None, True or False")
 
+
+def nc_matmul(dst, stationary, moving, is_stationary_onezero=False, is_moving_onezero=False, is_transpose=False,
+              accumulate=None, tile_position=(), tile_size=(), perf_mode=matmul_perf_mode.none, name=None):
+    """TensorE matmul ``dst[m, n] (+)= sum_k stationary[k, m] * moving[k, n]`` (``dst = stationary.T @ moving``).
+
+    stationary ``[K, M]`` and moving ``[K, N]`` in SBUF (extra free dims flatten), dst ``[M, N]`` in PSUM.
+    Limits: K <= 128, M <= 128, N <= 512 on v2/v3 (the output fits one 2 KiB PSUM bank). ``accumulate=None``:
+    elements no matmul has written since allocation are overwritten, the others accumulated; ``True`` always adds
+    (undefined on elements no matmul started: raised); ``False`` overwrites.
+    """
+    instr = "nc_matmul"
+    ver = context.version()
+    k, m = _pf(stationary)
+    k2, n = _pf(moving)
+    double = perf_mode is matmul_perf_mode.double_row
+    if double:
+        m //= 2
+        n //= 2
+    replayed = _ops.replaying()
+    if replayed:
+        # a replayed step: its operands' views and static arguments passed the static checks in the trace; the
+        # strict-mode reads and the data-dependent checks still run
+        for nm, t in (("stationary", stationary), ("moving", moving)):
+            if t.storage.written is not None:
+                _checks.check_read(instr, nm, t)
+    else:
+        _matmul_operand_checks(instr, ver, dst, stationary, moving, k, m, k2, n, double, is_transpose)
+    if is_transpose and not np.array_equal(_read(moving), np.eye(k, dtype=_F32)):
+        fail(instr, "moving", "is_transpose=True needs an identity matrix as moving")  # data-dependent
+    if not replayed:
+        _matmul_output_checks(instr, ver, dst, stationary, m, n, k, is_transpose, accumulate, tile_position,
+                              tile_size)
     if is_transpose:
         # bit-exact data movement: no arithmetic touches the values
         vals = np.array(stationary.np()).reshape(k, m).T
@@ -1050,6 +1119,11 @@ def tensor_scalar_reduce(dst, data, op0, operand0, reduce_op, reduce_res=None, r
 _CMP = ("equal", "not_equal", "less", "less_equal", "greater", "greater_equal")
 
 
+# affine_select's mask depends on its static arguments alone (pattern, offset, channel multiplier, comparison,
+# shape): made once per distinct set, as the compiler would bake it into the instruction.
+_AFFINE_KEEP = {}
+
+
 def affine_select(dst, pattern, channel_multiplier, on_true_tile, on_false_value, cmp_op=_ops.equal, offset=0,
                   name=None):
     """GpSimd: ``a = offset + c*channel_multiplier + sum(step_d * i_d)`` for partition c and free index i;
@@ -1064,8 +1138,20 @@ def affine_select(dst, pattern, channel_multiplier, on_true_tile, on_false_value
     _match(instr, "on_true_tile", on_true_tile, p, f)
     if isinstance(on_false_value, NkiTensor):
         fail(instr, "on_false_value", "must be a float32 scalar")
-    a = _pattern_values(instr, pattern, f, p, offset, channel_multiplier).astype(np.float64)
-    keep = cmp_op.binary(a, np.zeros(1)) != 0
+    try:
+        key = (tuple(tuple(int(x) for x in pair) for pair in pattern), f, p, int(offset), int(channel_multiplier),
+               cmp_op.name)
+    except (TypeError, ValueError):
+        key = None  # a malformed pattern: _pattern_values says what is wrong
+    keep = _AFFINE_KEEP.get(key) if key is not None else None
+    if keep is None:
+        a = _pattern_values(instr, pattern, f, p, offset, channel_multiplier).astype(np.float64)
+        keep = cmp_op.binary(a, np.zeros(1)) != 0
+        if key is not None:
+            keep.flags.writeable = False
+            if len(_AFFINE_KEEP) >= 256:
+                _AFFINE_KEEP.clear()
+            _AFFINE_KEEP[key] = keep
     res = np.where(keep, _read(on_true_tile), _F32(on_false_value))
     _write(dst, res)
     _trace(instr, engine.gpsimd, dst, [on_true_tile])
@@ -1104,7 +1190,7 @@ def range_select(dst, on_true_tile, comp_op0, comp_op1, bound0, bound1, reduce_c
         fail(instr, "range_start", f"indices up to {int(range_start) + f} exceed 2^24 (fp32-exact compare)")
     idx = (int(range_start) + np.arange(f, dtype=_F32)).reshape(1, f)
     keep = (comp_op0.binary(idx, b0) != 0) & (comp_op1.binary(idx, b1) != 0)
-    y = np.where(keep, _read(on_true_tile), _F32(FP32_MIN)).astype(_F32)
+    y = np.where(keep, _read(on_true_tile), _F32(FP32_MIN)).astype(_F32, copy=False)
     _write(dst, y)
     acc = _state().vector_acc
     _apply_acc(acc, p, reduce_cmd, np.max(y, axis=1), _ops.maximum)
@@ -1174,7 +1260,7 @@ def select_reduce(dst, predicate, on_true, on_false, reduce_res=None, reduce_cmd
     if reverse_pred:
         keep = ~keep
     off = _col_or_scalar(instr, "on_false", on_false, p)
-    y = np.where(keep, _read(on_true), off).astype(_F32)
+    y = np.where(keep, _read(on_true), off).astype(_F32, copy=False)
     _write(dst, y)
     acc = _state().vector_acc
     if reduce_cmd is _RC.idle:

@@ -6,6 +6,7 @@ Arithmetic is done in float32 on float32 inputs (the engines' internal precision
 raw integer bits. Comparisons and logical ops produce 1.0 / 0.0.
 """
 import math
+import threading
 
 import numpy as np
 
@@ -105,8 +106,21 @@ def _gelu_dx(x):
     return (0.5 * (1.0 + _erf(x / math.sqrt(2.0))) + x * np.exp(-0.5 * x * x) / math.sqrt(2 * math.pi)).astype(_F32)
 
 
+# ``REPLAY.on`` is set (per thread) while a replay (nki_attn.sim.replay) runs its whole instruction stream under
+# np.errstate(all="ignore"): the operators then skip entering that state once per call, and instructions skip the
+# checks that depend only on their static arguments (operand views, dtypes, scalars), which the trace ran.
+REPLAY = threading.local()
+
+
+def replaying():
+    """True while the calling thread runs a replay."""
+    return getattr(REPLAY, "on", False)
+
+
 def _safe(fn):
     def wrapped(*a):
+        if getattr(REPLAY, "on", False):
+            return np.asarray(fn(*a)).astype(_F32, copy=False)
         with np.errstate(all="ignore"):
             return np.asarray(fn(*a)).astype(_F32, copy=False)
     return wrapped

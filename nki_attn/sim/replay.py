@@ -22,6 +22,7 @@ overlap share memory, so that is about the kernel's peak live memory). ``NKI_ATT
 """
 import collections
 import enum
+import functools
 import os
 import sys
 import threading
@@ -30,6 +31,8 @@ import types
 import numpy as np
 
 from . import context
+from . import isa as _isa
+from . import ops as _ops
 from .tensor import INT_SENTINEL, NkiTensor, Storage
 
 _MAX_PROGRAMS = 64
@@ -245,15 +248,29 @@ class Program:
         self.bytes = pool.bytes
         self.fills = [np.nan if st.data.dtype.kind == "f" or s.dtype.kind == "float" else INT_SENTINEL
                       for s, st in zip(rec.slots, self.storages)]
+        # Each step is a ready call: the operand views (and their numpy views, flag views and passed static
+        # checks, cached on the views) are made once here, so a replay runs only the instructions' numeric work
+        # and their data-dependent checks.
         self.steps = []
+        self.n_instr = 0
+        self.blas_size = 0  # the largest M*N*K of the program's matmuls
         for op in rec.ops:
             if op[0] == _ALLOC:
                 # what a fresh allocation holds: the sentinel, no PSUM history, nothing written (strict mode)
                 st = self.storages[op[1]]
                 flags = tuple(f for f in (st.mm_written, st.other_written, st.written) if f is not None)
-                self.steps.append((None, (st, self.fills[op[1]], flags), None))
+                self.steps.append(functools.partial(_reset, st, self.fills[op[1]], flags))
             else:
-                self.steps.append((op[1], self.make(op[2]), self.make(op[3])))
+                args, kwargs = self.make(op[2]), self.make(op[3])
+                step = functools.partial(op[1], *args, **kwargs)
+                self.blas_size = max(self.blas_size, _isa.blas_size(op[1], args, kwargs))
+                fixed = _isa.fixed_result(op[1], args, kwargs)
+                if fixed is not None:
+                    # values that depend on static arguments alone (iota, memset): computed by the first replay,
+                    # copied by the later ones
+                    step = functools.partial(self._first_fixed, len(self.steps), step, *fixed)
+                self.steps.append(step)
+                self.n_instr += 1
         self.args = [self.make(v) for v in arg_views]  # the argument tensors, in launch order
         self.result = self.make(result)
         self.stats = stats
@@ -271,6 +288,10 @@ class Program:
             return {k: self.make(e) for k, e in v.items()}
         return v
 
+    def _first_fixed(self, i, step, dst, poison):
+        step()
+        self.steps[i] = functools.partial(_isa.write_fixed, dst, np.array(dst.np()), poison)
+
     def run(self, arrays):
         """Replay on ``arrays`` (numpy, one per argument tensor, launch order); returns the result tensors."""
         for t, arr in zip(self.args, arrays):
@@ -279,17 +300,23 @@ class Program:
             st.dirty = False
             if st.written is not None:
                 st.written[:] = True
-        for fn, args, kwargs in self.steps:
-            if fn is None:
-                st, fill, flags = args
-                st.data.fill(fill)
-                st.dirty = False
-                for f in flags:
-                    f.fill(False)
-            else:
-                fn(*args, **kwargs)
+        # floating-point warnings are off for the whole stream, as each operator turns them off for itself
+        with np.errstate(all="ignore"):
+            _ops.REPLAY.on = True
+            try:
+                for step in self.steps:
+                    step()
+            finally:
+                _ops.REPLAY.on = False
         self.replays += 1
         return self.result
+
+
+def _reset(st, fill, flags):
+    st.data.fill(fill)
+    st.dirty = False
+    for f in flags:
+        f.fill(False)
 
 
 _PROGRAMS = collections.OrderedDict()
@@ -345,6 +372,6 @@ def info():
     """(signature, replays, storages, instructions) of each cached program, and the refused signatures with
     why; for tests and benchmarks."""
     with _LOCK:
-        progs = [(k, p.replays, len(p.storages), sum(1 for s in p.steps if s[0] is not None))
+        progs = [(k, p.replays, len(p.storages), p.n_instr)
                  for k, p in _PROGRAMS.items()]
         return progs, dict(_REFUSED)

@@ -120,6 +120,7 @@ def _convert_args(values, buffer, record, path="arg"):
     return out
 
 
+_BLAS_ONE_THREAD_MNK = 65536 * 4  # OpenBLAS's own one-thread bound on M*N*K (see launch)
 _BLAS = []  # the threadpoolctl controller, made once (finding the loaded BLAS libraries takes milliseconds)
 
 
@@ -151,17 +152,25 @@ def launch(fn, lnc, args, kwargs):
     key = replay.signature(fn, lnc, args, kwargs)
     # The hardware computes IEEE results (NaN, inf) without complaint; numpy's floating-point warnings on such
     # values are not the kernel's to report. errstate is per thread: run() below sets it for LNC2 cores too.
-    with _one_blas_thread(), np.errstate(all="ignore"):
-        if key is not None:
-            prog = replay.lookup(key)
-            # a program replays one launch at a time (its storages are reused); a concurrent one traces
-            if prog is not None and prog.lock.acquire(blocking=False):
-                try:
+    if key is not None:
+        prog = replay.lookup(key)
+        # a program replays one launch at a time (its storages are reused); a concurrent one traces
+        if prog is not None and prog.lock.acquire(blocking=False):
+            try:
+                # OpenBLAS runs a product with M*N*K <= 65536 x GEMM_MULTITHREAD_THRESHOLD (4 by default) on
+                # one thread whatever its setting (our reading of its interface/gemm.c), so for a program whose
+                # products are all that small the limit changes nothing but its own cost: switching BLAS to one
+                # thread and back at every launch wakes its worker threads, which then spin on a core for a
+                # while, and on a 2-core machine that doubled the wall time of a tiny model's training step.
+                # Such a program leaves the setting alone.
+                limit = _one_blas_thread() if prog.blas_size > _BLAS_ONE_THREAD_MNK else contextlib.nullcontext()
+                with limit, np.errstate(all="ignore"):
                     return _replay(prog, lnc, args, kwargs)
-                finally:
-                    prog.lock.release()
-            if not replay.should_record(key):
-                key = None
+            finally:
+                prog.lock.release()
+        if not replay.should_record(key):
+            key = None
+    with _one_blas_thread(), np.errstate(all="ignore"):
         with checked:
             return _launch(fn, lnc, args, kwargs, key)
 

@@ -120,7 +120,7 @@ class DynSlice:
 class NkiTensor:
     """A view onto a ``Storage``: ``shape``, element ``strides`` and element ``offset`` into the flat storage."""
 
-    __slots__ = ("storage", "shape", "strides", "offset", "dtype", "_flat", "_np", "_ok", "_fe")
+    __slots__ = ("storage", "shape", "strides", "offset", "dtype", "_flat", "_np", "_ok", "_fe", "_ov")
 
     def __init__(self, storage, shape, strides, offset, dtype=None):
         self.storage = storage
@@ -130,6 +130,7 @@ class NkiTensor:
         self.dtype = dtype if dtype is not None else storage.dtype
         self._np = None
         self._fe = None
+        self._ov = ()  # (flag array, view) pairs made by over(): a view's offset and strides never change
         self._ok = None  # the `allow` of the engine-operand checks this view passed (nki_attn.sim.isa._onchip)
         if self.dtype is storage.dtype or self.dtype == storage.dtype:
             self._flat = storage.data
@@ -182,9 +183,15 @@ class NkiTensor:
     def over(self, arr):
         """The elements of this view in ``arr``, a flat array with one entry per storage element (the per-element
         flags of nki_attn.sim.checks and isa), as a writable strided view."""
+        for a, v in self._ov:
+            if a is arr:
+                return v
         itemsize = arr.itemsize
-        return np.ndarray(self.shape, arr.dtype, buffer=arr, offset=self.offset * itemsize,
-                          strides=tuple(s * itemsize for s in self.strides))
+        v = np.ndarray(self.shape, arr.dtype, buffer=arr, offset=self.offset * itemsize,
+                       strides=tuple(s * itemsize for s in self.strides))
+        if len(self._ov) < 4:  # a view meets at most a few flag arrays (PSUM history, strict, LNC2 writer)
+            self._ov += ((arr, v),)
+        return v
 
     def _flat_free_size(self):
         fs = self.storage.free_size

@@ -34,7 +34,7 @@ def _after(marker):
 
 
 def _figures():
-    spec = importlib.util.spec_from_file_location("readme_figures", ROOT / "scripts" / "readme_figures.py")
+    spec = importlib.util.spec_from_file_location("figures", ROOT / "scripts" / "figures.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
@@ -110,15 +110,15 @@ def test_ci_extracts_exactly_the_test_command():
 
 
 def test_generated_figures_are_up_to_date():
-    """The README's times and preset rows are what scripts/readme_figures.py writes from the committed reports."""
+    """The README's times and preset rows are what `scripts/figures.py readme` writes from the committed reports."""
     fig = _figures()
     timings, reports = fig.load_timings(), fig.preset_reports()
     assert {"install", "quick", "suite"} <= set(timings), "each README command's time is recorded"
     text = README.read_text()
-    assert fig.render(text, timings, reports) == text, "run: python scripts/readme_figures.py write"
+    assert fig.render(text, timings, reports) == text, "run: python scripts/figures.py readme write"
     for name, rep in reports.items():
         assert f"{name} ({rep['summary']['rows']} rows" in text
-    assert fig.main(["check"]) == 0
+    assert fig.main(["readme", "check"]) == 0
 
 
 def test_generated_sections_follow_the_reports(tmp_path):

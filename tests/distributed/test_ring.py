@@ -5,18 +5,15 @@ loopback only, bounded by ``run_local``'s timeout); the parent compares out, lse
 float64 golden and with ``nki_attn.flash_attn_func`` on the full sequence by the rule in ``_cases.py`` (derived
 in docs/distributed.md).
 """
-import os
-import sys
-
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
-import _cases  # noqa: E402
-from _cases import case  # noqa: E402
-from _reference import golden_full, single_process  # noqa: E402
+# _cases and _reference sit next to this file: pytest puts a test file's folder (not a package) on sys.path first
+import _cases
+from _cases import case
+from _reference import golden_full, single_process
 
-from nki_attn.distributed import run_local  # noqa: E402
+from nki_attn.distributed import run_local
 
 TIMEOUT = 300  # seconds for one spawn: a hang fails the test instead of blocking CI
 

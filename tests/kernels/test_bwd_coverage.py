@@ -2,7 +2,7 @@
 with sinks / window / GQA / packing, and the mixed-precision dQ path pinned per section count.
 
 Accuracy: each output against the golden run on float64 copies of the dtype-rounded inputs, with the project's
-criterion (tests/kernels/_compare.py, derived in docs/validation.md) and its fixed absolute band. Inputs are
+criterion (tests/kernels/conftest.py, derived in docs/validation.md) and its fixed absolute band. Inputs are
 N(0, 1) q, k, v, dy rounded to the dtype; o and lse come from the float64 golden forward (o rounded to the dtype,
 lse to float32), in the kernel layout. Sizes are small (d_head 32 or 64, seqlen <= 640): the cases are about
 which tiles, sections and heads meet, not about length.
@@ -10,24 +10,14 @@ which tiles, sections and heads meet, not about length.
 Two helpers hold this module's knowledge of kernel internals: ``run_bwd`` (the only way sections are forced) and
 ``hbm_round_trips`` (the only reading of the instruction trace).
 """
-import os
-import sys
-
 import numpy as np
 import pytest
-import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
-import _compare  # noqa: E402
-from _compare import to_np  # noqa: E402
+from nki_attn.kernels import attention_bwd as kb
+from nki_attn.sim import trace
 
-from golden.attention_bwd_torch import attention_bwd_torch_ref  # noqa: E402
-from golden.attention_fwd_torch import compute_o_lse, packing_bounds  # noqa: E402
-from nki_attn.kernels import attention_bwd as kb  # noqa: E402
-from nki_attn.sim import trace  # noqa: E402
-
-TORCH_DT = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-NAMES = ("dq", "dk", "dv", "dsinks")
+from .conftest import GRAD_NAMES as NAMES
+from .conftest import Case as SharedCase
 
 
 # ----------------------------------------------------------------------------------------------- kernel access
@@ -55,52 +45,17 @@ def hbm_round_trips(rec):
 
 
 # ----------------------------------------------------------------------------------------------- cases
-class Case:
-    """One backward call: kernel arguments and the references (float64 golden, golden in dtype, the kernel's own
-    formula in float32 from the kernel's inputs)."""
+class Case(SharedCase):
+    """The shared case builder (conftest.py) with this module's defaults; ``run`` goes through ``run_bwd``."""
 
-    def __init__(self, bs=1, h=1, hk=1, d=32, sq=384, sk=None, dtype="float32", causal=True, window=None, sinks=0,
-                 cu=None, mixed=False, seed=0):
-        sk = sq if sk is None else sk
-        self.dtype = dtype
-        tdt = TORCH_DT[dtype]
-        gen = torch.Generator().manual_seed(seed)
-
-        def rnd(*shape):
-            return torch.randn(*shape, generator=gen, dtype=torch.float64).to(tdt).to(torch.float64)
-
-        q, k, v, dy = rnd(bs, h, d, sq), rnd(bs, hk, d, sk), rnd(bs, hk, d, sk), rnd(bs, h, d, sq)
-        s64 = None
-        if sinks:
-            s64 = rnd(bs, h) if sinks == 1 else rnd(bs, h, sinks)
-        bmin = bmax = None
-        if cu is not None:
-            bmin, bmax = packing_bounds(cu, seqlen_q=sq)
-        opts = dict(use_causal_mask=causal, sliding_window=window, bound_min=bmin, bound_max=bmax)
-        o, lse, _ = compute_o_lse(q, k, v, sinks=s64, **opts)
-        self.ref = attention_bwd_torch_ref(q, k, v, o, dy, lse, sinks_ref=s64, **opts)
-        low = [x.to(tdt) for x in (q, k, v, o, dy)]
-        lse32 = lse.to(torch.float32)
-        s_low = None if s64 is None else s64.to(tdt)
-        self.golden = attention_bwd_torch_ref(*low, lse32, sinks_ref=s_low, mixed_precision=mixed, **opts)
-        self.fs32 = _compare.bwd_from_stats(*low, lse32, sinks=s_low, bound_min=bmin, bound_max=bmax, causal=causal,
-                                            window=window, compute_dtype=torch.float32)
-        self.args = [to_np(x) for x in low] + [to_np(lse32)]
-        self.kwargs = dict(use_causal_mask=causal, sliding_window=window, mixed_precision=mixed)
-        if s_low is not None:
-            self.kwargs["sinks_ref"] = to_np(s_low)
-        if bmin is not None:
-            self.kwargs["bound_min"], self.kwargs["bound_max"] = to_np(bmin), to_np(bmax)
+    def __init__(self, d=32, sq=384, causal=True, **kw):
+        super().__init__(d=d, sq=sq, causal=causal, **kw)
 
     def run(self, k_section_len=None, lnc=None):
-        return run_bwd(self.args, self.kwargs, k_section_len, lnc)
+        return run_bwd(self.bwd_refs()["args"], self.bwd_kwargs(), k_section_len, lnc)
 
     def check(self, out):
-        assert len(out) == (4 if "sinks_ref" in self.kwargs else 3)
-        for name, got in zip(NAMES, out):
-            key = f"out_{name}_ref"
-            _compare.check_close(name, got, self.ref[key], self.golden[key], self.dtype, inputs_err=self.fs32[name])
-            _compare.absolute_band(name, got, self.ref[key], self.dtype)
+        self.check_bwd(out)
 
 
 def run_case(k_section_len=None, **kw):

@@ -9,15 +9,12 @@ grouping edge cases (group sizes that do not divide the tile count, GQA groups o
 that end inside a group, windows that give the members of a group different keys, several sections with the
 fp32 dQ scratch) under the accuracy rule of docs/validation.md.
 """
-import os
-import sys
 import types
 
 import numpy as np
 import pytest
 
-sys.path.insert(0, os.path.dirname(__file__))
-from test_attention_bwd import Case, run_case  # noqa: E402
+from .conftest import Case, run_bwd_case as run_case
 
 from nki_attn.kernels import attention_bwd as kb  # noqa: E402
 from nki_attn.kernels.band import band_tile_visible  # noqa: E402
@@ -210,8 +207,8 @@ def test_trace_matches_plan(kw, target):
     section = kw.pop("section", None)
     c = Case(**kw)
     with trace.recording() as rec:
-        out = c.run(k_section_len=section)
-    c.check(out)
+        out = c.bwd(k_section_len=section)
+    c.check_bwd(out)
     cfg = plan(h=kw.get("h", 1), hk=kw.get("hk", 1), sq=kw["sq"], causal=kw.get("causal", False),
                window=kw.get("window"), section=section, dtype=kw.get("dtype", "float32"),
                mixed=kw.get("mixed", False))
@@ -237,13 +234,13 @@ def test_dma_transpose_and_tensor_transpose_agree(target):
     c = Case(sq=512, dtype="bfloat16", mixed=True, h=2, hk=1)
     target("trn2")
     with trace.recording() as rec:
-        a = c.run()
+        a = c.bwd()
     assert rec.count("dma_transpose") > 0
     target("trn1")
     with trace.recording() as rec:
-        b = c.run()
+        b = c.bwd()
     assert rec.count("dma_transpose") == 0
-    c.check(a)
+    c.check_bwd(a)
     for x, y in zip(a, b):
         assert np.array_equal(np.asarray(x).view(np.uint8), np.asarray(y).view(np.uint8))
 

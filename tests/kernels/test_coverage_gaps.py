@@ -1,13 +1,9 @@
 """Cases that scripts/mutation_check.py found missing: each test kills a planted bug the other tests let through
 (docs/validation.md, "Mutation testing", names the mutation)."""
-import os
-import sys
-
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
-import test_attention_fwd as taf  # noqa: E402  (its make_qkv / run_and_check helpers)
+from . import conftest as taf  # its make_qkv / run_and_check helpers
 
 
 # Mutation f_trn1_window_affine: on trn1 the forward masks causal / window tiles with affine_select ("affine"

@@ -4,19 +4,16 @@ transfers batched per (head, slab).
 
 Pinned two ways: structurally (the trace-time plans against brute force, instruction and transfer counts from the
 simulator's trace) and numerically at the edges of each grouping (against the golden with the project's criterion,
-tests/kernels/_compare.py, as in test_attention_fwd.py).
+tests/kernels/conftest.py).
 """
 import math
-import os
-import sys
 import types
 
 import numpy as np
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
-from test_attention_fwd import make_qkv, run_and_check  # noqa: E402
+from .conftest import make_qkv, run_and_check
 
 import nki_attn.sim as sim  # noqa: E402
 from golden import packing_bounds  # noqa: E402
@@ -278,18 +275,15 @@ def test_minus_inf_sinks_equal_no_sinks_across_blocks():
 
 
 @pytest.mark.parametrize("scale", [0.3, 2.5])
-def test_scale_in_exponent_variant(monkeypatch, scale):
-    # FOLD_SCALE_INTO_Q=False (the exponent applies the scale to float32 S; statistics in raw members, sinks divided
-    # by the scale, the bias capped for scale > 1): the same criterion. The frontend's global-change rule is off:
-    # this test changes a module constant between launches on purpose.
-    monkeypatch.setattr(fwd, "FOLD_SCALE_INTO_Q", False)
+def test_scale_in_exponent_across_blocks(scale):
+    # the scale in the float32 exponent (statistics in raw members, sinks divided by the scale, the bias capped
+    # for scale > 1) with packing, sinks and a window across key blocks: the same criterion
     bmin, bmax = packing_bounds([0, 100, 333, 450], seqlen_q=512)
     sinks = torch.tensor([[0.4, -math.inf], [-1.0, 2.0]]).reshape(1, 2, 2)
-    with sim.checking(frontend=False):
-        run_and_check(*make_qkv(nheads=2, nheads_kv=1, sq=512, seed=47), sinks=sinks, bound_min=bmin,
-                      bound_max=bmax, causal=True, window=150, scale=scale)
-        run_and_check(*make_qkv(nheads=2, nheads_kv=1, sq=384, dtype=torch.bfloat16, seed=48), causal=True,
-                      scale=scale)
+    run_and_check(*make_qkv(nheads=2, nheads_kv=1, sq=512, seed=47), sinks=sinks, bound_min=bmin,
+                  bound_max=bmax, causal=True, window=150, scale=scale)
+    run_and_check(*make_qkv(nheads=2, nheads_kv=1, sq=384, dtype=torch.bfloat16, seed=48), causal=True,
+                  scale=scale)
 
 
 @pytest.mark.parametrize("target,dtype,want_dma", [("trn2", torch.bfloat16, True), ("trn3", torch.float16, True),
@@ -310,18 +304,6 @@ def test_p_transposes_split_between_tensor_engine_and_dma(monkeypatch, target, d
     else:
         assert not by_dma
     assert len(p_transposes) == 4 * (n_tiles - len(by_dma))
-
-
-def test_power_of_two_scale_in_the_exponent_is_bit_identical_to_folding_it_into_q(monkeypatch):
-    # d_head 64: scale 1/8 is applied by the exponent; folding it into Q (the general path) gives the same bits
-    q, k, v = make_qkv(nheads=2, nheads_kv=1, d=64, sq=640, dtype=torch.bfloat16, seed=51)
-    sinks = torch.randn(1, 2, 2, generator=torch.Generator().manual_seed(52))
-    kw = dict(sinks_ref=sinks, use_causal_mask=True, sliding_window=300)
-    o_exp, l_exp = attention_fwd(q, k, v, **kw)
-    monkeypatch.setattr(fwd, "_power_of_two", lambda x: False)
-    with sim.checking(frontend=False):  # the monkeypatched helper is not NKI code
-        o_q, l_q = attention_fwd(q, k, v, **kw)
-    assert torch.equal(o_exp, o_q) and torch.equal(l_exp, l_q)
 
 
 # ----------------------------------------------------------------------------------------------- tuning keywords

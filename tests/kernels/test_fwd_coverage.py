@@ -3,20 +3,17 @@ softmax's rescale (running max, sum and output carried from one key block to the
 causal, sliding window (incl. widths next to a multiple of 128), sinks, packing, GQA with group != nheads_kv,
 seqlen_q != seqlen_k, 16-bit inputs.
 
-Accuracy: the project's criterion (tests/kernels/_compare.py, derived in docs/validation.md) for o and the finite
+Accuracy: the project's criterion (tests/kernels/conftest.py, derived in docs/validation.md) for o and the finite
 entries of lse, with ``ref`` the golden on float64 copies of the inputs and ``golden`` the golden in the kernel's
 dtype; rows that see no key must be +inf in lse exactly where the reference has them. Each case first asserts,
 on its own dense visibility mask, that some query row really sees keys in two or more key blocks (so a case cannot
 silently stop covering the rescale if shapes or the kernel's key block change).
 """
-import os
-import sys
 
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
-import _compare  # noqa: E402
+from . import conftest as _compare  # its check_close
 
 from golden import attention_fwd_torch_ref, packing_bounds  # noqa: E402
 from golden.attention_fwd_torch import visibility_mask  # noqa: E402

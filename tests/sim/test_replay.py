@@ -225,3 +225,97 @@ def test_a_changed_global_is_never_replayed(monkeypatch):
         np.testing.assert_array_equal(reads_scale(a), 3 * a)
         np.testing.assert_array_equal(reads_scale(a), 3 * a)
     assert _replays() == 1
+
+
+@sim.jit
+def fixed_then_overwritten(a):
+    """A memset and an iota (values from static arguments alone) whose tiles later instructions partly
+    overwrite; a memset into PSUM that a matmul with accumulate=None then overwrites (PSUM history)."""
+    out = nl.ndarray((8, 24), nl.float32, buffer=nl.shared_hbm)
+    t = nl.ndarray((8, 8), nl.float32, buffer=nl.sbuf)
+    nisa.memset(dst=t, value=1.5)
+    nisa.dma_copy(dst=t[:, 0:3], src=a[:, 0:3])
+    i = nl.ndarray((8, 8), nl.float32, buffer=nl.sbuf)
+    nisa.iota(dst=i, pattern=[[1, 8]], offset=2, channel_multiplier=8)
+    nisa.tensor_tensor(dst=i[:, 4:8], data1=i[:, 4:8], data2=t[:, 4:8], op=nl.multiply)
+    acc = nl.ndarray((8, 8), nl.float32, buffer=nl.psum)
+    nisa.memset(dst=acc, value=0.0)
+    nisa.nc_matmul(dst=acc, stationary=t, moving=i)
+    r = nl.ndarray((8, 24), nl.float32, buffer=nl.sbuf)
+    nisa.tensor_copy(dst=r[:, 0:8], src=t)
+    nisa.tensor_copy(dst=r[:, 8:16], src=i)
+    nisa.tensor_copy(dst=r[:, 16:24], src=acc)
+    nisa.dma_copy(dst=out, src=r)
+    return out
+
+
+def test_values_from_static_arguments_are_copied_in_later_replays(monkeypatch):
+    """The first replay computes what memset and iota write; later replays copy those values (and do the write's
+    bookkeeping) at the instruction's place in the stream, bit-identically to tracing."""
+    rng = np.random.default_rng(3)
+    data = [rng.standard_normal((8, 8)).astype(np.float32) for _ in range(4)]
+    got = [fixed_then_overwritten(a) for a in data]          # a trace, then three replays
+    assert _replays() == 3
+    prog = next(iter(replay._PROGRAMS.values()))
+    copied = [s for s in prog.steps if getattr(s, "func", None) is nisa.write_fixed]
+    assert len(copied) == 3                                   # two memsets and the iota
+    monkeypatch.setenv("NKI_ATTN_SIM_REPLAY", "0")
+    _same_bits(got, [fixed_then_overwritten(a) for a in data])
+    assert not np.array_equal(got[2], got[3])                 # the data reached the result
+
+
+def test_fixed_result_is_only_for_instructions_that_read_no_tensor():
+    from nki_attn.sim.tensor import allocate
+    t = allocate((8, 8), nl.float32, nl.sbuf)
+    assert nisa.fixed_result(nisa.memset, (t, 1.0), {}) == (t, True)          # VectorE by default
+    assert nisa.fixed_result(nisa.memset, (t, 1.0), {"engine": nisa.engine.gpsimd}) == (t, False)
+    assert nisa.fixed_result(nisa.iota, (), {"dst": t, "pattern": [[1, 8]]}) == (t, False)
+    assert nisa.fixed_result(nisa.tensor_copy, (), {"dst": t, "src": t}) is None
+
+
+@sim.jit
+def transpose_by_matmul(a, ident):
+    """a [8, 8] transposed by TensorE with ``ident`` as the moving identity (data the checks must look at)."""
+    out = nl.ndarray((8, 8), nl.float32, buffer=nl.shared_hbm)
+    s = nl.ndarray((8, 8), nl.float32, buffer=nl.sbuf)
+    i = nl.ndarray((8, 8), nl.float32, buffer=nl.sbuf)
+    nisa.dma_copy(dst=s, src=a)
+    nisa.dma_copy(dst=i, src=ident)
+    t = nl.ndarray((8, 8), nl.float32, buffer=nl.psum)
+    nisa.nc_matmul(dst=t, stationary=s, moving=i, is_transpose=True)
+    r = nl.ndarray((8, 8), nl.float32, buffer=nl.sbuf)
+    nisa.tensor_copy(dst=r, src=t)
+    nisa.dma_copy(dst=out, src=r)
+    return out
+
+
+def test_a_replay_skips_static_checks_only():
+    """A replayed step skips the checks of its static arguments (the trace ran them) but not the ones on data:
+    nc_matmul's identity check of is_transpose and the strict-mode reads of DMA sources."""
+    a = np.arange(64, dtype=np.float32).reshape(8, 8)
+    eye = np.eye(8, dtype=np.float32)
+    np.testing.assert_array_equal(transpose_by_matmul(a, eye), a.T)
+    np.testing.assert_array_equal(transpose_by_matmul(a + 1, eye), (a + 1).T)
+    assert _replays() == 1
+    with pytest.raises(sim.NkiValidationError, match="identity matrix"):
+        transpose_by_matmul(a, 2 * eye)             # the same signature: raised by the replay
+    assert len(replay.info()[0]) == 1
+    np.testing.assert_array_equal(transpose_by_matmul(a, eye), a.T)   # the program is intact
+    assert _replays() == 2
+    with sim.checking(strict=True):
+        transpose_by_matmul(a, eye)
+        half = transpose_by_matmul(a, eye)
+        assert _replays() == 3
+    np.testing.assert_array_equal(half, a.T)
+
+
+def test_a_program_knows_its_largest_blas_product():
+    """The replay leaves numpy's BLAS threads alone when every product is within OpenBLAS's one-thread bound."""
+    from nki_attn.sim import runtime
+    a = np.eye(8, dtype=np.float32)
+    psum_reuse(a)
+    prog = next(iter(replay._PROGRAMS.values()))
+    assert prog.blas_size == 8 * 8 * 8 <= runtime._BLAS_ONE_THREAD_MNK
+    x = _inputs(0, s=512, d=128)
+    attention_fwd(x["q"], x["k"], x["v"], use_causal_mask=True)
+    assert max(p.blas_size for p in replay._PROGRAMS.values()) > runtime._BLAS_ONE_THREAD_MNK
