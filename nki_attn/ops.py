@@ -10,7 +10,8 @@ Layers, top to bottom (each calls only the one below it)::
         │  one custom op per direction, FlashAttention's layout, autograd, fake (meta) kernels
         ▼
     kernel_plan + kernel_keywords: padding to 128, the mask as the kernels' causal flag, window or per-query
-    bounds, the layout [b, h, d, s]; then the NKI kernel (simulator for CPU tensors, real nki for XLA tensors)
+    bounds, the layout [b, h, d, s]; then the NKI kernel (simulator for CPU tensors and, through torch-xla's
+    CPU fallback, XLA tensors; the real nki for XLA tensors when it is installed)
 
 Public functions:
 
@@ -40,6 +41,7 @@ from typing import Optional
 import torch
 
 from . import kernel_api
+from .backend import BACKEND
 from .spec import PMAX, AttentionSpec, window_intervals
 
 __all__ = ["attention", "attention_backward", "kernel_plan", "kernel_keywords", "kernel_bounds", "padded_length",
@@ -183,7 +185,13 @@ def _op_spec(q, k, v, sinks, key_lo, key_hi, alibi, seed, left, right, shift, sc
 
 
 # ----------------------------------------------------------------------------------------------------- the ops
-@torch.library.custom_op("nki_attn::attention_fwd", mutates_args=())
+# On the simulator the ops are implemented for CPU tensors only: XLA tensors (torch-xla, e.g. on its CPU device)
+# then reach them through torch-xla's CPU fallback, which hands the implementation CPU copies and moves the results
+# back, so they get exactly the CPU path's results. With the real nki the implementation serves every device (XLA
+# tensors go to the real kernels).
+_OP_DEVICES = "cpu" if BACKEND == "sim" else None
+
+@torch.library.custom_op("nki_attn::attention_fwd", mutates_args=(), device_types=_OP_DEVICES)
 def _fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: Optional[torch.Tensor],
             key_lo: Optional[torch.Tensor], key_hi: Optional[torch.Tensor], alibi: Optional[torch.Tensor],
             dropout_seed: Optional[torch.Tensor], left: int, right: int, shift: int, scale: float, softcap: float,
@@ -208,7 +216,7 @@ def _fwd_fake(q, k, v, sinks, key_lo, key_hi, alibi, dropout_seed, left, right, 
     return q.new_empty((b, sq, hq, v.shape[3])), q.new_empty((b, hq, sq), dtype=torch.float32)
 
 
-@torch.library.custom_op("nki_attn::attention_bwd", mutates_args=())
+@torch.library.custom_op("nki_attn::attention_bwd", mutates_args=(), device_types=_OP_DEVICES)
 def _bwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, dout: torch.Tensor,
             lse: torch.Tensor, dlse: Optional[torch.Tensor], sinks: Optional[torch.Tensor],
             key_lo: Optional[torch.Tensor], key_hi: Optional[torch.Tensor], alibi: Optional[torch.Tensor],

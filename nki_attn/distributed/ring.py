@@ -28,7 +28,7 @@ import torch
 
 from ..ops import attention, attention_backward
 from ..spec import MAX_EXACT_KEY, fail as _fail, flash_spec
-from .comm import TAG_DKV_BWD, TAG_DKV_FWD, TAG_KV_BWD, TAG_KV_FWD, RingComm
+from .comm import TAG_DKV_BWD, TAG_DKV_FWD, TAG_KV_BWD, TAG_KV_FWD, ring_comm
 from .layout import plan_schedule, ring_layout, zigzag_chunk_lengths, zigzag_layout
 
 __all__ = ["ring_flash_attn_func", "ring_flash_attn_kvpacked_func", "ring_flash_attn_qkvpacked_func",
@@ -106,7 +106,7 @@ class _Ring:
     """
 
     def __init__(self, fn, layout, q, k, v, group, check_args):
-        self.comm = RingComm(group)
+        self.comm = ring_comm(group, q.device if isinstance(q, torch.Tensor) else "cpu")
         R = self.comm.size
         error = None
         try:
