@@ -868,16 +868,6 @@ def _load():
     return os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
 
 
-def _best_of(fn, repeats):
-    """The best wall time of ``repeats`` calls of ``fn`` (seconds)."""
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
-
-
 def _timed(fn):
     t0 = time.perf_counter()
     fn()
@@ -929,8 +919,8 @@ def _sim_speed_matmul_loop(tiles, repeats):
     sim_out = matmul_act_loop(stat, mov, tiles)
     assert np.array_equal(sim_out.astype(np.float32), _numpy_loop(stat, mov, 1).astype(np.float32)), \
         "simulator and numpy disagree"
-    t_sim = _best_of(lambda: matmul_act_loop(stat, mov, tiles), repeats)
-    t_np = _best_of(lambda: _numpy_loop(stat, mov, tiles), repeats)
+    t_sim = best_of(lambda: matmul_act_loop(stat, mov, tiles), repeats)
+    t_np = best_of(lambda: _numpy_loop(stat, mov, tiles), repeats)
     print(f"\nmatmul-loop: {tiles} x (128x128x512 bf16 nc_matmul + exp activation), best of {repeats}")
     print(f"  simulator {t_sim * 1e3:8.1f} ms ({t_sim / tiles * 1e6:.0f} us per pair)  load {_load():.1f}")
     print(f"  numpy     {t_np * 1e3:8.1f} ms ({t_np / tiles * 1e6:.0f} us per pair)  load {_load():.1f}")

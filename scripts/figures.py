@@ -682,27 +682,13 @@ def _ring_references(c):
 
 def _ring_partials(c, world_size):
     """Most kernel calls (partial results) meeting in one query row and in one key, from the ring's schedule."""
-    from nki_attn.distributed.layout import plan_schedule, ring_layout, zigzag_layout
+    from nki_attn.distributed.layout import partial_counts, ring_layout, zigzag_layout
     if c["layout"] == "zigzag":
         shards = zigzag_layout(c["seqlen"], world_size)
     else:
         shards = ring_layout(c["lengths"] or [len(t) for t in torch.tensor_split(torch.arange(c["seqlen"]),
                                                                                world_size)])
-    sched = plan_schedule(shards, c["window"][0], 0 if c["causal"] else c["window"][1])
-    n_row = n_key = 1
-    for r in range(world_size):
-        rows = torch.zeros(sched.q_pad[r], dtype=torch.int64)
-        for pair in sched.blocks[r]:
-            for p in pair:
-                rows[p.rows[0]:p.rows[1]] += 1
-        n_row = max(n_row, int(rows.max()))
-    for s in range(world_size):
-        keys = torch.zeros(sched.kv_pad, dtype=torch.int64)
-        for r in range(world_size):
-            for p in sched.blocks[r][s]:
-                keys[p.keys[0]:p.keys[1]] += 1
-        n_key = max(n_key, int(keys.max()))
-    return n_row, n_key
+    return partial_counts(shards, c["window"][0], 0 if c["causal"] else c["window"][1])
 
 
 def _ring_judge(c, world_size, got, truth, single, do, sinks):

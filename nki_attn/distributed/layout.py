@@ -28,7 +28,7 @@ from ..ops import kernel_bounds, padded_length
 from ..spec import PMAX, window_intervals
 
 __all__ = ["Shard", "ring_layout", "zigzag_layout", "zigzag_chunk_lengths", "key_intervals", "BlockPlan",
-           "plan_block", "Schedule", "plan_schedule", "work_balance"]
+           "plan_block", "Schedule", "plan_schedule", "work_balance", "partial_counts"]
 
 
 # ----------------------------------------------------------------------------------------------------- shards
@@ -271,3 +271,25 @@ def work_balance(shards: Sequence[Shard], left: int = -1, right: int = -1):
     for x in rows:
         x["imbalance"] = imb
     return rows
+
+
+def partial_counts(shards: Sequence[Shard], left: int = -1, right: int = -1):
+    """-> (n_row, n_key): the most kernel calls (partial results) that meet in one query row and in one key under
+    the ring's schedule for ``shards`` and the band (``left``, ``right``; -1 unbounded). The ring's accuracy rule
+    (docs/distributed.md) scales its merge term by these counts."""
+    sched = plan_schedule(shards, left, right)
+    world_size = len(shards)
+    n_row = n_key = 1
+    for r in range(world_size):
+        rows = torch.zeros(sched.q_pad[r], dtype=torch.int64)
+        for pair in sched.blocks[r]:
+            for p in pair:
+                rows[p.rows[0]:p.rows[1]] += 1
+        n_row = max(n_row, int(rows.max()))
+    for s in range(world_size):
+        keys = torch.zeros(sched.kv_pad, dtype=torch.int64)
+        for r in range(world_size):
+            for p in sched.blocks[r][s]:
+                keys[p.keys[0]:p.keys[1]] += 1
+        n_key = max(n_key, int(keys.max()))
+    return n_row, n_key

@@ -23,7 +23,8 @@ import torch
 
 from nki_attn.distributed import (ring_flash_attn_func, ring_flash_attn_qkvpacked_func, ring_unshard,
                                   zigzag_ring_flash_attn_func, zigzag_shard, zigzag_unshard)
-from nki_attn.distributed.layout import plan_schedule, ring_layout, zigzag_layout
+from nki_attn.distributed import layout
+from nki_attn.distributed.layout import ring_layout, zigzag_layout
 
 UNIT = {torch.float32: 2.0 ** -24, torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}
 OUTPUTS = ("out", "lse", "dq", "dk", "dv", "dsinks")
@@ -151,23 +152,7 @@ def worker(rank, world_size, cases, extras, sub_cases=()):
 # ----------------------------------------------------------------------------------------------------- the rule
 def partial_counts(c, world_size):
     """Most kernel calls (partials) meeting in one query row and in one key, from the schedule."""
-    shards = shards_of(c, world_size)
-    left, right = c["window"][0], (0 if c["causal"] else c["window"][1])
-    sched = plan_schedule(shards, left, right)
-    n_row, n_key = 1, 1
-    for r in range(world_size):
-        rows = torch.zeros(sched.q_pad[r], dtype=torch.int64)
-        for pair in sched.blocks[r]:
-            for p in pair:
-                rows[p.rows[0]:p.rows[1]] += 1
-        n_row = max(n_row, int(rows.max()))
-    for s in range(world_size):
-        keys = torch.zeros(sched.kv_pad, dtype=torch.int64)
-        for r in range(world_size):
-            for p in sched.blocks[r][s]:
-                keys[p.keys[0]:p.keys[1]] += 1
-        n_key = max(n_key, int(keys.max()))
-    return n_row, n_key
+    return layout.partial_counts(shards_of(c, world_size), c["window"][0], 0 if c["causal"] else c["window"][1])
 
 
 def dsinks_from(out, do, lse, sinks):
