@@ -48,6 +48,10 @@ from .validation import attention_problem, attention_shape, sbuf_bytes_per_parti
 # Defaults of the tuning keywords of ``attention_fwd`` (``kb_tiles``, ``block_members_max``, ``slab_tiles``):
 KB_TILES = 4  # key tiles per key block: the online-softmax statistics are updated once per 2048 keys
 BLOCK_MEMBERS_MAX = 8  # members per block: they share one K/V load and one set of statistics ops
+P_DMA_PERIOD = 6  # every P_DMA_PERIOD-th full P tile is transposed by dma_transpose (trn2+, 16-bit; 0: none)
+PV_LAG = 8  # P^T tiles waiting for their PV matmul: TensorE never waits for the P^T eviction
+EXP_LEAD = 3  # exponents emitted ahead of their P^T: ScalarE never waits behind TensorE's finishing work
+FIN_DELAY = 2  # phase-3 steps between a block's last PV and its finishing (and between its members' O^T)
 # A row's running max stays at FP32_MIN while every score it saw was masked; any real score is many orders of
 # magnitude larger, so "max below -1e38" means "the row saw no key".
 EMPTY_MAX = -1.0e38
@@ -77,7 +81,7 @@ class _FwdConfig(nl.NKIObject):
     """
 
     def __init__(self, shp, io_dtype, acc_dtype, range_select_ok, d_v=None, kb_tiles=None, block_members_max=None,
-                 slab_tiles=None):
+                 slab_tiles=None, p_dma_period=None, pv_lag=None):
         if d_v is None:
             d_v = shp.d_v
         self.shp = shp
@@ -133,6 +137,10 @@ class _FwdConfig(nl.NKIObject):
             self.members = self.block_members_max  # a block holds some heads of one query tile
         # dma_transpose: trn2+ (the range_select generations), 2-byte dtypes only
         self.p_dma_transpose = range_select_ok and itemsize(io_dtype) == 2
+        self.p_dma_period = P_DMA_PERIOD if p_dma_period is None else p_dma_period
+        self.pv_lag = PV_LAG if pv_lag is None else pv_lag
+        self.fin_delay = FIN_DELAY
+        self.exp_lead = EXP_LEAD
         if slab_tiles is None:
             self.slab_tiles = _slab_tiles(self, itemsize(io_dtype), itemsize(acc_dtype))
         else:
@@ -522,33 +530,99 @@ def _blocks(cfg, n_tiles):
     return out
 
 
-class _Slab(nl.NKIObject):
-    """The buffers of one slab: query tiles ``[t0, t0 + n)``; ``q[h][qi]`` the Q of head h of the group
-    per Q/K partition tile; ``o[vi]`` / ``lse`` the O^T and LSE staging in member order (column block j = member
-    j); ``state``: the per-row state of the row steps (``[128, members, k]``, or None)."""
+class _WorkItem(nl.NKIObject):
+    """One (batch ``b``, kv head ``kvh``) work item of the pipeline; ``item``: its ``steps.Item`` (runtime
+    tiles), made when its first slab opens (``_open_item``)."""
 
-    def __init__(self, t0, n, q, o, lse, state):
+    def __init__(self, b, kvh):
+        self.b = b
+        self.kvh = kvh
+        self.item = None
+
+
+class _Slab(nl.NKIObject):
+    """One slab of a work item: query tiles ``[t0, t0 + n)``; once opened (``_open_slab``) ``q[h][qi]`` the Q of
+    head h of the group per Q/K partition tile, ``o[vi]`` / ``lse`` the O^T and LSE staging in member order
+    (column block j = member j), ``state`` the per-row state of the row steps (``[128, members, k]``, or None).
+    ``blocks_left``: blocks not finished yet (the slab is stored after its last)."""
+
+    def __init__(self, work, t0, n, n_blocks):
+        self.work = work
         self.t0 = t0
         self.n = n
-        self.q = q
-        self.o = o
-        self.lse = lse
-        self.state = state
+        self.q = None
+        self.o = None
+        self.lse = None
+        self.state = None
+        self.opened = False
+        self.blocks_left = n_blocks
 
 
 class _Block(nl.NKIObject):
     """The work of one block: members ``[j0, j1)`` of its slab (member j: query tile ``t0 + j // group``, head
-    ``j % group``), their ``heads`` and query ``tiles``, ``plan`` (``_key_blocks``); its O accumulator ``o_acc``
-    ``[128, members, d_v]`` and ``started[u]``: member u's O holds a key block's PV already."""
+    ``j % group``), their ``heads`` and query ``tiles``, ``plan`` (``_key_blocks``). Once started
+    (``_start_block``): its O accumulator ``o_acc`` ``[128, members, d_v]``, ``started[u]`` (member u's O holds
+    a key block's PV already), and the online-softmax statistics as the key blocks leave them: ``pm`` (running
+    max in column ``kb_tiles``), ``l_sum``, ``bias`` (the last exponent bias, None before the first)."""
 
-    def __init__(self, j0, j1, heads, tiles, plan, o_acc, started):
+    def __init__(self, slab, j0, j1, heads, tiles, plan):
+        self.slab = slab
         self.j0 = j0
         self.j1 = j1
         self.heads = heads
         self.tiles = tiles
         self.plan = plan
-        self.o_acc = o_acc
-        self.started = started
+        self.o_acc = None
+        self.started = None
+        self.pm = None
+        self.l_sum = None
+        self.bias = None
+
+
+class _Unit(nl.NKIObject):
+    """One (block, key block) of the pipeline (``kb`` None: a block no key reaches). ``jobs``: its visible
+    (member, key tile) pairs ``[u, i]`` in phase order; the rest is filled as the pipeline emits it: K, V^T,
+    the scores ``s[u][i]`` and tiles ``tl[u][i]`` (phase 1), the exponent bias and alpha (phase 2), the row sums
+    ``rs`` and PV accumulators ``o_ps[u]`` (phase 3)."""
+
+    def __init__(self, blk, kb, first, last):
+        self.blk = blk
+        self.kb = kb
+        self.first = first
+        self.last = last
+        self.jobs = []
+        if kb is not None:
+            for u in range(len(blk.heads)):
+                for i in range(kb.kt_n):
+                    if kb.vis[u][i].k1 > kb.vis[u][i].k0:
+                        self.jobs.append([u, i])
+        self.k_tiles = None
+        self.v_tiles = None
+        self.vt = None
+        self.idx = None
+        self.s = None
+        self.tl = None
+        self.diff = None
+        self.alpha = None
+        self.bias = None
+        self.rs = None
+        self.o_ps = None
+        self.last_job = None
+        self.p = None
+
+
+class _Pipe(nl.NKIObject):
+    """Emission state of the software pipeline (``_attend_all``): ``pv`` the P^T tiles waiting for their PV
+    matmul (``[unit, u, i, pt]``, emitted ``cfg.pv_lag`` exponents later; ``pv_at`` the next one), ``later`` the
+    deferred finishing work ``[due step, kind, block, member, o_n list]``, ``step`` the phase-3 steps emitted,
+    ``full_tiles`` the full P tiles seen (which go by dma_transpose)."""
+
+    def __init__(self):
+        self.pv = []
+        self.pv_at = 0
+        self.later = []
+        self.step = 0
+        self.full_tiles = 0
 
 
 # ----------------------------------------------------------------------------------------------------- key block phases
@@ -570,62 +644,55 @@ def _transpose_v(cfg, v_tiles, n_ch):
     return vt
 
 
-def _scores(cfg, item, steps, slab, blk, kb, k_tiles, idx, pm):
-    """Phase 1 (scoring and masking): S = Q^T K of every visible (member, key tile) of key block ``kb``, through
-    the score steps and the mask step of the tile's kind into float32 SBUF, its row max into ``pm[:, u, i]``.
-    Returns ``(s, tiles)``: ``s[u][i]`` the scores and ``tiles[u][i]`` the ``steps.Tile`` (None where the member
-    sees nothing of key tile i)."""
-    ch = K_TILE // PMAX
-    s = []
-    tl = []
-    for u in range(len(blk.heads)):
-        h = blk.heads[u]
-        qcol = (blk.tiles[u] - slab.t0) * PMAX
-        rows = None
-        if slab.state is not None:
-            rows = slab.state[:, blk.j0 + u, :]
-        row = []
-        trow = []
-        for i in range(kb.kt_n):
-            kt = kb.vis[u][i]
-            if kt.k1 > kt.k0:
-                w = kt.k1 - kt.k0
-                col = kt.k0 - kb.kt0 * K_TILE - kb.c_lo * PMAX  # first visible key in the loaded K
-                key_idx = None
-                if idx is not None:
-                    key_idx = idx[:, col:col + w]
-                tile = Tile(item.b, item.kvh * cfg.group + h, h, blk.tiles[u], kt.k0, w, kt.needs_lo, kt.needs_hi,
-                            kt.kind, rows, pm[:, u, i], key_idx)
-                s_ps = nl.ndarray((PMAX, w), dtype=nl.float32, buffer=nl.psum)
-                for qi in range(len(cfg.qk_tiles)):
-                    nisa.nc_matmul(dst=s_ps, stationary=slab.q[h][qi][:, qcol:qcol + PMAX],
-                                   moving=k_tiles[qi][:, col:col + w])
-                src = run_steps(cfg, steps.score, tile, item, s_ps)
-                row.append(mask_step(steps, tile)(cfg, tile, item, src))
-                trow.append(tile)
-            else:
-                row.append(None)
-                trow.append(None)
-        s.append(row)
-        tl.append(trow)
-    return s, tl
+def _score_tile(cfg, steps, unit, u, i):
+    """Phase 1 of one (member u, key tile i) of ``unit``: S = Q^T K (TensorE, fp32 PSUM), the score steps and the
+    mask step of the tile's kind into float32 SBUF ``unit.s[u][i]``, its row max into ``blk.pm[:, u, i]``."""
+    blk = unit.blk
+    kb = unit.kb
+    slab = blk.slab
+    item = slab.work.item
+    h = blk.heads[u]
+    qcol = (blk.tiles[u] - slab.t0) * PMAX
+    rows = None
+    if slab.state is not None:
+        rows = slab.state[:, blk.j0 + u, :]
+    kt = kb.vis[u][i]
+    w = kt.k1 - kt.k0
+    col = kt.k0 - kb.kt0 * K_TILE - kb.c_lo * PMAX  # first visible key in the loaded K
+    key_idx = None
+    if unit.idx is not None:
+        key_idx = unit.idx[:, col:col + w]
+    tile = Tile(item.b, item.kvh * cfg.group + h, h, blk.tiles[u], kt.k0, w, kt.needs_lo, kt.needs_hi, kt.kind,
+                rows, blk.pm[:, u, i], key_idx)
+    s_ps = nl.ndarray((PMAX, w), dtype=nl.float32, buffer=nl.psum)
+    for qi in range(len(cfg.qk_tiles)):
+        nisa.nc_matmul(dst=s_ps, stationary=slab.q[h][qi][:, qcol:qcol + PMAX], moving=unit.k_tiles[qi][:, col:col + w])
+    src = run_steps(cfg, steps.score, tile, item, s_ps)
+    unit.s[u][i] = mask_step(steps, tile)(cfg, tile, item, src)
+    unit.tl[u][i] = tile
 
 
 def _update_max(cfg, pm, pm_next):
     """Phase 2 (online-softmax max, all members at once): ``m' = max(m, tile maxima)`` into ``pm_next[:, :, KB]``
-    (``pm[:, :, KB]`` holds m), ``alpha = exp(c (m - m'))`` and the exponent bias ``-c m'`` (c = exp_scale),
-    capped at FP32_MAX (with c > 1 a row that saw only masked scores would give -inf + inf in the exponent)."""
+    (``pm[:, :, KB]`` holds m), the exponent bias ``-c m'`` (c = exp_scale) capped at FP32_MAX (with c > 1 a row
+    that saw only masked scores would give -inf + inf in the exponent), and ``m - m'`` for alpha (``_alpha``). The
+    bias first: the exponents wait for it, alpha only for the O rescale."""
     kb = cfg.kb_tiles
     n = pm.shape[1]
     nisa.tensor_reduce(dst=pm_next[:, :, kb], op=nl.maximum, data=pm, axis=2)
-    diff = nl.ndarray((PMAX, n), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.tensor_tensor(dst=diff, data1=pm[:, :, kb], data2=pm_next[:, :, kb], op=nl.subtract)
-    alpha = nl.ndarray((PMAX, n), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.activation(dst=alpha, op=nl.exp, data=diff, scale=cfg.exp_scale)
     bias = nl.ndarray((PMAX, n), dtype=nl.float32, buffer=nl.sbuf)
     nisa.tensor_scalar(dst=bias, data=pm_next[:, :, kb], op0=nl.multiply, operand0=-cfg.exp_scale,
                        op1=nl.minimum, operand1=FP32_MAX)
-    return alpha, bias
+    diff = nl.ndarray((PMAX, n), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_tensor(dst=diff, data1=pm[:, :, kb], data2=pm_next[:, :, kb], op=nl.subtract)
+    return diff, bias
+
+
+def _alpha(cfg, diff):
+    """alpha = exp(c (m - m')) of every member (ScalarE), the factor O and l are rescaled by."""
+    alpha = nl.ndarray((PMAX, diff.shape[1]), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.activation(dst=alpha, op=nl.exp, data=diff, scale=cfg.exp_scale)
+    return alpha
 
 
 def _rescale_o(o_acc, u, alpha, o_ps, first):
@@ -640,9 +707,8 @@ def _rescale_o(o_acc, u, alpha, o_ps, first):
 
 def _transpose_p(cfg, p_sb, n_ch, dma_turn):
     """P^T ``[128 keys, n_ch, 128 queries]`` (SBUF) for the PV matmul. TensorE transposes (PSUM) and one eviction
-    by default; on trn2+ with 16-bit P, every other full key tile (``dma_turn``) goes by one SBUF -> SBUF
-    dma_transpose instead (bit-exact too), which balances TensorE and VectorE against the otherwise idle DMA
-    queues (docs/kernel-fwd.md, "Engine balance")."""
+    by default; on trn2+ with 16-bit P, a full key tile whose ``dma_turn`` it is goes by one SBUF -> SBUF
+    dma_transpose instead (bit-exact too; docs/kernel-fwd.md, "Engine balance", says which share)."""
     pt_sb = nl.ndarray((PMAX, n_ch, PMAX), dtype=cfg.io_dtype, buffer=nl.sbuf)
     if cfg.p_dma_transpose and dma_turn and n_ch == K_TILE // PMAX:
         nisa.dma_transpose(dst=pt_sb, src=p_sb.ap(pattern=[[n_ch * PMAX, PMAX], [PMAX, n_ch], [1, PMAX]], offset=0))
@@ -654,31 +720,68 @@ def _transpose_p(cfg, p_sb, n_ch, dma_turn):
     return pt_sb
 
 
-def _exp_pv(cfg, item, steps, blk, kb, s, tl, vt, bias, alpha, rs):
-    """Phase 3 (exponent and PV): per visible (member, key tile) ``P = exp(c S + bias)`` with its row sum into
-    ``rs[:, u, i]`` in ONE activation, the probability steps, P^T, PV accumulated over the whole key block in one
-    PSUM tile; then per member the O update."""
+def _exp_tile(cfg, steps, unit, j):
+    """Phase 3, first part, of job ``j`` (member u, key tile i) of ``unit``: ``P = exp(c S + bias)`` with its row
+    sum into ``rs[:, u, i]`` in ONE activation, then the probability steps; P waits in ``unit.p[j]`` for its
+    transpose (``_pt_tile``), so ScalarE runs ahead of TensorE."""
+    u = unit.jobs[j][0]
+    i = unit.jobs[j][1]
+    tile = unit.tl[u][i]
+    item = unit.blk.slab.work.item
+    p_sb = nl.ndarray((PMAX, tile.kw), dtype=cfg.io_dtype, buffer=nl.sbuf)
+    nisa.activation(dst=p_sb, op=nl.exp, data=unit.s[u][i], bias=unit.bias[:, u:u + 1], scale=cfg.exp_scale,
+                    reduce_op=nl.add, reduce_res=unit.rs[:, u, i], reduce_cmd=nisa.reduce_cmd.reset_reduce)
+    unit.s[u][i] = None
+    p_sb = run_steps(cfg, steps.p_mask, tile, item, p_sb)
+    unit.p[j] = run_steps(cfg, steps.prob, tile, item, p_sb)
+
+
+def _pt_tile(cfg, pipe, unit, j):
+    """Phase 3, second part, of job ``j``: P^T (``_transpose_p``); it waits in ``pipe.pv`` for its PV."""
+    u = unit.jobs[j][0]
+    i = unit.jobs[j][1]
+    n_ch = unit.tl[u][i].kw // PMAX
+    dma_turn = False
+    if n_ch == K_TILE // PMAX:
+        pipe.full_tiles = pipe.full_tiles + 1
+        dma_turn = cfg.p_dma_period > 0 and pipe.full_tiles % cfg.p_dma_period == 0
+    pt_sb = _transpose_p(cfg, unit.p[j], n_ch, dma_turn)
+    unit.p[j] = None
+    pipe.pv.append([unit, u, i, pt_sb])
+
+
+def _pv_tile(cfg, pipe):
+    """Phase 3, second half, of the oldest waiting tile: PV accumulated over the member's key block in one PSUM
+    tile; after the member's last tile of the key block the O update, after the unit's last tile the block's
+    finishing is scheduled (``_later``)."""
+    entry = pipe.pv[pipe.pv_at]
+    pipe.pv[pipe.pv_at] = None
+    pipe.pv_at = pipe.pv_at + 1
+    unit = entry[0]
+    u = entry[1]
+    i = entry[2]
+    pt_sb = entry[3]
+    kb = unit.kb
+    blk = unit.blk
+    vt = unit.vt
     ch = K_TILE // PMAX
-    for u in range(len(s)):
-        o_ps = None
-        for i in range(kb.kt_n):
-            tile = tl[u][i]
-            if tile is not None:
-                n_ch = tile.kw // PMAX
-                lo = (tile.k0 - (kb.kt0 + i) * K_TILE) // PMAX
-                p_sb = nl.ndarray((PMAX, tile.kw), dtype=cfg.io_dtype, buffer=nl.sbuf)
-                nisa.activation(dst=p_sb, op=nl.exp, data=s[u][i], bias=bias[:, u:u + 1], scale=cfg.exp_scale,
-                                reduce_op=nl.add, reduce_res=rs[:, u, i], reduce_cmd=nisa.reduce_cmd.reset_reduce)
-                p_sb = run_steps(cfg, steps.p_mask, tile, item, p_sb)
-                p_sb = run_steps(cfg, steps.prob, tile, item, p_sb)
-                pt_sb = _transpose_p(cfg, p_sb, n_ch, (u + kb.kt0 + i) % 2 == 0)
-                if o_ps is None:
-                    o_ps = nl.ndarray((PMAX, cfg.d_v), dtype=nl.float32, buffer=nl.psum)
-                for c in range(n_ch):
-                    nisa.nc_matmul(dst=o_ps, stationary=pt_sb[:, c, :], moving=vt[:, i * ch + lo + c - kb.c_lo, :])
-        if o_ps is not None:
-            _rescale_o(blk.o_acc, u, alpha, o_ps, not blk.started[u])
+    tile = unit.tl[u][i]
+    n_ch = tile.kw // PMAX
+    lo = (tile.k0 - (kb.kt0 + i) * K_TILE) // PMAX
+    if unit.o_ps[u] is None:
+        unit.o_ps[u] = nl.ndarray((PMAX, cfg.d_v), dtype=nl.float32, buffer=nl.psum)
+    o_ps = unit.o_ps[u]
+    for c in range(n_ch):
+        nisa.nc_matmul(dst=o_ps, stationary=pt_sb[:, c, :], moving=vt[:, i * ch + lo + c - kb.c_lo, :])
+    if unit.last_job[u] == i:
+        _rescale_o(blk.o_acc, u, unit.alpha, o_ps, not blk.started[u])
+        if not blk.started[u]:
             blk.started[u] = True
+        unit.o_ps[u] = None
+    if unit.jobs[len(unit.jobs) - 1][0] == u and unit.jobs[len(unit.jobs) - 1][1] == i:
+        unit.vt = None
+        if unit.last:
+            pipe.later.append([pipe.step + cfg.fin_delay, "stats", blk, 0, None])
 
 
 def _update_sum(cfg, l_sum, alpha, rs):
@@ -690,141 +793,32 @@ def _update_sum(cfg, l_sum, alpha, rs):
     return l_new
 
 
-def _key_block(cfg, hbm, item, steps, slab, blk, kb, gaps_next, pm, l_sum):
-    """One key block ``kb`` of block ``blk``: load K and V (the union of the members' visible chunks), V^T, then
-    the four phases. Returns the statistics after it: ``(pm_next, l, bias)``."""
-    b = item.b
-    kvh = item.kvh
-    key0 = kb.kt0 * K_TILE + kb.c_lo * PMAX
-    width = (kb.c_hi - kb.c_lo) * PMAX
-    k_tiles = []
-    for qi in range(len(cfg.qk_tiles)):
-        d0, dsz = cfg.qk_tiles[qi]
-        kt_sb = nl.ndarray((dsz, width), dtype=cfg.io_dtype, buffer=nl.sbuf)
-        nisa.dma_copy(dst=kt_sb, src=hbm.k[b, kvh, d0:d0 + dsz, key0:key0 + width])
-        k_tiles.append(kt_sb)
-    v_tiles = []
-    for vi in range(len(cfg.v_tiles)):
-        v0, vsz = cfg.v_tiles[vi]
-        v_sb = nl.ndarray((vsz, width), dtype=cfg.io_dtype, buffer=nl.sbuf)
-        nisa.dma_copy(dst=v_sb, src=hbm.v[b, kvh, v0:v0 + vsz, key0:key0 + width])
-        v_tiles.append(v_sb)
-    vt = _transpose_v(cfg, v_tiles, kb.c_hi - kb.c_lo)
-    idx = None
-    if cfg.mask == "predicate":
-        idx = nl.ndarray((PMAX, width), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.iota(dst=idx, pattern=[[1, width]], offset=key0, channel_multiplier=0)  # key index per column
-
-    for f in steps.key_block:
-        f(cfg, kb.kt0, item)
-    s, tl = _scores(cfg, item, steps, slab, blk, kb, k_tiles, idx, pm)
-    n = len(blk.heads)
-    pm_next = nl.ndarray((PMAX, n, cfg.kb_tiles + 1), dtype=nl.float32, buffer=nl.sbuf)
-    if gaps_next:
-        nisa.memset(dst=pm_next, value=FP32_MIN, engine=nisa.engine.gpsimd)  # slots no key tile will write
-    alpha, bias = _update_max(cfg, pm, pm_next)
-    rs = nl.ndarray((PMAX, n, cfg.kb_tiles + 1), dtype=nl.float32, buffer=nl.sbuf)
-    if kb.gaps:
-        nisa.memset(dst=rs, value=0.0, engine=nisa.engine.gpsimd)
-    _exp_pv(cfg, item, steps, blk, kb, s, tl, vt, bias, alpha, rs)
-    l_new = _update_sum(cfg, l_sum, alpha, rs)
-    return pm_next, l_new, bias
+# ----------------------------------------------------------------------------------------------------- opening work
+def _open_item(cfg, hbm, sinks_ref, alibi_slopes, launch, work):
+    """The work item's runtime tiles (``steps.Item``): sink statistics, ALiBi coefficients; ``launch``: the
+    launch-wide ``Item`` (seed, bounds, position table)."""
+    b = work.b
+    kvh = work.kvh
+    sink_stats = None
+    if cfg.shp.num_sinks > 0:
+        sink_stats = _sink_stats(cfg, sinks_ref, b, kvh)
+    slopes = None
+    alibi_st = None
+    if cfg.alibi:
+        slopes, alibi_st = _alibi_coefs(cfg, load_slopes(alibi_slopes, cfg.shp.nheads, cfg.group, b, kvh))
+    work.item = Item(b, kvh, slopes=slopes, seed=launch.seed, bounds=launch.bounds, alibi_st=alibi_st,
+                     pos_tab=launch.pos_tab, sinks=sink_stats)
 
 
-# ----------------------------------------------------------------------------------------------------- blocks, slabs
-def _finish_block(cfg, item, steps, slab, blk, pm, l_sum, bias):
-    """Finishing, all members at once: ``o = O / l`` and ``lse = c m + log(l)`` (= log(l) - bias); rows that saw
-    no key (and have no sink) get 0 and +inf. O is normalised per member, transposed back to ``[d, q]`` into the
-    slab's O staging, the LSE columns go to the slab's LSE staging."""
-    j0 = blk.j0
-    o_acc = blk.o_acc
-    n = pm.shape[1]
-    keep = nl.ndarray((PMAX, n), dtype=nl.uint8, buffer=nl.sbuf)
-    nisa.tensor_scalar(dst=keep, data=pm[:, :, cfg.kb_tiles], op0=nl.greater, operand0=EMPTY_MAX)
-    l_safe = nl.ndarray((PMAX, n), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.tensor_scalar(dst=l_safe, data=l_sum, op0=nl.maximum, operand0=L_FLOOR)
-    recip = nl.ndarray((PMAX, n), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.reciprocal(dst=recip, data=l_safe)
-    nisa.select_reduce(dst=recip, predicate=keep, on_true=recip, on_false=0.0)  # 0 for empty rows
-    if cfg.o_factor != 1.0:
-        nisa.tensor_scalar(dst=recip, data=recip, op0=nl.multiply, operand0=cfg.o_factor)
-    log_l = nl.ndarray((PMAX, n), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.activation(dst=log_l, op=nl.log, data=l_safe)
-    lse_real = nl.ndarray((PMAX, n), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.tensor_tensor(dst=lse_real, data1=log_l, data2=bias, op=nl.subtract)
-    for f in steps.lse:
-        f(cfg, slab.t0, j0, lse_real, item)
-    nisa.select_reduce(dst=slab.lse[:, j0:j0 + n], predicate=keep, on_true=lse_real, on_false=POS_INF)
-    # Per member on ScalarE (its exponents leave it idle at the end of a block, VectorE is the busier engine):
-    # O * (1/l) into o's dtype, then O^T per V/O partition tile into the staging.
-    for u in range(n):
-        o_n = nl.ndarray((PMAX, cfg.d_v), dtype=cfg.io_dtype, buffer=nl.sbuf)
-        if cfg.scalar_busy:
-            nisa.tensor_scalar(dst=o_n, data=o_acc[:, u, :], op0=nl.multiply, operand0=recip[:, u:u + 1])
-        else:
-            nisa.activation(dst=o_n, op=nl.copy, data=o_acc[:, u, :], scale=recip[:, u:u + 1])
-        col = (j0 + u) * PMAX
-        for vi in range(len(cfg.v_tiles)):
-            v0, vsz = cfg.v_tiles[vi]
-            ot_ps = nl.ndarray((vsz, PMAX), dtype=cfg.io_dtype, buffer=nl.psum)
-            nisa.nc_transpose(dst=ot_ps, data=o_n[:, v0:v0 + vsz])
-            if cfg.scalar_busy:
-                nisa.tensor_copy(dst=slab.o[vi][:, col:col + PMAX], src=ot_ps)
-            else:
-                nisa.activation(dst=slab.o[vi][:, col:col + PMAX], op=nl.copy, data=ot_ps)
-
-
-def _attend_block(cfg, hbm, item, steps, slab, j0, j1):
-    """Members ``j0 .. j1 - 1`` of ``slab`` (member j: query tile ``t0 + j // group``, head ``j % group``)
-    against every key block one of them sees."""
+def _open_slab(cfg, hbm, steps, slab):
+    """Q of the slab's query tiles (every head of the group, loaded once, unscaled), the O^T and LSE staging,
+    the row steps' state."""
     g = cfg.group
-    n = j1 - j0
-    heads = []
-    tiles = []
-    started = []
-    for j in range(j0, j1):
-        heads.append(j % g)
-        tiles.append(slab.t0 + j // g)
-        started.append(False)
-    # (a bottom-right band can leave whole query tiles without a visible key: seqlen_q > seqlen_k with causal,
-    # windows that end before the first key or start after the last; such members are finished as empty rows)
-    plan = _key_blocks(cfg, tiles)
-    # pm[:, u, i]: row max of key tile i of the current key block; pm[:, u, KB]: the running max m
-    pm = nl.ndarray((PMAX, n, cfg.kb_tiles + 1), dtype=nl.float32, buffer=nl.sbuf)
-    l_sum = nl.ndarray((PMAX, n), dtype=nl.float32, buffer=nl.sbuf)
-    if item.sinks is None:
-        nisa.memset(dst=pm, value=FP32_MIN, engine=nisa.engine.gpsimd)
-        nisa.memset(dst=l_sum, value=0.0, engine=nisa.engine.gpsimd)
-    else:
-        if len(plan) == 0 or plan[0].gaps:
-            nisa.memset(dst=pm, value=FP32_MIN, engine=nisa.engine.gpsimd)
-        m0, l0 = item.sinks
-        nisa.tensor_copy(dst=pm[:, :, cfg.kb_tiles], src=_per_member(cfg, m0, j0, n))
-        nisa.tensor_copy(dst=l_sum, src=_per_member(cfg, l0, j0, n))
-    o_acc = nl.ndarray((PMAX, n, cfg.d_v), dtype=cfg.acc_dtype, buffer=nl.sbuf)
-    blk = _Block(j0, j1, heads, tiles, plan, o_acc, started)
-    bias = None
-    for k in range(len(plan)):
-        gaps_next = k + 1 < len(plan) and plan[k + 1].gaps
-        pm, l_sum, bias = _key_block(cfg, hbm, item, steps, slab, blk, plan[k], gaps_next, pm, l_sum)
-    for u in range(n):
-        if not started[u]:
-            # no visible key for this member's rows: O = 0 (o = 0; with sinks lse = their logsumexp)
-            nisa.memset(dst=o_acc[:, u, :], value=0.0, engine=nisa.engine.gpsimd)
-    if bias is None:
-        bias = nl.ndarray((PMAX, n), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.tensor_scalar(dst=bias, data=pm[:, :, cfg.kb_tiles], op0=nl.multiply, operand0=-cfg.exp_scale,
-                           op1=nl.minimum, operand1=FP32_MAX)
-    _finish_block(cfg, item, steps, slab, blk, pm, l_sum, bias)
-
-
-def _attend_slab(cfg, hbm, item, steps, t0, t1):
-    """Query tiles ``[t0, t1)`` of every query head of the work item's kv head: Q loaded and O, LSE stored once
-    per head."""
-    g = cfg.group
-    n = t1 - t0
-    b = item.b
-    kvh = item.kvh
+    n = slab.n
+    t0 = slab.t0
+    t1 = t0 + n
+    b = slab.work.b
+    kvh = slab.work.kvh
     q_slab = []
     for h in range(g):
         row = []
@@ -840,23 +834,354 @@ def _attend_slab(cfg, hbm, item, steps, t0, t1):
         v0, vsz = cfg.v_tiles[vi]
         o_stage = nl.ndarray((vsz, n * g * PMAX), dtype=cfg.io_dtype, buffer=nl.sbuf)
         o_slab.append(o_stage)
-    lse_slab = nl.ndarray((PMAX, n * g), dtype=nl.float32, buffer=nl.sbuf)
-    state = None
+    slab.q = q_slab
+    slab.o = o_slab
+    slab.lse = nl.ndarray((PMAX, n * g), dtype=nl.float32, buffer=nl.sbuf)
     if steps.rows is not None:
-        state = steps.rows(cfg, b, kvh, t0, n, item)
-    slab = _Slab(t0, n, q_slab, o_slab, lse_slab, state)
-    blocks = _blocks(cfg, n)
-    for i in range(len(blocks)):
-        j0, j1 = blocks[i]
-        _attend_block(cfg, hbm, item, steps, slab, j0, j1)
+        slab.state = steps.rows(cfg, b, kvh, t0, n, slab.work.item)
+    slab.opened = True
+
+
+def _start_block(cfg, blk):
+    """The block's statistics (running max, sum: from the sinks, or empty) and O accumulator."""
+    j0 = blk.j0
+    n = blk.j1 - j0
+    item = blk.slab.work.item
+    plan = blk.plan
+    started = []
+    for u in range(n):
+        started.append(False)
+    # pm[:, u, i]: row max of key tile i of the current key block; pm[:, u, KB]: the running max m
+    pm = nl.ndarray((PMAX, n, cfg.kb_tiles + 1), dtype=nl.float32, buffer=nl.sbuf)
+    l_sum = nl.ndarray((PMAX, n), dtype=nl.float32, buffer=nl.sbuf)
+    if item.sinks is None:
+        nisa.memset(dst=pm, value=FP32_MIN, engine=nisa.engine.gpsimd)
+        nisa.memset(dst=l_sum, value=0.0, engine=nisa.engine.gpsimd)
+    else:
+        if len(plan) == 0 or plan[0].gaps:
+            nisa.memset(dst=pm, value=FP32_MIN, engine=nisa.engine.gpsimd)
+        m0, l0 = item.sinks
+        nisa.tensor_copy(dst=pm[:, :, cfg.kb_tiles], src=_per_member(cfg, m0, j0, n))
+        nisa.tensor_copy(dst=l_sum, src=_per_member(cfg, l0, j0, n))
+    blk.o_acc = nl.ndarray((PMAX, n, cfg.d_v), dtype=cfg.acc_dtype, buffer=nl.sbuf)
+    blk.started = started
+    blk.pm = pm
+    blk.l_sum = l_sum
+
+
+def _load_unit(cfg, hbm, sinks_ref, alibi_slopes, launch, steps, unit):
+    """Open what ``unit`` needs (its work item, slab and block when it is their first) and load its K and V
+    (the union of the members' visible chunks) one pipeline segment before its scores."""
+    blk = unit.blk
+    slab = blk.slab
+    work = slab.work
+    if work.item is None:
+        _open_item(cfg, hbm, sinks_ref, alibi_slopes, launch, work)
+    if not slab.opened:
+        _open_slab(cfg, hbm, steps, slab)
+    if unit.first:
+        _start_block(cfg, blk)
+    kb = unit.kb
+    if kb is None:
+        return
+    b = work.b
+    kvh = work.kvh
+    key0 = kb.kt0 * K_TILE + kb.c_lo * PMAX
+    width = (kb.c_hi - kb.c_lo) * PMAX
+    k_tiles = []
+    for qi in range(len(cfg.qk_tiles)):
+        d0, dsz = cfg.qk_tiles[qi]
+        kt_sb = nl.ndarray((dsz, width), dtype=cfg.io_dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=kt_sb, src=hbm.k[b, kvh, d0:d0 + dsz, key0:key0 + width])
+        k_tiles.append(kt_sb)
+    v_tiles = []
+    for vi in range(len(cfg.v_tiles)):
+        v0, vsz = cfg.v_tiles[vi]
+        v_sb = nl.ndarray((vsz, width), dtype=cfg.io_dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=v_sb, src=hbm.v[b, kvh, v0:v0 + vsz, key0:key0 + width])
+        v_tiles.append(v_sb)
+    unit.k_tiles = k_tiles
+    unit.v_tiles = v_tiles
+
+
+def _begin_scores(cfg, steps, unit):
+    """Before a unit's first score: the key-index tile (trn1 packing) and the key-block steps."""
+    kb = unit.kb
+    n = len(unit.blk.heads)
+    s = []
+    tl = []
+    for u in range(n):
+        row = []
+        for i in range(kb.kt_n):
+            row.append(None)
+        s.append(row)
+        tl.append(list(row))
+    unit.s = s
+    unit.tl = tl
+    if cfg.mask == "predicate":
+        key0 = kb.kt0 * K_TILE + kb.c_lo * PMAX
+        width = (kb.c_hi - kb.c_lo) * PMAX
+        unit.idx = nl.ndarray((PMAX, width), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.iota(dst=unit.idx, pattern=[[1, width]], offset=key0, channel_multiplier=0)  # key index per column
+    for f in steps.key_block:
+        f(cfg, kb.kt0, unit.blk.slab.work.item)
+
+
+def _end_scores(cfg, unit, gaps_next):
+    """After a unit's last score: V^T, and phase 2 into the statistics tile of the block's next key block
+    (``gaps_next``: it has slots no key tile will write)."""
+    kb = unit.kb
+    blk = unit.blk
+    unit.k_tiles = None
+    unit.vt = _transpose_v(cfg, unit.v_tiles, kb.c_hi - kb.c_lo)
+    unit.v_tiles = None
+    unit.idx = None
+    n = len(blk.heads)
+    pm_next = nl.ndarray((PMAX, n, cfg.kb_tiles + 1), dtype=nl.float32, buffer=nl.sbuf)
+    if gaps_next:
+        nisa.memset(dst=pm_next, value=FP32_MIN, engine=nisa.engine.gpsimd)  # slots no key tile will write
+    diff, bias = _update_max(cfg, blk.pm, pm_next)
+    unit.diff = diff
+    unit.bias = bias
+    blk.pm = pm_next
+    blk.bias = bias
+
+
+def _begin_exps(cfg, unit):
+    """Before a unit's first exponent: alpha, the row-sum tile, the PV accumulators and each member's last job."""
+    kb = unit.kb
+    n = len(unit.blk.heads)
+    unit.alpha = _alpha(cfg, unit.diff)
+    unit.rs = nl.ndarray((PMAX, n, cfg.kb_tiles + 1), dtype=nl.float32, buffer=nl.sbuf)
+    if kb.gaps:
+        nisa.memset(dst=unit.rs, value=0.0, engine=nisa.engine.gpsimd)
+    o_ps = []
+    last_job = []
+    for u in range(n):
+        o_ps.append(None)
+        last_job.append(-1)
+    for j in range(len(unit.jobs)):
+        last_job[unit.jobs[j][0]] = unit.jobs[j][1]
+    unit.o_ps = o_ps
+    unit.last_job = last_job
+    p = []
+    for j in range(len(unit.jobs)):
+        p.append(None)
+    unit.p = p
+
+
+# ----------------------------------------------------------------------------------------------------- finishing
+def _finish_stats(cfg, steps, blk):
+    """Finishing of a block, all members at once: ``1 / l`` and ``lse = c m + log(l)`` (= log(l) - bias) into the
+    slab's LSE staging, rows that saw no key (and have no sink) get 0 and +inf; then per member on ScalarE (its
+    exponents leave it the idle engine at the end of a block) ``O * (1/l)`` into o's dtype. Returns the
+    normalised ``o_n`` per member (``_finish_member`` transposes them)."""
+    slab = blk.slab
+    item = slab.work.item
+    j0 = blk.j0
+    o_acc = blk.o_acc
+    pm = blk.pm
+    l_sum = blk.l_sum
+    n = pm.shape[1]
+    for u in range(n):
+        if not blk.started[u]:
+            # no visible key for this member's rows: O = 0 (o = 0; with sinks lse = their logsumexp)
+            nisa.memset(dst=o_acc[:, u, :], value=0.0, engine=nisa.engine.gpsimd)
+    bias = blk.bias
+    if bias is None:
+        bias = nl.ndarray((PMAX, n), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_scalar(dst=bias, data=pm[:, :, cfg.kb_tiles], op0=nl.multiply, operand0=-cfg.exp_scale,
+                           op1=nl.minimum, operand1=FP32_MAX)
+    keep = nl.ndarray((PMAX, n), dtype=nl.uint8, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=keep, data=pm[:, :, cfg.kb_tiles], op0=nl.greater, operand0=EMPTY_MAX)
+    l_safe = nl.ndarray((PMAX, n), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=l_safe, data=l_sum, op0=nl.maximum, operand0=L_FLOOR)
+    recip = nl.ndarray((PMAX, n), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.reciprocal(dst=recip, data=l_safe)
+    nisa.select_reduce(dst=recip, predicate=keep, on_true=recip, on_false=0.0)  # 0 for empty rows
+    if cfg.o_factor != 1.0:
+        nisa.tensor_scalar(dst=recip, data=recip, op0=nl.multiply, operand0=cfg.o_factor)
+    o_ns = []
+    for u in range(n):
+        o_n = nl.ndarray((PMAX, cfg.d_v), dtype=cfg.io_dtype, buffer=nl.sbuf)
+        if cfg.scalar_busy:
+            nisa.tensor_scalar(dst=o_n, data=o_acc[:, u, :], op0=nl.multiply, operand0=recip[:, u:u + 1])
+        else:
+            nisa.activation(dst=o_n, op=nl.copy, data=o_acc[:, u, :], scale=recip[:, u:u + 1])
+        o_ns.append(o_n)
+    log_l = nl.ndarray((PMAX, n), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.activation(dst=log_l, op=nl.log, data=l_safe)
+    lse_real = nl.ndarray((PMAX, n), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_tensor(dst=lse_real, data1=log_l, data2=bias, op=nl.subtract)
+    for f in steps.lse:
+        f(cfg, slab.t0, j0, lse_real, item)
+    nisa.select_reduce(dst=slab.lse[:, j0:j0 + n], predicate=keep, on_true=lse_real, on_false=POS_INF)
+    return o_ns
+
+
+def _finish_member(cfg, blk, u, o_n):
+    """O^T of member ``u`` per V/O partition tile (TensorE) into the slab's O staging."""
+    slab = blk.slab
+    j0 = blk.j0
+    col = (j0 + u) * PMAX
+    for vi in range(len(cfg.v_tiles)):
+        v0, vsz = cfg.v_tiles[vi]
+        ot_ps = nl.ndarray((vsz, PMAX), dtype=cfg.io_dtype, buffer=nl.psum)
+        nisa.nc_transpose(dst=ot_ps, data=o_n[:, v0:v0 + vsz])
+        if cfg.scalar_busy:
+            nisa.tensor_copy(dst=slab.o[vi][:, col:col + PMAX], src=ot_ps)
+        else:
+            nisa.activation(dst=slab.o[vi][:, col:col + PMAX], op=nl.copy, data=ot_ps)
+
+
+def _store_slab(cfg, hbm, slab):
+    """O and the LSE of the slab, one DMA per (head, d tile) and one per head, from the staging."""
+    g = cfg.group
+    n = slab.n
+    t0 = slab.t0
+    t1 = t0 + n
+    b = slab.work.b
+    kvh = slab.work.kvh
     for h in range(g):
         hq = kvh * g + h
         for vi in range(len(cfg.v_tiles)):
             v0, vsz = cfg.v_tiles[vi]
             nisa.dma_copy(dst=hbm.o[b, hq, v0:v0 + vsz, t0 * PMAX:t1 * PMAX],
-                          src=o_slab[vi].ap(pattern=[[n * g * PMAX, vsz], [g * PMAX, n], [1, PMAX]],
+                          src=slab.o[vi].ap(pattern=[[n * g * PMAX, vsz], [g * PMAX, n], [1, PMAX]],
                                             offset=h * PMAX))
-        nisa.dma_copy(dst=hbm.lse[b, hq, :, t0:t1], src=lse_slab.ap(pattern=[[n * g, PMAX], [g, n]], offset=h))
+        nisa.dma_copy(dst=hbm.lse[b, hq, :, t0:t1], src=slab.lse.ap(pattern=[[n * g, PMAX], [g, n]], offset=h))
+    slab.q = None
+    slab.o = None
+    slab.lse = None
+    slab.state = None
+
+
+def _run_later(cfg, hbm, steps, pipe, flush):
+    """Run the deferred finishing work that is due (all of it when ``flush``): a block's statistics and
+    normalisation (``stats``), then one member's O^T per phase-3 step (``member``), then the slab's stores."""
+    again = True
+    while again:
+        again = False
+        todo = pipe.later
+        pipe.later = []
+        for k in range(len(todo)):
+            job = todo[k]
+            if flush or job[0] <= pipe.step:
+                blk = job[2]
+                if job[1] == "stats":
+                    o_ns = _finish_stats(cfg, steps, blk)
+                    for u in range(len(o_ns)):
+                        pipe.later.append([pipe.step + cfg.fin_delay + u, "member", blk, u, o_ns])
+                    again = flush
+                else:
+                    u = job[3]
+                    _finish_member(cfg, blk, u, job[4][u])
+                    job[4][u] = None
+                    if u == len(job[4]) - 1:
+                        blk.slab.blocks_left = blk.slab.blocks_left - 1
+                        if blk.slab.blocks_left == 0:
+                            _store_slab(cfg, hbm, blk.slab)
+            else:
+                pipe.later.append(job)
+
+
+# ----------------------------------------------------------------------------------------------------- the pipeline
+def _plan_units(cfg, start, stop, slabs):
+    """Every unit of this core's work items, in emission order: work item, slab, block, key block."""
+    shp = cfg.shp
+    g = cfg.group
+    units = []
+    for w in range(start, stop):
+        work = _WorkItem(w // shp.nheads_kv, w % shp.nheads_kv)
+        for si in range(len(slabs)):
+            t0, t1 = slabs[si]
+            blocks = _blocks(cfg, t1 - t0)
+            slab = _Slab(work, t0, t1 - t0, len(blocks))
+            for bi in range(len(blocks)):
+                j0, j1 = blocks[bi]
+                heads = []
+                tiles = []
+                for j in range(j0, j1):
+                    heads.append(j % g)
+                    tiles.append(slab.t0 + j // g)
+                # (a bottom-right band can leave whole query tiles without a visible key: seqlen_q > seqlen_k with
+                # causal, windows that end before the first key or start after the last; such members are
+                # finished as empty rows)
+                plan = _key_blocks(cfg, tiles)
+                blk = _Block(slab, j0, j1, heads, tiles, plan)
+                if len(plan) == 0:
+                    units.append(_Unit(blk, None, True, True))
+                for k in range(len(plan)):
+                    units.append(_Unit(blk, plan[k], k == 0, k == len(plan) - 1))
+    return units
+
+
+def _attend_all(cfg, hbm, sinks_ref, alibi_slopes, launch, steps, units):
+    """The software pipeline over ``units``: while unit n is in phase 3 (exponents, P^T, PV), unit n + 1 is
+    scored (phase 1, its phase 2 as soon as its last score is out) and unit n + 2's K and V are loaded, so each
+    engine's instruction stream always holds independent work (engines run their streams in order). PV runs
+    ``cfg.pv_lag`` tiles behind its P^T, a block's finishing ``cfg.fin_delay`` steps behind its last PV
+    (docs/kernel-fwd.md, "Loop nest")."""
+    pipe = _Pipe()
+    n_units = len(units)
+    if n_units > 0:
+        _load_unit(cfg, hbm, sinks_ref, alibi_slopes, launch, steps, units[0])
+    if n_units > 1:
+        _load_unit(cfg, hbm, sinks_ref, alibi_slopes, launch, steps, units[1])
+    for n in range(n_units + 1):
+        cur = None
+        if n < n_units:
+            cur = units[n]
+        prev = None
+        if n > 0:
+            prev = units[n - 1]
+        if n + 2 < n_units:
+            _load_unit(cfg, hbm, sinks_ref, alibi_slopes, launch, steps, units[n + 2])
+        n1 = 0
+        if cur is not None and cur.kb is not None:
+            n1 = len(cur.jobs)
+            _begin_scores(cfg, steps, cur)
+        n3 = 0
+        if prev is not None and prev.kb is not None:
+            n3 = len(prev.jobs)
+            _begin_exps(cfg, prev)
+        if prev is not None and prev.kb is None:
+            pipe.later.append([pipe.step, "stats", prev.blk, 0, None])
+        done1 = 0
+        done3 = 0
+        gaps_next = False
+        if cur is not None and cur.kb is not None and not cur.last:
+            gaps_next = units[n + 1].kb.gaps
+        if n3 == 0 and n1 > 0:
+            for j in range(n1):
+                _score_tile(cfg, steps, cur, cur.jobs[j][0], cur.jobs[j][1])
+            _end_scores(cfg, cur, gaps_next)
+            done1 = n1
+        for t in range(n3):
+            # the scores of the next unit run ahead of this unit's exponents, done by 2/3 of them: its phase 2
+            # then has the last third of the segment to reach the exponent bias
+            want = min(n1, ((t + 1) * n1 * 3 + 2 * n3 - 1) // (2 * n3))
+            while done1 < want:
+                _score_tile(cfg, steps, cur, cur.jobs[done1][0], cur.jobs[done1][1])
+                done1 = done1 + 1
+                if done1 == n1:
+                    _end_scores(cfg, cur, gaps_next)
+            while done3 < min(n3, t + 1 + cfg.exp_lead):
+                _exp_tile(cfg, steps, prev, done3)
+                done3 = done3 + 1
+            _pt_tile(cfg, pipe, prev, t)
+            if len(pipe.pv) - pipe.pv_at > cfg.pv_lag:
+                _pv_tile(cfg, pipe)
+            pipe.step = pipe.step + 1
+            _run_later(cfg, hbm, steps, pipe, False)
+        if n3 > 0:
+            prev.blk.l_sum = _update_sum(cfg, prev.blk.l_sum, prev.alpha, prev.rs)
+            prev.rs = None
+    while pipe.pv_at < len(pipe.pv):
+        _pv_tile(cfg, pipe)
+        pipe.step = pipe.step + 1
+        _run_later(cfg, hbm, steps, pipe, False)
+    _run_later(cfg, hbm, steps, pipe, True)
 
 
 def _positive_int_problem(name, value):
@@ -868,10 +1193,19 @@ def _positive_int_problem(name, value):
     return None
 
 
+def _nonnegative_int_problem(name, value):
+    """The problem with a tuning keyword that must be None or an int >= 0 (None when it is fine)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        return f"{name}={value!r} must be None (the default) or an int >= 0"
+    return None
+
+
 def fwd_problem(q_ref, k_ref, v_ref, sinks_ref=None, bound_min=None, bound_max=None, use_causal_mask=False,
                 mixed_precision=True, softmax_scale=None, sliding_window=None, softcap=0.0, alibi_slopes=None,
                 window_size=None, dropout_p=0.0, dropout_seed=None, kb_tiles=None, block_members_max=None,
-                slab_tiles=None):
+                slab_tiles=None, p_dma_period=None, pv_lag=None):
     """``None`` when ``attention_fwd`` accepts these arguments, else the first problem as a message. The kernel
     asserts on it; ``nki_attn.kernel_api.attention_fwd`` raises it as ``ValueError`` before launching."""
     problem = attention_problem(q_ref, k_ref, v_ref, sinks=sinks_ref, bound_min=bound_min, bound_max=bound_max,
@@ -887,12 +1221,16 @@ def fwd_problem(q_ref, k_ref, v_ref, sinks_ref=None, bound_min=None, bound_max=N
         problem = _positive_int_problem("block_members_max", block_members_max)
     if problem is None:
         problem = _positive_int_problem("slab_tiles", slab_tiles)
+    if problem is None:
+        problem = _nonnegative_int_problem("p_dma_period", p_dma_period)
+    if problem is None:
+        problem = _nonnegative_int_problem("pv_lag", pv_lag)
     return problem
 
 
 def _setup_config(q_ref, k_ref, v_ref, sinks_ref, bound_min, use_causal_mask, mixed_precision, softmax_scale,
                   sliding_window, softcap, alibi_slopes, window_size, dropout_p, kb_tiles, block_members_max,
-                  slab_tiles):
+                  slab_tiles, p_dma_period=None, pv_lag=None):
     """The launch's ``_FwdConfig``, built once from the kernel's (valid) arguments."""
     shp = attention_shape(q_ref, k_ref, sinks=sinks_ref, bound_min=bound_min, use_causal_mask=use_causal_mask,
                           softmax_scale=softmax_scale, sliding_window=sliding_window, v=v_ref, softcap=softcap,
@@ -900,14 +1238,14 @@ def _setup_config(q_ref, k_ref, v_ref, sinks_ref, bound_min, use_causal_mask, mi
     range_select_ok = nisa.get_nc_version() >= nisa.nc_version.gen3  # range_select exists on trn2+
     acc_dtype = nl.float32 if mixed_precision else q_ref.dtype
     return _FwdConfig(shp, q_ref.dtype, acc_dtype, range_select_ok, v_ref.shape[2], kb_tiles, block_members_max,
-                      slab_tiles)
+                      slab_tiles, p_dma_period, pv_lag)
 
 
 @nki.jit
 def attention_fwd(q_ref, k_ref, v_ref, sinks_ref=None, bound_min=None, bound_max=None, use_causal_mask=False,
                   mixed_precision=True, softmax_scale=None, sliding_window=None, softcap=0.0, alibi_slopes=None,
                   window_size=None, dropout_p=0.0, dropout_seed=None, kb_tiles=None, block_members_max=None,
-                  slab_tiles=None):
+                  slab_tiles=None, p_dma_period=None, pv_lag=None):
     """Flash-attention forward; returns ``(o, lse)`` in shared HBM.
 
     Args:
@@ -941,11 +1279,11 @@ def attention_fwd(q_ref, k_ref, v_ref, sinks_ref=None, bound_min=None, bound_max
     """
     problem = fwd_problem(q_ref, k_ref, v_ref, sinks_ref, bound_min, bound_max, use_causal_mask, mixed_precision,
                           softmax_scale, sliding_window, softcap, alibi_slopes, window_size, dropout_p, dropout_seed,
-                          kb_tiles, block_members_max, slab_tiles)
+                          kb_tiles, block_members_max, slab_tiles, p_dma_period, pv_lag)
     assert problem is None, problem
     cfg = _setup_config(q_ref, k_ref, v_ref, sinks_ref, bound_min, use_causal_mask, mixed_precision, softmax_scale,
                         sliding_window, softcap, alibi_slopes, window_size, dropout_p, kb_tiles, block_members_max,
-                        slab_tiles)
+                        slab_tiles, p_dma_period, pv_lag)
     shp = cfg.shp
     steps = _select_steps(cfg)
 
@@ -967,19 +1305,7 @@ def attention_fwd(q_ref, k_ref, v_ref, sinks_ref=None, bound_min=None, bound_max
     slabs = []
     for t0 in range(0, cfg.n_qt, cfg.slab_tiles):
         slabs.append((t0, min(t0 + cfg.slab_tiles, cfg.n_qt)))
-    for w in range(start, stop):
-        b = w // shp.nheads_kv
-        kvh = w % shp.nheads_kv
-        sink_stats = None
-        if shp.num_sinks > 0:
-            sink_stats = _sink_stats(cfg, sinks_ref, b, kvh)
-        slopes = None
-        alibi_st = None
-        if cfg.alibi:
-            slopes, alibi_st = _alibi_coefs(cfg, load_slopes(alibi_slopes, shp.nheads, cfg.group, b, kvh))
-        item = Item(b, kvh, slopes=slopes, seed=seed_sb, bounds=bounds, alibi_st=alibi_st, pos_tab=pos_tab,
-                    sinks=sink_stats)
-        for i in range(len(slabs)):
-            t0, t1 = slabs[i]
-            _attend_slab(cfg, hbm, item, steps, t0, t1)
+    launch = Item(0, 0, seed=seed_sb, bounds=bounds, pos_tab=pos_tab)
+    units = _plan_units(cfg, start, stop, slabs)
+    _attend_all(cfg, hbm, sinks_ref, alibi_slopes, launch, steps, units)
     return o_ref, lse_ref
