@@ -48,8 +48,11 @@ from .validation import attention_problem, attention_shape, sbuf_bytes_per_parti
 # Defaults of the tuning keywords of ``attention_fwd`` (``kb_tiles``, ``block_members_max``, ``slab_tiles``):
 KB_TILES = 4  # key tiles per key block: the online-softmax statistics are updated once per 2048 keys
 BLOCK_MEMBERS_MAX = 8  # members per block: they share one K/V load and one set of statistics ops
-P_DMA_PERIOD = 6  # every P_DMA_PERIOD-th full P tile is transposed by dma_transpose (trn2+, 16-bit; 0: none)
-PV_LAG = 8  # P^T tiles waiting for their PV matmul: TensorE never waits for the P^T eviction
+# every P_DMA_PERIOD-th member's full P tiles by one dma_transpose per (member, key block), when both head dims are
+# <= 128 (P^T is then a third of TensorE's work per tile; with a 256 head dim a fifth, not worth the DMA's cost)
+P_DMA_PERIOD = 4
+P_DMA_MIN_TILES = 2  # ... when it has at least this many (a DMA's fixed costs are paid per transpose)
+PV_LAG = 16  # P^T tiles waiting for their PV matmul: TensorE never waits for the P^T eviction or DMA
 EXP_LEAD = 3  # exponents emitted ahead of their P^T: ScalarE never waits behind TensorE's finishing work
 FIN_DELAY = 2  # phase-3 steps between a block's last PV and its finishing (and between its members' O^T)
 # A row's running max stays at FP32_MIN while every score it saw was masked; any real score is many orders of
@@ -57,7 +60,7 @@ FIN_DELAY = 2  # phase-3 steps between a block's last PV and its finishing (and 
 EMPTY_MAX = -1.0e38
 L_FLOOR = 0.5  # a row that saw a key has l >= 1 (its max contributes exp(0)); keeps log/reciprocal in range
 POS_INF = float("inf")  # lse of a row that sees no key (module level: plain Python, not traced)
-SBUF_MARGIN = 8192  # bytes per partition left free when sizing a slab
+SBUF_MARGIN = 24576  # bytes per partition left free when sizing a slab (allocation order, small tiles)
 
 
 # ----------------------------------------------------------------------------------------------------- trace-time plan
@@ -105,7 +108,7 @@ class _FwdConfig(nl.NKIObject):
         self.o_factor = 1.0 / (1.0 - shp.dropout_p)  # dropout's 1 / (1 - p), applied with 1 / l
         self.io_dtype = io_dtype
         self.acc_dtype = acc_dtype
-        self.kb_tiles = KB_TILES if kb_tiles is None else kb_tiles
+        self.kb_tiles = KB_TILES if kb_tiles is None else kb_tiles  # the default is sized below
         self.block_members_max = BLOCK_MEMBERS_MAX if block_members_max is None else block_members_max
         self.n_qt = shp.seqlen_q // PMAX
         self.n_kt = (shp.seqlen_k + K_TILE - 1) // K_TILE
@@ -137,37 +140,68 @@ class _FwdConfig(nl.NKIObject):
             self.members = self.block_members_max  # a block holds some heads of one query tile
         # dma_transpose: trn2+ (the range_select generations), 2-byte dtypes only
         self.p_dma_transpose = range_select_ok and itemsize(io_dtype) == 2
-        self.p_dma_period = P_DMA_PERIOD if p_dma_period is None else p_dma_period
+        self.p_dma_period = p_dma_period
+        if p_dma_period is None:
+            self.p_dma_period = 0
+            if shp.d_head <= PMAX and d_v <= PMAX:
+                self.p_dma_period = P_DMA_PERIOD
         self.pv_lag = PV_LAG if pv_lag is None else pv_lag
         self.fin_delay = FIN_DELAY
         self.exp_lead = EXP_LEAD
+        if kb_tiles is None:
+            self.kb_tiles = _kb_tiles(self, itemsize(io_dtype), itemsize(acc_dtype))
         if slab_tiles is None:
             self.slab_tiles = _slab_tiles(self, itemsize(io_dtype), itemsize(acc_dtype))
         else:
             self.slab_tiles = min(slab_tiles, self.n_qt)
 
 
-def _slab_tiles(cfg, e, acc_e):
-    """Query tiles per slab: the most whose Q, O and LSE staging (every head of the group) fits the SBUF next
-    to the block's working set, slabs of balanced length."""
+def _working_set(cfg, kb_tiles, e, acc_e):
+    """SBUF bytes per partition the pipeline holds besides the slabs' staging, with ``kb_tiles`` key tiles per
+    key block: two units' scores (one scored while one is exponentiated), three units' K and V (loaded two units ahead),
+    two units' V^T, the O accumulators of two blocks, the P and P^T tiles in flight, statistics, key bounds."""
     shp = cfg.shp
-    kk = cfg.kb_tiles * K_TILE
+    kk = kb_tiles * K_TILE
     n_qk = len(cfg.qk_tiles)
     n_v = len(cfg.v_tiles)
     u = cfg.members
-    fixed = u * kk * 4  # a key block's scores of every member (float32)
-    fixed += (n_qk + n_v) * kk * e  # K and V of a key block
-    fixed += (kk // PMAX) * cfg.d_v * e  # V^T
-    fixed += u * cfg.d_v * acc_e  # O accumulators
-    fixed += 2 * K_TILE * e + cfg.d_v * e  # P, P^T, normalised O
-    fixed += 4 * u * (cfg.kb_tiles + 1) * 4 + 12 * u * 4  # statistics
+    fixed = 2 * u * kk * 4  # scores of every member of two units (float32): the next one's, this one's
+    fixed += 3 * (n_qk + n_v) * kk * e  # K and V of three units
+    fixed += 2 * (kk // PMAX) * cfg.d_v * e  # V^T of two units
+    fixed += 3 * u * cfg.d_v * acc_e  # O accumulators of three blocks (one accumulating, two finishing)
+    fixed += (cfg.exp_lead + cfg.pv_lag + 2) * K_TILE * e + u * cfg.d_v * e  # P, P^T in flight, normalised O
+    fixed += 2 * kk * e  # P of the members transposed by DMA (one being written, one waiting for its DMA)
+    fixed += 3 * 4 * u * (kb_tiles + 1) * 4 + 2 * 12 * u * 4  # statistics
     fixed += 2 * cfg.n_qt * 4  # key bounds per query tile
     if cfg.mask == "predicate":
-        fixed += kk * 4 + K_TILE  # key index, visibility predicate
+        fixed += 2 * kk * 4 + K_TILE  # key index of two units, visibility predicate
     fixed += 3 * cfg.group * max(shp.num_sinks, 1) * 4  # sink statistics
-    per_tile = cfg.group * (n_qk * PMAX * e + n_v * PMAX * e + 4)  # Q, O staging and LSE of one query tile
-    room = sbuf_bytes_per_partition() - fixed - SBUF_MARGIN
-    fit = max(1, room // per_tile)
+    return fixed
+
+
+def _per_tile(cfg, e):
+    """SBUF bytes per partition of one query tile of a slab: Q, O staging and LSE of every head of the group."""
+    return cfg.group * (len(cfg.qk_tiles) * PMAX * e + len(cfg.v_tiles) * PMAX * e + 4)
+
+
+def _kb_tiles(cfg, e, acc_e):
+    """The default key-block size: ``KB_TILES``, halved until the working set leaves room for three slabs (the
+    finishing one, the current one and the next one, which opens two units ahead) of two blocks' query tiles
+    each."""
+    kb = KB_TILES
+    tiles = min(cfg.n_qt, 2 * max(1, cfg.members // cfg.group))
+    while kb > 1 and _working_set(cfg, kb, e, acc_e) + 3 * tiles * _per_tile(cfg, e) + SBUF_MARGIN > \
+            sbuf_bytes_per_partition():
+        kb = kb // 2
+    return kb
+
+
+def _slab_tiles(cfg, e, acc_e):
+    """Query tiles per slab: the most whose Q, O and LSE staging (every head of the group) fits the SBUF three
+    times (the pipeline opens the next slab two units ahead, while the last one may still be finishing) next to
+    the working set, slabs of balanced length."""
+    room = sbuf_bytes_per_partition() - _working_set(cfg, cfg.kb_tiles, e, acc_e) - SBUF_MARGIN
+    fit = max(1, room // (3 * _per_tile(cfg, e)))
     n_sec = (cfg.n_qt + fit - 1) // fit
     return (cfg.n_qt + n_sec - 1) // n_sec
 
@@ -561,7 +595,7 @@ class _Slab(nl.NKIObject):
 class _Block(nl.NKIObject):
     """The work of one block: members ``[j0, j1)`` of its slab (member j: query tile ``t0 + j // group``, head
     ``j % group``), their ``heads`` and query ``tiles``, ``plan`` (``_key_blocks``). Once started
-    (``_start_block``): its O accumulator ``o_acc`` ``[128, members, d_v]``, ``started[u]`` (member u's O holds
+    (``_start_block``; the O accumulator ``o_acc`` ``[128, members, d_v]`` at its first exponents): ``started[u]`` (member u's O holds
     a key block's PV already), and the online-softmax statistics as the key blocks leave them: ``pm`` (running
     max in column ``kb_tiles``), ``l_sum``, ``bias`` (the last exponent bias, None before the first)."""
 
@@ -607,22 +641,29 @@ class _Unit(nl.NKIObject):
         self.bias = None
         self.rs = None
         self.o_ps = None
-        self.last_job = None
+        self.pv_left = None
+        self.pv_total = 0
+        self.n_full = None
+        self.last_full = None
+        self.pbuf = None
         self.p = None
+        self.slot = None
+        self.summed = False
 
 
 class _Pipe(nl.NKIObject):
     """Emission state of the software pipeline (``_attend_all``): ``pv`` the P^T tiles waiting for their PV
     matmul (``[unit, u, i, pt]``, emitted ``cfg.pv_lag`` exponents later; ``pv_at`` the next one), ``later`` the
     deferred finishing work ``[due step, kind, block, member, o_n list]``, ``step`` the phase-3 steps emitted,
-    ``full_tiles`` the full P tiles seen (which go by dma_transpose)."""
+    ``dma_members`` the members that could have their P transposed by DMA so far (every ``p_dma_period``-th does)."""
 
     def __init__(self):
         self.pv = []
         self.pv_at = 0
         self.later = []
         self.step = 0
-        self.full_tiles = 0
+        self.dma_members = 0
+        self.live_slabs = 0
 
 
 # ----------------------------------------------------------------------------------------------------- key block phases
@@ -669,6 +710,7 @@ def _score_tile(cfg, steps, unit, u, i):
         nisa.nc_matmul(dst=s_ps, stationary=slab.q[h][qi][:, qcol:qcol + PMAX], moving=unit.k_tiles[qi][:, col:col + w])
     src = run_steps(cfg, steps.score, tile, item, s_ps)
     unit.s[u][i] = mask_step(steps, tile)(cfg, tile, item, src)
+    tile.saved = {}  # what the score steps left (soft-capping's tanh) is the backward's; the tile lives to its PV
     unit.tl[u][i] = tile
 
 
@@ -728,7 +770,13 @@ def _exp_tile(cfg, steps, unit, j):
     i = unit.jobs[j][1]
     tile = unit.tl[u][i]
     item = unit.blk.slab.work.item
-    p_sb = nl.ndarray((PMAX, tile.kw), dtype=cfg.io_dtype, buffer=nl.sbuf)
+    k = unit.slot[j]
+    if k >= 0:
+        if unit.pbuf[u] is None:
+            unit.pbuf[u] = nl.ndarray((PMAX, unit.n_full[u] * K_TILE), dtype=cfg.io_dtype, buffer=nl.sbuf)
+        p_sb = unit.pbuf[u][:, k * K_TILE:(k + 1) * K_TILE]
+    else:
+        p_sb = nl.ndarray((PMAX, tile.kw), dtype=cfg.io_dtype, buffer=nl.sbuf)
     nisa.activation(dst=p_sb, op=nl.exp, data=unit.s[u][i], bias=unit.bias[:, u:u + 1], scale=cfg.exp_scale,
                     reduce_op=nl.add, reduce_res=unit.rs[:, u, i], reduce_cmd=nisa.reduce_cmd.reset_reduce)
     unit.s[u][i] = None
@@ -737,17 +785,27 @@ def _exp_tile(cfg, steps, unit, j):
 
 
 def _pt_tile(cfg, pipe, unit, j):
-    """Phase 3, second part, of job ``j``: P^T (``_transpose_p``); it waits in ``pipe.pv`` for its PV."""
+    """Phase 3, second part, of job ``j``: P^T by TensorE (``_transpose_p``), or, for a member whose full tiles
+    go by DMA, nothing until its last full tile, then ONE dma_transpose of all of them (SBUF -> SBUF,
+    bit-exact). Each P^T waits in ``pipe.pv`` for its PV."""
     u = unit.jobs[j][0]
     i = unit.jobs[j][1]
     n_ch = unit.tl[u][i].kw // PMAX
-    dma_turn = False
-    if n_ch == K_TILE // PMAX:
-        pipe.full_tiles = pipe.full_tiles + 1
-        dma_turn = cfg.p_dma_period > 0 and pipe.full_tiles % cfg.p_dma_period == 0
-    pt_sb = _transpose_p(cfg, unit.p[j], n_ch, dma_turn)
-    unit.p[j] = None
-    pipe.pv.append([unit, u, i, pt_sb])
+    if unit.slot[j] < 0:
+        pt_sb = _transpose_p(cfg, unit.p[j], n_ch, False)
+        unit.p[j] = None
+        pipe.pv.append([unit, u, i, pt_sb])
+    elif unit.last_full[u] == j:
+        nc = unit.n_full[u] * n_ch
+        pt_all = nl.ndarray((PMAX, nc, PMAX), dtype=cfg.io_dtype, buffer=nl.sbuf)
+        nisa.dma_transpose(dst=pt_all, src=unit.pbuf[u].ap(pattern=[[nc * PMAX, PMAX], [PMAX, nc], [1, PMAX]],
+                                                            offset=0))
+        unit.pbuf[u] = None
+        for jj in range(len(unit.jobs)):
+            k = unit.slot[jj]
+            if unit.jobs[jj][0] == u and k >= 0:
+                unit.p[jj] = None
+                pipe.pv.append([unit, u, unit.jobs[jj][1], pt_all[:, k * n_ch:(k + 1) * n_ch, :]])
 
 
 def _pv_tile(cfg, pipe):
@@ -773,15 +831,30 @@ def _pv_tile(cfg, pipe):
     o_ps = unit.o_ps[u]
     for c in range(n_ch):
         nisa.nc_matmul(dst=o_ps, stationary=pt_sb[:, c, :], moving=vt[:, i * ch + lo + c - kb.c_lo, :])
-    if unit.last_job[u] == i:
+    unit.pv_left[u] = unit.pv_left[u] - 1
+    unit.pv_total = unit.pv_total - 1
+    if unit.pv_left[u] == 0:
         _rescale_o(blk.o_acc, u, unit.alpha, o_ps, not blk.started[u])
         if not blk.started[u]:
             blk.started[u] = True
         unit.o_ps[u] = None
-    if unit.jobs[len(unit.jobs) - 1][0] == u and unit.jobs[len(unit.jobs) - 1][1] == i:
+    if unit.pv_total == 0:
         unit.vt = None
+        _release_unit(unit)
         if unit.last:
             pipe.later.append([pipe.step + cfg.fin_delay, "stats", blk, 0, None])
+
+
+def _release_unit(unit):
+    """Drop a unit's tiles once its PVs and its phase 4 are out (the plan keeps every unit to the end)."""
+    if unit.pv_total == 0 and unit.summed:
+        unit.alpha = None
+        unit.diff = None
+        unit.bias = None
+        unit.tl = None
+        unit.s = None
+        unit.o_ps = None
+        unit.p = None
 
 
 def _update_sum(cfg, l_sum, alpha, rs):
@@ -843,7 +916,7 @@ def _open_slab(cfg, hbm, steps, slab):
 
 
 def _start_block(cfg, blk):
-    """The block's statistics (running max, sum: from the sinks, or empty) and O accumulator."""
+    """The block's statistics (running max, sum: from the sinks, or empty)."""
     j0 = blk.j0
     n = blk.j1 - j0
     item = blk.slab.work.item
@@ -863,7 +936,6 @@ def _start_block(cfg, blk):
         m0, l0 = item.sinks
         nisa.tensor_copy(dst=pm[:, :, cfg.kb_tiles], src=_per_member(cfg, m0, j0, n))
         nisa.tensor_copy(dst=l_sum, src=_per_member(cfg, l0, j0, n))
-    blk.o_acc = nl.ndarray((PMAX, n, cfg.d_v), dtype=cfg.acc_dtype, buffer=nl.sbuf)
     blk.started = started
     blk.pm = pm
     blk.l_sum = l_sum
@@ -947,27 +1019,62 @@ def _end_scores(cfg, unit, gaps_next):
     blk.bias = bias
 
 
-def _begin_exps(cfg, unit):
-    """Before a unit's first exponent: alpha, the row-sum tile, the PV accumulators and each member's last job."""
+def _begin_exps(cfg, steps, pipe, unit):
+    """Before a unit's first exponent: alpha, the row-sum tile, the PV accumulators and counters, and which
+    members' full P tiles go by one dma_transpose (every ``p_dma_period``-th member with at least
+    ``P_DMA_MIN_TILES`` full tiles, on trn2+ with 16-bit P and no probability step): their exponents write one
+    ``[128, n * 512]`` P buffer (``pbuf[u]``, job j in column block ``slot[j]``)."""
     kb = unit.kb
     n = len(unit.blk.heads)
+    full = K_TILE // PMAX
+    if unit.first:
+        unit.blk.o_acc = nl.ndarray((PMAX, n, cfg.d_v), dtype=cfg.acc_dtype, buffer=nl.sbuf)
     unit.alpha = _alpha(cfg, unit.diff)
     unit.rs = nl.ndarray((PMAX, n, cfg.kb_tiles + 1), dtype=nl.float32, buffer=nl.sbuf)
     if kb.gaps:
         nisa.memset(dst=unit.rs, value=0.0, engine=nisa.engine.gpsimd)
     o_ps = []
-    last_job = []
+    pv_left = []
+    n_full = []
+    last_full = []
+    pbuf = []
     for u in range(n):
         o_ps.append(None)
-        last_job.append(-1)
-    for j in range(len(unit.jobs)):
-        last_job[unit.jobs[j][0]] = unit.jobs[j][1]
-    unit.o_ps = o_ps
-    unit.last_job = last_job
+        pv_left.append(0)
+        n_full.append(0)
+        last_full.append(-1)
+        pbuf.append(None)
     p = []
+    slot = []
     for j in range(len(unit.jobs)):
+        u = unit.jobs[j][0]
+        i = unit.jobs[j][1]
+        pv_left[u] = pv_left[u] + 1
         p.append(None)
+        slot.append(-1)
+        if unit.tl[u][i].kw // PMAX == full:
+            slot[j] = n_full[u]
+            n_full[u] = n_full[u] + 1
+            last_full[u] = j
+    batch = cfg.p_dma_transpose and cfg.p_dma_period > 0 and len(steps.prob) == 0 and len(steps.p_mask) == 0
+    for u in range(n):
+        dma = False
+        if batch and n_full[u] >= P_DMA_MIN_TILES:
+            pipe.dma_members = pipe.dma_members + 1
+            dma = pipe.dma_members % cfg.p_dma_period == 0
+        if not dma:
+            last_full[u] = -1
+    for j in range(len(unit.jobs)):
+        if last_full[unit.jobs[j][0]] < 0:
+            slot[j] = -1
+    unit.o_ps = o_ps
+    unit.pv_left = pv_left
+    unit.pv_total = len(unit.jobs)
+    unit.n_full = n_full
+    unit.last_full = last_full
+    unit.pbuf = pbuf
     unit.p = p
+    unit.slot = slot
 
 
 # ----------------------------------------------------------------------------------------------------- finishing
@@ -983,6 +1090,9 @@ def _finish_stats(cfg, steps, blk):
     pm = blk.pm
     l_sum = blk.l_sum
     n = pm.shape[1]
+    if o_acc is None:
+        o_acc = nl.ndarray((PMAX, n, cfg.d_v), dtype=cfg.acc_dtype, buffer=nl.sbuf)
+        blk.o_acc = o_acc
     for u in range(n):
         if not blk.started[u]:
             # no visible key for this member's rows: O = 0 (o = 0; with sinks lse = their logsumexp)
@@ -1078,9 +1188,14 @@ def _run_later(cfg, hbm, steps, pipe, flush):
                     _finish_member(cfg, blk, u, job[4][u])
                     job[4][u] = None
                     if u == len(job[4]) - 1:
+                        blk.o_acc = None
+                        blk.pm = None
+                        blk.l_sum = None
+                        blk.bias = None
                         blk.slab.blocks_left = blk.slab.blocks_left - 1
                         if blk.slab.blocks_left == 0:
                             _store_slab(cfg, hbm, blk.slab)
+                            pipe.live_slabs = pipe.live_slabs - 1
             else:
                 pipe.later.append(job)
 
@@ -1116,6 +1231,19 @@ def _plan_units(cfg, start, stop, slabs):
     return units
 
 
+def _make_room(cfg, hbm, steps, pipe):
+    """Before a slab opens: while three slabs are live (finishing, current, next: what ``_slab_tiles`` sizes
+    for), emit the waiting PVs and the deferred finishing, oldest first, until one is stored. Only short slabs
+    (a few units each) get here."""
+    while pipe.live_slabs >= 3 and (pipe.pv_at < len(pipe.pv) or len(pipe.later) > 0):
+        if pipe.pv_at < len(pipe.pv):
+            _pv_tile(cfg, pipe)
+            pipe.step = pipe.step + 1
+            _run_later(cfg, hbm, steps, pipe, False)
+        else:
+            _run_later(cfg, hbm, steps, pipe, True)
+
+
 def _attend_all(cfg, hbm, sinks_ref, alibi_slopes, launch, steps, units):
     """The software pipeline over ``units``: while unit n is in phase 3 (exponents, P^T, PV), unit n + 1 is
     scored (phase 1, its phase 2 as soon as its last score is out) and unit n + 2's K and V are loaded, so each
@@ -1124,10 +1252,10 @@ def _attend_all(cfg, hbm, sinks_ref, alibi_slopes, launch, steps, units):
     (docs/kernel-fwd.md, "Loop nest")."""
     pipe = _Pipe()
     n_units = len(units)
-    if n_units > 0:
-        _load_unit(cfg, hbm, sinks_ref, alibi_slopes, launch, steps, units[0])
-    if n_units > 1:
-        _load_unit(cfg, hbm, sinks_ref, alibi_slopes, launch, steps, units[1])
+    for n in range(min(2, n_units)):
+        if not units[n].blk.slab.opened:
+            pipe.live_slabs = pipe.live_slabs + 1
+        _load_unit(cfg, hbm, sinks_ref, alibi_slopes, launch, steps, units[n])
     for n in range(n_units + 1):
         cur = None
         if n < n_units:
@@ -1136,6 +1264,9 @@ def _attend_all(cfg, hbm, sinks_ref, alibi_slopes, launch, steps, units):
         if n > 0:
             prev = units[n - 1]
         if n + 2 < n_units:
+            if not units[n + 2].blk.slab.opened:
+                _make_room(cfg, hbm, steps, pipe)
+                pipe.live_slabs = pipe.live_slabs + 1
             _load_unit(cfg, hbm, sinks_ref, alibi_slopes, launch, steps, units[n + 2])
         n1 = 0
         if cur is not None and cur.kb is not None:
@@ -1144,7 +1275,7 @@ def _attend_all(cfg, hbm, sinks_ref, alibi_slopes, launch, steps, units):
         n3 = 0
         if prev is not None and prev.kb is not None:
             n3 = len(prev.jobs)
-            _begin_exps(cfg, prev)
+            _begin_exps(cfg, steps, pipe, prev)
         if prev is not None and prev.kb is None:
             pipe.later.append([pipe.step, "stats", prev.blk, 0, None])
         done1 = 0
@@ -1177,6 +1308,8 @@ def _attend_all(cfg, hbm, sinks_ref, alibi_slopes, launch, steps, units):
         if n3 > 0:
             prev.blk.l_sum = _update_sum(cfg, prev.blk.l_sum, prev.alpha, prev.rs)
             prev.rs = None
+            prev.summed = True
+            _release_unit(prev)
     while pipe.pv_at < len(pipe.pv):
         _pv_tile(cfg, pipe)
         pipe.step = pipe.step + 1
