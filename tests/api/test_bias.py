@@ -91,9 +91,17 @@ def _inputs(b, sq, sk, h, hk, d, bias_shape, seed=0):
 
 
 # ---------------------------------------------------------------------------------------------- gradients
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("shape", ["h_sq_sk", "b_1_sq_sk", "1_1_sq_sk"])
-@pytest.mark.parametrize("mask", ["causal", "window"])
+# every (mask, shape, dtype); the default run keeps one case per shape that covers both masks and both dtypes,
+# the rest run with -m slow
+_DEFAULT = {("causal", "h_sq_sk", "fp32"), ("window", "b_1_sq_sk", "bf16"), ("causal", "1_1_sq_sk", "bf16"),
+            ("window", "h_sq_sk", "bf16")}
+_GRAD_CASES = [pytest.param(m, s, dt, id=f"{m}-{s}-{name}",
+                            marks=() if (m, s, name) in _DEFAULT else pytest.mark.slow)
+               for m in ("causal", "window") for s in ("h_sq_sk", "b_1_sq_sk", "1_1_sq_sk")
+               for dt, name in ((torch.float32, "fp32"), (torch.bfloat16, "bf16"))]
+
+
+@pytest.mark.parametrize("mask,shape,dtype", _GRAD_CASES)
 def test_bias_gradients_match_float64_autograd_gqa(mask, shape, dtype):
     b, sq, sk, h, hk, d = 2, 200, 260, 4, 2, 32
     causal, window = (True, (-1, -1)) if mask == "causal" else (False, (90, 40))
