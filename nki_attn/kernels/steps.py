@@ -11,13 +11,17 @@ position and band classification, fixed at trace time), ``item`` the ``Item`` of
 kernel picks its steps ONCE per launch from its config into a ``Steps`` object; the drivers run the lists in
 order and never test a variant. The stages, in the order a tile goes through them:
 
-    score         S -> S           before the exponent: soft-capping (``softcap_scores``), ALiBi
+    score         S -> S           before the exponent: soft-capping (``softcap_scores``), ALiBi, the additive
+                                   bias (``bias_scores``)
     mask_full     S -> S           masking of a FULL tile (forward: the eviction with the row max; backward: none)
     mask_partial  S -> S           masking of a PARTIAL tile (packing bounds; forward: also the band)
     p_mask        P -> P           after the exponent (backward: the band's element masks on P)
     prob          P -> P           the P operand of the value matmul (PV / dV): dropout
     grad          P -> P           backward: the P operand of dS (soft-capping's chain rule)
-    ds            dP -> dS         backward: ``dS = (dP - D) * P`` (dropout multiplies dP first)
+    ds            dP -> dS         backward: ``dS = (dP - D) * P`` (dropout multiplies dP first; with the bias's
+                                   gradient it also writes dS of the logits to HBM)
+
+and the backward's ``item`` steps ``f(cfg, item)``, once per work item (the bias gradient's zero fill).
 
 A step that needs what an earlier one made for the same tile reads it from ``tile.saved`` (a dict: soft-capping's
 tanh for its gradient, dropout's keep multiplier for dS). A per-head logit scale, for example, is one more score
