@@ -1,6 +1,6 @@
 """PyTorch API: FlashAttention-compatible and SDPA-compatible attention running the NKI kernels.
 
-Entry points (all differentiable with respect to q, k, v and sinks):
+Entry points (all differentiable with respect to q, k, v, sinks and the additive bias where they take one):
 
 - ``flash_attn_func``, ``flash_attn_qkvpacked_func``, ``flash_attn_kvpacked_func`` — FlashAttention's layout
   ``[batch, seqlen, heads, head_dim]``, signatures and conventions (flash_attn_interface.py);

@@ -19,7 +19,8 @@ Public functions:
     q ``[batch, seqlen_q, heads, d_qk]``, k ``[batch, seqlen_k, heads_kv, d_qk]``, v ``[batch, seqlen_k,
     heads_kv, d_v]`` (sizes and every other argument in ``spec``, an ``nki_attn.spec.AttentionSpec``) -> out
     ``[batch, seqlen_q, heads, d_v]`` in q's dtype, lse float32 ``[batch, heads, seqlen_q]`` (+inf for a row that
-    sees no key and has no sink). Differentiable with respect to q, k, v and ``spec.sinks``; a gradient flowing
+    sees no key and has no sink). Differentiable with respect to q, k, v, ``spec.sinks`` and ``spec.bias`` (the
+    additive bias: its gradient is computed by the kernel only when it requires one); a gradient flowing
     into lse must be zero (NotImplementedError otherwise) and double backward raises RuntimeError.
 
 ``attention_backward(spec, q, k, v, out, dout, lse) -> (dq, dk, dv, dsinks)``
@@ -338,7 +339,7 @@ def _is_empty(spec):
 
 def attention(spec, q, k, v):
     """Attention of q, k, v under ``spec`` (module docstring): ``(out [batch, seqlen_q, heads, d_v], lse float32
-    [batch, heads, seqlen_q])``, differentiable with respect to q, k, v and ``spec.sinks``."""
+    [batch, heads, seqlen_q])``, differentiable with respect to q, k, v, ``spec.sinks`` and ``spec.bias``."""
     if _is_empty(spec):
         if spec.bias is not None:
             if 0 not in (spec.batch, spec.seqlen_q, spec.seqlen_k, spec.heads):
