@@ -123,9 +123,10 @@ def block_members(d_tiles, itemsize, dq_fp32, v_tiles=None, group_max=None, bloc
 
 def sbuf_usage(d_head, d_tiles, itemsize, section_len, group, seqlen_q, mixed_precision=False, packing=False,
                num_sinks=0, trn1_packing=False, dq_fp32=False, d_v=None, v_tiles=None, softcap=False,
-               alibi=False, dropout=False, group_max=None, block_members_max=None):
+               alibi=False, dropout=False, group_max=None, block_members_max=None, bias_bytes=0):
     """SBUF bytes per partition of the kernel's live tensors, by category. The block, group and visit working
     sets are counted twice in ``total`` (room for the compiler to double-buffer tiles allocated inside loops).
+    ``bias_bytes``: the additive bias's bytes per key of a visit (``_bias_visit_bytes``).
     ``d_head``/``d_tiles``: d_qk and its partition tiles; ``d_v``/``v_tiles`` default to them. Used by the
     trace-time budget check and docs/kernel-bwd.md."""
     e = itemsize
@@ -156,7 +157,8 @@ def sbuf_usage(d_head, d_tiles, itemsize, section_len, group, seqlen_q, mixed_pr
                  + (K_TILE * 5 if trn1_packing else 0)     # key index (fp32) and visibility (uint8)
                  + (2 * K_TILE * 4 if softcap else 0)      # tanh(S/c), P * (1 - tanh^2) (fp32)
                  + (3 * K_TILE * 4 if alibi else 0)        # distances, bias, biased logits (fp32)
-                 + (K_TILE * (8 + e) if dropout else 0))   # keep-scale tile, dP * scale (fp32), dropped P
+                 + (K_TILE * (8 + e) if dropout else 0)    # keep-scale tile, dP * scale (fp32), dropped P
+                 + K_TILE * bias_bytes)                    # the bias tile, biased scores, dL (fp32)
     total = section + persistent + 2 * (per_block + per_group + per_visit)
     return {"section": section, "persistent": persistent, "per_block": per_block, "per_group": per_group,
             "per_visit": per_visit, "total": total, "d_tile": min(d_head, PMAX)}
@@ -532,15 +534,27 @@ def bwd_problem(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref=None, bou
     sec = _section_len(a, isz, k_section_len)
     trn1 = _is_trn1()
     dq_fp32 = mixed_precision and isz != 4 and sec < a.seqlen_k
+    bias_bytes = _bias_visit_bytes(attn_bias, bias_grad)
     use = sbuf_usage(a.d_qk, len(a.qk_tiles), isz, sec, a.group, a.seqlen_q, mixed_precision, a.packing,
                      a.num_sinks, trn1 and a.packing, dq_fp32, a.d_v, len(a.v_tiles), a.softcap > 0.0, a.alibi,
-                     a.dropout, group_max, block_members_max)
+                     a.dropout, group_max, block_members_max, bias_bytes)
     cap = sbuf_bytes_per_partition()
     if use["total"] > cap:
         return (f"attention_bwd needs {use['total']} SBUF bytes per partition (section {use['section']}, per-row "
                 f"statistics {use['persistent']} for nheads/nheads_kv={a.group} x seqlen_q={a.seqlen_q}), more "
                 f"than the {cap} available: shorten seqlen_q or the query-head group per kv head")
     return None
+
+
+def _bias_visit_bytes(attn_bias, bias_grad):
+    """SBUF bytes per key of a visit that the additive bias's steps add: its tile in its dtype and the biased
+    float32 scores (``steps.bias_scores``), with ``bias_grad`` the float32 dL of ``_ds_bias``."""
+    if attn_bias is None:
+        return 0
+    n = itemsize(attn_bias.dtype) + 4
+    if bias_grad:
+        n += 4
+    return n
 
 
 def _shape_of(q_ref, k_ref, v_ref, sinks_ref, bound_min, use_causal_mask, softmax_scale, sliding_window, softcap,
