@@ -3,7 +3,7 @@
     attention_fwd(q_ref, k_ref, v_ref, sinks_ref=None, bound_min=None, bound_max=None, use_causal_mask=False,
                   mixed_precision=True, softmax_scale=None, sliding_window=None, softcap=0.0, alibi_slopes=None,
                   window_size=None, dropout_p=0.0, dropout_seed=None, kb_tiles=None, block_members_max=None,
-                  slab_tiles=None) -> (o, lse)
+                  slab_tiles=None, attn_bias=None, p_dma_period=None, pv_lag=None) -> (o, lse)
 
 Layouts (head_dim on the partition axis): q ``[bs, nheads, d_qk, seqlen_q]``, k ``[bs, nheads_kv, d_qk,
 seqlen_k]``, v ``[bs, nheads_kv, d_v, seqlen_k]``, o ``[bs, nheads, d_v, seqlen_q]``, lse float32 ``[bs, nheads,
@@ -41,9 +41,9 @@ from ..backend import nisa, nki, nl
 from .band import classify_keys
 from .dropout import (dropout_row_keys, dropout_row_keys_members, dropout_values, keep_threshold,
                       load_dropout_seed)
-from .steps import (FP32_MAX, FP32_MIN, K_TILE, PMAX, Hbm, Item, Steps, Tile, head_dim_tiles,
+from .steps import (FP32_MAX, FP32_MIN, K_TILE, PMAX, Hbm, Item, Steps, Tile, bias_scores, head_dim_tiles,
                     itemsize, load_packing_bounds, load_slopes, mask_step, run_steps, softcap_scores, spmd_items)
-from .validation import attention_problem, attention_shape, sbuf_bytes_per_partition
+from .validation import attention_problem, attention_shape, bias_problem, sbuf_bytes_per_partition
 
 # Defaults of the tuning keywords of ``attention_fwd`` (``kb_tiles``, ``block_members_max``, ``slab_tiles``):
 KB_TILES = 4  # key tiles per key block: the online-softmax statistics are updated once per 2048 keys
@@ -455,10 +455,10 @@ def _alibi_coefs(cfg, sl):
     return sl, None
 
 
-def _select_steps(cfg):
+def _select_steps(cfg, attn_bias=None):
     """The launch's steps (``steps`` protocol): the score steps of the variants in the order of the semantics
-    (soft-capping, then ALiBi), the masking steps by generation and mask kind, the probability steps (dropout).
-    The default launch has no score or probability step."""
+    (soft-capping, then ALiBi, then the additive bias ``attn_bias``), the masking steps by generation and mask
+    kind, the probability steps (dropout). The default launch has no score or probability step."""
     partial = _mask_affine
     if cfg.mask == "bounds":
         partial = _mask_bounds
@@ -475,6 +475,8 @@ def _select_steps(cfg):
         score.append(softcap_scores)
     if cfg.alibi and not cfg.alibi_mm:
         score.append(_alibi_scores)
+    if attn_bias is not None:
+        score.append(bias_scores)
     prob = []
     rows = None
     if cfg.dropout_p > 0:
@@ -880,7 +882,7 @@ def _open_item(cfg, hbm, sinks_ref, alibi_slopes, launch, work):
     if cfg.alibi:
         slopes, alibi_st = _alibi_coefs(cfg, load_slopes(alibi_slopes, cfg.shp.nheads, cfg.group, b, kvh))
     work.item = Item(b, kvh, slopes=slopes, seed=launch.seed, bounds=launch.bounds, alibi_st=alibi_st,
-                     pos_tab=launch.pos_tab, sinks=sink_stats)
+                     pos_tab=launch.pos_tab, sinks=sink_stats, bias=launch.bias)
 
 
 def _open_slab(cfg, hbm, steps, slab):
@@ -1338,7 +1340,7 @@ def _nonnegative_int_problem(name, value):
 def fwd_problem(q_ref, k_ref, v_ref, sinks_ref=None, bound_min=None, bound_max=None, use_causal_mask=False,
                 mixed_precision=True, softmax_scale=None, sliding_window=None, softcap=0.0, alibi_slopes=None,
                 window_size=None, dropout_p=0.0, dropout_seed=None, kb_tiles=None, block_members_max=None,
-                slab_tiles=None, p_dma_period=None, pv_lag=None):
+                slab_tiles=None, attn_bias=None, p_dma_period=None, pv_lag=None):
     """``None`` when ``attention_fwd`` accepts these arguments, else the first problem as a message. The kernel
     asserts on it; ``nki_attn.kernel_api.attention_fwd`` raises it as ``ValueError`` before launching."""
     problem = attention_problem(q_ref, k_ref, v_ref, sinks=sinks_ref, bound_min=bound_min, bound_max=bound_max,
@@ -1354,6 +1356,8 @@ def fwd_problem(q_ref, k_ref, v_ref, sinks_ref=None, bound_min=None, bound_max=N
         problem = _positive_int_problem("block_members_max", block_members_max)
     if problem is None:
         problem = _positive_int_problem("slab_tiles", slab_tiles)
+    if problem is None:
+        problem = bias_problem(attn_bias, q_ref.shape[0], q_ref.shape[1], q_ref.shape[3], k_ref.shape[3])
     if problem is None:
         problem = _nonnegative_int_problem("p_dma_period", p_dma_period)
     if problem is None:
@@ -1378,7 +1382,7 @@ def _setup_config(q_ref, k_ref, v_ref, sinks_ref, bound_min, use_causal_mask, mi
 def attention_fwd(q_ref, k_ref, v_ref, sinks_ref=None, bound_min=None, bound_max=None, use_causal_mask=False,
                   mixed_precision=True, softmax_scale=None, sliding_window=None, softcap=0.0, alibi_slopes=None,
                   window_size=None, dropout_p=0.0, dropout_seed=None, kb_tiles=None, block_members_max=None,
-                  slab_tiles=None, p_dma_period=None, pv_lag=None):
+                  slab_tiles=None, attn_bias=None, p_dma_period=None, pv_lag=None):
     """Flash-attention forward; returns ``(o, lse)`` in shared HBM.
 
     Args:
@@ -1406,19 +1410,26 @@ def attention_fwd(q_ref, k_ref, v_ref, sinks_ref=None, bound_min=None, bound_max
             per key block (``KB_TILES``), members per block at most (``BLOCK_MEMBERS_MAX``), query tiles per slab
             (default: the most the SBUF holds, balanced). The modeled time changes, the result only by float32
             summation order (docs/kernel-fwd.md, "Tuning keywords").
+        p_dma_period, pv_lag: tuning (trace-time ints >= 0, None = the default): every p_dma_period-th member's
+            full P tiles of a key block are transposed by one dma_transpose (trn2+, 16-bit; default 4 when both
+            head dims are <= 128, else 0 = never); PV matmuls run pv_lag jobs behind their P^T (``PV_LAG``). The
+            result does not change.
+        attn_bias: optional float32 / bfloat16 / float16 ``[bb, hb, sqb, skb]``, each dim 1 (broadcast) or the
+            call's ``[bs, nheads, seqlen_q, seqlen_k]``: added to the scaled (and capped) scores, after ALiBi
+            (``steps.bias_scores``; rows are query positions, columns keys, in the kernel's padded lengths).
 
     Returns:
         o: ``[bs, nheads, d_v, seqlen_q]`` in q's dtype; lse: float32 ``[bs, nheads, 128, seqlen_q // 128]``.
     """
     problem = fwd_problem(q_ref, k_ref, v_ref, sinks_ref, bound_min, bound_max, use_causal_mask, mixed_precision,
                           softmax_scale, sliding_window, softcap, alibi_slopes, window_size, dropout_p, dropout_seed,
-                          kb_tiles, block_members_max, slab_tiles, p_dma_period, pv_lag)
+                          kb_tiles, block_members_max, slab_tiles, attn_bias, p_dma_period, pv_lag)
     assert problem is None, problem
     cfg = _setup_config(q_ref, k_ref, v_ref, sinks_ref, bound_min, use_causal_mask, mixed_precision, softmax_scale,
                         sliding_window, softcap, alibi_slopes, window_size, dropout_p, kb_tiles, block_members_max,
                         slab_tiles, p_dma_period, pv_lag)
     shp = cfg.shp
-    steps = _select_steps(cfg)
+    steps = _select_steps(cfg, attn_bias)
 
     o_ref = nl.ndarray((shp.bs, shp.nheads, cfg.d_v, shp.seqlen_q), dtype=q_ref.dtype, buffer=nl.shared_hbm)
     lse_ref = nl.ndarray((shp.bs, shp.nheads, PMAX, cfg.n_qt), dtype=nl.float32, buffer=nl.shared_hbm)
@@ -1438,7 +1449,7 @@ def attention_fwd(q_ref, k_ref, v_ref, sinks_ref=None, bound_min=None, bound_max
     slabs = []
     for t0 in range(0, cfg.n_qt, cfg.slab_tiles):
         slabs.append((t0, min(t0 + cfg.slab_tiles, cfg.n_qt)))
-    launch = Item(0, 0, seed=seed_sb, bounds=bounds, pos_tab=pos_tab)
+    launch = Item(0, 0, seed=seed_sb, bounds=bounds, pos_tab=pos_tab, bias=attn_bias)
     units = _plan_units(cfg, start, stop, slabs)
     _attend_all(cfg, hbm, sinks_ref, alibi_slopes, launch, steps, units)
     return o_ref, lse_ref
