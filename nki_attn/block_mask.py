@@ -125,6 +125,7 @@ class BlockMask:
         self.shape = (int(classes.shape[0]), int(classes.shape[1]), q_len, kv_len)
         self._operands = None
         self._union = None
+        self.kernel_operands()  # now, in eager code: a call traced by torch.compile only reads the cache
 
     # ------------------------------------------------------------------------------------------------ views
     def counts(self):

@@ -155,9 +155,13 @@ def _flex_fwd_fake(q, k, v, rows, store, alibi_t, n_b, n_h, scale, cap):
 
 @torch.library.custom_op("nki_attn::flex_bwd", mutates_args=(), device_types=_OP_DEVICES)
 def _flex_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, dout: torch.Tensor,
-              lse: torch.Tensor, rows: torch.Tensor, store: Optional[torch.Tensor], alibi_t: Optional[torch.Tensor],
-              n_b: int, n_h: int, scale: float, cap: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients of ``flex_fwd``: (dq, dk, dv) like q, k, v."""
+              lse: torch.Tensor, dlse: Optional[torch.Tensor], rows: torch.Tensor, store: Optional[torch.Tensor],
+              alibi_t: Optional[torch.Tensor], n_b: int, n_h: int, scale: float, cap: float
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of ``flex_fwd``: (dq, dk, dv) like q, k, v (``dlse``, the gradient reaching lse, must be 0)."""
+    if dlse is not None and bool((dlse != 0).any()):
+        raise NotImplementedError(f"{FN}: a gradient flows into the returned lse, which the backward kernel does "
+                                  f"not propagate; use lse.detach()")
     b, sq, hq, _ = q.shape
     sk = k.shape[1]
     sq_k, sk_k = padded_length(sq), padded_length(sk)
@@ -172,7 +176,7 @@ def _flex_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tens
 
 
 @_flex_bwd.register_fake
-def _flex_bwd_fake(q, k, v, out, dout, lse, rows, store, alibi_t, n_b, n_h, scale, cap):
+def _flex_bwd_fake(q, k, v, out, dout, lse, dlse, rows, store, alibi_t, n_b, n_h, scale, cap):
     return (torch.empty_like(q, memory_format=_CONTIG), torch.empty_like(k, memory_format=_CONTIG),
             torch.empty_like(v, memory_format=_CONTIG))
 
@@ -185,10 +189,7 @@ def _setup(ctx, inputs, output):
 
 def _backward(ctx, dout, dlse):
     q, k, v, out, lse, rows, store, alibi_t = ctx.saved_tensors
-    if dlse is not None and bool((dlse != 0).any()):
-        raise NotImplementedError(f"{FN}: a gradient flows into the returned lse, which the backward kernel does "
-                                  f"not propagate; use lse.detach()")
-    dq, dk, dv = _flex_bwd(q, k, v, out, dout, lse, rows, store, alibi_t, *ctx.flags)
+    dq, dk, dv = _flex_bwd(q, k, v, out, dout, lse, dlse, rows, store, alibi_t, *ctx.flags)
     return (dq, dk, dv) + (None,) * 7
 
 

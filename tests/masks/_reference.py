@@ -86,8 +86,8 @@ def from_stats(q, k, v, out, lse, dout, mask, scale, cap=0.0, slopes=None):
 def judge(name, got, ref64, base, dtype, n, inputs=None, vec_axis=3):
     """The harness's verdict on one output; asserts it passes, naming the numbers."""
     dname = str(dtype).replace("torch.", "")
-    r = compare(name, got.double().numpy(), ref64.double().numpy(), base.double().numpy(), dname, n=n,
-                inputs=None if inputs is None else inputs.double().numpy(), vec_axis=vec_axis)
+    r = compare(name, got.detach().double().numpy(), ref64.detach().double().numpy(), base.detach().double().numpy(), dname, n=n,
+                inputs=None if inputs is None else inputs.detach().double().numpy(), vec_axis=vec_axis)
     assert r["ok"], (f"{name} ({dname}): max err {r['max_abs']:.3e} vs bound {r['bound']:.3e}, projection "
                      f"{r['proj']:.3e} vs {r['proj_bound']:.3e}, nonfinite {r['nonfinite']}")
     return r
