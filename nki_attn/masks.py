@@ -137,3 +137,37 @@ def or_masks(*mods):
             out = out | m(b, h, q_idx, kv_idx)
         return out
     return or_mask
+
+
+# the prebuilt masks whose visible keys are one interval per query row (so the float64 golden, which takes masks
+# as per-query key intervals, can judge them): what ``nki-attn check``'s block-mask rows run
+INTERVAL_EXAMPLES = ("causal", "sliding_window", "document", "prefix_lm", "chunked_local")
+
+
+def interval_example(name, seqlen):
+    """One of ``INTERVAL_EXAMPLES`` at ``seqlen`` tokens (queries = keys), as ``(mask_mod, key_lo, key_hi)``:
+    the mask_mod and the same mask as per-query key intervals ``[key_lo[i], key_hi[i])`` (int64 ``[seqlen]``).
+    Sizes are chosen so that tile boundaries cut documents, windows, prefixes and chunks: document 3 documents
+    of unequal length (causal), prefix_lm a prefix of ``seqlen // 3 + 5``, chunked_local chunks of
+    ``seqlen // 4 - 16`` (causal), sliding_window ``seqlen // 4 + 3`` keys."""
+    i = torch.arange(seqlen)
+    hi = i + 1
+    if name == "causal":
+        return causal_mask, torch.zeros_like(i), hi
+    if name == "sliding_window":
+        w = seqlen // 4 + 3
+        return sliding_window(w), (i - w + 1).clamp(min=0), hi
+    if name == "document":
+        cut = (0, max(1, seqlen // 3 - 5), seqlen // 3 + seqlen // 2, seqlen)
+        ids = torch.zeros(seqlen, dtype=torch.int64)
+        for n in range(1, 3):
+            ids[cut[n]:] = n
+        start = torch.tensor(cut[:-1])[ids]
+        return and_masks(causal_mask, document(ids)), start, hi
+    if name == "prefix_lm":
+        p = seqlen // 3 + 5
+        return prefix_lm(p), torch.zeros_like(i), torch.clamp(hi, min=min(p, seqlen))
+    if name == "chunked_local":
+        c = max(1, seqlen // 4 - 16)
+        return chunked_local(c), (i // c) * c, hi
+    raise ValueError(f"interval_example: name={name!r}: must be one of {INTERVAL_EXAMPLES}")
