@@ -128,7 +128,7 @@ def block_mask_builder(batch_size, q_length, kv_length, q_offset=0, kv_offset=0,
     if allow_is_bidirectional_skip and mu._ignore_bidirectional_mask_sdpa(padding_mask, kv_length, local_size):
         return None
     if padding_mask is not None:
-        mask_function = mu.and_masks(mask_function, mu.padding_mask_function(padding_mask.cpu()))
+        mask_function = mu.and_masks(mask_function, mu.padding_mask_function(padding_mask.cpu().bool()))
 
     def offset_mask(b, h, q_idx, kv_idx):
         return mask_function(b, h, q_idx + q_offset, kv_idx + kv_offset)

@@ -139,3 +139,16 @@ def test_bad_sizes(kw, exc, match):
     with pytest.raises(exc, match=match):
         create_block_mask(nki_attn.masks.causal_mask, **args)
     assert create_block_mask(nki_attn.masks.causal_mask, 1, 1, 256, 256, BLOCK_SIZE=(128, 128)).shape[2] == 256
+
+
+def test_profile_shows_the_skipped_blocks(capsys):
+    """``nki-attn profile --features mask=NAME``: the block counts in the title, the modeled time below the
+    unmasked default's (the skipped tiles issue no instruction)."""
+    from nki_attn.cli import main
+    status = main(["profile", "--kernel", "fwd", "--seqlen", "1024", "--head-dim", "32", "--features",
+                   "mask=document", "--vs", "default"])
+    out = capsys.readouterr().out
+    assert status in (0, None)
+    assert "blocks: 4 full, 18 partial, 42 skipped of 64" in out
+    ratio = float(out.split("ratio ")[1].split(";")[0])
+    assert ratio < 0.6

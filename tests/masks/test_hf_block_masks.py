@@ -60,7 +60,7 @@ def test_packed_sequences_run_through_block_masks():
         model = AutoModelForCausalLM.from_config(copy.deepcopy(cfg), attn_implementation=impl)
         model.load_state_dict(state)
         model.to(dtype).train()
-        out = model(input_ids=ids, position_ids=pos, labels=ids)
+        out = model(input_ids=ids, position_ids=pos, labels=ids, use_cache=False)  # no cache: packing is detected
         out.loss.backward()
         grads = {n: p.grad.detach().double() for n, p in model.named_parameters() if p.grad is not None}
         runs[impl] = (out.logits.detach().double(), out.loss.detach().double(), grads)
@@ -79,8 +79,8 @@ def test_prefix_lm_mask_function_becomes_a_block_mask():
     def prefix_fn(b, h, q, kv):
         return kv < prefix
     fn = mu.or_masks(mu.causal_mask_function, prefix_fn)
-    am = torch.ones(2, 200, dtype=torch.long)
-    am[1, :9] = 0  # left padding of the second sequence
+    am = torch.ones(2, 200, dtype=torch.bool)
+    am[1, :9] = False  # left padding of the second sequence
     bm = nki_hf.block_mask_builder(2, 200, 200, mask_function=fn, attention_mask=am)
     assert isinstance(bm, BlockMask) and bm.shape == (2, 1, 200, 200)
     dense = mu.sdpa_mask(2, 200, 200, mask_function=fn, attention_mask=am, allow_is_causal_skip=False)
