@@ -18,8 +18,9 @@ ALiBi): ``softcap(c)`` (``score = c * tanh(score / c)``) and ``alibi(slopes)`` (
 |q_idx + Sk - Sq - kv_idx|``, FlashAttention's bottom-right distance, which is ``|q_idx - kv_idx|`` when Sq ==
 Sk). Anything else raises TypeError naming these.
 
-The op pair ``torch.ops.nki_attn.flex_fwd`` / ``flex_bwd`` is registered like ``nki_attn.ops``' pair: compile
-with ``fullgraph=True`` keeps one opaque node per direction, FakeTensor / ``meta`` inputs get shapes only.
+It runs on the block-mask op pair ``torch.ops.nki_attn.flex_fwd`` / ``flex_bwd`` (``nki_attn.ops.block_mask_attention``),
+registered like the attention pair: compile with ``fullgraph=True`` keeps one opaque node per direction,
+FakeTensor / ``meta`` inputs get shapes only.
 """
 import math
 import numbers
@@ -27,9 +28,8 @@ from typing import Optional
 
 import torch
 
-from . import kernel_api
 from .block_mask import BLOCK, BlockMask, create_block_mask
-from .ops import _OP_DEVICES, _from_kernel, _launch, _to_kernel, check_slopes, padded_length
+from .ops import block_mask_attention
 from .spec import DTYPES, MAX_D_HEAD, check_device, resolve_scale
 
 __all__ = ["flex_attention", "softcap", "alibi", "SoftCap", "ALiBi", "full_block_mask"]
@@ -119,88 +119,6 @@ def _all_visible(b, h, q_idx, kv_idx):
     return torch.ones((), dtype=torch.bool).expand(1, 1, 1, 1)
 
 
-def _rows_tuple(rows):
-    return tuple(tuple(r) for r in rows.tolist())
-
-
-# ----------------------------------------------------------------------------------------------------- the ops
-def _kernel_kw(rows, store, alibi_t, n_b, n_h, scale, cap):
-    return dict(mixed_precision=True, softmax_scale=scale, softcap=cap, alibi_slopes=alibi_t,
-                block_mask=(n_b, n_h, _rows_tuple(rows)), block_bits=store)
-
-
-@torch.library.custom_op("nki_attn::flex_fwd", mutates_args=(), device_types=_OP_DEVICES)
-def _flex_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor, store: Optional[torch.Tensor],
-              alibi_t: Optional[torch.Tensor], n_b: int, n_h: int, scale: float, cap: float
-              ) -> tuple[torch.Tensor, torch.Tensor]:
-    """q [b, sq, h, d], k [b, sk, hk, d], v [b, sk, hk, dv] (FlashAttention's layout), the block mask's kernel
-    operands (rows uint8 [ceil(sq/128), ceil(sk/128)], store uint8 [128, n] or None) -> (out [b, sq, h, dv],
-    lse float32 [b, h, sq])."""
-    check_slopes(FN, alibi_t)
-    b, sq, hq, _ = q.shape
-    sk = k.shape[1]
-    sq_k, sk_k = padded_length(sq), padded_length(sk)
-    o, lse = _launch(FN, kernel_api.attention_fwd,
-                     (_to_kernel(q, sq_k), _to_kernel(k, sk_k), _to_kernel(v, sk_k)),
-                     _kernel_kw(rows, store, alibi_t, n_b, n_h, scale, cap))
-    lse = lse.permute(0, 1, 3, 2).reshape(b, hq, sq_k)[..., :sq]
-    return _from_kernel(o, 0, sq), lse.clone(memory_format=_CONTIG)
-
-
-@_flex_fwd.register_fake
-def _flex_fwd_fake(q, k, v, rows, store, alibi_t, n_b, n_h, scale, cap):
-    b, sq, hq, _ = q.shape
-    return q.new_empty((b, sq, hq, v.shape[3])), q.new_empty((b, hq, sq), dtype=torch.float32)
-
-
-@torch.library.custom_op("nki_attn::flex_bwd", mutates_args=(), device_types=_OP_DEVICES)
-def _flex_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, dout: torch.Tensor,
-              lse: torch.Tensor, dlse: Optional[torch.Tensor], rows: torch.Tensor, store: Optional[torch.Tensor],
-              alibi_t: Optional[torch.Tensor], n_b: int, n_h: int, scale: float, cap: float
-              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients of ``flex_fwd``: (dq, dk, dv) like q, k, v (``dlse``, the gradient reaching lse, must be 0)."""
-    if dlse is not None and bool((dlse != 0).any()):
-        raise NotImplementedError(f"{FN}: a gradient flows into the returned lse, which the backward kernel does "
-                                  f"not propagate; use lse.detach()")
-    b, sq, hq, _ = q.shape
-    sk = k.shape[1]
-    sq_k, sk_k = padded_length(sq), padded_length(sk)
-    # padded query rows: dout = 0 and lse = +inf, so P = 0 and they add nothing
-    lse_k = torch.nn.functional.pad(lse, (0, sq_k - sq), value=math.inf)
-    lse_k = lse_k.reshape(b, hq, sq_k // BLOCK, BLOCK).transpose(-1, -2).clone(memory_format=_CONTIG)
-    dq, dk, dv = _launch(FN, kernel_api.attention_bwd,
-                         (_to_kernel(q, sq_k), _to_kernel(k, sk_k), _to_kernel(v, sk_k), _to_kernel(out, sq_k),
-                          _to_kernel(dout, sq_k), lse_k),
-                         _kernel_kw(rows, store, alibi_t, n_b, n_h, scale, cap))
-    return _from_kernel(dq, 0, sq), _from_kernel(dk, 0, sk), _from_kernel(dv, 0, sk)
-
-
-@_flex_bwd.register_fake
-def _flex_bwd_fake(q, k, v, out, dout, lse, dlse, rows, store, alibi_t, n_b, n_h, scale, cap):
-    return (torch.empty_like(q, memory_format=_CONTIG), torch.empty_like(k, memory_format=_CONTIG),
-            torch.empty_like(v, memory_format=_CONTIG))
-
-
-def _setup(ctx, inputs, output):
-    q, k, v, rows, store, alibi_t = inputs[:6]
-    ctx.save_for_backward(q, k, v, output[0], output[1], rows, store, alibi_t)
-    ctx.flags = tuple(inputs[6:])
-
-
-def _backward(ctx, dout, dlse):
-    q, k, v, out, lse, rows, store, alibi_t = ctx.saved_tensors
-    dq, dk, dv = _flex_bwd(q, k, v, out, dout, lse, dlse, rows, store, alibi_t, *ctx.flags)
-    return (dq, dk, dv) + (None,) * 7
-
-
-def _bwd_backward(ctx, *grads):
-    raise RuntimeError(f"{FN}: double backward is not implemented (the backward kernel is not differentiable)")
-
-
-_flex_fwd.register_autograd(_backward, setup_context=_setup)
-_flex_bwd.register_autograd(_bwd_backward, setup_context=lambda ctx, inputs, output: None)
-
-
 # ----------------------------------------------------------------------------------------------------- public
 def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=None, enable_gqa=False,
                    return_lse=False):
@@ -268,7 +186,7 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
               f"call's B = {b} and Hq = {hq}")
     (n_b, n_h, _), store = block_mask.kernel_operands()
     rows = block_mask.union_rows()
-    out, lse = _flex_fwd(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), rows, store, slopes,
-                         n_b, n_h, scale, cap)
+    out, lse = block_mask_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), rows, store,
+                                    slopes, n_b, n_h, scale, cap)
     out = out.transpose(1, 2)
     return (out, lse) if return_lse else out
