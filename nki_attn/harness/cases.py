@@ -233,7 +233,9 @@ def full():
     1000 and 300 tokens through the API's padding path."""
     rows = []
     for dt in DTYPES:
-        rows += [feature_case(f, 2048, 128, dt, heads=1) for f in FEATURES if f not in ("gqa", "mqa")]
+        # (the block-mask rows are in the quick preset only: this preset's committed report predates them)
+        rows += [feature_case(f, 2048, 128, dt, heads=1) for f in FEATURES
+                 if f not in ("gqa", "mqa") and f not in MASK_FEATURES]
         rows += [feature_case(f, 2048, 128, dt, heads=1) for f in ("gqa", "mqa")]
     for d in (64, 256):
         rows += [feature_case("causal", 4096, d, "bfloat16", heads=1)]
