@@ -18,13 +18,12 @@ ALiBi): ``softcap(c)`` (``score = c * tanh(score / c)``) and ``alibi(slopes)`` (
 |q_idx + Sk - Sq - kv_idx|``, FlashAttention's bottom-right distance, which is ``|q_idx - kv_idx|`` when Sq ==
 Sk). Anything else raises TypeError naming these.
 
-It runs on the block-mask op pair ``torch.ops.nki_attn.flex_fwd`` / ``flex_bwd`` (``nki_attn.ops.block_mask_attention``),
-registered like the attention pair: compile with ``fullgraph=True`` keeps one opaque node per direction,
-FakeTensor / ``meta`` inputs get shapes only.
+It runs on the block-mask op pair ``torch.ops.nki_attn.flex_fwd`` / ``flex_bwd``
+(``nki_attn.ops.block_mask_attention``), registered like the attention pair: compile with ``fullgraph=True``
+keeps one opaque node per direction, FakeTensor / ``meta`` inputs get shapes only.
 """
 import math
 import numbers
-from typing import Optional
 
 import torch
 

@@ -115,6 +115,7 @@ class _FwdConfig(nl.NKIObject):
         self.band_hi = self.hi_rel < shp.seqlen_k - 1
         self.packing = shp.packing
         self.masked = shp.packing or self.band_lo or self.band_hi
+        self.block_mask = None  # a block mask's band.BlockRows (set by _setup_config)
         # ALiBi by TensorE (``_alibi_matmul``) when every visible key is left of the diagonal (causal), the inputs
         # are bfloat16, no soft-cap (the bias follows the tanh) and no sinks (they would need the row shift);
         # otherwise the exact VectorE step (``_alibi_scores``)
@@ -909,7 +910,6 @@ def _setup_config(q_ref, k_ref, v_ref, sinks_ref, bound_min, use_causal_mask, mi
     acc_dtype = nl.float32 if mixed_precision else q_ref.dtype
     cfg = _FwdConfig(shp, q_ref.dtype, acc_dtype, range_select_ok, v_ref.shape[2], kb_tiles, block_members_max,
                      slab_tiles)
-    cfg.block_mask = None
     if block_mask is not None:
         cfg.block_mask = BlockRows(block_mask[0], block_mask[1], block_mask[2], shp.seqlen_k // PMAX)
     return cfg
