@@ -16,12 +16,17 @@ from .test_block_mask import _dense, _random_blocks
 
 torch.set_num_threads(1)
 
-IDS = torch.tensor([0] * 90 + [1] * 130 + [2] * 36 + [3] * 44)  # 300 tokens, 4 documents
+def _ids(n):
+    """Document ids of n tokens: 4 documents of unequal length (cuts at 30 %, 73 %, 85 %)."""
+    i = torch.arange(n)
+    return (i >= n * 30 // 100).long() + (i >= n * 73 // 100).long() + (i >= n * 85 // 100).long()
 
 
 def _mask_cases(sq, sk):
     """name -> (mask_mod, B extent (None: broadcast), H extent)."""
-    ids2 = torch.stack([IDS[:sq], torch.tensor([0] * (sq // 2) + [1] * (sq - sq // 2))])
+    n = max(sq, sk)
+    ids = _ids(n)
+    ids2 = torch.stack([ids, (torch.arange(n) >= n // 2).long()])
     return {
         "causal": (masks.causal_mask, None, None),
         "sliding_window": (masks.sliding_window(100), None, None),
@@ -29,7 +34,7 @@ def _mask_cases(sq, sk):
         "prefix_lm": (masks.prefix_lm(torch.tensor([37, 150])), 2, None),
         "chunked_local": (masks.chunked_local(64), None, None),
         "dilated": (masks.dilated(3, window=40), None, None),
-        "or_masks": (masks.or_masks(masks.sliding_window(20), masks.document(IDS[:sq])), None, None),
+        "or_masks": (masks.or_masks(masks.sliding_window(20), masks.document(ids)), None, None),
         "random": (_random_blocks(5, 0.5, sq, sk, 2, 4), 2, 4),
         "empty_rows": (lambda b, h, q, kv: (q >= 140) & (kv <= q - 140), None, None),
     }
