@@ -13,10 +13,11 @@ PARTIAL tiles with their bitmaps (docs/masks.md). A row that sees no key gives 0
 FlexAttention returns lse ``-inf`` there; both give a zero output).
 
 ``score_mod``: the kernels are fixed NKI code, so an arbitrary Python ``score_mod`` cannot run in them. The
-built-in modifications are accepted as markers (one, or a list applied in the kernels' order: soft-cap, then
-ALiBi): ``softcap(c)`` (``score = c * tanh(score / c)``) and ``alibi(slopes)`` (``score -= slopes[h] *
+built-in modifications are accepted as markers (one, or a list applied in the kernels' order: soft-cap, ALiBi,
+bias): ``softcap(c)`` (``score = c * tanh(score / c)``), ``alibi(slopes)`` (``score -= slopes[h] *
 |q_idx + Sk - Sq - kv_idx|``, FlashAttention's bottom-right distance, which is ``|q_idx - kv_idx|`` when Sq ==
-Sk). Anything else raises TypeError naming these.
+Sk) and ``bias(t)`` (``score += t[b, h, q_idx, kv_idx]``, differentiable: a block-sparse learned bias). Anything
+else raises TypeError naming these.
 
 It runs on the block-mask op pair ``torch.ops.nki_attn.flex_fwd`` / ``flex_bwd``
 (``nki_attn.ops.block_mask_attention``), registered like the attention pair: compile with ``fullgraph=True``
@@ -31,7 +32,7 @@ from .block_mask import BLOCK, BlockMask, create_block_mask
 from .ops import block_mask_attention
 from .spec import DTYPES, MAX_D_HEAD, check_device, resolve_scale
 
-__all__ = ["flex_attention", "softcap", "alibi", "SoftCap", "ALiBi", "full_block_mask"]
+__all__ = ["flex_attention", "softcap", "alibi", "bias", "SoftCap", "ALiBi", "Bias", "full_block_mask"]
 
 _CONTIG = torch.contiguous_format
 FN = "flex_attention"
@@ -67,6 +68,27 @@ class ALiBi:
         return f"alibi(slopes {tuple(self.slopes.shape)})"
 
 
+class Bias:
+    """Score-mod marker: ``score += bias[b, h, q_idx, kv_idx]``, an additive bias broadcastable to ``[B, Hq, Sq,
+    Sk]`` (each dim 1 or the call's size; float32, bfloat16 or float16), with its gradient when it requires one
+    (reduced over the broadcast dims). Added after soft-capping and ALiBi; hidden keys stay hidden."""
+
+    def __init__(self, bias):
+        if not isinstance(bias, torch.Tensor) or bias.dim() != 4 or bias.dtype not in DTYPES:
+            raise TypeError(f"bias: bias={type(bias).__name__}: must be a 4-D float32 / bfloat16 / float16 tensor "
+                            f"broadcastable to [B, Hq, Sq, Sk]")
+        self.bias = bias
+
+    def __repr__(self):
+        return f"bias({tuple(self.bias.shape)})"
+
+
+def bias(t):
+    """The additive-bias score mod (a marker the kernels run natively, with its gradient):
+    ``score += t[b, h, q_idx, kv_idx]``."""
+    return Bias(t)
+
+
 def softcap(cap):
     """The soft-capping score mod (a marker the kernels run natively): ``score = cap * tanh(score / cap)``."""
     return SoftCap(cap)
@@ -77,15 +99,15 @@ def alibi(slopes):
     return ALiBi(slopes)
 
 
-_SUPPORTED = ("score_mod must be None, nki_attn.flex.softcap(cap), nki_attn.flex.alibi(slopes) or a list of "
-              "them: the NKI kernels are fixed code and cannot run an arbitrary Python score_mod (express a mask "
+_SUPPORTED = ("score_mod must be None, nki_attn.flex.softcap(cap), nki_attn.flex.alibi(slopes), "
+              "nki_attn.flex.bias(tensor) or a list of them: the NKI kernels are fixed code and cannot run an arbitrary Python score_mod (express a mask "
               "as a mask_mod in nki_attn.create_block_mask instead)")
 
 
-def _score_mods(score_mod, b, hq, device):
-    """``(softcap, alibi [b, hq] float32 or None)`` from the markers."""
+def _score_mods(score_mod, b, hq, sq, sk, device):
+    """``(softcap, alibi [b, hq] float32 or None, bias or None)`` from the markers."""
     mods = [] if score_mod is None else list(score_mod) if isinstance(score_mod, (list, tuple)) else [score_mod]
-    cap, slopes = 0.0, None
+    cap, slopes, add = 0.0, None, None
     for m in mods:
         if isinstance(m, SoftCap) and cap == 0.0:
             cap = m.cap
@@ -96,10 +118,18 @@ def _score_mods(score_mod, b, hq, device):
             if s.device != device:
                 _fail("alibi slopes.device", s.device, f"must equal query.device {device}")
             slopes = s.expand(b, hq).clone(memory_format=_CONTIG)
+        elif isinstance(m, Bias) and add is None:
+            t = m.bias
+            if any(n not in (1, full) for n, full in zip(t.shape, (b, hq, sq, sk))):
+                _fail("bias.shape", tuple(t.shape), f"each dim must be 1 or the call's [B, Hq, Sq, Sk] = "
+                      f"{[b, hq, sq, sk]}")
+            if t.device != device:
+                _fail("bias.device", t.device, f"must equal query.device {device}")
+            add = t
         else:
             name = getattr(m, "__name__", type(m).__name__)
             _fail("score_mod", name, _SUPPORTED + " (each marker at most once)", TypeError)
-    return cap, slopes
+    return cap, slopes, add
 
 
 # ----------------------------------------------------------------------------------------------------- masks
@@ -166,7 +196,7 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
     if hq % hk != 0:
         _fail("key.shape[1]", hk, f"the {hk} key/value heads must divide the {hq} query heads")
     scale = resolve_scale(FN, scale, d, "scale")
-    cap, slopes = _score_mods(score_mod, b, hq, query.device)
+    cap, slopes, add = _score_mods(score_mod, b, hq, sq, sk, query.device)
     if slopes is not None and (sk - sq) % BLOCK != 0:
         _fail("score_mod", "alibi", f"needs Sk - Sq a multiple of {BLOCK} (got Sq={sq}, Sk={sk}): the kernels "
               f"measure the bottom-right distance on tile-padded lengths", NotImplementedError)
@@ -186,6 +216,6 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
     (n_b, n_h, _), store = block_mask.kernel_operands()
     rows = block_mask.union_rows()
     out, lse = block_mask_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), rows, store,
-                                    slopes, n_b, n_h, scale, cap)
+                                    slopes, n_b, n_h, scale, cap, add)
     out = out.transpose(1, 2)
     return (out, lse) if return_lse else out

@@ -17,8 +17,9 @@ def _expand(x, hq):
     return x.repeat_interleave(hq // x.shape[1], dim=1) if x.shape[1] != hq else x
 
 
-def scores(q, k, mask, scale, cap=0.0, slopes=None, stat=None):
-    """Masked scaled scores ``[B, Hq, Sq, Sk]`` in the statistics dtype ``stat`` (-inf where hidden)."""
+def scores(q, k, mask, scale, cap=0.0, slopes=None, stat=None, bias=None):
+    """Masked scaled scores ``[B, Hq, Sq, Sk]`` in the statistics dtype ``stat`` (-inf where hidden); ``bias``
+    (broadcastable) added after soft-capping and ALiBi."""
     hq, sq, sk = q.shape[1], q.shape[2], k.shape[2]
     s = torch.matmul(q, _expand(k, hq).transpose(-1, -2))
     s = s.to(stat or s.dtype) * scale
@@ -28,15 +29,17 @@ def scores(q, k, mask, scale, cap=0.0, slopes=None, stat=None):
         i = torch.arange(sq)[:, None] + (sk - sq)
         j = torch.arange(sk)[None, :]
         s = s - slopes.to(s.dtype).expand(q.shape[0], hq)[:, :, None, None] * (i - j).abs().to(s.dtype)
+    if bias is not None:
+        s = s + bias.to(s.dtype)
     return s.masked_fill(~mask, -math.inf)
 
 
-def dense_attention(q, k, v, mask, scale, cap=0.0, slopes=None):
+def dense_attention(q, k, v, mask, scale, cap=0.0, slopes=None, bias=None):
     """(out ``[B, Hq, Sq, Dv]``, lse ``[B, Hq, Sq]`` with +inf for empty rows); mask bool broadcastable to
     ``[B, Hq, Sq, Sk]``. 16-bit inputs: matmuls in the dtype, softmax in float32, P rounded to the dtype."""
     hq = q.shape[1]
     stat = torch.float32 if q.dtype in (torch.bfloat16, torch.float16) else q.dtype
-    s = scores(q, k, mask, scale, cap, slopes, stat)
+    s = scores(q, k, mask, scale, cap, slopes, stat, bias)
     lse = torch.logsumexp(s, -1)
     empty = torch.isneginf(lse)
     p = torch.exp(s - torch.where(empty, torch.zeros_like(lse), lse)[..., None])

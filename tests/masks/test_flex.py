@@ -198,3 +198,35 @@ def test_bad_input_is_refused_before_any_kernel(monkeypatch, kw, exc, match):
 def test_top_level_names():
     assert nki_attn.flex_attention is flex.flex_attention
     assert nki_attn.create_block_mask is create_block_mask
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_bias_marker_is_block_sparse_with_its_gradient(dtype):
+    """``flex.bias``: an additive bias [1, Hq, Sq, Sk] under a per-batch document block mask, forward and the
+    gradients of q, k, v and the bias (reduced over the batch) against the dense float64 definition."""
+    sq = sk = 300
+    mm, nb, nh = _mask_cases(sq, sk)["document"]
+    bm = create_block_mask(mm, nb, nh, sq, sk)
+    dense = _dense(mm, nb, 1, sq, sk)
+    q, k, v = _qkv(2, 4, 2, sq, sk, 32, 32, dtype, seed=8)
+    bias = torch.randn(1, 4, sq, sk, generator=torch.Generator().manual_seed(2)).to(dtype)
+    dout = torch.randn(2, 4, sq, 32, generator=torch.Generator().manual_seed(3)).to(dtype)
+
+    def grads(fn, tensors):
+        leaves = [t.detach().clone().requires_grad_(True) for t in tensors]
+        out = fn(*leaves)
+        out.backward(dout.to(out.dtype))
+        return [out.detach()] + [t.grad.detach() for t in leaves]
+
+    def ours(q, k, v, b):
+        return flex.flex_attention(q, k, v, score_mod=flex.bias(b), block_mask=bm, enable_gqa=True)
+
+    def ref(q, k, v, b):
+        return dense_attention(q, k, v, dense, 32 ** -0.5, bias=b)[0]
+
+    got = grads(ours, (q, k, v, bias))
+    truth = grads(ref, [t.double() for t in (q, k, v, bias)])
+    base = grads(ref, (q, k, v, bias))
+    for i, (name, n) in enumerate((("out", sk), ("dq", sk), ("dk", sq * 2), ("dv", sq * 2), ("dbias", sk))):
+        judge(name, got[i], truth[i], base[i], dtype, n)
+    assert got[4].shape == bias.shape and bool((got[4][:, :, 0, 200:] == 0).all())  # hidden keys: no gradient
