@@ -88,9 +88,14 @@ def _writer(dst):
     store, shape = arr.dtype, arr.shape
     mark = _marker(dst)
 
-    def write(vals):
-        arr[...] = vals.astype(store, copy=False).reshape(shape)
-        mark()
+    if store == _F32:
+        def write(vals):  # float32 values into float32 storage: astype(copy=False) would return vals itself
+            arr[...] = vals.reshape(shape)
+            mark()
+    else:
+        def write(vals):
+            arr[...] = vals.astype(store, copy=False).reshape(shape)
+            mark()
     return write
 
 
@@ -100,10 +105,27 @@ def _reader(t):
     return lambda: v.astype(_F32).reshape(p, -1)
 
 
+def _operand(t):
+    """``isa._read(t)`` for an element-wise operand: where the view is already C-contiguous float32, the view
+    itself in (P, F) shape instead of a copy (same values, same memory layout, so the same numpy loops; every
+    operator returns a new array, and numpy's assignment handles a destination that overlaps it)."""
+    v, p = t.np(), t.shape[0]
+    if v.dtype == _F32 and v.flags.c_contiguous:
+        flat = v.reshape(p, -1)
+        return lambda: flat
+    return lambda: v.astype(_F32).reshape(p, -1)
+
+
+def _ufunc(op_fn):
+    """An operator's function (``Op.binary`` / ``Op.unary``) or, when it wraps a numpy ufunc, the ufunc itself: on
+    float32 arrays and float32 scalars it returns the float32 array the wrapper returns."""
+    return getattr(op_fn, "ufunc", None) or op_fn
+
+
 def _column(x, p):
     """``isa._col_or_scalar`` after its checks: a reader of a (P, 1) tensor, or the float32 immediate."""
     if isinstance(x, NkiTensor):
-        r = _reader(x)
+        r = _operand(x)
         return lambda: r().reshape(p, 1)
     value = _F32(float(x)) if isinstance(x, (bool, np.bool_)) else _F32(x)
     return lambda: value
@@ -158,7 +180,7 @@ def _tensor_copy(a, generic, prog):
         return step
     if not (src.dtype.kind == "float" or dst.dtype.kind == "float"):
         return None
-    write, read = _writer(dst), _reader(src)
+    write, read = _writer(dst), _operand(src)
     if write is None:
         return None
 
@@ -249,10 +271,10 @@ def _tensor_tensor(a, generic, prog):
         return None
     default = _E.gpsimd if op is _ops.power else _E.vector
     eng = _isa._engine("tensor_tensor", engine, (_E.vector, _E.gpsimd), default)
-    write, r1, r2, poison = _writer(dst), _reader(data1), _reader(data2), _poisoner(prog, eng)
+    write, r1, r2, poison = _writer(dst), _operand(data1), _operand(data2), _poisoner(prog, eng)
     if write is None:
         return None
-    binary = op.binary
+    binary = _ufunc(op.binary)
 
     def step():
         write(binary(r1(), r2()))
@@ -265,37 +287,47 @@ def _tensor_scalar(a, generic, prog):
     if op0.bitvec or (op1 is not None and op1.bitvec):
         return None
     eng = _isa._engine("tensor_scalar", a["engine"], (_E.vector, _E.scalar, _E.gpsimd), _E.vector)
-    write, read, poison = _writer(dst), _reader(data), _poisoner(prog, eng)
+    write, read, poison = _writer(dst), _operand(data), _poisoner(prog, eng)
     if write is None:
         return None
     p = dst.shape[0]
     o0 = _column(a["operand0"], p) if op0.binary is not None else (lambda: None)
-    o1 = _column(a["operand1"], p) if op1 is not None and op1.binary is not None else (lambda: None)
-    rev0, rev1 = a["reverse0"], a["reverse1"]
-    scalar_op = _isa._scalar_op
-
+    f0 = _scalar_fn(op0, a["reverse0"])
     if op1 is None:
         def step():
-            write(scalar_op(op0, read(), o0(), rev0))
+            write(f0(read(), o0()))
             poison()
-    else:
-        def step():
-            write(scalar_op(op1, scalar_op(op0, read(), o0(), rev0), o1(), rev1))
-            poison()
+        return step
+    o1 = _column(a["operand1"], p) if op1.binary is not None else (lambda: None)
+    f1 = _scalar_fn(op1, a["reverse1"])
+
+    def step():
+        write(f1(f0(read(), o0()), o1()))
+        poison()
     return step
+
+
+def _scalar_fn(op, reverse):
+    """``isa._scalar_op(op, x, operand, reverse)`` as a function of (x, operand)."""
+    if op.binary is None:
+        unary = _ufunc(op.unary)
+        return lambda x, _: unary(x)
+    binary = _ufunc(op.binary)
+    if reverse:
+        return lambda x, o: binary(o, x)
+    return binary
 
 
 def _scalar_tensor_tensor(a, generic, prog):
     dst, data, op0, op1, operand1 = a["dst"], a["data"], a["op0"], a["op1"], a["operand1"]
-    write, read, read1, poison = _writer(dst), _reader(data), _reader(operand1), _poisoner(prog, _E.vector)
+    write, read, read1, poison = _writer(dst), _operand(data), _operand(operand1), _poisoner(prog, _E.vector)
     if write is None:
         return None
     o0 = _column(a["operand0"], dst.shape[0])
-    rev0, rev1 = a["reverse0"], a["reverse1"]
-    scalar_op, binary = _isa._scalar_op, op1.binary
+    f0, rev1, binary = _scalar_fn(op0, a["reverse0"]), a["reverse1"], _ufunc(op1.binary)
 
     def step():
-        t = scalar_op(op0, read(), o0(), rev0)
+        t = f0(read(), o0())
         b = read1()
         write(binary(b, t) if rev1 else binary(t, b))
         poison()
@@ -328,7 +360,7 @@ def _tensor_reduce(a, generic, prog):
 
 def _reciprocal(a, generic, prog):
     dst, data = a["dst"], a["data"]
-    write, read, poison = _writer(dst), _reader(data), _poisoner(prog, _E.vector)
+    write, read, poison = _writer(dst), _operand(data), _poisoner(prog, _E.vector)
     if write is None:
         return None
     one = _F32(1.0)
@@ -342,7 +374,8 @@ def _reciprocal(a, generic, prog):
 def _activation(a, generic, prog):
     dst, op, data, bias, scale = a["dst"], a["op"], a["data"], a["bias"], a["scale"]
     reduce_op, reduce_res, cmd = a["reduce_op"], a["reduce_res"], a["reduce_cmd"]
-    write, read = _writer(dst), _reader(data)
+    # in place, the result of nl.copy may be the view of data that the write then changes: copy the input then
+    write, read = _writer(dst), (_reader(data) if data.storage is dst.storage else _operand(data))
     if write is None:
         return None
     p = dst.shape[0]
@@ -353,9 +386,9 @@ def _activation(a, generic, prog):
     scale_t = isinstance(scale, NkiTensor)
     s = _column(scale, p)
     s_one = not scale_t and s() == 1.0
-    b = None if bias is None else (lambda r=_reader(bias): r().reshape(p, 1)) if isinstance(bias, NkiTensor) \
+    b = None if bias is None else (lambda r=_operand(bias): r().reshape(p, 1)) if isinstance(bias, NkiTensor) \
         else _column(bias, p)
-    unary, acc, add, apply_acc = op.unary, prog.scalar_acc, _ops.add, _isa._apply_acc
+    unary, acc, add, apply_acc = _ufunc(op.unary), prog.scalar_acc, _ops.add, _isa._apply_acc
 
     def step():
         x = read()
@@ -380,7 +413,7 @@ def _activation_reduce(a, generic, prog):
 def _select_reduce(a, generic, prog):
     dst, pred, on_true, on_false = a["dst"], a["predicate"], a["on_true"], a["on_false"]
     reduce_res, cmd, reverse = a["reduce_res"], a["reduce_cmd"], a["reverse_pred"]
-    write, read = _writer(dst), _reader(on_true)
+    write, read = _writer(dst), _operand(on_true)
     if write is None:
         return None
     p = dst.shape[0]
@@ -410,7 +443,7 @@ def _select_reduce(a, generic, prog):
 def _range_select(a, generic, prog):
     dst, on_true, op0, op1 = a["dst"], a["on_true_tile"], a["comp_op0"], a["comp_op1"]
     reduce_res, cmd = a["reduce_res"], a["reduce_cmd"]
-    write, read = _writer(dst), _reader(on_true)
+    write, read = _writer(dst), _operand(on_true)
     if write is None:
         return None
     p, f = _isa._pf(dst)

@@ -123,6 +123,9 @@ def _safe(fn):
             return np.asarray(fn(*a)).astype(_F32, copy=False)
         with np.errstate(all="ignore"):
             return np.asarray(fn(*a)).astype(_F32, copy=False)
+    # a numpy ufunc, called by compiled replay steps (nki_attn.sim.fast) on float32 arrays, where it returns the
+    # float32 array the wrapper would (the replay runs under errstate(all="ignore") already)
+    wrapped.ufunc = fn if isinstance(fn, np.ufunc) else None
     return wrapped
 
 

@@ -213,21 +213,6 @@ class _Pool:
         return arr
 
 
-_ARENA_BYTES = 16 << 20  # a program whose allocations sum to at most this gives each its own memory (an arena)
-
-
-def _arena_size(rec, strict):
-    """Bytes an arena would hold for ``rec``'s allocations (data and per-element flags)."""
-    total = 0
-    for s in rec.slots:
-        if s.arg is None:
-            n = int(np.prod(s.shape))
-            total += n * np.dtype(s.store_dtype).itemsize
-            total += 2 * n if s.buffer.kind == "psum" else 0
-            total += n if strict else 0
-    return total
-
-
 # Instructions that write only part of ``dst`` and keep the rest, which they read.
 _PARTIAL_WRITERS = frozenset(("tensor_copy_predicated", "nc_stream_shuffle"))
 
@@ -290,37 +275,6 @@ def _unobserved(rec, keep):
     return set(sizes) - observed
 
 
-class _Arena:
-    """Memory for every allocation of a small program: one array per (storage dtype, fill value), each allocation
-    a slice of it. Two passes: ``plan`` every request, then ``take`` them in the same order."""
-
-    def __init__(self):
-        self.sizes = {}   # (dtype, fill) -> elements planned
-        self.arrays = {}  # (dtype, fill) -> (array, fill), made by build()
-        self.used = {}
-
-    def plan(self, dtype, size, fill):
-        key = (np.dtype(dtype), repr(fill))  # the dtype itself: .str does not name ml_dtypes' types
-        self.sizes[key] = self.sizes.get(key, 0) + size
-
-    def build(self, fills):
-        for key, n in self.sizes.items():
-            self.arrays[key] = (np.empty(n, dtype=key[0]), fills[key[1]])
-            self.used[key] = 0
-
-    def take(self, dtype, size, fill):
-        key = (np.dtype(dtype), repr(fill))
-        arr, _ = self.arrays[key]
-        i = self.used[key]
-        self.used[key] = i + size
-        return arr[i:i + size]
-
-    def fills(self):
-        """(array, value) pairs: what refills every allocation of the program at once (not the ones whose fill
-        is None)."""
-        return tuple((a, f) for a, f in self.arrays.values() if f is not None)
-
-
 class Program:
     """A recording made executable: its own storages (kept between calls) and views."""
 
@@ -340,53 +294,24 @@ class Program:
                     pin(e)
         pin(arg_views)
         pin(result)
-        # Small programs (a tiny model's launches) get an arena: every allocation its own slice of one array per
-        # storage dtype (and one for the per-element flags), so a replay refills each array once at the start
-        # instead of refilling each allocation at its place in the stream. Nothing reads an allocation before the
-        # stream reaches it, so it then holds exactly what a fresh allocation holds. Larger programs share memory
-        # between storages whose live ranges do not overlap (_Pool) and refill at each allocation.
-        arena = _Arena() if _arena_size(rec, strict) <= _ARENA_BYTES else None
         pool = _Pool()
-
-        quiet = _unobserved(rec, pinned) if arena is not None and not strict else set()
-
-        def requests(k, s):
-            """(dtype, elements, fill) of the data and flag arrays of slot k, in the order they are taken."""
-            n = int(np.prod(s.shape))
-            fill = np.nan if s.dtype.kind == "float" or np.dtype(s.store_dtype).kind == "f" else INT_SENTINEL
-            if k in quiet:
-                fill = None  # never refilled: no replay reads an element it did not write first
-            out = [(s.store_dtype, n, fill)]
-            if s.buffer.kind == "psum":
-                out += [(bool, n, False), (np.uint8, n, False)]
-            if strict:
-                out.append((np.int8, n, False))
-            return out
-
-        in_arena = [arena is not None and s.arg is None for s in rec.slots]
-        if arena is not None:
-            for k, s in enumerate(rec.slots):
-                if in_arena[k]:
-                    for dt, n, fill in requests(k, s):
-                        arena.plan(dt, n, fill)
-            arena.build({repr(np.nan): np.nan, repr(INT_SENTINEL): INT_SENTINEL, repr(False): False, repr(None): None})
         self.storages = []
         for k, s in enumerate(rec.slots):
             first = start.get(k, -1)
             last = forever if k in pinned or s.arg is not None else rec.last_use.get(k, first)
-            arrays = [arena.take(dt, n, fill) if in_arena[k] else pool.take(dt, n, first, last)
-                      for dt, n, fill in requests(k, s)]
-            st = Storage(s.shape, s.dtype, s.buffer, name=s.name, data=arrays[0],
-                         precise=s.store_dtype == s.dtype.np)
-            rest = arrays[1:]
+            n = int(np.prod(s.shape))
+            data = pool.take(s.store_dtype, n, first, last)
+            st = Storage(s.shape, s.dtype, s.buffer, name=s.name, data=data, precise=s.store_dtype == s.dtype.np)
             if st.mm_written is not None:
-                st.mm_written = rest.pop(0)
-                st.other_written = rest.pop(0).view(bool)
+                st.mm_written = pool.take(bool, n, first, last)
+                st.other_written = pool.take(np.uint8, n, first, last).view(bool)
             if strict:
-                st.written = rest.pop(0).view(bool)
+                st.written = pool.take(np.int8, n, first, last).view(bool)
             self.storages.append(st)
-        self.arena = arena.fills() if arena is not None else ()
-        self.bytes = pool.bytes + (sum(a.nbytes for a, _ in arena.arrays.values()) if arena is not None else 0)
+        self.bytes = pool.bytes
+        # Allocations whose fresh contents no replay can observe (every element read was written first) are not
+        # refilled with the sentinel; their PSUM history and written masks are still cleared.
+        self.quiet = _unobserved(rec, pinned) if not strict else set()
         self.fills = [np.nan if st.data.dtype.kind == "f" or s.dtype.kind == "float" else INT_SENTINEL
                       for s, st in zip(rec.slots, self.storages)]
         # The engine accumulators of the replay's core: NaN at the start of every replay, as at a launch.
@@ -402,12 +327,13 @@ class Program:
         use_fast = _fast.enabled() and not strict
         for op in rec.ops:
             if op[0] == _ALLOC:
-                if arena is not None:
-                    continue  # refilled at the start of each replay
                 # what a fresh allocation holds: the sentinel, no PSUM history, nothing written (strict mode)
                 st = self.storages[op[1]]
                 flags = tuple(f for f in (st.mm_written, st.other_written, st.written) if f is not None)
-                self.steps.append(functools.partial(_reset, st, self.fills[op[1]], flags))
+                if op[1] not in self.quiet:
+                    self.steps.append(functools.partial(_reset, st, self.fills[op[1]], flags))
+                elif flags:
+                    self.steps.append(functools.partial(_clear, st, flags))
             else:
                 args, kwargs = self.make(op[2]), self.make(op[3])
                 step = functools.partial(op[1], *args, **kwargs)
@@ -453,8 +379,6 @@ class Program:
             st.dirty = False
             if st.written is not None:
                 st.written[:] = True
-        for arr, fill in self.arena:
-            arr.fill(fill)
         # the core's engine accumulators start poisoned, as at a launch; the compiled steps hold these arrays
         self.scalar_acc.fill(np.nan)
         self.vector_acc.fill(np.nan)
@@ -474,6 +398,12 @@ class Program:
 
 def _reset(st, fill, flags):
     st.data.fill(fill)
+    st.dirty = False
+    for f in flags:
+        f.fill(False)
+
+
+def _clear(st, flags):
     st.dirty = False
     for f in flags:
         f.fill(False)
