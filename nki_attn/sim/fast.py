@@ -257,7 +257,8 @@ def _nc_transpose(a, generic, prog):
     store, shape = arr.dtype, arr.shape
 
     def step():
-        vals = np.array(d).reshape(p, f).T
+        # the instruction copies data first; numpy's assignment copies by itself where dst overlaps data
+        vals = d.reshape(p, f).T
         arr[...] = vals.astype(store, copy=False).reshape(shape)
         mark()
         poison()
@@ -423,6 +424,7 @@ def _select_reduce(a, generic, prog):
     pv, pp = pred.np(), pred.shape[0]
     off = _column(on_false, p)
     acc, maximum, apply_acc = prog.vector_acc, _ops.maximum, _isa._apply_acc
+    row_max = np.maximum.reduce  # what np.max calls, without its Python wrapper
     idle = cmd is _RC.idle
 
     def step():
@@ -434,7 +436,7 @@ def _select_reduce(a, generic, prog):
         if idle:
             acc.fill(np.nan)
         else:
-            apply_acc(acc, p, cmd, np.max(y, axis=1), maximum)
+            apply_acc(acc, p, cmd, row_max(y, axis=1), maximum)
         if write_res is not None:
             write_res(acc[:p])
     return step
@@ -454,13 +456,14 @@ def _range_select(a, generic, prog):
     idx = (int(a["range_start"]) + np.arange(f, dtype=_F32)).reshape(1, f)
     low = _F32(_isa.FP32_MIN)
     acc, maximum, apply_acc = prog.vector_acc, _ops.maximum, _isa._apply_acc
+    row_max = np.maximum.reduce  # what np.max calls, without its Python wrapper
     c0, c1 = op0.binary, op1.binary
 
     def step():
         keep = (c0(idx, b0()) != 0) & (c1(idx, b1()) != 0)
         y = np.where(keep, read(), low).astype(_F32, copy=False)
         write(y)
-        apply_acc(acc, p, cmd, np.max(y, axis=1), maximum)
+        apply_acc(acc, p, cmd, row_max(y, axis=1), maximum)
         if write_res is not None:
             write_res(acc[:p])
     return step
