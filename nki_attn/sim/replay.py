@@ -246,7 +246,12 @@ def _unobserved(rec, keep):
             return None
         return np.ndarray(v.shape, bool, buffer=c, offset=v.offset, strides=v.strides)
 
-    for op in rec.ops:
+    done = {}  # op index -> slots last used there, whose masks are dropped then (live memory, not the sum)
+    for k, i in rec.last_use.items():
+        done.setdefault(i, []).append(k)
+    for i, op in enumerate(rec.ops):
+        for k in done.get(i - 1, ()):
+            covered.pop(k, None)
         if op[0] == _ALLOC:
             if op[1] in sizes:
                 covered[op[1]] = np.zeros(sizes[op[1]], dtype=bool)
