@@ -11,8 +11,8 @@ whose data-dependent check fails (a PSUM accumulation the rules forbid, a non-id
 runs the instruction itself, which raises its own message.
 
 Forms left to the instruction itself (``compile_step`` returns None): strict mode (every read is checked against
-the written mask), integer and bit-vector arithmetic, tfloat32 destinations, double-row matmuls, and instructions
-without a compiled form. ``NKI_ATTN_SIM_REPLAY_FAST=0`` turns compiled steps off (every replayed step then calls
+the written mask), integer and bit-vector arithmetic, tfloat32 and bool destinations, double-row matmuls, and
+instructions without a compiled form. ``NKI_ATTN_SIM_REPLAY_FAST=0`` turns compiled steps off (every replayed step then calls
 its instruction).
 """
 import os
@@ -81,12 +81,23 @@ def _marker(dst, matmul=False):
 
 
 def _writer(dst):
-    """``isa._write(dst, vals)`` for float32 ``vals`` and a float (not tfloat32) ``dst``; None otherwise."""
-    if not _float_dst(dst):
-        return None
+    """``isa._write(dst, vals)`` for float32 ``vals`` and a float (not tfloat32) or integer ``dst``; None
+    otherwise."""
     arr = dst.np()
     store, shape = arr.dtype, arr.shape
     mark = _marker(dst)
+    if dst.dtype.kind == "int":
+        # isa._cast_for on float values: round half to even, NaN to 0, saturate
+        lo, hi = _dt.int_range(dst.dtype)
+
+        def write(vals):
+            r = np.rint(vals.astype(np.float64))
+            r[np.isnan(r)] = 0.0
+            arr[...] = np.clip(r, lo, hi).astype(store).reshape(shape)
+            mark()
+        return write
+    if not _float_dst(dst):
+        return None
 
     if store == _F32:
         def write(vals):  # float32 values into float32 storage: astype(copy=False) would return vals itself
@@ -457,15 +468,34 @@ def _range_select(a, generic, prog):
     low = _F32(_isa.FP32_MIN)
     acc, maximum, apply_acc = prog.vector_acc, _ops.maximum, _isa._apply_acc
     row_max = np.maximum.reduce  # what np.max calls, without its Python wrapper
-    c0, c1 = op0.binary, op1.binary
+    # (cmp(...) as float32) != 0 is the boolean comparison itself
+    c0, c1 = getattr(op0.binary, "compare", None), getattr(op1.binary, "compare", None)
+    if c0 is None or c1 is None:
+        return None
 
     def step():
-        keep = (c0(idx, b0()) != 0) & (c1(idx, b1()) != 0)
+        keep = c0(idx, b0()) & c1(idx, b1())
         y = np.where(keep, read(), low).astype(_F32, copy=False)
         write(y)
         apply_acc(acc, p, cmd, row_max(y, axis=1), maximum)
         if write_res is not None:
             write_res(acc[:p])
+    return step
+
+
+def _affine_select(a, generic, prog):
+    dst, on_true, cmp_op = a["dst"], a["on_true_tile"], a["cmp_op"]
+    write, read = _writer(dst), _operand(on_true)
+    if write is None:
+        return None
+    p, f = _isa._pf(dst)
+    # the instruction's mask, from its static arguments alone (isa.affine_select)
+    values = _isa._pattern_values("affine_select", a["pattern"], f, p, a["offset"], a["channel_multiplier"])
+    keep = cmp_op.binary(values.astype(np.float64), np.zeros(1)) != 0
+    off = _F32(a["on_false_value"])
+
+    def step():
+        write(np.where(keep, read(), off))
     return step
 
 
@@ -483,4 +513,5 @@ _BUILDERS = {
     "activation_reduce": _activation_reduce,
     "select_reduce": _select_reduce,
     "range_select": _range_select,
+    "affine_select": _affine_select,
 }

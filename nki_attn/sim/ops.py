@@ -65,7 +65,10 @@ class Op:
 
 
 def _cmp(fn):
-    return lambda a, b: fn(a, b).astype(_F32)
+    wrapped = lambda a, b: fn(a, b).astype(_F32)  # noqa: E731
+    # the boolean comparison itself, for compiled replay steps (nki_attn.sim.fast) that test the result != 0
+    wrapped.compare = fn
+    return wrapped
 
 
 def _sigmoid(x):

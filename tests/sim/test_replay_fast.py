@@ -42,8 +42,8 @@ def every_form(a, b, col, lo, hi, pred, ident):
     """a, b [32, 32] float32, col / lo / hi [32, 1] float32, pred [32, 32] uint8, ident the [32, 32] identity:
     each compiled instruction form once (dtype casts, PSUM operands, tensor and immediate scalars, reversed
     operands, accumulators, in-place writes, matmul accumulation), every result side by side in one output."""
-    out = nl.ndarray((32, 32 * 16), nl.float32, buffer=nl.shared_hbm)
-    res = nl.ndarray((32, 32 * 16), nl.float32, buffer=nl.sbuf)
+    out = nl.ndarray((32, 32 * 18), nl.float32, buffer=nl.shared_hbm)
+    res = nl.ndarray((32, 32 * 18), nl.float32, buffer=nl.sbuf)
     x = nl.ndarray((32, 32), nl.float32, buffer=nl.sbuf)
     y = nl.ndarray((32, 32), nl.float32, buffer=nl.sbuf)
     c = nl.ndarray((32, 1), nl.float32, buffer=nl.sbuf)
@@ -103,7 +103,16 @@ def every_form(a, b, col, lo, hi, pred, ident):
                        reduce_cmd=nisa.reduce_cmd.reset_reduce, reduce_res=cols[:, 4:5])
     nisa.range_select(dst=res[:, 480:512], on_true_tile=y, comp_op0=nl.greater_equal, comp_op1=nl.less,
                       bound0=c_lo, bound1=c_hi, reduce_res=cols[:, 5:6], range_start=0)
+    nisa.affine_select(dst=res[:, 512:544], pattern=[[-1, 32]], channel_multiplier=1, on_true_tile=x,
+                       on_false_value=-2.0, cmp_op=nl.greater_equal)
+    # integer destinations: rounding half to even, saturation, NaN to 0
+    i8 = nl.ndarray((32, 32), nl.int8, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=i8, data=x, op0=nl.multiply, operand0=60.0)
+    nisa.tensor_copy(dst=res[:, 544:576], src=i8)
+    m8 = nl.ndarray((32, 1), nl.uint8, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=m8, data=c, op0=nl.greater, operand0=0.0)
     nisa.memset(dst=cols[:, 6:8], value=0.0)
+    nisa.tensor_copy(dst=cols[:, 7:8], src=m8)
     nisa.tensor_tensor(dst=res[:, 0:8], data1=res[:, 0:8], data2=cols, op=nl.add)
     nisa.dma_copy(dst=out, src=res)
     return out
