@@ -239,12 +239,12 @@ def _nc_matmul(a, generic, prog):
                 if not mm.all():
                     return generic()  # raises, or (v4) accumulates onto a non-matmul write as the rules allow
                 res = arr.astype(_F32).reshape(prod.shape) + prod
+            elif not mm.any():  # nothing to accumulate onto (nor any element the v3 rule below could refuse)
+                res = prod
             else:
                 if v3 and (mm & otv.reshape(prod.shape)).any():
                     return generic()  # raises: accumulating onto a non-matmul write
-                if not mm.any():
-                    res = prod
-                elif mm.all():
+                if mm.all():
                     res = arr.astype(_F32).reshape(prod.shape) + prod
                 else:
                     res = np.where(mm, arr.astype(_F32).reshape(prod.shape) + prod, prod)
