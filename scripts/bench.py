@@ -9,7 +9,8 @@
     python scripts/bench.py blas-orders [--reuse DIR] [--write]      float32 rows under other CPUs' BLAS kernels
     python scripts/bench.py planted-bugs [--write]                   planted bugs against the tolerance rules
     python scripts/bench.py sim-speed [--seqlens 512,2048,8192] [--skip-kernels] [--skip-llama] [--matmul-tiles N]
-                                      [--torch-threads N] [--profile-llama F]   the simulator vs torch, wall clock
+                                      [--torch-threads N] [--profile-llama F] [--replay-loop N]
+                                      the simulator vs torch, wall clock and CPU
 
 Every device time printed is MODELED by nki_attn.profiler (the cost model over the simulator's instruction
 trace, docs/performance.md), never measured; wall-clock times are this machine's CPU running the simulator.
@@ -1082,6 +1083,57 @@ def _sim_speed_llama(repeats, profile=None):
     return n, s
 
 
+def _sim_speed_replay_loop(repeats):
+    """The programs the llama steps recorded, replayed on their own in a loop: CPU time per replay of each (best of
+    ``repeats``) and per instruction kind (each step timed alone, best of 30)."""
+    import collections
+
+    import numpy as np
+
+    from nki_attn.sim import context, replay
+    from nki_attn.sim import ops as sim_ops
+    progs = [(getattr(k[0], "__name__", "?"), p) for k, p in replay._PROGRAMS.items()]
+    print(f"\nreplay loop: the {len(progs)} recorded programs replayed outside the model (CPU time, best of "
+          f"{repeats})")
+    total = 0.0
+    for name, p in progs:
+        arrays = [np.array(t.np()) for t in p.args]
+        best = float("inf")
+        for _ in range(repeats):
+            c0 = time.process_time()
+            p.run(arrays)
+            best = min(best, time.process_time() - c0)
+        total += best
+        print(f"  {name}: {len(p.steps)} steps ({p.n_instr} instructions, "
+              f"{p.n_fast} compiled; {len(p.storages)} storages, {len(p.quiet)} never refilled; "
+              f"{p.bytes / 2**20:.2f} MiB): {best * 1e3:.3f} ms")
+    print(f"  all programs once: {total * 1e3:.3f} ms  load {_load():.1f}")
+    per = collections.defaultdict(float)
+    count = collections.Counter()
+    for _, p in progs:
+        core = context.current()
+        core.scalar_acc, core.vector_acc = p.scalar_acc, p.vector_acc
+        sim_ops.REPLAY.on = True
+        try:
+            with np.errstate(all="ignore"):
+                for step in p.steps:
+                    fn = getattr(step, "func", None)
+                    kind = getattr(fn, "__name__", None) or step.__qualname__.split(".")[0].strip("_") + \
+                        " (compiled)"
+                    best = float("inf")
+                    for _ in range(30):
+                        c0 = time.perf_counter()
+                        step()
+                        best = min(best, time.perf_counter() - c0)
+                    per[kind] += best
+                    count[kind] += 1
+        finally:
+            sim_ops.REPLAY.on = False
+    print(f"  per step kind, each step alone (wall, best of 30): {sum(per.values()) * 1e3:.3f} ms in all")
+    for kind, t in sorted(per.items(), key=lambda kv: -kv[1]):
+        print(f"    {kind:32s} {count[kind]:4d} x {t / count[kind] * 1e6:7.1f} us = {t * 1e6:7.0f} us")
+
+
 def args_sim_speed(p):
     p.add_argument("--seqlens", default="512,2048,8192", help="comma-separated sequence lengths (kernels)")
     p.add_argument("--heads", type=int, default=1)
@@ -1091,6 +1143,9 @@ def args_sim_speed(p):
     p.add_argument("--skip-llama", action="store_true")
     p.add_argument("--matmul-tiles", type=int, default=0, help="also run the matmul loop with this many tiles")
     p.add_argument("--profile-llama", metavar="F", help="cProfile nki_attn llama steps into F")
+    p.add_argument("--replay-loop", type=int, default=0, metavar="N",
+                   help="after the llama steps, replay their recorded programs alone, best of N (CPU per program, "
+                        "time per step kind)")
     p.add_argument("--torch-threads", type=int, default=None,
                    help="torch.set_num_threads (default: torch's own; the simulator runs numpy single-threaded)")
 
@@ -1112,6 +1167,8 @@ right after it, and each ratio is taken from figures of the same run, sides alte
    steady one (replays), wall clock and the process's CPU time (which a loaded machine distorts less: a long
    step is preempted more often than a short one), each ratio with PASS / FAIL against the target (3x) and
    whether it keeps the 2.5x margin.
+   With --replay-loop N, the programs those steps recorded are then replayed alone: CPU time per program (best of
+   N) and per step kind (compiled steps, instructions, refills).
 3. matmul-loop (--matmul-tiles N): the per-instruction overhead of the simulator, N x (128x128x512 bf16
    nc_matmul + one exp activation) simulated vs the same arithmetic in plain numpy.
 """
@@ -1128,6 +1185,8 @@ right after it, and each ratio is taken from figures of the same run, sides alte
         _sim_speed_kernels([int(s) for s in a.seqlens.split(",") if s], a.heads, a.head_dim, a.repeats)
     if not a.skip_llama:
         _sim_speed_llama(a.repeats, a.profile_llama)
+        if a.replay_loop:
+            _sim_speed_replay_loop(a.replay_loop)
     if a.matmul_tiles:
         _sim_speed_matmul_loop(a.matmul_tiles, a.repeats)
     return 0
