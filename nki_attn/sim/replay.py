@@ -7,8 +7,10 @@ body and records, in order, every storage it allocates and every ``nki.isa`` ins
 operands. A later launch with the same signature does not run the kernel body: it copies the new argument data
 into the recorded storages and executes the recorded instructions again. The instructions are the same functions
 as in a traced launch, so every check that depends on data (uninitialised reads in strict mode, PSUM accumulation
-history, NaN sentinels of fresh storage) runs in the replay too; each recorded allocation refills its storage with
-the sentinel at its place in the stream, as a fresh allocation would. What depends only on the signature (the
+history, NaN sentinels of fresh storage) runs in the replay too; each recorded allocation that an instruction could
+read before writing refills its storage with the sentinel at its place in the stream, as a fresh allocation would
+(the others are never read unwritten, so their refill is skipped). Instructions run as compiled steps
+(nki_attn.sim.fast) where they have a compiled form. What depends only on the signature (the
 frontend's gathering, the tracing rules, capacity) was checked by the traced launch; the frontend's launch checks
 (argument values, module globals) still run at every call.
 
