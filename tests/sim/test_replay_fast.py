@@ -1,6 +1,9 @@
 """The replay's compiled steps (nki_attn.sim.fast) and its refill analysis (nki_attn.sim.replay): a compiled
 program gives bit-for-bit what tracing gives and what replaying through the instructions themselves gives, keeps
-the data-dependent checks, and refills exactly the allocations whose fresh contents a replay can read."""
+the data-dependent checks, and refills exactly the allocations whose fresh contents a replay can read; the
+frontend's launch check of module globals (identity first, then content) still refuses a changed global."""
+import sys
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -251,3 +254,39 @@ def test_strict_mode_replays_through_the_instructions():
             partly_then_fully_written(x[0][:8, :8])
     strict = [p for p in _programs() if p.strict]
     assert len(strict) == 1 and strict[0].replays == 1 and strict[0].n_fast == 0 and not strict[0].quiet
+
+
+SCALE = 2.0
+TABLE = {"scale": 2.0}
+
+
+@sim.jit
+def reads_globals(a):
+    """a * SCALE * TABLE["scale"]: a global whose value fixes its content and one whose content can change."""
+    out = nl.ndarray((8, 8), nl.float32, buffer=nl.shared_hbm)
+    t = nl.ndarray((8, 8), nl.float32, buffer=nl.sbuf)
+    nisa.dma_copy(dst=t, src=a)
+    nisa.tensor_scalar(dst=t, data=t, op0=nl.multiply, operand0=SCALE, op1=nl.multiply, operand1=TABLE["scale"])
+    nisa.dma_copy(dst=out, src=t)
+    return out
+
+
+def test_the_launch_check_of_globals_tests_identity_then_content(monkeypatch):
+    """Globals bound to values that fix their content are checked by identity, the others by content, at every
+    launch (replayed or not)."""
+    from nki_attn.sim import frontend
+    a = np.ones((8, 8), dtype=np.float32)
+    np.testing.assert_array_equal(reads_globals(a), 4 * a)
+    np.testing.assert_array_equal(reads_globals(a), 4 * a)
+    g = frontend.gather(reads_globals)
+    assert [name for _, name, _ in g.identity if name == "SCALE"] and [r.label for r, _ in g.others] == ["TABLE"]
+    monkeypatch.setitem(TABLE, "scale", 3.0)                   # same dict, new content
+    with pytest.raises(sim.NkiValidationError, match="TABLE was"):
+        reads_globals(a)
+    monkeypatch.setitem(TABLE, "scale", 2.0)
+    monkeypatch.setattr(sys.modules[__name__], "SCALE", 5.0)   # a new object
+    with pytest.raises(sim.NkiValidationError, match="SCALE was 2.0 at the first call"):
+        reads_globals(a)
+    monkeypatch.setattr(sys.modules[__name__], "SCALE", 2.0)
+    np.testing.assert_array_equal(reads_globals(a), 4 * a)
+    assert _programs()[0].replays == 2
