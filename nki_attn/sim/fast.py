@@ -184,8 +184,8 @@ def _tensor_copy(a, generic, prog):
         shape = d.shape
 
         def step():
-            vals = np.array(s).reshape(p, f)
-            d[...] = vals.reshape(shape)
+            # the instruction copies src first; numpy's assignment copies by itself where dst overlaps src
+            d[...] = s.reshape(p, f).reshape(shape)
             mark()
             poison()
         return step

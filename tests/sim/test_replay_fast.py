@@ -89,6 +89,7 @@ def every_form(a, b, col, lo, hi, pred, ident):
     nisa.activation(dst=z, op=nl.copy, data=z, reduce_cmd=nisa.reduce_cmd.reduce, reduce_res=cols[:, 2:3])
     nisa.activation_reduce(dst=res[:, 288:320], op=nl.exp, data=y, reduce_op=nl.add, reduce_res=cols[:, 3:4])
     nisa.nc_transpose(dst=z, data=z)                          # in place (VectorE)
+    nisa.tensor_copy(dst=z[:, 1:32], src=z[:, 0:31])           # overlapping source and destination
     # transposes on VectorE and TensorE, a transpose by matmul, a bfloat16 matmul overwriting (accumulate=False)
     nisa.nc_transpose(dst=res[:, 320:352], data=x)
     tp = nl.ndarray((32, 32), nl.float32, buffer=nl.psum)
