@@ -1067,8 +1067,8 @@ def _sim_speed_llama(repeats, profile=None):
           f"(first step {first[name][0] * 1e3:.1f} ms, load {first[name][1]:.1f}: {first[name][0] / n:.1f}x the "
           f"steady step)")
     print(f"  ratio nki_attn / sdpa: {n / s:.2f}x wall, {nc / sc:.2f}x CPU (load {lo:.1f}-{hi:.1f} during the steps)")
-    print(f"  target <= {LLAMA_TARGET:g}x, aim <= {LLAMA_MARGIN:g}x: wall {_verdict(n / s, LLAMA_TARGET, LLAMA_MARGIN)}; "
-          f"CPU {_verdict(nc / sc, LLAMA_TARGET, LLAMA_MARGIN)}")
+    print(f"  target <= {LLAMA_TARGET:g}x, aim <= {LLAMA_MARGIN:g}x: wall "
+          f"{_verdict(n / s, LLAMA_TARGET, LLAMA_MARGIN)}; CPU {_verdict(nc / sc, LLAMA_TARGET, LLAMA_MARGIN)}")
     if profile:
         import cProfile
         import pstats

@@ -12,8 +12,8 @@ runs the instruction itself, which raises its own message.
 
 Forms left to the instruction itself (``compile_step`` returns None): strict mode (every read is checked against
 the written mask), integer and bit-vector arithmetic, tfloat32 and bool destinations, double-row matmuls, and
-instructions without a compiled form. ``NKI_ATTN_SIM_REPLAY_FAST=0`` turns compiled steps off (every replayed step then calls
-its instruction).
+instructions without a compiled form. ``NKI_ATTN_SIM_REPLAY_FAST=0`` turns compiled steps off (every replayed step
+then calls its instruction).
 """
 import os
 
