@@ -163,15 +163,20 @@ VARIANTS = [
 ]
 
 
-@pytest.mark.parametrize("kw", VARIANTS, ids=["causal", "window-softcap-scale", "dropout", "alibi"])
+BIAS = {"use_causal_mask": True,
+        "attn_bias": np.random.default_rng(6).standard_normal((1, 2, 128, 128)).astype(np.float32)}
+
+
+@pytest.mark.parametrize("kw", VARIANTS + [BIAS], ids=["causal", "window-softcap-scale", "dropout", "alibi", "bias"])
 def test_the_attention_kernels_compiled_give_the_instructions_bits(kw, monkeypatch):
     rng = np.random.default_rng(5)
     x = {n: rng.standard_normal((1, 2 if n in "qo" else 1, 32, 128)).astype(np.float32).astype(BF16)
          for n in ("q", "k", "v", "o")}
+    bwd_kw = dict(kw, bias_grad=True) if "attn_bias" in kw else kw
 
     def run():
         o, lse = attention_fwd(x["q"], x["k"], x["v"], **kw)
-        return (o, lse) + tuple(attention_bwd(x["q"], x["k"], x["v"], o, x["o"], lse, **kw))
+        return (o, lse) + tuple(attention_bwd(x["q"], x["k"], x["v"], o, x["o"], lse, **bwd_kw))
 
     run()
     fast = run()
