@@ -1462,26 +1462,19 @@ ROUNDINGS = {
     "dq_part": "dQ partial sums rounded to bf16 between K/V sections",
     "d_o32": "D = rowsum(dO o O) from the float32 O before its rounding",
 }
-STEPS_ROWS = (
-    ("out",),
-    ("out", "p_mm"),
-    ("out", "p_mm", "d_o16"),
-    ("out", "p_mm", "d_o16", "ds"),
-    ("out", "p_mm", "d_o16", "ds", "p_ds"),
-    ("out", "p_mm", "d_o16", "ds", "p_ds", "dq_part"),
-    ("out", "ds"),
-    ("out", "d_o16"),
-    ("out", "p_ds"),
-    ("out", "p_mm", "ds"),
-    ("out", "p_mm", "d_o32", "ds"),
+STEPS_ROWS = (  # (roundings, what the row is): cumulative in a flash backward's order, then each one alone
+    (("out",), "the comparator's own roundings"),
+    (("out", "p_mm"), "adds P's"),
+    (("out", "p_mm", "d_o16"), "adds D's"),
+    (("out", "p_mm", "d_o16", "ds"), "adds dS's: FlashAttention-2's roundings (ours, mixed_precision=True)"),
+    (("out", "p_mm", "d_o16", "ds", "p_ds"), "adds dS from the bf16 P: ours, mixed_precision=False"),
+    (("out", "p_mm", "d_o16", "ds", "p_ds", "dq_part"), "adds bf16 dQ partial sums: the same, several sections"),
+    (("out", "ds"), "dS's alone"),
+    (("out", "d_o16"), "D's alone"),
+    (("out", "p_ds"), "dS from the bf16 P alone"),
+    (("out", "p_mm", "ds"), "FlashAttention-2's with D exact (sum_j P dP)"),
+    (("out", "p_mm", "d_o32", "ds"), "FlashAttention-2's with D from the float32 O"),
 )
-STEPS_LABELS = {
-    ("out", "p_mm", "d_o16", "ds"): "FlashAttention-2's roundings = ours, mixed_precision=True",
-    ("out", "p_mm", "d_o16", "ds", "p_ds"): "ours, mixed_precision=False, one K/V section",
-    ("out", "p_mm", "d_o16", "ds", "p_ds", "dq_part"): "ours, mixed_precision=False, several K/V sections",
-    ("out", "p_mm", "ds"): "FlashAttention-2's with D exact (sum_j P dP)",
-    ("out", "p_mm", "d_o32", "ds"): "FlashAttention-2's with D from the float32 O",
-}
 
 
 def _acc_model(q, k, v, dy, scale, causal, rounds, sections=1):
@@ -1557,38 +1550,34 @@ def run_accuracy_steps(a):
         ref = _acc_torch(q, k, v, dy, scale, causal, torch.float64)
         floor = [_rel_fro(t, r) for t, r in zip(_acc_torch(q, k, v, dy, scale, causal, torch.bfloat16), ref)]
         res = {}
-        for rounds in STEPS_ROWS:
+        for rounds, what in STEPS_ROWS:
             got = _acc_model(q, k, v, dy, scale, causal, set(rounds), sections=sections)
-            res["model: " + " + ".join(rounds)] = [_rel_fro(g, r) / f for g, r, f in zip(got, ref, floor)]
+            res[("model", " + ".join(rounds), what)] = [_rel_fro(g, r) / f for g, r, f in zip(got, ref, floor)]
         o, lse = attention_fwd(q, k, v, use_causal_mask=causal, softmax_scale=scale, mixed_precision=True)
         for label, kw in (("mixed_precision=True", dict(mixed_precision=True)),
                           ("mixed_precision=False", dict(mixed_precision=False)),
                           (f"mixed_precision=False, k_section_len={a.k_section_len}",
                            dict(mixed_precision=False, k_section_len=a.k_section_len))):
             got = (o, *attention_bwd(q, k, v, o, dy, lse, use_causal_mask=causal, softmax_scale=scale, **kw)[:3])
-            res["kernel: " + label] = [_rel_fro(g, r) / f for g, r, f in zip(got, ref, floor)]
-        res["torch f32 error (the unit)"] = floor
+            res[("kernel", label, "")] = [_rel_fro(g, r) / f for g, r, f in zip(got, ref, floor)]
+        res[("torch f32", "", "the unit: its relative error")] = floor
         table[causal] = res
         print(f"causal={causal}: {time.time() - t0:.0f} s wall", file=sys.stderr)
     lines = [f"d_head {d}, {a.heads} heads x {n} tokens, scale 1/sqrt({d}), bf16; each output's relative "
-             "Frobenius error against float64 / torch f32's (the last row); model rows: the roundings present "
-             f"(several K/V sections: {sections} of {a.k_section_len} keys).", "",
-             "| roundings (model) or run (kernel) | what | non-causal o / dq / dk / dv | causal o / dq / dk / dv |",
-             "|---|---|---|---|"]
+             "Frobenius error against float64 / the comparator's (torch f32, last row). Model roundings: "
+             + "; ".join(f"`{k}` {v}" for k, v in ROUNDINGS.items())
+             + f" (several K/V sections: {sections} of {a.k_section_len} keys).", "",
+             "| | roundings or run | what | non-causal o / dq / dk / dv | causal o / dq / dk / dv |",
+             "|---|---|---|---|---|"]
     for key in table[False]:
-        if key.startswith("model: "):
-            rounds = tuple(key[len("model: "):].split(" + "))
-            what = STEPS_LABELS.get(rounds, ROUNDINGS[rounds[-1]] if len(rounds) > 1 else ROUNDINGS["out"])
-            name = "+ ".join(rounds)
-        else:
-            what, name = "", key
-        fmt = "{:.2e}" if key.startswith("torch") else "{:.3f}"
-        lines.append(f"| {name} | {what} | " + " / ".join(fmt.format(x) for x in table[False][key]) + " | "
+        fmt = "{:.2e}" if key[0] == "torch f32" else "{:.3f}"
+        lines.append(f"| {key[0]} | {key[1]} | {key[2]} | "
+                     + " / ".join(fmt.format(x) for x in table[False][key]) + " | "
                      + " / ".join(fmt.format(x) for x in table[True][key]) + " |")
     text = "\n".join(lines)
     print(text)
     if a.write:
-        _write("validation.md", "figures.py accuracy-steps", text)
+        _write("validation.md", "accuracy-steps", text)
     return 0
 
 
