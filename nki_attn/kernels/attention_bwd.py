@@ -904,20 +904,23 @@ def _softmax_bwd(c, item, steps, tile, dy_m, vs, kk):
 
 
 def _whole_row(c, i):
-    """True when every key query tile ``i`` sees lies in ONE visit (one key tile of one section: with a causal
-    mask the first 512 rows), so that visit has all of the row's P and dP. Not with dropout, whose D is summed
+    """True when every key query tile ``i`` sees lies in ONE 128-key chunk of one visit (with a causal mask: the
+    first 128 rows), so that visit has all of the row's P and dP. Rows with more keys keep D = rowsum(O * dO):
+    D's rounding weighs on a row's dq in proportion to 1 / (its keys), so the first chunk's rows carry nearly all
+    of it, at a tenth of the VectorE time the first 512 rows would take. Not with dropout, whose D is summed
     over the dropped P."""
     s = c.first_sec[i]
-    return not c.dropout and c.last_sec[i] == s and len(c.tiles[s][i]) == 1
+    if c.dropout or c.last_sec[i] != s or len(c.tiles[s][i]) != 1:
+        return False
+    return c.tiles[s][i][0].k1 - c.tiles[s][i][0].k0 == PMAX
 
 
 def _row_dsum(tile, dp, p):
     """D = sum_j P_ij dP_ij over the visit's keys, all of the row's (``_whole_row``): the fp32 P and dP the
     visit's dS is made of (two VectorE instructions, fp32). It equals rowsum(O * dO) in exact arithmetic, but
     the O the forward wrote is rounded to the input dtype, and a row with few keys has a small dS next to that
-    rounding: with a causal mask, D from the bf16 O is most of the backward's excess error over FlashAttention-2's
-    float32 path beyond dS's rounding (docs/validation.md "Where the backward's error comes from"), and nearly
-    all of it comes from the rows of the first key tile."""
+    rounding: with a causal mask, D from the bf16 O adds up to a tenth to dq's and dk's error, nearly all of it
+    from the first rows (docs/validation.md "Where the backward's error comes from")."""
     prod = nl.ndarray((PMAX, tile.kw), dtype=nl.float32, buffer=nl.sbuf)
     nisa.tensor_tensor(dst=prod, data1=dp, data2=p, op=nl.multiply)
     d = nl.ndarray((PMAX, 1), dtype=nl.float32, buffer=nl.sbuf)
