@@ -1459,6 +1459,7 @@ ROUNDINGS = {
     "out": "o, dq, dk, dv rounded to bf16 once (any bf16-output implementation; torch f32 itself)",
     "p_mm": "P rounded to bf16 as a matmul operand: exp(s - m) for PV (forward), exp(s - LSE) for dV",
     "d_o16": "D = rowsum(dO o O) from the bf16 O the forward wrote",
+    "d_ours": "D as d_o16, but exact (sum_j P dP) on rows whose keys fit one 128-key chunk (attention_bwd)",
     "ds": "dS rounded to bf16 as the dK, dQ matmul operand",
     "p_ds": "dS computed from the bf16 P instead of the float32 P",
     "dq_part": "dQ partial sums rounded to bf16 between K/V sections",
@@ -1468,9 +1469,10 @@ STEPS_ROWS = (  # (roundings, what the row is): cumulative in a flash backward's
     (("out",), "the comparator's own roundings"),
     (("out", "p_mm"), "adds P's"),
     (("out", "p_mm", "d_o16"), "adds D's"),
-    (("out", "p_mm", "d_o16", "ds"), "adds dS's: FlashAttention-2's roundings (ours, mixed_precision=True)"),
-    (("out", "p_mm", "d_o16", "ds", "p_ds"), "adds dS from the bf16 P: ours, mixed_precision=False"),
-    (("out", "p_mm", "d_o16", "ds", "p_ds", "dq_part"), "adds bf16 dQ partial sums: the same, several sections"),
+    (("out", "p_mm", "d_o16", "ds"), "adds dS's: FlashAttention-2's roundings"),
+    (("out", "p_mm", "d_ours", "ds"), "ours, mixed_precision=True: D exact on the rows of one 128-key chunk"),
+    (("out", "p_mm", "d_ours", "ds", "p_ds"), "adds dS from the bf16 P: ours, mixed_precision=False"),
+    (("out", "p_mm", "d_ours", "ds", "p_ds", "dq_part"), "adds bf16 dQ partial sums: the same, several sections"),
     (("out", "ds"), "dS's alone"),
     (("out", "d_o16"), "D's alone"),
     (("out", "p_ds"), "dS from the bf16 P alone"),
@@ -1492,6 +1494,9 @@ def _acc_model(q, k, v, dy, scale, causal, rounds, sections=1):
     def r(name, x):
         return bf(x) if name in rounds else x
     q, k, v, dy = (x.transpose(-1, -2).double() for x in (q, k, v, dy))
+    # the last key each 128-row query tile sees (causal: bottom-right aligned, seqlen_q == seqlen_k)
+    rows = torch.arange(q.shape[-2])
+    last_key = rows // 128 * 128 + 127 if causal else torch.full_like(rows, k.shape[-2] - 1)
     s = scale * (q @ k.transpose(-1, -2))
     if causal:
         n, m = s.shape[-2:]
@@ -1505,6 +1510,9 @@ def _acc_model(q, k, v, dy, scale, causal, rounds, sections=1):
     dp = dy @ v.transpose(-1, -2)
     if "d_o16" in rounds:
         dsum = (dy * o).sum(-1, keepdim=True)
+    elif "d_ours" in rounds:
+        one_chunk = (last_key < 128)[:, None]
+        dsum = torch.where(one_chunk, (p * dp).sum(-1, keepdim=True), (dy * o).sum(-1, keepdim=True))
     elif "d_o32" in rounds:
         dsum = (dy * o32).sum(-1, keepdim=True)
     else:
@@ -1513,9 +1521,7 @@ def _acc_model(q, k, v, dy, scale, causal, rounds, sections=1):
     dv = r("p_mm", p).transpose(-1, -2) @ dy
     dk = scale * (ds.transpose(-1, -2) @ q)
     w = k.shape[-2] // sections
-    # a 128-row query tile's partial sum leaves the chip only before a section it still sees a key in (causal:
-    # keys up to its last row, bottom-right aligned with seqlen_q == seqlen_k)
-    last_key = torch.arange(q.shape[-2]) // 128 * 128 + 127 if causal else torch.full((q.shape[-2],), k.shape[-2])
+    # a 128-row query tile's partial sum leaves the chip only before a section it still sees a key in
     dq = torch.zeros_like(q)
     for i in range(sections):
         dq = dq + ds[..., i * w:(i + 1) * w] @ k[..., i * w:(i + 1) * w, :]

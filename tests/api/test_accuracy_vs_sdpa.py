@@ -9,6 +9,7 @@ bf16-rounded inputs.
 """
 import math
 
+import pytest
 import torch
 
 import nki_attn
@@ -25,36 +26,38 @@ def _grads(fn, q, k, v, dy, dtype):
     return [t.detach().double() for t in (o, *(x.grad for x in leaves))]
 
 
-def _sdpa_math(q, k, v):
-    return torch.ops.aten._scaled_dot_product_attention_math(q, k, v, None, 0.0, False, scale=SCALE)[0]
-
-
-def test_backward_is_within_one_rounding_of_torch_sdpa_math():
+@pytest.mark.parametrize("causal", [False, True])
+def test_backward_is_within_one_rounding_of_torch_sdpa_math(causal):
     # FlashAttention-2's backward, and ours through the PyTorch API (mixed_precision=True in both kernels), round
     # to bf16 where torch's float32 path does not: P as the PV and dV operand and dS as the dK and dQ operand.
     # For dq = scale dS K and dk = scale dS^T Q the only extra rounding is dS's: each element's relative
     # rounding error has the same rms (2^-8 / sqrt(12) times the mantissa factor) as that of the output's
     # elements, both spread smoothly over several binades, and the sum over keys (or queries) adds them with
     # random signs, so their relative contribution to the Frobenius norm equals the output rounding's: the
-    # expected ratio to the comparator is sqrt(2) (D from the bf16 o adds 1/seqlen of that, non-causal). The
-    # float64 rounding model of docs/validation.md gives 1.42-1.43 at this head dim. Sampling: the ratio of two
+    # expected ratio to the comparator is sqrt(2). (D from the bf16 o adds a share that falls as 1 / (a row's
+    # keys): nothing without a mask; with a causal mask the backward sums D exactly on the rows of the first
+    # 128-key chunk, which carry nearly all of it, tests/kernels/test_bwd_exact_d.py.) The
+    # float64 rounding model of docs/validation.md gives 1.41-1.43 at this head dim. Sampling: the ratio of two
     # root-mean-squares over n = heads * seqlen rows (rows counted as independent) spreads by 1/sqrt(n); three
     # of those. Bound sqrt(2) (1 + 3 / sqrt(1024)) = 1.547. A backward that also computed dS from the bf16 P
-    # (the kernel's own mixed_precision=False) measures 1.72-1.77 and fails, as would any further rounding of
+    # (the kernel's own mixed_precision=False) measures 1.69-1.77 and fails, as would any further rounding of
     # dS or a bf16 partial sum of dq or dk. o = P V / l and dv = P^T dO have P's rounding as their one extra, by
     # the same argument: the same bound.
     h, s = 4, 256
     g = torch.Generator().manual_seed(3)
     q, k, v, dy = (torch.randn(1, h, s, D, generator=g, dtype=torch.float64).bfloat16() for _ in range(4))
-    ref = _grads(lambda *x: torch.softmax(SCALE * x[0] @ x[1].transpose(-1, -2), dim=-1) @ x[2],
-                 q, k, v, dy, torch.float64)
+
+    def sdpa_math(*x):
+        return torch.ops.aten._scaled_dot_product_attention_math(*x, None, 0.0, causal, scale=SCALE)[0]
+    ref = _grads(sdpa_math, q, k, v, dy, torch.float64)
     was = torch.backends.cuda.fp16_bf16_reduction_math_sdp_allowed()
     torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(False)
     try:
-        torch_f32 = _grads(_sdpa_math, q, k, v, dy, torch.bfloat16)
+        torch_f32 = _grads(sdpa_math, q, k, v, dy, torch.bfloat16)
     finally:
         torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(was)
-    ours = _grads(lambda *x: nki_attn.scaled_dot_product_attention(*x, scale=SCALE), q, k, v, dy, torch.bfloat16)
+    ours = _grads(lambda *x: nki_attn.scaled_dot_product_attention(*x, is_causal=causal, scale=SCALE),
+                  q, k, v, dy, torch.bfloat16)
 
     def rel(t, r):
         return float((t - r).norm() / r.norm())
