@@ -905,10 +905,10 @@ def _softmax_bwd(c, item, steps, tile, dy_m, vs, kk):
 
 def _whole_row(c, i):
     """True when every key query tile ``i`` sees lies in ONE 128-key chunk of one visit (with a causal mask: the
-    first 128 rows), so that visit has all of the row's P and dP. Rows with more keys keep D = rowsum(O * dO):
-    D's rounding weighs on a row's dq in proportion to 1 / (its keys), so the first chunk's rows carry nearly all
-    of it, at a tenth of the VectorE time the first 512 rows would take. Not with dropout, whose D is summed
-    over the dropped P."""
+    first 128 rows; without one: seqlen_k 128), so that visit has all of the row's P and dP. Rows with more keys
+    keep D = rowsum(O * dO): the error D's rounding puts into a row's dq falls as 1 / (its keys) while the dq
+    falls as 1 / sqrt(its keys), so the first chunk's rows carry nearly all of it, at a tenth of the VectorE
+    time the first 512 rows would take. Not with dropout, whose D is summed over the dropped P."""
     s = c.first_sec[i]
     if c.dropout or c.last_sec[i] != s or len(c.tiles[s][i]) != 1:
         return False
@@ -916,8 +916,9 @@ def _whole_row(c, i):
 
 
 def _row_dsum(tile, dp, p):
-    """D = sum_j P_ij dP_ij over the visit's keys, all of the row's (``_whole_row``): the fp32 P and dP the
-    visit's dS is made of (two VectorE instructions, fp32). It equals rowsum(O * dO) in exact arithmetic, but
+    """D = sum_j P_ij dP_ij ``[128, 1]`` fp32 over the visit's keys, all of the row's (``_whole_row``): the P
+    ``[128, kw]`` (fp32 with mixed precision) and the fp32 dP (PSUM) the visit's dS is made of, two VectorE
+    instructions. It equals rowsum(O * dO) in exact arithmetic, but
     the O the forward wrote is rounded to the input dtype, and a row with few keys has a small dS next to that
     rounding: with a causal mask, D from the bf16 O adds up to a tenth to dq's and dk's error, nearly all of it
     from the first rows (docs/validation.md "Where the backward's error comes from")."""
