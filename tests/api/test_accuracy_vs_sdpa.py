@@ -40,7 +40,7 @@ def test_backward_is_within_one_rounding_of_torch_sdpa_math(causal):
     # float64 rounding model of docs/validation.md gives 1.41-1.43 at this head dim. Sampling: the ratio of two
     # root-mean-squares over n = heads * seqlen rows (rows counted as independent) spreads by 1/sqrt(n); three
     # of those. Bound sqrt(2) (1 + 3 / sqrt(1024)) = 1.547. A backward that also computed dS from the bf16 P
-    # (the kernel's own mixed_precision=False) measures 1.69-1.77 and fails, as would any further rounding of
+    # (the kernel's own mixed_precision=False) measures 1.67-1.76 and fails, as would any further rounding of
     # dS or a bf16 partial sum of dq or dk. o = P V / l and dv = P^T dO have P's rounding as their one extra, by
     # the same argument: the same bound.
     h, s = 4, 256
