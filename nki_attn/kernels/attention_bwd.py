@@ -996,11 +996,40 @@ def _recompute_p(c, item, steps, tile, q_m, ks, kk, nlse_col):
 
 def _softmax_bwd(c, item, steps, tile, dy_m, vs, kk):
     """Steps 3.2 + 4: dP = dO V^T in PSUM, then dS = (dP - D) * P by the dS step (ONE fused op without
-    dropout)."""
+    dropout); D summed from this visit instead when it sees the whole row (``tile.saved["p_row"]``,
+    ``_row_dsum``)."""
     dp_ps = nl.ndarray((PMAX, tile.kw), dtype=nl.float32, buffer=nl.psum)
     for dt in range(len(c.v_rows)):
         nisa.nc_matmul(dst=dp_ps, stationary=dy_m[dt], moving=vs[dt][:, kk:kk + tile.kw], accumulate=dt > 0)
+    if tile.saved["p_row"] is not None:
+        tile.d_col = _row_dsum(tile, dp_ps, tile.saved["p_row"])
     return steps.ds(c, tile, item, dp_ps)
+
+
+def _whole_row(c, i):
+    """True when every key query tile ``i`` sees lies in ONE 128-key chunk of one visit (with a causal mask: the
+    first 128 rows; without one: seqlen_k 128), so that visit has all of the row's P and dP. Rows with more keys
+    keep D = rowsum(O * dO): the error D's rounding puts into a row's dq falls as 1 / (its keys) while the dq
+    falls as 1 / sqrt(its keys), so the first chunk's rows carry nearly all of it, at a tenth of the VectorE
+    time the first 512 rows would take. Not with dropout, whose D is summed over the dropped P."""
+    s = c.first_sec[i]
+    if c.dropout or c.last_sec[i] != s or len(c.tiles[s][i]) != 1:
+        return False
+    return c.tiles[s][i][0].k1 - c.tiles[s][i][0].k0 == PMAX
+
+
+def _row_dsum(tile, dp, p):
+    """D = sum_j P_ij dP_ij ``[128, 1]`` fp32 over the visit's keys, all of the row's (``_whole_row``): the P
+    ``[128, kw]`` (fp32 with mixed precision) and the fp32 dP (PSUM) the visit's dS is made of, two VectorE
+    instructions. It equals rowsum(O * dO) in exact arithmetic, but
+    the O the forward wrote is rounded to the input dtype, and a row with few keys has a small dS next to that
+    rounding: with a causal mask, D from the bf16 O adds up to a tenth to dq's and dk's error, nearly all of it
+    from the first rows (docs/validation.md "Where the backward's error comes from")."""
+    prod = nl.ndarray((PMAX, tile.kw), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_tensor(dst=prod, data1=dp, data2=p, op=nl.multiply)
+    d = nl.ndarray((PMAX, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_reduce(dst=d, op=nl.add, data=prod, axis=1)
+    return d
 
 
 def _dv_dk(c, v, dyT, qT, p_mm, ds, dv_ps, dk_ps):
@@ -1060,6 +1089,7 @@ def _visit(c, item, steps, sec, grp, blk, mem, v, gps):
                 rows=mem.rows, d_col=item.dsum[:, g, i:i + 1])
     kk = v.k0 - sec.k_lo
     p = _recompute_p(c, item, steps, tile, mem.q, sec.ks, kk, item.neg_lse[:, g, i:i + 1])
+    tile.saved["p_row"] = p if _whole_row(c, i) else None
     tile.saved["p_ds"] = run_steps(c, steps.grad, tile, item, p)
     p_mm = _cast_p(c, run_steps(c, steps.prob, tile, item, p))
     ds = _softmax_bwd(c, item, steps, tile, mem.dy, sec.vs, kk)
