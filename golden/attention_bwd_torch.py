@@ -40,6 +40,9 @@ Formulas (``P`` includes the sink columns, last)
   ``dQ = scale * dS_keys . K``; ``dK = scale * dS_keys^T . Q`` (i.e.
   ``dS^T . (Q * scale)``);
 * ``dK``/``dV`` of a kv head sum over all query heads that read it (GQA/MQA);
+* logit scale ``lam = logit_scale[b, h]``: ``dS_keys *= lam`` on the way to
+  dQ and dK, and ``dlogit_scale[b, h] = sum_ij dS_keys * S0`` (``dS_keys``
+  after the soft-cap factor, ``S0`` the scaled score before the logit scale);
 * ``dsinks[b, h, n] = sum_i dS[b, h, i, seqlen_k + n]`` (sinks are not
   scaled, so no scale factor), which equals ``-sum_i P_sink[i] * D_i`` with
   ``D_i = sum_d O * dO``;
@@ -104,7 +107,8 @@ def softmax_dx(dy: torch.Tensor, y: torch.Tensor, dim: int,
 
 def _validate_bwd(q, k, v, o, dy, lse, sinks, bound_min, bound_max, use_causal_mask,
                   mixed_precision, softmax_scale, sliding_window, softcap=0.0, alibi_slopes=None,
-                  window_size=None, dropout_p=0.0, dropout_seed=None, dropout_mask=None) -> dict:
+                  window_size=None, dropout_p=0.0, dropout_seed=None, dropout_mask=None,
+                  logit_scale=None) -> dict:
     """The single validation entry point of this module."""
     fn = "attention_bwd_torch_ref"
     # The q/k/v/mask/sink rules are the forward's; only the names differ.
@@ -114,7 +118,8 @@ def _validate_bwd(q, k, v, o, dy, lse, sinks, bound_min, bound_max, use_causal_m
                       use_causal_mask=use_causal_mask, mixed_precision=mixed_precision,
                       softmax_scale=softmax_scale, sliding_window=sliding_window,
                       softcap=softcap, alibi_slopes=alibi_slopes, window_size=window_size,
-                      dropout_p=dropout_p, dropout_seed=dropout_seed, dropout_mask=dropout_mask)
+                      dropout_p=dropout_p, dropout_seed=dropout_seed, dropout_mask=dropout_mask,
+                      logit_scale=logit_scale)
     # o and dy are [bs, nheads, d_v, seqlen_q]: q's shape unless d_v != d_qk.
     o_shape = None
     if a["d_v"] != a["d_head"]:
@@ -146,7 +151,8 @@ def attention_bwd_torch_ref(q_ref: torch.Tensor, k_ref: torch.Tensor, v_ref: tor
                             window_size: Optional[Tuple[int, int]] = None,
                             dropout_p: float = 0.0,
                             dropout_seed=None,
-                            dropout_mask: Optional[torch.Tensor] = None) -> Dict[str, torch.Tensor]:
+                            dropout_mask: Optional[torch.Tensor] = None,
+                            logit_scale: Optional[torch.Tensor] = None) -> Dict[str, torch.Tensor]:
     """Reference with the backward kernel's signature.
 
     Args:
@@ -163,13 +169,15 @@ def attention_bwd_torch_ref(q_ref: torch.Tensor, k_ref: torch.Tensor, v_ref: tor
             alibi_slopes, window_size, dropout_p, dropout_seed, dropout_mask: as
             in the forward (defaults are the backward kernel's); the dropout
             keep mask is the forward's (same seed, same mask).
+        logit_scale: optional float32 ``[bs, nheads]``, as in the forward.
 
     Returns:
         dict with ``out_dq_ref`` ``[bs, nheads, d_qk, seqlen_q]``,
         ``out_dk_ref`` ``[bs, nheads_kv, d_qk, seqlen_k]`` and ``out_dv_ref``
         ``[bs, nheads_kv, d_v, seqlen_k]`` (in the input dtype), and, only when
         sinks are given, ``out_dsinks_ref`` shaped like ``sinks_ref`` (float32;
-        float64 for float64 inputs).
+        float64 for float64 inputs); only with a logit scale,
+        ``out_dlogit_scale_ref`` ``[bs, nheads]`` (same dtype rule).
 
     Raises:
         ValueError: naming the offending argument, its value and the rule.
@@ -177,14 +185,15 @@ def attention_bwd_torch_ref(q_ref: torch.Tensor, k_ref: torch.Tensor, v_ref: tor
     a = _validate_bwd(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref, bound_min,
                       bound_max, use_causal_mask, mixed_precision, softmax_scale,
                       sliding_window, softcap, alibi_slopes, window_size, dropout_p,
-                      dropout_seed, dropout_mask)
+                      dropout_seed, dropout_mask, logit_scale)
     bs, nheads, nheads_kv = a["bs"], a["nheads"], a["nheads_kv"]
     seqlen_q, seqlen_k, group = a["seqlen_q"], a["seqlen_k"], a["group"]
     dt = q_ref.dtype
     sdt = stats_dtype(dt, a["mixed"])
 
     drop = dropout_multiplier(a, dropout_seed, dropout_mask, sdt)
-    f = _forward(q_ref, k_ref, v_ref, a, None, drop, sinks_ref, bound_min, bound_max, alibi_slopes)
+    f = _forward(q_ref, k_ref, v_ref, a, None, drop, sinks_ref, bound_min, bound_max, alibi_slopes,
+                 logit_scale)
     probs = f["probs"]
 
     qt = q_ref.transpose(-1, -2)                                   # [b, h, sq, d_qk]
@@ -202,6 +211,9 @@ def attention_bwd_torch_ref(q_ref: torch.Tensor, k_ref: torch.Tensor, v_ref: tor
     ds_keys = ds[..., :seqlen_k]                                   # dL/d(logit) of the keys
     if f["cap_grad"] is not None:
         ds_keys = ds_keys * f["cap_grad"]                          # through c * tanh(S / c)
+    if logit_scale is not None:                                    # through lam * S0
+        dlogit = (ds_keys * f["s0"]).sum(dim=(2, 3))
+        ds_keys = ds_keys * logit_scale.to(device=ds_keys.device, dtype=ds_keys.dtype)[..., None, None]
     ds_keys = (ds_keys * a["scale"]).to(dt)                        # scale * dS, [b, h, sq, sk]
     p_keys = probs[..., :seqlen_k]
     if drop is not None:
@@ -226,4 +238,6 @@ def attention_bwd_torch_ref(q_ref: torch.Tensor, k_ref: torch.Tensor, v_ref: tor
     if sinks_ref is not None:
         dsinks = ds[..., seqlen_k:].sum(dim=2)                      # over query rows, in sdt
         out["out_dsinks_ref"] = dsinks.to(acc_dtype(dt)).reshape(sinks_ref.shape)
+    if logit_scale is not None:
+        out["out_dlogit_scale_ref"] = dlogit.to(acc_dtype(dt))
     return out

@@ -3,7 +3,7 @@
     attention_fwd(q_ref, k_ref, v_ref, sinks_ref=None, bound_min=None, bound_max=None, use_causal_mask=False,
                   mixed_precision=True, softmax_scale=None, sliding_window=None, softcap=0.0, alibi_slopes=None,
                   window_size=None, dropout_p=0.0, dropout_seed=None, kb_tiles=None, block_members_max=None,
-                  slab_tiles=None) -> (o, lse)
+                  slab_tiles=None, logit_scale=None) -> (o, lse)
 
 Layouts (head_dim on the partition axis): q ``[bs, nheads, d_qk, seqlen_q]``, k ``[bs, nheads_kv, d_qk,
 seqlen_k]``, v ``[bs, nheads_kv, d_v, seqlen_k]``, o ``[bs, nheads, d_v, seqlen_q]``, lse float32 ``[bs, nheads,
@@ -42,7 +42,8 @@ from .band import classify_keys
 from .dropout import (dropout_row_keys, dropout_row_keys_members, dropout_values, keep_threshold,
                       load_dropout_seed)
 from .steps import (FP32_MAX, FP32_MIN, K_TILE, PMAX, Hbm, Item, Steps, Tile, head_dim_tiles,
-                    itemsize, load_packing_bounds, load_slopes, mask_step, run_steps, softcap_scores, spmd_items)
+                    itemsize, load_logit_scale, load_packing_bounds, load_slopes, logit_scale_scores, mask_step,
+                    run_steps, softcap_scores, spmd_items)
 from .validation import attention_problem, attention_shape, sbuf_bytes_per_partition
 
 # Defaults of the tuning keywords of ``attention_fwd`` (``kb_tiles``, ``block_members_max``, ``slab_tiles``):
@@ -97,6 +98,7 @@ class _FwdConfig(nl.NKIObject):
         self.scalar_busy = shp.softcap > 0 and not shp.alibi and shp.dropout_p == 0.0
         self.exp_scale = shp.softcap if shp.softcap > 0 else shp.scale
         self.alibi = shp.alibi
+        self.logit_scale = shp.logit_scale
         self.dropout_p = shp.dropout_p
         self.o_factor = 1.0 / (1.0 - shp.dropout_p)  # dropout's 1 / (1 - p), applied with 1 / l
         self.io_dtype = io_dtype
@@ -118,8 +120,9 @@ class _FwdConfig(nl.NKIObject):
         # are bfloat16, no soft-cap (the bias follows the tanh) and no sinks (they would need the row shift);
         # otherwise the exact VectorE step (``_alibi_scores``)
         # (positions up to 65536: 256 floor(j / 256) stays an exact bfloat16 integer)
+        # (and no logit scale: the matmul adds the bias in PSUM, before the logit scale's step would scale it)
         self.alibi_mm = (shp.alibi and self.hi_rel <= self.off and shp.num_sinks == 0 and shp.softcap == 0.0
-                         and str(io_dtype) == str(nl.bfloat16) and shp.seqlen_k <= 65536)
+                         and not shp.logit_scale and str(io_dtype) == str(nl.bfloat16) and shp.seqlen_k <= 65536)
         if range_select_ok:
             self.mask = "bounds"
         elif shp.packing:
@@ -415,7 +418,7 @@ def _alibi_coefs(cfg, sl):
 
 def _select_steps(cfg):
     """The launch's steps (``steps`` protocol): the score steps of the variants in the order of the semantics
-    (soft-capping, then ALiBi), the masking steps by generation and mask kind, the probability steps (dropout).
+    (the logit scale, soft-capping, then ALiBi), the masking steps by generation and mask kind, the probability steps (dropout).
     The default launch has no score or probability step."""
     partial = _mask_affine
     if cfg.mask == "bounds":
@@ -429,6 +432,10 @@ def _select_steps(cfg):
         score.append(_alibi_matmul)
         key_block.append(_alibi_positions)
         lse.append(_alibi_lse)
+    item_start = []
+    if cfg.logit_scale:
+        score.append(logit_scale_scores)
+        item_start.append(load_logit_scale)
     if cfg.softcap > 0:
         score.append(softcap_scores)
     if cfg.alibi and not cfg.alibi_mm:
@@ -438,7 +445,8 @@ def _select_steps(cfg):
     if cfg.dropout_p > 0:
         prob.append(_dropout_probs)
         rows = _dropout_slab
-    return Steps(score, _evict_max, partial, [], prob, key_block=key_block, lse=lse, rows=rows)
+    return Steps(score, _evict_max, partial, [], prob, key_block=key_block, lse=lse, rows=rows,
+                 item_start=item_start)
 
 
 def _load_bounds(cfg, bound_min, bound_max):
@@ -871,14 +879,14 @@ def _positive_int_problem(name, value):
 def fwd_problem(q_ref, k_ref, v_ref, sinks_ref=None, bound_min=None, bound_max=None, use_causal_mask=False,
                 mixed_precision=True, softmax_scale=None, sliding_window=None, softcap=0.0, alibi_slopes=None,
                 window_size=None, dropout_p=0.0, dropout_seed=None, kb_tiles=None, block_members_max=None,
-                slab_tiles=None):
+                slab_tiles=None, logit_scale=None):
     """``None`` when ``attention_fwd`` accepts these arguments, else the first problem as a message. The kernel
     asserts on it; ``nki_attn.kernel_api.attention_fwd`` raises it as ``ValueError`` before launching."""
     problem = attention_problem(q_ref, k_ref, v_ref, sinks=sinks_ref, bound_min=bound_min, bound_max=bound_max,
                                 use_causal_mask=use_causal_mask, softmax_scale=softmax_scale,
                                 sliding_window=sliding_window, softcap=softcap, alibi_slopes=alibi_slopes,
                                 window_size=window_size, dropout_p=dropout_p, dropout_seed=dropout_seed,
-                                kernel="attention_fwd")
+                                kernel="attention_fwd", logit_scale=logit_scale)
     if problem is None and not isinstance(mixed_precision, bool):
         problem = f"mixed_precision={mixed_precision!r} must be True or False"
     if problem is None:
@@ -892,11 +900,12 @@ def fwd_problem(q_ref, k_ref, v_ref, sinks_ref=None, bound_min=None, bound_max=N
 
 def _setup_config(q_ref, k_ref, v_ref, sinks_ref, bound_min, use_causal_mask, mixed_precision, softmax_scale,
                   sliding_window, softcap, alibi_slopes, window_size, dropout_p, kb_tiles, block_members_max,
-                  slab_tiles):
+                  slab_tiles, logit_scale=None):
     """The launch's ``_FwdConfig``, built once from the kernel's (valid) arguments."""
     shp = attention_shape(q_ref, k_ref, sinks=sinks_ref, bound_min=bound_min, use_causal_mask=use_causal_mask,
                           softmax_scale=softmax_scale, sliding_window=sliding_window, v=v_ref, softcap=softcap,
-                          alibi_slopes=alibi_slopes, window_size=window_size, dropout_p=dropout_p)
+                          alibi_slopes=alibi_slopes, window_size=window_size, dropout_p=dropout_p,
+                          logit_scale=logit_scale)
     range_select_ok = nisa.get_nc_version() >= nisa.nc_version.gen3  # range_select exists on trn2+
     acc_dtype = nl.float32 if mixed_precision else q_ref.dtype
     return _FwdConfig(shp, q_ref.dtype, acc_dtype, range_select_ok, v_ref.shape[2], kb_tiles, block_members_max,
@@ -907,7 +916,7 @@ def _setup_config(q_ref, k_ref, v_ref, sinks_ref, bound_min, use_causal_mask, mi
 def attention_fwd(q_ref, k_ref, v_ref, sinks_ref=None, bound_min=None, bound_max=None, use_causal_mask=False,
                   mixed_precision=True, softmax_scale=None, sliding_window=None, softcap=0.0, alibi_slopes=None,
                   window_size=None, dropout_p=0.0, dropout_seed=None, kb_tiles=None, block_members_max=None,
-                  slab_tiles=None):
+                  slab_tiles=None, logit_scale=None):
     """Flash-attention forward; returns ``(o, lse)`` in shared HBM.
 
     Args:
@@ -935,23 +944,25 @@ def attention_fwd(q_ref, k_ref, v_ref, sinks_ref=None, bound_min=None, bound_max
             per key block (``KB_TILES``), members per block at most (``BLOCK_MEMBERS_MAX``), query tiles per slab
             (default: the most the SBUF holds, balanced). The modeled time changes, the result only by float32
             summation order (docs/kernel-fwd.md, "Tuning keywords").
+        logit_scale: optional float32 ``[bs, nheads]``, the per-head logit scale: the logits are
+            ``softmax_scale * logit_scale[b, h] * q.k`` before soft-capping and ALiBi.
 
     Returns:
         o: ``[bs, nheads, d_v, seqlen_q]`` in q's dtype; lse: float32 ``[bs, nheads, 128, seqlen_q // 128]``.
     """
     problem = fwd_problem(q_ref, k_ref, v_ref, sinks_ref, bound_min, bound_max, use_causal_mask, mixed_precision,
                           softmax_scale, sliding_window, softcap, alibi_slopes, window_size, dropout_p, dropout_seed,
-                          kb_tiles, block_members_max, slab_tiles)
+                          kb_tiles, block_members_max, slab_tiles, logit_scale)
     assert problem is None, problem
     cfg = _setup_config(q_ref, k_ref, v_ref, sinks_ref, bound_min, use_causal_mask, mixed_precision, softmax_scale,
                         sliding_window, softcap, alibi_slopes, window_size, dropout_p, kb_tiles, block_members_max,
-                        slab_tiles)
+                        slab_tiles, logit_scale)
     shp = cfg.shp
     steps = _select_steps(cfg)
 
     o_ref = nl.ndarray((shp.bs, shp.nheads, cfg.d_v, shp.seqlen_q), dtype=q_ref.dtype, buffer=nl.shared_hbm)
     lse_ref = nl.ndarray((shp.bs, shp.nheads, PMAX, cfg.n_qt), dtype=nl.float32, buffer=nl.shared_hbm)
-    hbm = Hbm(q_ref, k_ref, v_ref, o=o_ref, lse=lse_ref)
+    hbm = Hbm(q_ref, k_ref, v_ref, o=o_ref, lse=lse_ref, logit_scale=logit_scale)
     start, stop = spmd_items(shp.bs * shp.nheads_kv)
 
     seed_sb = None
@@ -979,6 +990,8 @@ def attention_fwd(q_ref, k_ref, v_ref, sinks_ref=None, bound_min=None, bound_max
             slopes, alibi_st = _alibi_coefs(cfg, load_slopes(alibi_slopes, shp.nheads, cfg.group, b, kvh))
         item = Item(b, kvh, slopes=slopes, seed=seed_sb, bounds=bounds, alibi_st=alibi_st, pos_tab=pos_tab,
                     sinks=sink_stats)
+        for f in steps.item_start:
+            f(cfg, hbm, item)
         for i in range(len(slabs)):
             t0, t1 = slabs[i]
             _attend_slab(cfg, hbm, item, steps, t0, t1)

@@ -11,17 +11,20 @@ position and band classification, fixed at trace time), ``item`` the ``Item`` of
 kernel picks its steps ONCE per launch from its config into a ``Steps`` object; the drivers run the lists in
 order and never test a variant. The stages, in the order a tile goes through them:
 
-    score         S -> S           before the exponent: soft-capping (``softcap_scores``), ALiBi
+    score         S -> S           before the exponent: the logit scale (``logit_scale_scores``), soft-capping
+                                   (``softcap_scores``), ALiBi
     mask_full     S -> S           masking of a FULL tile (forward: the eviction with the row max; backward: none)
     mask_partial  S -> S           masking of a PARTIAL tile (packing bounds; forward: also the band)
     p_mask        P -> P           after the exponent (backward: the band's element masks on P)
     prob          P -> P           the P operand of the value matmul (PV / dV): dropout
     grad          P -> P           backward: the P operand of dS (soft-capping's chain rule)
     ds            dP -> dS         backward: ``dS = (dP - D) * P`` (dropout multiplies dP first)
+    ds_post       dS -> dS         backward: the dS operand of dK / dQ (the logit scale's ``dS * scale[h]``)
 
 A step that needs what an earlier one made for the same tile reads it from ``tile.saved`` (a dict: soft-capping's
-tanh for its gradient, dropout's keep multiplier for dS). A per-head logit scale, for example, is one more score
-step ``S -> S * scale[h]`` reading a column of ``item``: no driver changes.
+tanh for its gradient, dropout's keep multiplier for dS). The per-head logit scale is the worked example: one
+score step ``S -> S * scale[h]`` (``logit_scale_scores``, the same function in both kernels) reading a column of
+``item``, and in the backward one ``ds_post`` step for its gradient and the scale of dS (``attention_bwd``).
 
 **The scale convention** (both kernels, no switch): ``softmax_scale`` is applied in float32, never to an
 input-dtype operand. The score matmul gives the unscaled S = Q^T K in float32 PSUM; the forward takes its row max
@@ -74,10 +77,12 @@ class Item(nl.NKIObject):
     ``alibi_st`` / ``pos_tab`` the forward's TensorE ALiBi operands; ``bounds`` ``(bmin, bmax)`` key bounds
     ``[128, n_qt]``; ``seed`` the dropout seed tile; ``sinks`` the forward's starting statistics ``(m0, l0)``
     from the sinks; the backward's row statistics ``neg_lse`` / ``dsum`` ``[128, group, nq]`` (-LSE and D of
-    every member), its D matmul's ``ones`` column and its dQ reload's ``ident`` identity (launch-wide)."""
+    every member), its D matmul's ``ones`` column and its dQ reload's ``ident`` identity (launch-wide);
+    ``logit_scale`` the per-head logit scale ``[128, group]`` (``load_slopes``' broadcast) and ``dlogit`` the
+    backward's per-row partial sums of its gradient ``[128, group, nq]``."""
 
     def __init__(self, b, kvh, slopes=None, slopes_pos=None, seed=None, bounds=None, alibi_st=None, pos_tab=None,
-                 sinks=None, neg_lse=None, dsum=None, ones=None, ident=None):
+                 sinks=None, neg_lse=None, dsum=None, ones=None, ident=None, logit_scale=None, dlogit=None):
         self.b = b
         self.kvh = kvh
         self.slopes = slopes
@@ -91,6 +96,8 @@ class Item(nl.NKIObject):
         self.dsum = dsum
         self.ones = ones
         self.ident = ident
+        self.logit_scale = logit_scale
+        self.dlogit = dlogit
 
 
 class Hbm(nl.NKIObject):
@@ -98,10 +105,10 @@ class Hbm(nl.NKIObject):
     nheads, d_qk, seqlen_q]``, k ``[bs, nheads_kv, d_qk, seqlen_k]``, v ``[bs, nheads_kv, d_v, seqlen_k]``, o /
     dy ``[bs, nheads, d_v, seqlen_q]``, lse ``[bs, nheads, 128, seqlen_q // 128]``, sinks; the backward's
     gradients dq, dk, dv, dsinks shaped like their inputs and its fp32 dQ scratch; alibi_slopes ``[bs,
-    nheads]``."""
+    nheads]``; logit_scale ``[bs, nheads]`` float32 and the backward's dlogit_scale (same shape)."""
 
     def __init__(self, q, k, v, o=None, dy=None, lse=None, sinks=None, dq=None, dk=None, dv=None, dsinks=None,
-                 dq_scratch=None, alibi_slopes=None):
+                 dq_scratch=None, alibi_slopes=None, logit_scale=None, dlogit_scale=None):
         self.q = q
         self.k = k
         self.v = v
@@ -115,15 +122,19 @@ class Hbm(nl.NKIObject):
         self.dsinks = dsinks
         self.dq_scratch = dq_scratch
         self.alibi_slopes = alibi_slopes
+        self.logit_scale = logit_scale
+        self.dlogit_scale = dlogit_scale
 
 
 class Steps(nl.NKIObject):
     """The steps of one launch, chosen once from the config (module docstring): lists run in order, or one
     function per tile kind. ``key_block`` / ``lse`` / ``rows`` are the forward's once-per-key-block, LSE and
-    per-slab row-state steps (``_alibi_positions``, ``_alibi_lse``, ``_dropout_slab``)."""
+    per-slab row-state steps (``_alibi_positions``, ``_alibi_lse``, ``_dropout_slab``). ``ds_post``: the
+    backward's dS steps; ``item_start`` / ``item_end``: functions ``f(cfg, hbm, item)`` run when a work item starts
+    (loading its per-head operands into ``item``) and ends (writing per-head results)."""
 
     def __init__(self, score, mask_full, mask_partial, p_mask, prob, grad=None, ds=None, key_block=None, lse=None,
-                 rows=None):
+                 rows=None, ds_post=None, item_start=None, item_end=None):
         self.score = score
         self.mask_full = mask_full
         self.mask_partial = mask_partial
@@ -134,6 +145,9 @@ class Steps(nl.NKIObject):
         self.key_block = key_block
         self.lse = lse
         self.rows = rows
+        self.ds_post = ds_post
+        self.item_start = item_start
+        self.item_end = item_end
 
 
 def run_steps(cfg, fns, tile, item, x):
@@ -165,6 +179,25 @@ def softcap_scores(cfg, tile, item, s):
     nisa.activation(dst=t, op=nl.tanh, data=s, scale=cfg.cap_scale)
     tile.saved["tanh"] = t
     return t
+
+
+def logit_scale_scores(cfg, tile, item, s):
+    """Score step, the per-head logit scale: ``z = S * scale[h]`` (ONE VectorE ``tensor_scalar``, PSUM ->
+    float32 SBUF, the head's scale a per-partition column of ``item.logit_scale``). First of the score steps: the
+    soft-cap's tanh and the ALiBi bias read z, and the exponent's float32 ``exp_scale`` (softmax_scale) stays the
+    kernel-wide factor, so the logit is ``softmax_scale * scale[h] * q.k`` with every factor applied in float32
+    (module docstring, "The scale convention"). The unscaled S is saved for the gradient
+    (``tile.saved["s_raw"]``)."""
+    z = nl.ndarray((PMAX, tile.kw), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=z, data=s, op0=nl.multiply, operand0=item.logit_scale[:, tile.h:tile.h + 1])
+    tile.saved["s_raw"] = s
+    return z
+
+
+def load_logit_scale(cfg, hbm, item):
+    """Work-item start step of the logit scale: the kv head's query heads' scales broadcast to the partitions,
+    ``item.logit_scale`` ``[128, group]`` float32 (``load_slopes``: the same ``[bs, nheads]`` HBM layout)."""
+    item.logit_scale = load_slopes(hbm.logit_scale, hbm.logit_scale.shape[1], cfg.group, item.b, item.kvh)
 
 
 # ----------------------------------------------------------------------------------------------- shared helpers
