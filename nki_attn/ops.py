@@ -19,12 +19,14 @@ Public functions:
     q ``[batch, seqlen_q, heads, d_qk]``, k ``[batch, seqlen_k, heads_kv, d_qk]``, v ``[batch, seqlen_k,
     heads_kv, d_v]`` (sizes and every other argument in ``spec``, an ``nki_attn.spec.AttentionSpec``) -> out
     ``[batch, seqlen_q, heads, d_v]`` in q's dtype, lse float32 ``[batch, heads, seqlen_q]`` (+inf for a row that
-    sees no key and has no sink). Differentiable with respect to q, k, v and ``spec.sinks``; a gradient flowing
-    into lse must be zero (NotImplementedError otherwise) and double backward raises RuntimeError.
+    sees no key and has no sink). Differentiable with respect to q, k, v, ``spec.sinks`` and ``spec.logit_scale``;
+    a gradient flowing into lse must be zero (NotImplementedError otherwise) and double backward raises
+    RuntimeError.
 
 ``attention_backward(spec, q, k, v, out, dout, lse) -> (dq, dk, dv, dsinks)``
     The backward alone (ring attention calls it per block with the merged out and lse): dq, dk, dv shaped like
-    q, k, v; dsinks like ``spec.sinks`` (an empty float32 ``[0]`` tensor without sinks).
+    q, k, v; dsinks like ``spec.sinks`` (an empty float32 ``[0]`` tensor without sinks); with a logit scale a fifth,
+    dlogit_scale float32 ``[batch, heads]``.
 
 ``kernel_plan(spec, device) -> KernelPlan``, ``kernel_bounds``, ``padded_length``: how a spec reaches the
 kernels (used by the probabilities of ``return_attn_probs`` and by ring attention's block geometry).
@@ -122,7 +124,8 @@ def kernel_keywords(spec, plan):
     arguments (``nki_attn.kernels.attention_fwd`` / ``attention_bwd`` signatures)."""
     return dict(use_causal_mask=plan.causal, mixed_precision=True, softmax_scale=spec.scale,
                 sliding_window=plan.window, softcap=spec.softcap, alibi_slopes=spec.alibi,
-                window_size=plan.window_size, dropout_p=spec.dropout_p, dropout_seed=spec.dropout_seed)
+                window_size=plan.window_size, dropout_p=spec.dropout_p, dropout_seed=spec.dropout_seed,
+                logit_scale=spec.logit_scale)
 
 
 def _launch(fn, checked, args, kwargs):
@@ -178,10 +181,22 @@ def check_slopes(fn, alibi_slopes):
                          f"distant keys)")
 
 
-def _op_spec(q, k, v, sinks, key_lo, key_hi, alibi, seed, left, right, shift, scale, softcap, dropout_p):
+def check_logit_scale(fn, logit_scale):
+    """The per-head logit scale's values, float32 ``[batch, heads]`` (the host checks shape and dtype; values are
+    only seen here, in the ops' bodies, where the tensors are real even under ``torch.compile``): every scale
+    finite. Any sign and zero are accepted (a negative temperature inverts the ranking, zero gives uniform
+    attention over the visible keys)."""
+    if logit_scale is not None and not bool(torch.isfinite(logit_scale).all()):
+        bad = logit_scale[~torch.isfinite(logit_scale)]
+        raise ValueError(f"{fn}: logit_scale=a [batch, heads] tensor with {bad.numel()} non-finite value(s), e.g. "
+                         f"{float(bad[0])}: every scale must be finite")
+
+
+def _op_spec(q, k, v, sinks, key_lo, key_hi, alibi, seed, left, right, shift, scale, softcap, dropout_p,
+             logit_scale):
     b, sq, hq, d = q.shape
     return AttentionSpec("nki_attn", b, sq, k.shape[1], hq, k.shape[2], d, v.shape[3], q.dtype, scale, left, right,
-                         shift, key_lo, key_hi, softcap, alibi, dropout_p, seed, sinks)
+                         shift, key_lo, key_hi, softcap, alibi, dropout_p, seed, sinks, logit_scale)
 
 
 # ----------------------------------------------------------------------------------------------------- the ops
@@ -195,12 +210,13 @@ _OP_DEVICES = "cpu" if BACKEND == "sim" else None
 def _fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: Optional[torch.Tensor],
             key_lo: Optional[torch.Tensor], key_hi: Optional[torch.Tensor], alibi: Optional[torch.Tensor],
             dropout_seed: Optional[torch.Tensor], left: int, right: int, shift: int, scale: float, softcap: float,
-            dropout_p: float) -> tuple[torch.Tensor, torch.Tensor]:
+            dropout_p: float, logit_scale: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """q [b, sq, h, d_qk], k [b, sk, hk, d_qk], v [b, sk, hk, d_v] and the spec's fields -> (out [b, sq, h, d_v],
     lse float32 [b, h, sq])."""
     check_slopes("attention_fwd", alibi)
+    check_logit_scale("attention_fwd", logit_scale)
     spec = _op_spec(q, k, v, sinks, key_lo, key_hi, alibi, dropout_seed, left, right, shift, scale, softcap,
-                    dropout_p)
+                    dropout_p, logit_scale)
     b, sq, hq = spec.batch, spec.seqlen_q, spec.heads
     pl = kernel_plan(spec, q.device)
     o, lse = _launch("attention_fwd", kernel_api.attention_fwd,
@@ -211,7 +227,8 @@ def _fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: Optional[t
 
 
 @_fwd_op.register_fake
-def _fwd_fake(q, k, v, sinks, key_lo, key_hi, alibi, dropout_seed, left, right, shift, scale, softcap, dropout_p):
+def _fwd_fake(q, k, v, sinks, key_lo, key_hi, alibi, dropout_seed, left, right, shift, scale, softcap, dropout_p,
+              logit_scale):
     b, sq, hq, _ = q.shape
     return q.new_empty((b, sq, hq, v.shape[3])), q.new_empty((b, hq, sq), dtype=torch.float32)
 
@@ -221,14 +238,16 @@ def _bwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor
             lse: torch.Tensor, dlse: Optional[torch.Tensor], sinks: Optional[torch.Tensor],
             key_lo: Optional[torch.Tensor], key_hi: Optional[torch.Tensor], alibi: Optional[torch.Tensor],
             dropout_seed: Optional[torch.Tensor], left: int, right: int, shift: int, scale: float, softcap: float,
-            dropout_p: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients of ``attention_fwd``: (dq, dk, dv like q, k, v; dsinks like sinks, or an empty [0] tensor)."""
+            dropout_p: float, logit_scale: Optional[torch.Tensor]
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of ``attention_fwd``: (dq, dk, dv like q, k, v; dsinks like sinks, or an empty [0] tensor;
+    dlogit_scale like logit_scale, or an empty [0] tensor)."""
     if dlse is not None and bool((dlse != 0).any()):
         raise NotImplementedError("nki_attn attention: a gradient flows into the log-sum-exp output (lse), which "
                                   "the backward kernel does not propagate; use lse only outside the graph "
                                   "(e.g. lse.detach())")
     spec = _op_spec(q, k, v, sinks, key_lo, key_hi, alibi, dropout_seed, left, right, shift, scale, softcap,
-                    dropout_p)
+                    dropout_p, logit_scale)
     b, sq, hq, sk = spec.batch, spec.seqlen_q, spec.heads, spec.seqlen_k
     pl = kernel_plan(spec, q.device)
     # Padded query rows get dout = 0 (so D = 0 and dS = 0) and lse = +inf (so P = exp(S - lse) = 0): they add
@@ -242,28 +261,34 @@ def _bwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor
          pl.bmin, pl.bmax), kernel_keywords(spec, pl))
     dq, dk, dv = grads[:3]
     dsinks = grads[3].sum(0).to(sinks.dtype) if sinks is not None else q.new_empty((0,), dtype=torch.float32)
-    return _from_kernel(dq, pl.front, sq), _from_kernel(dk, 0, sk), _from_kernel(dv, 0, sk), dsinks
+    # the kernel's dlogit_scale comes last, float32 [b, h] like the op's logit_scale
+    dlogit = grads[-1].clone() if logit_scale is not None else q.new_empty((0,), dtype=torch.float32)
+    return _from_kernel(dq, pl.front, sq), _from_kernel(dk, 0, sk), _from_kernel(dv, 0, sk), dsinks, dlogit
 
 
 @_bwd_op.register_fake
 def _bwd_fake(q, k, v, out, dout, lse, dlse, sinks, key_lo, key_hi, alibi, dropout_seed, left, right, shift, scale,
-              softcap, dropout_p):
+              softcap, dropout_p, logit_scale):
     dsinks = torch.empty_like(sinks, memory_format=_CONTIG) if sinks is not None else \
         q.new_empty((0,), dtype=torch.float32)
+    dlogit = torch.empty_like(logit_scale, memory_format=_CONTIG) if logit_scale is not None else \
+        q.new_empty((0,), dtype=torch.float32)
     return (torch.empty_like(q, memory_format=_CONTIG), torch.empty_like(k, memory_format=_CONTIG),
-            torch.empty_like(v, memory_format=_CONTIG), dsinks)
+            torch.empty_like(v, memory_format=_CONTIG), dsinks, dlogit)
 
 
 def _fwd_setup_context(ctx, inputs, output):
     q, k, v, sinks, key_lo, key_hi, alibi, seed = inputs[:8]
-    ctx.save_for_backward(q, k, v, output[0], output[1], sinks, key_lo, key_hi, alibi, seed)
-    ctx.flags = tuple(inputs[8:])
+    ctx.save_for_backward(q, k, v, output[0], output[1], sinks, key_lo, key_hi, alibi, seed, inputs[14])
+    ctx.flags = tuple(inputs[8:14])
 
 
 def _fwd_backward(ctx, dout, dlse):
-    q, k, v, out, lse, sinks, key_lo, key_hi, alibi, seed = ctx.saved_tensors
-    dq, dk, dv, dsinks = _bwd_op(q, k, v, out, dout, lse, dlse, sinks, key_lo, key_hi, alibi, seed, *ctx.flags)
-    return (dq, dk, dv, (dsinks if sinks is not None else None)) + (None,) * 10
+    q, k, v, out, lse, sinks, key_lo, key_hi, alibi, seed, logit_scale = ctx.saved_tensors
+    dq, dk, dv, dsinks, dlogit = _bwd_op(q, k, v, out, dout, lse, dlse, sinks, key_lo, key_hi, alibi, seed,
+                                         *ctx.flags, logit_scale)
+    return (dq, dk, dv, (dsinks if sinks is not None else None)) + (None,) * 10 + (
+        dlogit if logit_scale is not None else None,)
 
 
 def _bwd_setup_context(ctx, inputs, output):
@@ -283,7 +308,7 @@ _bwd_op.register_autograd(_bwd_backward, setup_context=_bwd_setup_context)
 # ----------------------------------------------------------------------------------------------------- public
 def _op_args(spec):
     return (spec.sinks, spec.key_lo, spec.key_hi, spec.alibi, spec.dropout_seed, spec.left, spec.right, spec.shift,
-            spec.scale, spec.softcap, spec.dropout_p)
+            spec.scale, spec.softcap, spec.dropout_p, spec.logit_scale)
 
 
 def _is_empty(spec):
@@ -292,7 +317,7 @@ def _is_empty(spec):
 
 def attention(spec, q, k, v):
     """Attention of q, k, v under ``spec`` (module docstring): ``(out [batch, seqlen_q, heads, d_v], lse float32
-    [batch, heads, seqlen_q])``, differentiable with respect to q, k, v and ``spec.sinks``."""
+    [batch, heads, seqlen_q])``, differentiable with respect to q, k, v, ``spec.sinks`` and ``spec.logit_scale``."""
     if _is_empty(spec):
         return _empty_attention(spec, q, k, v)
     return _fwd_op(q, k, v, *_op_args(spec))
@@ -301,8 +326,10 @@ def attention(spec, q, k, v):
 def attention_backward(spec, q, k, v, out, dout, lse):
     """The backward of ``attention`` for given ``out`` / ``lse`` (``[batch, seqlen_q, heads, d_v]`` /
     float32 ``[batch, heads, seqlen_q]``) and ``dout`` (like out): ``(dq, dk, dv, dsinks)``; dsinks float32
-    ``[0]`` without sinks. Not differentiable."""
-    return _bwd_op(q, k, v, out, dout, lse, None, *_op_args(spec))
+    ``[0]`` without sinks; with ``spec.logit_scale`` a fifth, dlogit_scale float32 ``[batch, heads]``. Not
+    differentiable."""
+    grads = _bwd_op(q, k, v, out, dout, lse, None, *_op_args(spec))
+    return grads if spec.logit_scale is not None else grads[:4]
 
 
 def _empty_attention(spec, q, k, v):
