@@ -280,7 +280,8 @@ class ExternalCandidate:
     def fwd(self, q, k, v, sinks=None, bound_min=None, bound_max=None, use_causal_mask=False, mixed_precision=True,
             softmax_scale=None, sliding_window=None, **variants):
         """``variants``: the attention-variant keywords a row uses (``softcap``, ``alibi_slopes``, ``window_size``,
-        ``dropout_p``, ``dropout_seed``), passed by name; a candidate whose signature lacks one is Unsupported."""
+        ``dropout_p``, ``dropout_seed``, ``logit_scale``), passed by name; a candidate whose signature lacks one
+        is Unsupported."""
         if self._bwd is not None:
             # a backward that cannot take the row's arguments refuses it before any forward work is spent: the
             # bind the backward's own call will make, with the forward's tensors standing in for o, dy and lse
@@ -321,9 +322,9 @@ class ExternalCandidate:
                    {**_options(self._bwd, use_causal_mask, mixed_precision, softmax_scale, sliding_window),
                     **variants},
                    "candidate backward")
-        want = 4 if sinks is not None else 3
-        if not isinstance(res, (tuple, list)) or len(res) != want:
-            raise CandidateError(f"candidate backward must return (dq, dk, dv{', dsinks' if want == 4 else ''}); "
+        extra = (["dsinks"] if sinks is not None else []) + (["dlogit_scale"] if "logit_scale" in variants else [])
+        if not isinstance(res, (tuple, list)) or len(res) != 3 + len(extra):
+            raise CandidateError(f"candidate backward must return (dq, dk, dv{''.join(', ' + e for e in extra)}); "
                                  f"got {_describe(res)}")
         return res
 

@@ -181,7 +181,7 @@ ROWS = [
     ("fb", "fp32", "lscale1", "d64-s256", "b2h2k1"),
     ("f", "bf16", "causal+alibi+lscale1", "d64-s256", "h2k1"),
     ("b", "bf16", "causal+cap2+alibi+sinks1+lscale1.5", "d64-s256", "h4k2"),
-    ("b", "fp32", "causal+drop0.2+lscale1+sec128", "d64-s384", "h2k1"),
+    ("b", "fp32", "causal+drop0.2+lscale1+sec128", "d64-s384", "h2k1", S),
 ]
 
 # The cross product of the core axes (slow): every variant on every dtype, shape and head layout, both kernels.
