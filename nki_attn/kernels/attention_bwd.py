@@ -862,9 +862,18 @@ def _ds_plain(c, tile, item, dp):
     return ds
 
 
+def _logit_scale_keep_s(c, tile, item, s):
+    """The logit scale's score step (``steps.logit_scale_scores``), keeping the unscaled S (PSUM) for the
+    gradient: ``tile.saved["s_raw"]`` (the visit's S bank stays live until its dS, as ``psum_banks`` counts;
+    the forward, which holds many tiles' scores at once, keeps none)."""
+    tile.saved["s_raw"] = s
+    return logit_scale_scores(c, tile, item, s)
+
+
 def _ds_logit_scale(c, tile, item, ds):
     """The logit scale's dS step: with z = lam S the exp's input (``steps.logit_scale_scores``; lam = scale[h]),
-    the float32 dS of z gives its gradient, d lam = softmax_scale * sum dS * S, and the dS operand of dK and dQ,
+    the float32 dS of z gives its gradient, d lam = softmax_scale * sum dS * S (``_logit_scale_keep_s`` kept S),
+    and the dS operand of dK and dQ,
     lam dS (rounded ONCE to the matmul dtype: dS reaches this step in float32, ``c.ds_dtype``). Per visit: dS * S
     (VectorE, S read from PSUM where it still lies), its row sum added into the member's column of
     ``item.dlogit`` (the rows' partial sums: reduced over rows, query tiles and keys once per work item,
@@ -910,7 +919,7 @@ def _select_steps(c):
     item_start = []
     item_end = []
     if c.logit_scale:
-        score.append(logit_scale_scores)
+        score.append(_logit_scale_keep_s)
         ds_post.append(_ds_logit_scale)
         item_start.append(load_logit_scale)
         item_start.append(_zero_dlogit)

@@ -182,15 +182,14 @@ def softcap_scores(cfg, tile, item, s):
 
 
 def logit_scale_scores(cfg, tile, item, s):
-    """Score step, the per-head logit scale: ``z = S * scale[h]`` (ONE VectorE ``tensor_scalar``, PSUM ->
-    float32 SBUF, the head's scale a per-partition column of ``item.logit_scale``). First of the score steps: the
+    """Score step, the per-head logit scale: ``z = S * scale[h]`` (ONE ScalarE copy, PSUM -> float32 SBUF, the
+    head's scale a per-partition column of ``item.logit_scale`` as the activation's ``scale``; on ScalarE rather
+    than VectorE, as the modeled schedule prefers in both kernels, docs/semantics.md "Per-head logit scale"). First of the score steps: the
     soft-cap's tanh and the ALiBi bias read z, and the exponent's float32 ``exp_scale`` (softmax_scale) stays the
     kernel-wide factor, so the logit is ``softmax_scale * scale[h] * q.k`` with every factor applied in float32
-    (module docstring, "The scale convention"). The unscaled S is saved for the gradient
-    (``tile.saved["s_raw"]``)."""
+    (module docstring, "The scale convention"). (The backward wraps it to keep the unscaled S for the gradient.)"""
     z = nl.ndarray((PMAX, tile.kw), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.tensor_scalar(dst=z, data=s, op0=nl.multiply, operand0=item.logit_scale[:, tile.h:tile.h + 1])
-    tile.saved["s_raw"] = s
+    nisa.activation(dst=z, op=nl.copy, data=s, scale=item.logit_scale[:, tile.h:tile.h + 1])
     return z
 
 
