@@ -210,7 +210,7 @@ _OP_DEVICES = "cpu" if BACKEND == "sim" else None
 def _fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: Optional[torch.Tensor],
             key_lo: Optional[torch.Tensor], key_hi: Optional[torch.Tensor], alibi: Optional[torch.Tensor],
             dropout_seed: Optional[torch.Tensor], left: int, right: int, shift: int, scale: float, softcap: float,
-            dropout_p: float, logit_scale: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+            dropout_p: float, logit_scale: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """q [b, sq, h, d_qk], k [b, sk, hk, d_qk], v [b, sk, hk, d_v] and the spec's fields -> (out [b, sq, h, d_v],
     lse float32 [b, h, sq])."""
     check_slopes("attention_fwd", alibi)
@@ -228,7 +228,7 @@ def _fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: Optional[t
 
 @_fwd_op.register_fake
 def _fwd_fake(q, k, v, sinks, key_lo, key_hi, alibi, dropout_seed, left, right, shift, scale, softcap, dropout_p,
-              logit_scale):
+              logit_scale=None):
     b, sq, hq, _ = q.shape
     return q.new_empty((b, sq, hq, v.shape[3])), q.new_empty((b, hq, sq), dtype=torch.float32)
 
@@ -238,7 +238,7 @@ def _bwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor
             lse: torch.Tensor, dlse: Optional[torch.Tensor], sinks: Optional[torch.Tensor],
             key_lo: Optional[torch.Tensor], key_hi: Optional[torch.Tensor], alibi: Optional[torch.Tensor],
             dropout_seed: Optional[torch.Tensor], left: int, right: int, shift: int, scale: float, softcap: float,
-            dropout_p: float, logit_scale: Optional[torch.Tensor]
+            dropout_p: float, logit_scale: Optional[torch.Tensor] = None
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of ``attention_fwd``: (dq, dk, dv like q, k, v; dsinks like sinks, or an empty [0] tensor;
     dlogit_scale like logit_scale, or an empty [0] tensor)."""
@@ -268,7 +268,7 @@ def _bwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor
 
 @_bwd_op.register_fake
 def _bwd_fake(q, k, v, out, dout, lse, dlse, sinks, key_lo, key_hi, alibi, dropout_seed, left, right, shift, scale,
-              softcap, dropout_p, logit_scale):
+              softcap, dropout_p, logit_scale=None):
     dsinks = torch.empty_like(sinks, memory_format=_CONTIG) if sinks is not None else \
         q.new_empty((0,), dtype=torch.float32)
     dlogit = torch.empty_like(logit_scale, memory_format=_CONTIG) if logit_scale is not None else \
@@ -279,7 +279,9 @@ def _bwd_fake(q, k, v, out, dout, lse, dlse, sinks, key_lo, key_hi, alibi, dropo
 
 def _fwd_setup_context(ctx, inputs, output):
     q, k, v, sinks, key_lo, key_hi, alibi, seed = inputs[:8]
-    ctx.save_for_backward(q, k, v, output[0], output[1], sinks, key_lo, key_hi, alibi, seed, inputs[14])
+    # (a trailing None may be left out of the inputs: logit_scale has a default)
+    logit_scale = inputs[14] if len(inputs) > 14 else None
+    ctx.save_for_backward(q, k, v, output[0], output[1], sinks, key_lo, key_hi, alibi, seed, logit_scale)
     ctx.flags = tuple(inputs[8:14])
 
 
@@ -288,7 +290,7 @@ def _fwd_backward(ctx, dout, dlse):
     dq, dk, dv, dsinks, dlogit = _bwd_op(q, k, v, out, dout, lse, dlse, sinks, key_lo, key_hi, alibi, seed,
                                          *ctx.flags, logit_scale)
     return (dq, dk, dv, (dsinks if sinks is not None else None)) + (None,) * 10 + (
-        dlogit if logit_scale is not None else None,)
+        dlogit if logit_scale is not None else None,)[:len(ctx.needs_input_grad) - 14]
 
 
 def _bwd_setup_context(ctx, inputs, output):
