@@ -322,10 +322,11 @@ class ExternalCandidate:
                    {**_options(self._bwd, use_causal_mask, mixed_precision, softmax_scale, sliding_window),
                     **variants},
                    "candidate backward")
-        extra = (["dsinks"] if sinks is not None else []) + (["dlogit_scale"] if "logit_scale" in variants else [])
-        if not isinstance(res, (tuple, list)) or len(res) != 3 + len(extra):
-            raise CandidateError(f"candidate backward must return (dq, dk, dv{''.join(', ' + e for e in extra)}); "
-                                 f"got {_describe(res)}")
+        names = "dq, dk, dv" + (", dsinks" if sinks is not None else "") + \
+            (", dbias" if variants.get("bias_grad") else "") + (", dlogit_scale" if "logit_scale" in variants else "")
+        want = names.count(",") + 1
+        if not isinstance(res, (tuple, list)) or len(res) != want:
+            raise CandidateError(f"candidate backward must return ({names}); got {_describe(res)}")
         return res
 
 

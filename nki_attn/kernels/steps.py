@@ -12,14 +12,17 @@ kernel picks its steps ONCE per launch from its config into a ``Steps`` object; 
 order and never test a variant. The stages, in the order a tile goes through them:
 
     score         S -> S           before the exponent: the logit scale (``logit_scale_scores``), soft-capping
-                                   (``softcap_scores``), ALiBi
+                                   (``softcap_scores``), ALiBi, the additive bias (``bias_scores``)
     mask_full     S -> S           masking of a FULL tile (forward: the eviction with the row max; backward: none)
     mask_partial  S -> S           masking of a PARTIAL tile (packing bounds; forward: also the band)
     p_mask        P -> P           after the exponent (backward: the band's element masks on P)
     prob          P -> P           the P operand of the value matmul (PV / dV): dropout
     grad          P -> P           backward: the P operand of dS (soft-capping's chain rule)
-    ds            dP -> dS         backward: ``dS = (dP - D) * P`` (dropout multiplies dP first)
+    ds            dP -> dS         backward: ``dS = (dP - D) * P`` (dropout multiplies dP first; with the bias's
+                                   gradient it also writes dS of the logits to HBM)
     ds_post       dS -> dS         backward: the dS operand of dK / dQ (the logit scale's ``dS * scale[h]``)
+
+and the backward's ``item`` steps ``f(cfg, item)``, once per work item (the bias gradient's zero fill).
 
 A step that needs what an earlier one made for the same tile reads it from ``tile.saved`` (a dict: soft-capping's
 tanh for its gradient, dropout's keep multiplier for dS). The per-head logit scale is the worked example: one
@@ -77,12 +80,14 @@ class Item(nl.NKIObject):
     ``alibi_st`` / ``pos_tab`` the forward's TensorE ALiBi operands; ``bounds`` ``(bmin, bmax)`` key bounds
     ``[128, n_qt]``; ``seed`` the dropout seed tile; ``sinks`` the forward's starting statistics ``(m0, l0)``
     from the sinks; the backward's row statistics ``neg_lse`` / ``dsum`` ``[128, group, nq]`` (-LSE and D of
-    every member), its D matmul's ``ones`` column and its dQ reload's ``ident`` identity (launch-wide);
+    every member), its D matmul's ``ones`` column and its dQ reload's ``ident`` identity (launch-wide); ``bias``
+    the additive bias in HBM and ``dbias`` the backward's float32 HBM output of its gradient (``bias_scores``);
     ``logit_scale`` the per-head logit scale ``[128, group]`` (``load_slopes``' broadcast) and ``dlogit`` the
     backward's per-row partial sums of its gradient ``[128, group, nq]``."""
 
     def __init__(self, b, kvh, slopes=None, slopes_pos=None, seed=None, bounds=None, alibi_st=None, pos_tab=None,
-                 sinks=None, neg_lse=None, dsum=None, ones=None, ident=None, logit_scale=None, dlogit=None):
+                 sinks=None, neg_lse=None, dsum=None, ones=None, ident=None, bias=None, dbias=None, logit_scale=None,
+                 dlogit=None):
         self.b = b
         self.kvh = kvh
         self.slopes = slopes
@@ -96,6 +101,8 @@ class Item(nl.NKIObject):
         self.dsum = dsum
         self.ones = ones
         self.ident = ident
+        self.bias = bias
+        self.dbias = dbias
         self.logit_scale = logit_scale
         self.dlogit = dlogit
 
@@ -105,10 +112,12 @@ class Hbm(nl.NKIObject):
     nheads, d_qk, seqlen_q]``, k ``[bs, nheads_kv, d_qk, seqlen_k]``, v ``[bs, nheads_kv, d_v, seqlen_k]``, o /
     dy ``[bs, nheads, d_v, seqlen_q]``, lse ``[bs, nheads, 128, seqlen_q // 128]``, sinks; the backward's
     gradients dq, dk, dv, dsinks shaped like their inputs and its fp32 dQ scratch; alibi_slopes ``[bs,
-    nheads]``; logit_scale ``[bs, nheads]`` float32 and the backward's dlogit_scale (same shape)."""
+    nheads]``; attn_bias ``[bb, hb, sqb, skb]`` (each 1 or the full size) and the backward's dbias float32
+    ``[bs, nheads, seqlen_q, seqlen_k]``; logit_scale ``[bs, nheads]`` float32 and the backward's dlogit_scale (same
+    shape)."""
 
     def __init__(self, q, k, v, o=None, dy=None, lse=None, sinks=None, dq=None, dk=None, dv=None, dsinks=None,
-                 dq_scratch=None, alibi_slopes=None, logit_scale=None, dlogit_scale=None):
+                 dq_scratch=None, alibi_slopes=None, attn_bias=None, dbias=None, logit_scale=None, dlogit_scale=None):
         self.q = q
         self.k = k
         self.v = v
@@ -122,6 +131,8 @@ class Hbm(nl.NKIObject):
         self.dsinks = dsinks
         self.dq_scratch = dq_scratch
         self.alibi_slopes = alibi_slopes
+        self.attn_bias = attn_bias
+        self.dbias = dbias
         self.logit_scale = logit_scale
         self.dlogit_scale = dlogit_scale
 
@@ -129,12 +140,13 @@ class Hbm(nl.NKIObject):
 class Steps(nl.NKIObject):
     """The steps of one launch, chosen once from the config (module docstring): lists run in order, or one
     function per tile kind. ``key_block`` / ``lse`` / ``rows`` are the forward's once-per-key-block, LSE and
-    per-slab row-state steps (``_alibi_positions``, ``_alibi_lse``, ``_dropout_slab``). ``ds_post``: the
+    per-slab row-state steps (``_alibi_positions``, ``_alibi_lse``, ``_dropout_slab``); ``item``: the
+    backward's once-per-work-item steps ``f(cfg, item)`` (the bias gradient's zero fill). ``ds_post``: the
     backward's dS steps; ``item_start`` / ``item_end``: functions ``f(cfg, hbm, item)`` run when a work item starts
     (loading its per-head operands into ``item``) and ends (writing per-head results)."""
 
     def __init__(self, score, mask_full, mask_partial, p_mask, prob, grad=None, ds=None, key_block=None, lse=None,
-                 rows=None, ds_post=None, item_start=None, item_end=None):
+                 rows=None, item=None, ds_post=None, item_start=None, item_end=None):
         self.score = score
         self.mask_full = mask_full
         self.mask_partial = mask_partial
@@ -145,6 +157,9 @@ class Steps(nl.NKIObject):
         self.key_block = key_block
         self.lse = lse
         self.rows = rows
+        self.item = item
+        if item is None:
+            self.item = []
         self.ds_post = ds_post
         self.item_start = item_start
         self.item_end = item_end
@@ -184,8 +199,8 @@ def softcap_scores(cfg, tile, item, s):
 def logit_scale_scores(cfg, tile, item, s):
     """Score step, the per-head logit scale: ``z = S * scale[h]`` (ONE ScalarE copy, PSUM -> float32 SBUF, the
     head's scale a per-partition column of ``item.logit_scale`` as the activation's ``scale``; on ScalarE rather
-    than VectorE, as the modeled schedule prefers in both kernels, docs/semantics.md "Per-head logit scale"). First of the score steps: the
-    soft-cap's tanh and the ALiBi bias read z, and the exponent's float32 ``exp_scale`` (softmax_scale) stays the
+    than VectorE, as the modeled schedule prefers in both kernels, docs/semantics.md "Per-head logit scale").
+    First of the score steps: the soft-cap's tanh and the ALiBi bias read z, and the exponent's float32 ``exp_scale`` (softmax_scale) stays the
     kernel-wide factor, so the logit is ``softmax_scale * scale[h] * q.k`` with every factor applied in float32
     (module docstring, "The scale convention"). (The backward wraps it to keep the unscaled S for the gradient.)"""
     z = nl.ndarray((PMAX, tile.kw), dtype=nl.float32, buffer=nl.sbuf)
@@ -197,6 +212,48 @@ def load_logit_scale(cfg, hbm, item):
     """Work-item start step of the logit scale: the kv head's query heads' scales broadcast to the partitions,
     ``item.logit_scale`` ``[128, group]`` float32 (``load_slopes``: the same ``[bs, nheads]`` HBM layout)."""
     item.logit_scale = load_slopes(hbm.logit_scale, hbm.logit_scale.shape[1], cfg.group, item.b, item.kvh)
+
+
+def bias_scores(cfg, tile, item, s):
+    """Score step, the additive bias: ``S + bias / e`` with e the exponent's float32 scale (``cfg.exp_scale``:
+    softmax_scale, or the cap with soft-capping), so the exponent's ``e (S + bias / e)`` is the scaled (and
+    capped) logit plus the bias, as torch's SDPA adds ``attn_mask`` to the scaled scores. The tile of the bias
+    ``[128 query rows, kw keys]`` is ONE DMA in the bias's dtype (``bias_tile``: broadcast dims are stride 0),
+    then ONE VectorE ``scalar_tensor_tensor`` ``bias * (1 / e) + S`` reading S from PSUM (or from an earlier
+    score step's SBUF output). Only the tiles the band visits are loaded."""
+    bt = nl.ndarray((PMAX, tile.kw), dtype=item.bias.dtype, buffer=nl.sbuf)
+    nisa.dma_copy(dst=bt, src=bias_tile(item.bias, tile.b, tile.hq, tile.q0, tile.k0, tile.kw))
+    out = nl.ndarray((PMAX, tile.kw), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.scalar_tensor_tensor(dst=out, data=bt, op0=nl.multiply, operand0=1.0 / cfg.exp_scale, op1=nl.add,
+                              operand1=s)
+    return out
+
+
+def bias_tile(bias, b, hq, q0, k0, kw):
+    """HBM view ``[128, kw]`` of the bias ``[bb, hb, sqb, skb]`` (each dim 1 = broadcast, or the full size) for
+    query rows ``[q0, q0 + 128)`` of query head ``hq`` of batch ``b`` and keys ``[k0, k0 + kw)``: a plain slice
+    when neither sequence dim is broadcast (its row stride may exceed the access pattern's int16 field), else an
+    access pattern with stride 0 along the broadcast dim(s)."""
+    bb, hb, sqb, skb = bias.shape
+    bi = 0
+    if bb > 1:
+        bi = b
+    hi = 0
+    if hb > 1:
+        hi = hq
+    if sqb > 1 and skb > 1:
+        return bias[bi, hi, q0:q0 + PMAX, k0:k0 + kw]
+    row_stride = 0
+    qi = 0
+    if sqb > 1:
+        row_stride = skb
+        qi = q0
+    col_stride = 0
+    ki = 0
+    if skb > 1:
+        col_stride = 1
+        ki = k0
+    return bias.ap(pattern=[[row_stride, PMAX], [col_stride, kw]], offset=((bi * hb + hi) * sqb + qi) * skb + ki)
 
 
 # ----------------------------------------------------------------------------------------------- shared helpers

@@ -182,6 +182,13 @@ ROWS = [
     ("f", "bf16", "causal+alibi+lscale1", "d64-s256", "h2k1"),
     ("b", "bf16", "causal+cap2+alibi+sinks1+lscale1.5", "d64-s256", "h4k2"),
     ("b", "fp32", "causal+drop0.2+lscale1+sec128", "d64-s384", "h2k1", S),
+    ("fb", "bf16", "causal+cap2+biash+lscale1", "d64-s256", "b2h2k1"),       # with the bias and its gradient
+    # ---- additive bias (attn_bias; backward with its gradient, summed over the broadcast dims)
+    ("fb", "fp32", "causal+biash", "d64-s256x384", "b2h4k2"),
+    ("fb", "bf16", "win100:40+cap3+biasb", "d64-s384", "b2h2k1"),
+    ("b", "fp16", "causal+alibi+sinks1+bias1+sec128", "d64-s512", "h2k1"),
+    ("f", "bf16", "causal+alibi+biaskeys+seed3", "d64-s256", "b2h2k2"),         # with the ALiBi matmul path
+    ("b", "fp32", "drop0.2+biasfull+cu0-100-250-384", "d64-s384", "b2h2k1", S),
 ]
 
 # The cross product of the core axes (slow): every variant on every dtype, shape and head layout, both kernels.
