@@ -381,7 +381,7 @@ def flash_spec(fn, q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, win
     messages) and return their ``AttentionSpec``: q ``[batch, seqlen_q, nheads, head_dim]``, k ``[batch,
     seqlen_k, nheads_k, head_dim]``, v ``[batch, seqlen_k, nheads_k, head_dim_v]``, the mask bottom-right
     aligned (shift = seqlen_k - seqlen_q). Draws the dropout seed when dropout_p > 0 and none is given.
-    ``attn_bias``: an additive bias broadcastable to ``[batch, nheads, seqlen_q, seqlen_k]`` (``check_bias``)."""
+    ``attn_bias``: an additive bias broadcastable to ``[batch, nheads, seqlen_q, seqlen_k]`` (``check_bias``).
     ``logit_scale``: float32 ``[nheads]`` or ``[batch, nheads]`` (``AttentionSpec.logit_scale``)."""
     p = _check_dropout(fn, dropout_p)
     cap = _check_softcap(fn, softcap)
