@@ -79,7 +79,8 @@ def make_inputs(case, seed=None):
     """Inputs of a row in the kernels' layout, drawn in float64 then rounded to the row dtype.
 
     Returns dict: q [b, h, d, sq], k, v [b, hk, d, sk], dy like q (row dtype); sinks float32 [b, h] or
-    [b, h, n] or None; bound_min, bound_max float32 [sq] or None.
+    [b, h, n] or None; bound_min, bound_max float32 [sq] or None; with the variants, alibi_slopes, logit_scale
+    float32 [b, h] and dropout_seed.
     """
     g = torch.Generator().manual_seed(case_seed(case) if seed is None else seed)
     dt = _TORCH[case.dtype]
@@ -123,6 +124,9 @@ def make_inputs(case, seed=None):
         ins["dropout_seed"] = dropout_seed(case)
     if case.bias:
         ins["attn_bias"] = draw(*case.bias_shape)
+    if case.logit_scale:  # learned temperatures around 1 (U[0.5, 3)); packed API rows share one per head
+        lam = 0.5 + 2.5 * torch.rand(1 if case.cu_seqlens else b, h, generator=g, dtype=torch.float64)
+        ins["logit_scale"] = lam.to(torch.float32).expand(b, h).contiguous()
     return ins
 
 
@@ -171,6 +175,8 @@ def _variant_kwargs(case, ins):
         kw["dropout_seed"] = ins["dropout_seed"]
     if case.bias:
         kw["attn_bias"] = ins["attn_bias"]
+    if case.logit_scale:
+        kw["logit_scale"] = ins["logit_scale"]
     return kw
 
 
@@ -234,7 +240,8 @@ def inputs_baseline(ins, ref, case):
     """The backward's LSE-based formula in float32, reading the reference O rounded to the row's dtype and the
     reference LSE rounded to float32 (the inputs a backward kernel is handed): D = rowsum(O * dO),
     P = exp(S - LSE), dS = P * (dP - D), dV = P^T dO, dQ = scale dS K, dK = scale dS^T Q, dsinks =
-    -sum_rows P_sink D. Its error is what any implementation of that formula gets from those inputs, which
+    -sum_rows P_sink D (with a logit scale lam: S scaled by lam first, dS by lam on its way to dQ, dK, and
+    dlogit_scale = sum dS * scale S). Its error is what any implementation of that formula gets from those inputs, which
     the golden baseline (it normalises its own P and never reads O) does not make (docs/validation.md).
 
     Works on the unpadded problem for every row; returns dq, dk, dv (and dsinks) in ``reference``'s layouts.
@@ -257,9 +264,13 @@ def inputs_baseline(ins, ref, case):
     keep = keep_mask(ins, case)
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     dd = (o * dy).sum(2)                                                              # D [b, h, sq] (dropped O)
+    dlogit = torch.zeros(q.shape[:2], dtype=f32)
     for g in range(case.kv_heads):
         hq = slice(g * group, (g + 1) * group)
-        s = torch.einsum("bhdq,bdk->bhqk", q[:, hq], k[:, g]) * scale
+        s0 = s = torch.einsum("bhdq,bdk->bhqk", q[:, hq], k[:, g]) * scale
+        if case.logit_scale:
+            lam = ins["logit_scale"][:, hq, None, None].to(f32)
+            s = s * lam
         if case.softcap:
             th = torch.tanh(s / case.softcap)
             s = case.softcap * th
@@ -277,10 +288,15 @@ def inputs_baseline(ins, ref, case):
         ds = p * (dp - dd[:, hq, :, None])
         if case.softcap:
             ds = ds * (1.0 - th * th)
+        if case.logit_scale:
+            dlogit[:, hq] = (ds * s0).sum((2, 3))
+            ds = ds * lam
         dq[:, hq] = torch.einsum("bhqk,bdk->bhdq", ds, k[:, g]) * scale
         dk[:, g] = torch.einsum("bhqk,bhdq->bdk", ds, q[:, hq]) * scale
         dv[:, g] = torch.einsum("bhqk,bhdq->bdk", p_v, dy[:, hq])
     out = {"dq": dq, "dk": dk, "dv": dv}
+    if case.logit_scale:
+        out["dlogit_scale"] = dlogit
     if ins["sinks"] is not None:
         sinks = ins["sinks"].to(f32)
         sinks = sinks[..., None] if sinks.dim() == 2 else sinks                      # [b, h, n]
@@ -316,6 +332,8 @@ def _golden(ins, case, as_dtype):
             kw.update(dropout_p=case.dropout, dropout_mask=keep[:, hq].contiguous())
         if case.bias:
             kw["attn_bias"] = cv(_bias_head_slice(ins["attn_bias"], hq))
+        if case.logit_scale:
+            kw["logit_scale"] = ins["logit_scale"][:, hq].contiguous()
         o, lse = golden.attention_fwd_torch_ref(q[:, hq], k[:, hk], v[:, hk], s_g, ins["bound_min"],
                                                 ins["bound_max"], mixed_precision=True, **kw)
         gr = golden.attention_bwd_torch_ref(q[:, hq], k[:, hk], v[:, hk], o, dy[:, hq], lse, s_g, ins["bound_min"],
@@ -325,6 +343,8 @@ def _golden(ins, case, as_dtype):
             part["dsinks"] = gr["out_dsinks_ref"]
         if case.bias:
             part["dbias"] = gr["out_dbias_ref"]
+        if case.logit_scale:
+            part["dlogit_scale"] = gr["out_dlogit_scale_ref"]
         parts.append(part)
     out = {name: torch.cat([p[name] for p in parts], dim=1) for name in parts[0]}
     if case.bias and case.bias_shape[1] == 1:  # a bias shared by the heads: every kv group adds to its gradient
@@ -369,8 +389,10 @@ def _run_kernels(candidate, ins, case):
     out = {"o": o, "lse": lse, "dq": res[0], "dk": res[1], "dv": res[2]}
     if ins["sinks"] is not None:
         out["dsinks"] = res[3]
-    if case.bias:
-        out["dbias"] = _sum_to(res[-1], case.bias_shape)
+    if case.bias:  # the kernel's outputs after dsinks: [dbias], [dlogit_scale]
+        out["dbias"] = _sum_to(res[-2] if case.logit_scale else res[-1], case.bias_shape)
+    if case.logit_scale:
+        out["dlogit_scale"] = res[-1]  # the backward returns it last
     return out
 
 
@@ -443,7 +465,7 @@ def run_api(ins, case):
     """Forward + backward of a row through ``nki_attn.flash_attn_func`` (``flash_attn_varlen_func`` for packed
     rows) with ``return_lse=True``; o.backward(dy). Inputs in the kernels' layout (``make_inputs``); outputs
     o, dq [b, h, d, sq], dk, dv [b, hk, d, sk], lse [b, h, sq], dsinks [h(, n)] (the gradient of the shared
-    sinks)."""
+    sinks), dlogit_scale [b, h] (packed rows: the [h] scale they share, as [1, h])."""
     from ..attention import flash_attn_func, flash_attn_varlen_func
 
     def api_layout(t):  # [b, h, d, s] -> [b, s, h, d]
@@ -465,6 +487,10 @@ def run_api(ins, case):
         # one batch row holds every sequence: varlen's [b, h] would mean per sequence), [b, h] otherwise
         common["alibi_slopes"] = ins["alibi_slopes"][0].contiguous() if case.alibi == "random_h" \
             or case.cu_seqlens else ins["alibi_slopes"]
+    lam = None
+    if case.logit_scale:  # varlen takes one scale per head ([h]), flash_attn_func a scale per (batch, head)
+        lam = (ins["logit_scale"][0] if case.cu_seqlens else ins["logit_scale"]).clone().requires_grad_()
+        common["logit_scale"] = lam
     if case.cu_seqlens:
         if case.batch != 1 or case.seqlen_q != case.seqlen_k:
             raise ValueError(f"row {case.name}: packed rows need batch 1 and seqlen_q == seqlen_k")
@@ -487,6 +513,9 @@ def run_api(ins, case):
         # no grad at all when no query row sees a key (every packed sequence empty: the API's output does not
         # depend on the sinks there): the gradient is zero
         out["dsinks"] = sinks.grad if sinks.grad is not None else torch.zeros_like(sinks)
+    if lam is not None:
+        grad = lam.grad if lam.grad is not None else torch.zeros_like(lam)
+        out["dlogit_scale"] = grad.reshape(-1, case.heads)
     return out
 
 
@@ -575,13 +604,13 @@ def sdpa_low_precision(ins, case):
     """o, dq, dk, dv of torch's SDPA math path (``aten._scaled_dot_product_attention_math``) computed in the
     row's dtype (``allow_fp16_bf16_reduction_math_sdp(True)``: its matmuls, softmax and gradients in bf16/fp16,
     like FlashAttention's tests' low-precision reference) on the row's inputs, in the reference's layouts
-    (``[b, h, d, sq]``, ``[b, hk, d, sk]``); None when SDPA cannot express the row (soft-capping, dropout).
+    (``[b, h, d, sq]``, ``[b, hk, d, sk]``); None when SDPA cannot express the row (soft-capping, dropout, a logit scale).
 
     Masks (causal, windows, packing) and ALiBi become its float ``attn_mask``; sinks become extra keys with a
     zero key and value whose mask entry is the sink logit (exactly a sink's softmax term). Query rows that see
     no key (NaN in SDPA) are left out of every output: zero rows in o and dq of both, their keys' terms absent."""
     from golden.attention_fwd_torch import alibi_bias, visibility_mask
-    if case.softcap or case.dropout:
+    if case.softcap or case.dropout or case.logit_scale:
         return None
     dt = _TORCH[case.dtype]
     q, k, v, dy = (ins[n] for n in ("q", "k", "v", "dy"))

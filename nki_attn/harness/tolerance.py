@@ -67,7 +67,8 @@ def reduction_lengths(case):
 
     o, lse, dq sum over the keys one query row sees (at most seqlen_k; the window or the longest packed
     sequence caps it; lse also sums the sinks); dk, dv over the query rows that see one key, times the query
-    heads of its GQA group; dsinks over every query row of the head. Returns dict output name -> n.
+    heads of its GQA group; dsinks over every query row of the head; dlogit_scale over every visible (query, key)
+    pair of the head. Returns dict output name -> n.
     """
     keys, queries = case.seqlen_k, case.seqlen_q
     if case.window:
@@ -89,7 +90,7 @@ def reduction_lengths(case):
         queries = int(((j >= lo.numpy()[:, None]) & (j < hi.numpy()[:, None])).sum(0).max())
     group = case.heads // case.kv_heads
     n = {"o": keys, "lse": keys + case.num_sinks, "dq": keys, "dk": queries * group, "dv": queries * group,
-         "dsinks": case.seqlen_q}
+         "dsinks": case.seqlen_q, "dlogit_scale": case.seqlen_q * keys}
     shape = getattr(case, "bias_shape", None)
     if shape is not None:
         # dbias = P (dP - D): P normalised over the keys, times the terms the broadcast dims sum

@@ -4,7 +4,7 @@
                   mixed_precision=True, softmax_scale=None, sliding_window=None, softcap=0.0, alibi_slopes=None,
                   window_size=None, dropout_p=0.0, dropout_seed=None, kb_tiles=None, block_members_max=None,
                   slab_tiles=None, attn_bias=None, block_mask=None, block_bits=None, p_dma_period=None,
-                  pv_lag=None) -> (o, lse)
+                  pv_lag=None, logit_scale=None) -> (o, lse)
 
 Layouts (head_dim on the partition axis): q ``[bs, nheads, d_qk, seqlen_q]``, k ``[bs, nheads_kv, d_qk,
 seqlen_k]``, v ``[bs, nheads_kv, d_v, seqlen_k]``, o ``[bs, nheads, d_v, seqlen_q]``, lse float32 ``[bs, nheads,
@@ -43,7 +43,8 @@ from .band import BlockRows, block_mask_problem, classify_keys
 from .dropout import (dropout_row_keys, dropout_row_keys_members, dropout_values, keep_threshold,
                       load_dropout_seed)
 from .steps import (FP32_MAX, FP32_MIN, K_TILE, PMAX, Hbm, Item, Steps, Tile, bias_scores, block_bitsel,
-                    block_mask_scores, head_dim_tiles, itemsize, load_packing_bounds, load_slopes, mask_step,
+                    block_mask_scores, head_dim_tiles, itemsize, load_logit_scale, load_packing_bounds, load_slopes,
+                    logit_scale_scores, mask_step,
                     run_steps, softcap_scores, spmd_items)
 from .validation import attention_problem, attention_shape, bias_problem, sbuf_bytes_per_partition
 
@@ -106,6 +107,7 @@ class _FwdConfig(nl.NKIObject):
         self.scalar_busy = shp.softcap > 0 and not shp.alibi and shp.dropout_p == 0.0
         self.exp_scale = shp.softcap if shp.softcap > 0 else shp.scale
         self.alibi = shp.alibi
+        self.logit_scale = shp.logit_scale
         self.dropout_p = shp.dropout_p
         self.o_factor = 1.0 / (1.0 - shp.dropout_p)  # dropout's 1 / (1 - p), applied with 1 / l
         self.io_dtype = io_dtype
@@ -128,8 +130,9 @@ class _FwdConfig(nl.NKIObject):
         # are bfloat16, no soft-cap (the bias follows the tanh) and no sinks (they would need the row shift);
         # otherwise the exact VectorE step (``_alibi_scores``)
         # (positions up to 65536: 256 floor(j / 256) stays an exact bfloat16 integer)
+        # (and no logit scale: the matmul adds the bias in PSUM, before the logit scale's step would scale it)
         self.alibi_mm = (shp.alibi and self.hi_rel <= self.off and shp.num_sinks == 0 and shp.softcap == 0.0
-                         and str(io_dtype) == str(nl.bfloat16) and shp.seqlen_k <= 65536)
+                         and not shp.logit_scale and str(io_dtype) == str(nl.bfloat16) and shp.seqlen_k <= 65536)
         if range_select_ok:
             self.mask = "bounds"
         elif shp.packing:
@@ -460,8 +463,9 @@ def _alibi_coefs(cfg, sl):
 
 def _select_steps(cfg, attn_bias=None):
     """The launch's steps (``steps`` protocol): the score steps of the variants in the order of the semantics
-    (soft-capping, then ALiBi, then the additive bias ``attn_bias``), the masking steps by generation and mask
-    kind, the probability steps (dropout). The default launch has no score or probability step."""
+    (the logit scale, soft-capping, then ALiBi, then the additive bias ``attn_bias``), the masking steps by
+    generation and mask kind, the probability steps (dropout). The default launch has no score or probability
+    step."""
     partial = _mask_affine
     if cfg.mask == "bounds":
         partial = _mask_bounds
@@ -476,6 +480,10 @@ def _select_steps(cfg, attn_bias=None):
         score.append(_alibi_matmul)
         key_block.append(_alibi_positions)
         lse.append(_alibi_lse)
+    item_start = []
+    if cfg.logit_scale:
+        score.append(logit_scale_scores)
+        item_start.append(load_logit_scale)
     if cfg.softcap > 0:
         score.append(softcap_scores)
     if cfg.alibi and not cfg.alibi_mm:
@@ -487,7 +495,8 @@ def _select_steps(cfg, attn_bias=None):
     if cfg.dropout_p > 0:
         prob.append(_dropout_probs)
         rows = _dropout_slab
-    return Steps(score, _evict_max, partial, [], prob, key_block=key_block, lse=lse, rows=rows)
+    return Steps(score, _evict_max, partial, [], prob, key_block=key_block, lse=lse, rows=rows,
+                 item_start=item_start)
 
 
 def _load_bounds(cfg, bound_min, bound_max):
@@ -874,9 +883,10 @@ def _update_sum(cfg, l_sum, alpha, rs):
 
 
 # ----------------------------------------------------------------------------------------------------- opening work
-def _open_item(cfg, hbm, sinks_ref, alibi_slopes, launch, work):
-    """The work item's runtime tiles (``steps.Item``): sink statistics, ALiBi coefficients; ``launch``: the
-    launch-wide ``Item`` (seed, bounds, position table)."""
+def _open_item(cfg, hbm, sinks_ref, alibi_slopes, launch, steps, work):
+    """The work item's runtime tiles (``steps.Item``): sink statistics, ALiBi coefficients, then the steps'
+    ``item_start`` hooks (the logit scale's per-head column); ``launch``: the launch-wide ``Item`` (seed, bounds,
+    position table)."""
     b = work.b
     kvh = work.kvh
     sink_stats = None
@@ -888,6 +898,8 @@ def _open_item(cfg, hbm, sinks_ref, alibi_slopes, launch, work):
         slopes, alibi_st = _alibi_coefs(cfg, load_slopes(alibi_slopes, cfg.shp.nheads, cfg.group, b, kvh))
     work.item = Item(b, kvh, slopes=slopes, seed=launch.seed, bounds=launch.bounds, alibi_st=alibi_st,
                      pos_tab=launch.pos_tab, sinks=sink_stats, bias=launch.bias)
+    for f in steps.item_start:
+        f(cfg, hbm, work.item)
 
 
 def _open_slab(cfg, hbm, steps, slab):
@@ -955,7 +967,7 @@ def _load_unit(cfg, hbm, sinks_ref, alibi_slopes, launch, steps, unit):
     slab = blk.slab
     work = slab.work
     if work.item is None:
-        _open_item(cfg, hbm, sinks_ref, alibi_slopes, launch, work)
+        _open_item(cfg, hbm, sinks_ref, alibi_slopes, launch, steps, work)
     if not slab.opened:
         _open_slab(cfg, hbm, steps, slab)
     if unit.first:
@@ -1346,14 +1358,14 @@ def fwd_problem(q_ref, k_ref, v_ref, sinks_ref=None, bound_min=None, bound_max=N
                 mixed_precision=True, softmax_scale=None, sliding_window=None, softcap=0.0, alibi_slopes=None,
                 window_size=None, dropout_p=0.0, dropout_seed=None, kb_tiles=None, block_members_max=None,
                 slab_tiles=None, attn_bias=None, block_mask=None, block_bits=None, p_dma_period=None,
-                pv_lag=None):
+                pv_lag=None, logit_scale=None):
     """``None`` when ``attention_fwd`` accepts these arguments, else the first problem as a message. The kernel
     asserts on it; ``nki_attn.kernel_api.attention_fwd`` raises it as ``ValueError`` before launching."""
     problem = attention_problem(q_ref, k_ref, v_ref, sinks=sinks_ref, bound_min=bound_min, bound_max=bound_max,
                                 use_causal_mask=use_causal_mask, softmax_scale=softmax_scale,
                                 sliding_window=sliding_window, softcap=softcap, alibi_slopes=alibi_slopes,
                                 window_size=window_size, dropout_p=dropout_p, dropout_seed=dropout_seed,
-                                kernel="attention_fwd")
+                                kernel="attention_fwd", logit_scale=logit_scale)
     if problem is None and not isinstance(mixed_precision, bool):
         problem = f"mixed_precision={mixed_precision!r} must be True or False"
     if problem is None:
@@ -1377,12 +1389,13 @@ def fwd_problem(q_ref, k_ref, v_ref, sinks_ref=None, bound_min=None, bound_max=N
 
 def _setup_config(q_ref, k_ref, v_ref, sinks_ref, bound_min, use_causal_mask, mixed_precision, softmax_scale,
                   sliding_window, softcap, alibi_slopes, window_size, dropout_p, kb_tiles, block_members_max,
-                  slab_tiles, block_mask=None, p_dma_period=None, pv_lag=None):
+                  slab_tiles, block_mask=None, p_dma_period=None, pv_lag=None, logit_scale=None):
     """The launch's ``_FwdConfig``, built once from the kernel's (valid) arguments; ``block_mask`` its
     ``band.BlockRows`` (or None)."""
     shp = attention_shape(q_ref, k_ref, sinks=sinks_ref, bound_min=bound_min, use_causal_mask=use_causal_mask,
                           softmax_scale=softmax_scale, sliding_window=sliding_window, v=v_ref, softcap=softcap,
-                          alibi_slopes=alibi_slopes, window_size=window_size, dropout_p=dropout_p)
+                          alibi_slopes=alibi_slopes, window_size=window_size, dropout_p=dropout_p,
+                          logit_scale=logit_scale)
     range_select_ok = nisa.get_nc_version() >= nisa.nc_version.gen3  # range_select exists on trn2+
     acc_dtype = nl.float32 if mixed_precision else q_ref.dtype
     cfg = _FwdConfig(shp, q_ref.dtype, acc_dtype, range_select_ok, v_ref.shape[2], kb_tiles, block_members_max,
@@ -1397,7 +1410,7 @@ def attention_fwd(q_ref, k_ref, v_ref, sinks_ref=None, bound_min=None, bound_max
                   mixed_precision=True, softmax_scale=None, sliding_window=None, softcap=0.0, alibi_slopes=None,
                   window_size=None, dropout_p=0.0, dropout_seed=None, kb_tiles=None, block_members_max=None,
                   slab_tiles=None, attn_bias=None, block_mask=None, block_bits=None, p_dma_period=None,
-                  pv_lag=None):
+                  pv_lag=None, logit_scale=None):
     """Flash-attention forward; returns ``(o, lse)`` in shared HBM.
 
     Args:
@@ -1436,6 +1449,8 @@ def attention_fwd(q_ref, k_ref, v_ref, sinks_ref=None, bound_min=None, bound_max
             1 or nheads; ``rows[t][c]`` the class ``band.BLOCK_*`` of query tile t and 128-key chunk c over all
             (batch, head) pairs) and the uint8 HBM bitmap store of its PARTIAL key tiles (``band`` "Block
             masks"); not with causal, windows or packing bounds.
+        logit_scale: optional float32 ``[bs, nheads]``, the per-head logit scale: the logits are
+            ``softmax_scale * logit_scale[b, h] * q.k`` before soft-capping and ALiBi.
 
     Returns:
         o: ``[bs, nheads, d_v, seqlen_q]`` in q's dtype; lse: float32 ``[bs, nheads, 128, seqlen_q // 128]``.
@@ -1443,11 +1458,11 @@ def attention_fwd(q_ref, k_ref, v_ref, sinks_ref=None, bound_min=None, bound_max
     problem = fwd_problem(q_ref, k_ref, v_ref, sinks_ref, bound_min, bound_max, use_causal_mask, mixed_precision,
                           softmax_scale, sliding_window, softcap, alibi_slopes, window_size, dropout_p, dropout_seed,
                           kb_tiles, block_members_max, slab_tiles, attn_bias, block_mask, block_bits, p_dma_period,
-                          pv_lag)
+                          pv_lag, logit_scale)
     assert problem is None, problem
     cfg = _setup_config(q_ref, k_ref, v_ref, sinks_ref, bound_min, use_causal_mask, mixed_precision, softmax_scale,
                         sliding_window, softcap, alibi_slopes, window_size, dropout_p, kb_tiles, block_members_max,
-                        slab_tiles, block_mask, p_dma_period, pv_lag)
+                        slab_tiles, block_mask, p_dma_period, pv_lag, logit_scale)
     if cfg.block_mask is not None and cfg.block_mask.n_slots > 0:
         cfg.block_mask.bits = block_bits
         cfg.block_mask.bitsel = block_bitsel()
@@ -1456,7 +1471,7 @@ def attention_fwd(q_ref, k_ref, v_ref, sinks_ref=None, bound_min=None, bound_max
 
     o_ref = nl.ndarray((shp.bs, shp.nheads, cfg.d_v, shp.seqlen_q), dtype=q_ref.dtype, buffer=nl.shared_hbm)
     lse_ref = nl.ndarray((shp.bs, shp.nheads, PMAX, cfg.n_qt), dtype=nl.float32, buffer=nl.shared_hbm)
-    hbm = Hbm(q_ref, k_ref, v_ref, o=o_ref, lse=lse_ref)
+    hbm = Hbm(q_ref, k_ref, v_ref, o=o_ref, lse=lse_ref, logit_scale=logit_scale)
     start, stop = spmd_items(shp.bs * shp.nheads_kv)
 
     seed_sb = None
