@@ -11,6 +11,8 @@
     python scripts/bench.py sim-speed [--seqlens 512,2048,8192] [--skip-kernels] [--skip-llama] [--matmul-tiles N]
                                       [--torch-threads N] [--profile-llama F] [--replay-loop N]
                                       the simulator vs torch, wall clock and CPU
+    python scripts/bench.py block-mask-cost [--seqlen 16384] [--docs 8] [--density 0.5]   modeled time of block
+                                      masks (document, random block-sparse) against the unmasked kernels
 
 Every device time printed is MODELED by nki_attn.profiler (the cost model over the simulator's instruction
 trace, docs/performance.md), never measured; wall-clock times are this machine's CPU running the simulator.
@@ -1192,6 +1194,109 @@ right after it, and each ratio is taken from figures of the same run, sides alte
     return 0
 
 
+# ----------------------------------------------------------------------------------------------------- block-mask cost
+def args_block_mask_cost(p):
+    p.add_argument("--seqlen", type=int, default=16384, help="tokens (queries = keys)")
+    p.add_argument("--heads", type=int, default=1)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--docs", type=int, default=8, help="equal documents of the document mask")
+    p.add_argument("--density", type=float, default=0.5, help="fraction of FULL blocks of the random block masks")
+    p.add_argument("--target", default="trn2", choices=("trn1", "trn2", "trn3"))
+    p.add_argument("--kernels", default="fwd,bwd", help="comma-separated: fwd, bwd")
+    p.add_argument("--masks", default="unmasked,document,random-128x128,random-128x512",
+                   help="comma-separated mask names (unmasked first: the baseline)")
+    p.add_argument("--json", metavar="F")
+
+
+def _block_mask_masks(s, docs, density):
+    """name -> (mask_mod or None, description): the unmasked baseline, the document mask, random block masks."""
+    import torch
+
+    from nki_attn import masks
+    ids = torch.arange(s) // (s // docs)
+    g = torch.Generator().manual_seed(0)
+    n = s // 128
+    blocks128 = torch.rand(n, n, generator=g) < density
+    # the same density drawn per 128 queries x 512 keys (the kernels' key tile), so skipped blocks are whole tiles
+    blocks512 = (torch.rand(n, -(-n // 4), generator=g) < density).repeat_interleave(4, 1)[:, :n]
+
+    def random128(b, h, q, kv):
+        return blocks128[q // 128, kv // 128]
+
+    def random512(b, h, q, kv):
+        return blocks512[q // 128, kv // 128]
+    return {
+        "unmasked": (None, "no mask"),
+        "document": (masks.document(ids), f"{docs} equal documents"),
+        "random-128x128": (random128, f"random {density:.0%}-dense FULL/SKIP blocks of 128x128"),
+        "random-128x512": (random512, f"random {density:.0%}-dense FULL/SKIP blocks of 128 queries x 512 keys"),
+    }
+
+
+def run_block_mask_cost(a):
+    """modeled time of block-masked attention (document, random block-sparse) against the unmasked kernels"""
+    import torch
+
+    from nki_attn import kernel_api
+    from nki_attn.block_mask import create_block_mask
+    from nki_attn.profiler import generation, profile
+    from nki_attn.sim.benchmark import run_benchmark
+    s, h, d = a.seqlen, a.heads, a.head_dim
+    kernels = a.kernels.split(",")
+    x = kernel_inputs(1, h, h, s, d, dtype="bfloat16")
+    o = lse = None
+    rows = []
+    all_masks = _block_mask_masks(s, a.docs, a.density)
+    for name in a.masks.split(","):
+        mm, what = all_masks[name]
+        kw = {}
+        if mm is not None:
+            t0 = time.perf_counter()
+            bm = create_block_mask(mm, None, None, s, s)
+            build = time.perf_counter() - t0
+            blk, store = bm.kernel_operands()
+            kw = dict(block_mask=blk, block_bits=store)
+            counts = bm.counts()
+            print(bm.to_string(grid_size=(16, 16), limit=1), flush=True)
+        else:
+            build, counts = 0.0, None
+        row = {"mask": name, "what": what, "blocks": counts, "build_s": build}
+        for kernel in kernels:
+            with target(a.target):
+                if kernel == "fwd":
+                    call, fn, kk = (x["q"], x["k"], x["v"]), kernel_api.attention_fwd, kw
+                else:
+                    if o is None:
+                        o, lse = kernel_api.attention_fwd(x["q"], x["k"], x["v"])
+                        o, lse = torch.as_tensor(o), torch.as_tensor(lse)
+                    call, fn = (x["q"], x["k"], x["v"], o, x["dy"], lse), kernel_api.attention_bwd
+                    kk = dict(kw, mixed_precision=True)
+                t0 = time.perf_counter()
+                _, res = run_benchmark(fn, call, kk, warmup=0, iters=1)
+                wall = time.perf_counter() - t0
+            p = profile(res.records, generation(a.target))
+            row[kernel] = {"time_us": p.time_ns / 1e3, "instructions": len(res.records), "sim_wall_s": wall}
+            print(f"{name:16s} {kernel}: {p.time_ns / 1e3:10.1f} us modeled ({len(res.records)} instructions, "
+                  f"simulated in {wall:.0f} s)", flush=True)
+        rows.append(row)
+    base = rows[0]
+    print(f"\nModeled time (cost model v2, scheduled, {a.target}), B=1 H={h} S={s} D={d} bf16, relative to "
+          f"{base['mask']}:")
+    print("| mask | blocks full / partial / skip | " + " | ".join(f"{k} us | {k} / {base['mask']}" for k in kernels)
+          + " |")
+    print("|---|---|" + "---|---|" * len(kernels))
+    for r in rows:
+        c = r["blocks"]
+        cells = [f"{c['full']} / {c['partial']} / {c['skip']}" if c else "-"]
+        for k in kernels:
+            r[k]["ratio"] = r[k]["time_us"] / base[k]["time_us"]
+            cells += [f"{r[k]['time_us']:.1f}", f"{r[k]['ratio']:.3f}"]
+        print(f"| {r['mask']} ({r['what']}) | " + " | ".join(cells) + " |")
+    _write_json(a.json, {"target": a.target, "shape": dict(batch=1, heads=h, seqlen=s, head_dim=d, dtype="bf16"),
+                         "kernels": kernel_versions(), "rows": rows})
+    return 0
+
+
 # ----------------------------------------------------------------------------------------------------- main
 COMMANDS = {
     "compile": (args_compile, run_compile),
@@ -1203,6 +1308,7 @@ COMMANDS = {
     "blas-orders": (args_blas_orders, run_blas_orders),
     "planted-bugs": (args_planted_bugs, run_planted_bugs),
     "sim-speed": (args_sim_speed, run_sim_speed),
+    "block-mask-cost": (args_block_mask_cost, run_block_mask_cost),
 }
 
 

@@ -8,6 +8,7 @@
     python scripts/figures.py accuracy [--seqlens N...] [--write]   bf16 errors vs power-of-two scale and torch
     python scripts/figures.py accuracy-steps [--write]          where the backward's bf16 error comes from
     python scripts/figures.py readme measure|write|check     README.md's generated times and preset rows
+    python scripts/figures.py masks [--seqlen 2048] [--out F.png]   the prebuilt masks as pictures of their blocks
 
 Instruction counts come from the simulator's trace (nki_attn.sim.trace.recording(): one record per executed
 instruction). Device times are MODELED by nki_attn.profiler (cost model over the simulator's instruction trace),
@@ -1589,6 +1590,54 @@ def run_accuracy_steps(a):
     return 0
 
 
+# ----------------------------------------------------------------------------------------------------- masks
+def _mask_gallery(s):
+    """(title, mask_mod) of the prebuilt masks at ``s`` tokens, as docs/masks.md draws them."""
+    from nki_attn import masks
+    ids = torch.tensor([0] * (s * 3 // 8) + [1] * (s * 5 // 16) + [2] * (s - s * 3 // 8 - s * 5 // 16))
+    return [
+        ("causal", masks.causal_mask),
+        (f"sliding_window({s // 5})", masks.sliding_window(s // 5)),
+        ("document (3 docs) & causal", masks.and_masks(masks.causal_mask, masks.document(ids))),
+        (f"prefix_lm({s // 3})", masks.prefix_lm(s // 3)),
+        (f"chunked_local({s // 5})", masks.chunked_local(s // 5)),
+        (f"dilated(4, window={s // 16})", masks.dilated(4, window=s // 16)),
+    ]
+
+
+def cmd_masks(a):
+    """the prebuilt masks drawn as their blocks (docs/masks.md): text pictures, and a PNG with --out"""
+    from nki_attn.block_mask import FULL, PARTIAL, create_block_mask
+    gallery = [(t, create_block_mask(m, None, None, a.seqlen, a.seqlen)) for t, m in _mask_gallery(a.seqlen)]
+    for title, bm in gallery:
+        print(f"{title}:\n{bm.to_string()}\n")
+    if a.out:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        from matplotlib.colors import ListedColormap
+        cmap = ListedColormap(["#ffffff", "#f4a259", "#2a4d69"])  # skip, partial, full
+        fig, axes = plt.subplots(2, 3, figsize=(10.5, 8.4))
+        for ax, (title, bm) in zip(axes.flat, gallery):
+            c = bm.classes[0, 0].numpy()
+            ax.imshow(c, cmap=cmap, vmin=0, vmax=2, interpolation="nearest")
+            n = bm.counts()
+            ax.set_title(f"{title}\nfull {n['full']}, partial {n['partial']}, skip {n['skip']}", fontsize=9)
+            ax.set_xticks([])
+            ax.set_yticks([])
+            ax.set_xlabel("key blocks (128)", fontsize=8)
+            ax.set_ylabel("query blocks (128)", fontsize=8)
+        handles = [plt.Rectangle((0, 0), 1, 1, facecolor=cmap(i), edgecolor="#999999") for i in (FULL, PARTIAL, 0)]
+        fig.legend(handles, ["FULL: no mask instruction", "PARTIAL: bitmap from HBM", "SKIP: no instruction"],
+                   loc="lower center", ncol=3, fontsize=9)
+        fig.suptitle(f"Block classes of the prebuilt masks, {a.seqlen} tokens, 128 x 128 blocks "
+                     f"(python scripts/figures.py masks --out ...)", fontsize=10)
+        fig.tight_layout(rect=(0, 0.05, 1, 0.96))
+        fig.savefig(a.out, dpi=110)
+        print(f"wrote {a.out}")
+    return 0
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n")[1],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -1601,6 +1650,9 @@ def main(argv=None):
 
     for name, run, doc in (("fwd", cmd_fwd, "kernel-fwd.md"), ("bwd", cmd_bwd, "kernel-bwd.md")):
         add(sub, name, run).add_argument("--write", action="store_true", help=f"write the table into docs/{doc}")
+    p = add(sub, "masks", cmd_masks)
+    p.add_argument("--seqlen", type=int, default=2048)
+    p.add_argument("--out", metavar="F.png", help="write the picture of the blocks to F.png (matplotlib)")
     p = add(sub, "bwd-tolerances", cmd_bwd_tolerances)
     p.add_argument("--write", action="store_true", help="write the table into docs/validation.md")
     p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16", "float16"],

@@ -41,9 +41,10 @@ dV, dK and dQ partial sums stay in PSUM:
 """
 
 from ..backend import nisa, nki, nl
-from .band import classify_keys
+from .band import BlockRows, block_mask_problem, classify_keys
 from .dropout import dropout_row_keys, dropout_scale_keys, dropout_scale_tile, load_dropout_seed
-from .steps import (FP32_MIN, K_TILE, PMAX, Hbm, Item, Steps, Tile, bias_scores, itemsize,
+from .steps import (FP32_MIN, K_TILE, PMAX, Hbm, Item, Steps, Tile, bias_scores, block_bitsel, block_mask_probs,
+                    itemsize,
                     load_packing_bounds, load_slopes, mask_step, no_step, run_steps, softcap_scores, spmd_items)
 from .validation import attention_problem, attention_shape, bias_problem, sbuf_bytes_per_partition
 
@@ -180,7 +181,8 @@ def _visible_tiles(c, q0, k_lo, k_len):
     c.hi_rel)`` decides both, so a bounded window costs O(window) per query tile."""
     out = []
     for t0 in range(k_lo, k_lo + k_len, K_TILE):
-        kt = classify_keys(q0, q0 + PMAX, t0, min(t0 + K_TILE, k_lo + k_len), c.lo_rel, c.hi_rel, c.packing)
+        kt = classify_keys(q0, q0 + PMAX, t0, min(t0 + K_TILE, k_lo + k_len), c.lo_rel, c.hi_rel, c.packing,
+                           c.block_mask)
         if kt.k1 > kt.k0:
             out.append(kt)
     return out
@@ -344,10 +346,11 @@ class BwdConfig(nl.NKIObject):
     """Trace-time plan of one attention_bwd call (shapes, dtypes, engines, sections, blocks, groups, visits).
 
     ``a``: the call's ``validation.AttentionShape``; ``group_max``, ``block_members_max``, ``p_cast_on_gpsimd``,
-    ``ds_dma_transpose``: the kernel's tuning keywords (None: the module defaults)."""
+    ``ds_dma_transpose``: the kernel's tuning keywords (None: the module defaults); ``block_mask``: a
+    ``band.BlockRows`` or None."""
 
     def __init__(self, a, dtype, mixed, section_len, trn1, group_max=None, block_members_max=None,
-                 p_cast_on_gpsimd=None, ds_dma_transpose=None):
+                 p_cast_on_gpsimd=None, ds_dma_transpose=None, block_mask=None):
         # (NKI binds one target per attribute assignment: no tuple unpacking into attributes)
         self.bs = a.bs
         self.nheads = a.nheads
@@ -412,6 +415,8 @@ class BwdConfig(nl.NKIObject):
         for lo in range(0, a.seqlen_k, section_len):
             self.sections.append((lo, min(section_len, a.seqlen_k - lo)))
         self.n_sections = len(self.sections)
+        # a block mask's ``band.BlockRows`` (or None): its classes replace the band's in the plan below
+        self.block_mask = block_mask
         # tiles[s][i]: visible key tiles of section s for query tile i; first_sec[i] / last_sec[i]: the first and
         # last section with one (-1: none)
         self.tiles = []
@@ -499,7 +504,7 @@ def bwd_problem(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref=None, bou
                 use_causal_mask=False, mixed_precision=False, softmax_scale=None, sliding_window=None,
                 softcap=0.0, alibi_slopes=None, window_size=None, dropout_p=0.0, dropout_seed=None,
                 k_section_len=None, group_max=None, block_members_max=None, p_cast_on_gpsimd=None,
-                ds_dma_transpose=None, attn_bias=None, bias_grad=False):
+                ds_dma_transpose=None, attn_bias=None, bias_grad=False, block_mask=None, block_bits=None):
     """``None`` when ``attention_bwd`` accepts these arguments on the current target, else the first problem as
     a message (argument, value, rule). The kernel asserts on it; ``nki_attn.kernel_api.attention_bwd`` raises it
     as ``ValueError`` before launching."""
@@ -528,6 +533,14 @@ def bwd_problem(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref=None, bou
     problem = bias_problem(attn_bias, q_ref.shape[0], q_ref.shape[1], q_ref.shape[3], k_ref.shape[3], bias_grad)
     if problem is not None:
         return problem
+    masked = use_causal_mask or sliding_window is not None or window_size is not None or bound_min is not None
+    problem = block_mask_problem(block_mask, block_bits, q_ref.shape[3], k_ref.shape[3], q_ref.shape[0],
+                                 q_ref.shape[1], masked)
+    if problem is not None:
+        return problem
+    if block_mask is not None and k_section_len is not None and k_section_len % K_TILE != 0:
+        # the block mask's store is laid out by 512-key tiles from key 0: sections must end on them
+        return f"k_section_len={k_section_len} must be a multiple of {K_TILE} with a block_mask"
     a = _shape_of(q_ref, k_ref, v_ref, sinks_ref, bound_min, use_causal_mask, softmax_scale, sliding_window,
                   softcap, alibi_slopes, window_size, dropout_p)
     isz = itemsize(q_ref.dtype)
@@ -567,14 +580,17 @@ def _shape_of(q_ref, k_ref, v_ref, sinks_ref, bound_min, use_causal_mask, softma
 def _configure(q_ref, k_ref, sinks_ref, bound_min, use_causal_mask, mixed_precision, softmax_scale,
                sliding_window, k_section_len, v_ref=None, softcap=0.0, alibi_slopes=None, window_size=None,
                dropout_p=0.0, group_max=None, block_members_max=None, p_cast_on_gpsimd=None,
-               ds_dma_transpose=None):
+               ds_dma_transpose=None, block_mask=None):
     """The launch's ``BwdConfig``, built once from arguments ``bwd_problem`` accepted (``v_ref`` None: d_v =
-    d_qk)."""
+    d_qk; ``block_mask`` the kernel's trace-time ``(n_b, n_h, rows)`` or None)."""
     a = _shape_of(q_ref, k_ref, v_ref, sinks_ref, bound_min, use_causal_mask, softmax_scale, sliding_window,
                   softcap, alibi_slopes, window_size, dropout_p)
     sec = _section_len(a, itemsize(q_ref.dtype), k_section_len)
+    rows = None
+    if block_mask is not None:
+        rows = BlockRows(block_mask[0], block_mask[1], block_mask[2], a.seqlen_k // PMAX)
     return BwdConfig(a, q_ref.dtype, mixed_precision, sec, _is_trn1(), group_max, block_members_max,
-                     p_cast_on_gpsimd, ds_dma_transpose)
+                     p_cast_on_gpsimd, ds_dma_transpose, rows)
 
 
 # ----------------------------------------------------------------------------------------------- engines
@@ -949,6 +965,8 @@ def _select_steps(c, attn_bias=None, bias_grad=False):
             partial = _scores_packed_trn1
     elif c.banded:
         p_mask.append(_p_band)
+    if c.block_mask is not None:
+        p_mask.append(block_mask_probs)
     prob = []
     ds = _ds_plain
     if c.dropout:
@@ -1370,7 +1388,7 @@ def attention_bwd(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref=None, b
                   use_causal_mask=False, mixed_precision=False, softmax_scale=None, sliding_window=None,
                   softcap=0.0, alibi_slopes=None, window_size=None, dropout_p=0.0, dropout_seed=None,
                   k_section_len=None, group_max=None, block_members_max=None, p_cast_on_gpsimd=None,
-                  ds_dma_transpose=None, attn_bias=None, bias_grad=False):
+                  ds_dma_transpose=None, attn_bias=None, bias_grad=False, block_mask=None, block_bits=None):
     """Flash-attention backward: ``(dq, dk, dv)`` or ``(dq, dk, dv, dsinks)``, then ``dbias`` when
     ``bias_grad``. See the module docstring.
 
@@ -1392,16 +1410,21 @@ def attention_bwd(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref=None, b
       from trn2 on;
     - ``ds_dma_transpose``: allow dS transposes by DMA where the plan finds they pay (True, ``DS_DMA_TRANSPOSE``).
 
+    ``block_mask`` / ``block_bits``: a block mask, as in ``attention_fwd`` (sections end on 512-key tiles).
+
     Invalid arguments fail the kernel's assert with the message of ``bwd_problem``;
     ``nki_attn.kernel_api.attention_bwd`` raises it as ``ValueError`` instead."""
     problem = bwd_problem(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref, bound_min, bound_max,
                           use_causal_mask, mixed_precision, softmax_scale, sliding_window, softcap, alibi_slopes,
                           window_size, dropout_p, dropout_seed, k_section_len, group_max, block_members_max,
-                          p_cast_on_gpsimd, ds_dma_transpose, attn_bias, bias_grad)
+                          p_cast_on_gpsimd, ds_dma_transpose, attn_bias, bias_grad, block_mask, block_bits)
     assert problem is None, problem
     c = _configure(q_ref, k_ref, sinks_ref, bound_min, use_causal_mask, mixed_precision, softmax_scale,
                    sliding_window, k_section_len, v_ref, softcap, alibi_slopes, window_size, dropout_p, group_max,
-                   block_members_max, p_cast_on_gpsimd, ds_dma_transpose)
+                   block_members_max, p_cast_on_gpsimd, ds_dma_transpose, block_mask)
+    if c.block_mask is not None and c.block_mask.n_slots > 0:
+        c.block_mask.bits = block_bits
+        c.block_mask.bitsel = block_bitsel()
     steps = _select_steps(c, attn_bias, bias_grad)
     out_dq = nl.ndarray(q_ref.shape, dtype=q_ref.dtype, buffer=nl.shared_hbm)
     out_dk = nl.ndarray(k_ref.shape, dtype=k_ref.dtype, buffer=nl.shared_hbm)

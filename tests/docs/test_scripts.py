@@ -34,9 +34,9 @@ def compare():
 
 @pytest.mark.parametrize("script, commands", [
     ("bench", ["compile", "frontend-overhead", "sim-overhead", "modeled-util", "dropout-cost", "dropout-stats",
-               "blas-orders", "planted-bugs", "sim-speed"]),
+               "blas-orders", "planted-bugs", "sim-speed", "block-mask-cost"]),
     ("figures", ["fwd", "bwd", "bwd-tolerances", "ring", "validation-note", "readme", "accuracy",
-                 "accuracy-steps"]),
+                 "accuracy-steps", "masks"]),
     ("compare", ["flash-attention"]),
 ])
 def test_every_subcommand_is_listed_and_parses(script, commands, capsys):
