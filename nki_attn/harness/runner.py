@@ -236,6 +236,51 @@ def reference(ins, case, as_dtype):
     return cut(_golden(pad, case, as_dtype))
 
 
+def _softmax_groups(ins, ref, case, dt):
+    """The backward's softmax pieces in dtype ``dt``, one kv group at a time, from the reference LSE rounded to
+    float32 (the LSE a backward kernel is handed) on the unpadded problem.
+
+    Yields ``(hq, g, p, th, dp, drop, s0, lam)`` per kv head g: ``hq`` the slice of its query heads; p =
+    exp(S - LSE) [b, group, sq, sk] (0 where a row sees no key); th = tanh(S / softcap) or None; dp = dO V^T
+    [b, group, sq, sk]; drop the dropout multiplier M / (1 - p) or None; s0 the scaled scores before the
+    per-head logit scale, lam that scale [b, group, 1, 1] (or None).
+    """
+    from golden.attention_fwd_torch import alibi_bias, visibility_mask
+
+    lse = ref["lse"]
+    if lse.dim() == 4:  # kernel layout [b, h, 128, sq // 128]: row t * 128 + p at [p, t]
+        lse = lse.permute(0, 1, 3, 2).reshape(lse.shape[0], lse.shape[1], -1)
+    lse = lse.to(torch.float32).to(dt)
+    q, k, v, dy = (ins[n].to(dt) for n in ("q", "k", "v", "dy"))
+    scale = case.scale or case.d_head ** -0.5
+    vis = visibility_mask(case.seqlen_q, case.seqlen_k, case.causal, case.window or None,
+                          ins["bound_min"] if case.cu_seqlens or case.mask else None,
+                          ins["bound_max"] if case.cu_seqlens or case.mask else None,
+                          window_size=tuple(case.window_size) or None)
+    group = case.heads // case.kv_heads
+    keep = keep_mask(ins, case)
+    for g in range(case.kv_heads):
+        hq = slice(g * group, (g + 1) * group)
+        s0 = s = torch.einsum("bhdq,bdk->bhqk", q[:, hq], k[:, g]) * scale
+        lam = None
+        if case.logit_scale:
+            lam = ins["logit_scale"][:, hq, None, None].to(dt)
+            s = s * lam
+        th = None
+        if case.softcap:
+            th = torch.tanh(s / case.softcap)
+            s = case.softcap * th
+        if case.alibi:
+            s = s + alibi_bias(ins["alibi_slopes"][:, hq], case.seqlen_q, case.seqlen_k, dt)
+        if case.bias:
+            s = s + _bias_head_slice(ins["attn_bias"], hq).to(dt)
+        p = torch.exp(s.masked_fill(~vis, float("-inf")) - lse[:, hq, :, None])
+        p = torch.nan_to_num(p, nan=0.0)                                             # rows with no key: 0
+        dp = torch.einsum("bhdq,bdk->bhqk", dy[:, hq], v[:, g])
+        drop = None if keep is None else keep[:, hq].to(dt) / (1.0 - case.dropout)
+        yield hq, g, p, th, dp, drop, s0, lam
+
+
 def inputs_baseline(ins, ref, case):
     """The backward's LSE-based formula in float32, reading the reference O rounded to the row's dtype and the
     reference LSE rounded to float32 (the inputs a backward kernel is handed): D = rowsum(O * dO),
@@ -246,47 +291,19 @@ def inputs_baseline(ins, ref, case):
 
     Works on the unpadded problem for every row; returns dq, dk, dv (and dsinks) in ``reference``'s layouts.
     """
-    from golden.attention_fwd_torch import alibi_bias, visibility_mask
-
     f32, dt = torch.float32, _TORCH[case.dtype]
-    lse = ref["lse"]
-    if lse.dim() == 4:  # kernel layout [b, h, 128, sq // 128]: row t * 128 + p at [p, t]
-        lse = lse.permute(0, 1, 3, 2).reshape(lse.shape[0], lse.shape[1], -1)
-    lse = lse.to(f32)
     o = ref["o"].to(dt).to(f32)
     q, k, v, dy = (ins[n].to(f32) for n in ("q", "k", "v", "dy"))
     scale = case.scale or case.d_head ** -0.5
-    vis = visibility_mask(case.seqlen_q, case.seqlen_k, case.causal, case.window or None,
-                          ins["bound_min"] if case.cu_seqlens or case.mask else None,
-                          ins["bound_max"] if case.cu_seqlens or case.mask else None,
-                          window_size=tuple(case.window_size) or None)
-    group = case.heads // case.kv_heads
-    keep = keep_mask(ins, case)
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     dd = (o * dy).sum(2)                                                              # D [b, h, sq] (dropped O)
     dlogit = torch.zeros(q.shape[:2], dtype=f32)
-    for g in range(case.kv_heads):
-        hq = slice(g * group, (g + 1) * group)
-        s0 = s = torch.einsum("bhdq,bdk->bhqk", q[:, hq], k[:, g]) * scale
-        if case.logit_scale:
-            lam = ins["logit_scale"][:, hq, None, None].to(f32)
-            s = s * lam
-        if case.softcap:
-            th = torch.tanh(s / case.softcap)
-            s = case.softcap * th
-        if case.alibi:
-            s = s + alibi_bias(ins["alibi_slopes"][:, hq], case.seqlen_q, case.seqlen_k, f32)
-        if case.bias:
-            s = s + _bias_head_slice(ins["attn_bias"], hq).to(f32)
-        p = torch.exp(s.masked_fill(~vis, float("-inf")) - lse[:, hq, :, None])
-        p = torch.nan_to_num(p, nan=0.0)                                             # rows with no key: 0
-        dp = torch.einsum("bhdq,bdk->bhqk", dy[:, hq], v[:, g])
+    for hq, g, p, th, dp, drop, s0, lam in _softmax_groups(ins, ref, case, f32):
         p_v = p                                                                      # P as dV and O see it
-        if keep is not None:
-            drop = keep[:, hq].to(f32) / (1.0 - case.dropout)
+        if drop is not None:
             p_v, dp = p * drop, dp * drop
         ds = p * (dp - dd[:, hq, :, None])
-        if case.softcap:
+        if th is not None:
             ds = ds * (1.0 - th * th)
         if case.logit_scale:
             dlogit[:, hq] = (ds * s0).sum((2, 3))
@@ -298,12 +315,59 @@ def inputs_baseline(ins, ref, case):
     if case.logit_scale:
         out["dlogit_scale"] = dlogit
     if ins["sinks"] is not None:
+        lse = ref["lse"]
+        if lse.dim() == 4:
+            lse = lse.permute(0, 1, 3, 2).reshape(lse.shape[0], lse.shape[1], -1)
+        lse = lse.to(f32)
         sinks = ins["sinks"].to(f32)
         sinks = sinks[..., None] if sinks.dim() == 2 else sinks                      # [b, h, n]
         psink = torch.nan_to_num(torch.exp(sinks[:, :, None, :] - lse[..., None]), nan=0.0)
         ds = -(psink * dd[..., None]).sum(2).reshape(ins["sinks"].shape)
         out["dsinks"] = ds.sum(0) if case.via_api else ds
     return out
+
+
+def residue_scales(ins, ref, case):
+    """The float32 residue dS = P * (dP - D) leaves in dq and dk where dP and D cancel (``tolerance.compare``'s
+    ``residue``; derivation: docs/harness.md, "Cancellation in dS").
+
+    dP_ij = dO_i . V_j and D_i = dO_i . O_i are float32 reductions of length d_v, each in error by about
+    sqrt(d_v) * u * ||terms||_2 (the floor's length rule applied to them), and that error survives their
+    difference even where the difference, and so dq and dk, is tiny (a saturated softmax: O_i = V_j, P_ij = 1).
+    With a_ij = ||dO_i * V_j||_2 (times the dropout multiplier), b_i = ||dO_i * O_i||_2 and P' = P (1 - tanh^2)
+    with soft-capping (times |logit_scale| with one), from the float64 reference, the residue's size per element is
+
+        dq[i, c]: scale * sqrt(d_v) * (sqrt(sum_j (P'_ij a_ij K_jc)^2) + b_i |sum_j P'_ij K_jc|)
+        dk[j, c]: scale * sqrt(d_v) * (sqrt(sum_i (P'_ij a_ij Q_ic)^2) + sqrt(sum_i (P'_ij b_i Q_ic)^2))
+
+    (the dP errors are independent per (i, j) and add like a random walk; D's is shared by a query row's keys,
+    so it adds coherently in dq). Returns {"dq": max over dq's elements, "dk": max over dk's}, both without the
+    factor u, which ``tolerance.compare`` applies."""
+    f64 = torch.float64
+    o = ref["o"].to(f64)
+    q, k, v, dy = (ins[n].to(f64) for n in ("q", "k", "v", "dy"))
+    scale = case.scale or case.d_head ** -0.5
+    b_i = ((o * dy) ** 2).sum(2).sqrt()                                               # [b, h, sq]
+    rq, rk = torch.zeros_like(q), torch.zeros_like(k)
+    for hq, g, p, th, _, drop, _, lam in _softmax_groups(ins, ref, case, f64):
+        if th is not None:
+            p = p * (1.0 - th * th)
+        if lam is not None:  # dS reaches dq and dk times the logit scale
+            p = p * lam.abs()
+        a = torch.einsum("bhdq,bdk->bhqk", dy[:, hq] ** 2, v[:, g] ** 2).sqrt()         # ||dO_i * V_j||_2
+        if drop is not None:
+            a = a * drop
+        pb = p * b_i[:, hq, :, None]
+        rq[:, hq] = torch.einsum("bhqk,bdk->bhdq", (p * a) ** 2, k[:, g] ** 2).sqrt() \
+            + b_i[:, hq, None, :] * torch.einsum("bhqk,bdk->bhdq", p, k[:, g]).abs()
+        rk[:, g] = torch.einsum("bhqk,bhdq->bdk", (p * a) ** 2, q[:, hq] ** 2).sqrt() \
+            + torch.einsum("bhqk,bhdq->bdk", pb ** 2, q[:, hq] ** 2).sqrt()
+    d = case.dv ** 0.5 * scale
+
+    def top(t):
+        return float(t.max()) * d if t.numel() else 0.0
+
+    return {"dq": top(rq), "dk": top(rk)}
 
 
 def _golden(ins, case, as_dtype):
@@ -539,6 +603,7 @@ def run_case(case, candidate):
         base = reference(ins, case, None)
         from_inputs = inputs_baseline(ins, ref, case)
         lengths = tolerance.reduction_lengths(case)
+        residues = residue_scales(ins, ref, case)
         checks = {}
         for name in ref:
             if got.get(name) is None:
@@ -550,7 +615,8 @@ def run_case(case, candidate):
             checks[name] = tolerance.compare(name, _np(got[name]), _np(ref[name]), _np(base[name]), case.dtype,
                                              n=lengths[name], input_scale=scale,
                                              inputs=_np(from_inputs[name]) if name in from_inputs else None,
-                                             vec_axis=VECTOR_AXIS.get(name), zero_scale=zs)
+                                             vec_axis=VECTOR_AXIS.get(name), zero_scale=zs,
+                                             residue=residues.get(name, 0.0))
         row["outputs"] = checks
         if case.dtype in ("bfloat16", "float16"):
             vs_sdpa(checks, got, ref, sdpa_low_precision(ins, case))
