@@ -68,7 +68,15 @@ BLOCK_BUDGET_BYTES = 16 * 1024
 # ``_use_dma_transpose`` finds it pays. Both are the design; False gives the alternative (the cast on ScalarE,
 # every dS transpose on TensorE) for measurement.
 P_CAST_ON_GPSIMD = True
-DS_DMA_TRANSPOSE = True
+DS_DMA_TRANSPOSE = False
+# The software pipeline of a section's visits (``_pipeline``): a block's loads are issued PIPE_LEAD visits before
+# its first visit computes; a visit's dV / dK matmuls and dS transposes PIPE_LAG_B visits after its S / dP / dS,
+# and its dQ matmuls PIPE_LAG_D visits after.
+PIPE_LEAD = 4
+# With dS transposes by DMA allowed, every DS_DMA_EVERY-th whole 512-key tile takes the DMA path (1: all).
+DS_DMA_EVERY = 1
+PIPE_LAG_B = 2
+PIPE_LAG_D = 4
 
 
 # ----------------------------------------------------------------------------------------------- planning
@@ -123,9 +131,12 @@ def block_members(d_tiles, itemsize, dq_fp32, v_tiles=None, group_max=None, bloc
 
 def sbuf_usage(d_head, d_tiles, itemsize, section_len, group, seqlen_q, mixed_precision=False, packing=False,
                num_sinks=0, trn1_packing=False, dq_fp32=False, d_v=None, v_tiles=None, softcap=False,
-               alibi=False, dropout=False, group_max=None, block_members_max=None):
-    """SBUF bytes per partition of the kernel's live tensors, by category. The block, group and visit working
-    sets are counted twice in ``total`` (room for the compiler to double-buffer tiles allocated inside loops).
+               alibi=False, dropout=False, group_max=None, block_members_max=None,
+               pipe=(PIPE_LEAD, PIPE_LAG_B, PIPE_LAG_D)):
+    """SBUF bytes per partition of the kernel's live tensors, by category. ``pipe``: ``(pipe_lead, pipe_lag_b,
+    pipe_lag_d)`` of the software pipeline. ``total`` counts the blocks the pipeline holds at once (3 with a
+    lead: loading, in stage A, in stage D), two groups, two visits' stage-A tiles and the visit buffers in flight
+    between stages A, B and D (``in_flight``).
     ``d_head``/``d_tiles``: d_qk and its partition tiles; ``d_v``/``v_tiles`` default to them. Used by the
     trace-time budget check and docs/kernel-bwd.md."""
     e = itemsize
@@ -149,17 +160,24 @@ def sbuf_usage(d_head, d_tiles, itemsize, section_len, group, seqlen_q, mixed_pr
     per_block = (block_members(d_tiles, e, dq_fp32, v_tiles, group_max, block_members_max)
                  * block_member_bytes(d_tiles, e, dq_fp32, v_tiles))
     per_group = g * (d_head + d_v) * e                     # Q^T and dO^T of the members (128 partitions)
-    per_visit = (K_TILE * pe                               # P
-                 + (K_TILE * e if pe != e else 0)          # P cast for the dV matmul (mixed precision)
-                 + 2 * K_TILE * e                          # dS, dS^T
-                 + (K_TILE * 4 if packing else 0)          # masked S (fp32)
-                 + (K_TILE * 5 if trn1_packing else 0)     # key index (fp32) and visibility (uint8)
-                 + (2 * K_TILE * 4 if softcap else 0)      # tanh(S/c), P * (1 - tanh^2) (fp32)
-                 + (3 * K_TILE * 4 if alibi else 0)        # distances, bias, biased logits (fp32)
-                 + (K_TILE * (8 + e) if dropout else 0))   # keep-scale tile, dP * scale (fp32), dropped P
-    total = section + persistent + 2 * (per_block + per_group + per_visit)
+    # the visit buffers of the software pipeline (``_pipeline``): P and the steps' tiles live in stage A only;
+    # the P cast and dS until stage B, pipe_lag_b visits later; dS^T until stage D, pipe_lag_d visits later
+    lead, lag_b, lag_d = pipe
+    p_cast = K_TILE * e if pe != e else 0
+    stage_a = (K_TILE * pe                                 # P
+               + (K_TILE * 4 if packing else 0)            # masked S (fp32)
+               + (K_TILE * 5 if trn1_packing else 0)       # key index (fp32) and visibility (uint8)
+               + (2 * K_TILE * 4 if softcap else 0)        # tanh(S/c), P * (1 - tanh^2) (fp32)
+               + (3 * K_TILE * 4 if alibi else 0)          # distances, bias, biased logits (fp32)
+               + (K_TILE * (8 + e) if dropout else 0))     # keep-scale tile, dP * scale (fp32), dropped P
+    per_visit = stage_a + p_cast + 2 * K_TILE * e
+    in_flight = 2 * stage_a + (lag_b + 1) * (p_cast + K_TILE * e) + (max(lag_b, lag_d) - lag_b + 1) * K_TILE * e
+    # blocks: the one in stage D, the one in stage A and, with a lead, the one whose loads are in flight
+    n_blocks = 3 if lead > 0 else 2
+    total = section + persistent + n_blocks * per_block + 2 * per_group + in_flight
     return {"section": section, "persistent": persistent, "per_block": per_block, "per_group": per_group,
-            "per_visit": per_visit, "total": total, "d_tile": min(d_head, PMAX)}
+            "per_visit": per_visit, "in_flight": in_flight, "n_blocks": n_blocks, "total": total,
+            "d_tile": min(d_head, PMAX)}
 
 
 def psum_banks(d_tiles, v_tiles=None):
@@ -288,7 +306,11 @@ def _group_plan(c, s, members):
                     off = tile.k0 - u0
                     kw = tile.k1 - tile.k0
                     segs = _segments(covered, off // PMAX, (off + kw) // PMAX)
-                    dma = c.dsT_dma and kw == K_TILE
+                    dma = False
+                    if c.dsT_dma and kw == K_TILE:
+                        # every ds_dma_every-th whole tile of the launch goes to DMA (a mix by tile)
+                        c.whole_visits += 1
+                        dma = c.whole_visits % c.ds_dma_every == 0
                     visits.append(BwdVisit(mi, tile, off, segs, not started[mi], dma))
                     started[mi] = True
         ktiles.append(BwdKeyTile(u0, u1 - u0, visits))
@@ -338,14 +360,54 @@ def _section_blocks(c, s):
     return blocks
 
 
+class BwdStep(nl.NKIObject):
+    """One visit of a section's flat plan (``BwdConfig.streams``), in program order: block ``bi`` of the section,
+    its group ``gi`` (``gf``: the group's index in the whole section), key tile ``ki`` of the group, visit ``vi``
+    of the key tile; the flags mark the first / last visit of its block, group and key tile."""
+
+    def __init__(self, bi, gi, gf, ki, vi, blk_first, blk_last, grp_first, grp_last, kt_first, kt_last):
+        self.bi = bi
+        self.gi = gi
+        self.gf = gf
+        self.ki = ki
+        self.vi = vi
+        self.blk_first = blk_first
+        self.blk_last = blk_last
+        self.grp_first = grp_first
+        self.grp_last = grp_last
+        self.kt_first = kt_first
+        self.kt_last = kt_last
+
+
+def _section_stream(blocks):
+    """The flat visit plan of one section's ``blocks``: ``([BwdStep], number of groups)``."""
+    out = []
+    gf = 0
+    for bi in range(len(blocks)):
+        groups = blocks[bi].groups
+        for gi in range(len(groups)):
+            ktiles = groups[gi].ktiles
+            for ki in range(len(ktiles)):
+                nv = len(ktiles[ki].visits)
+                for vi in range(nv):
+                    last_kt = ki == len(ktiles) - 1 and vi == nv - 1
+                    out.append(BwdStep(bi, gi, gf, ki, vi, gi == 0 and ki == 0 and vi == 0,
+                                       gi == len(groups) - 1 and last_kt, ki == 0 and vi == 0, last_kt, vi == 0,
+                                       vi == nv - 1))
+            gf += 1
+    return out, gf
+
+
 class BwdConfig(nl.NKIObject):
     """Trace-time plan of one attention_bwd call (shapes, dtypes, engines, sections, blocks, groups, visits).
 
     ``a``: the call's ``validation.AttentionShape``; ``group_max``, ``block_members_max``, ``p_cast_on_gpsimd``,
-    ``ds_dma_transpose``: the kernel's tuning keywords (None: the module defaults)."""
+    ``ds_dma_transpose``, ``pipe_lead``, ``pipe_lag_b``, ``pipe_lag_d``: the kernel's tuning keywords (None: the
+    module defaults)."""
 
     def __init__(self, a, dtype, mixed, section_len, trn1, group_max=None, block_members_max=None,
-                 p_cast_on_gpsimd=None, ds_dma_transpose=None):
+                 p_cast_on_gpsimd=None, ds_dma_transpose=None, ds_dma_every=None, pipe_lead=None, pipe_lag_b=None,
+                 pipe_lag_d=None):
         # (NKI binds one target per attribute assignment: no tuple unpacking into attributes)
         self.bs = a.bs
         self.nheads = a.nheads
@@ -439,10 +501,24 @@ class BwdConfig(nl.NKIObject):
         self.group_size = group_size(self.d_tiles, group_max)
         self.block_members = block_members(self.d_tiles, self.itemsize, self.dq_scratch, self.v_tiles, group_max,
                                            block_members_max)
+        if ds_dma_every is None:
+            ds_dma_every = DS_DMA_EVERY
+        self.ds_dma_every = ds_dma_every
         self.dsT_dma = _use_dma_transpose(self, trn1)
+        self.whole_visits = 0
         self.blocks = []
+        self.streams = []
+        self.stream_groups = []
         for s in range(self.n_sections):
             self.blocks.append(_section_blocks(self, s))
+            stream, n_groups = _section_stream(self.blocks[s])
+            self.streams.append(stream)
+            self.stream_groups.append(n_groups)
+        # the software pipeline of ``_pipeline`` (stage B never after stage D)
+        pipe = _pipe_of(pipe_lead, pipe_lag_b, pipe_lag_d)
+        self.pipe_lead = pipe[0]
+        self.pipe_lag_b = pipe[1]
+        self.pipe_lag_d = pipe[2]
 
 
 def _use_dma_transpose(c, trn1):
@@ -469,6 +545,17 @@ def _use_dma_transpose(c, trn1):
     return full > 0 and tensor_ns > dma_ns
 
 
+def _pipe_of(pipe_lead, pipe_lag_b, pipe_lag_d):
+    """``(lead, lag_b, lag_d)`` of the software pipeline from the keywords (None: the module defaults)."""
+    if pipe_lead is None:
+        pipe_lead = PIPE_LEAD
+    if pipe_lag_b is None:
+        pipe_lag_b = PIPE_LAG_B
+    if pipe_lag_d is None:
+        pipe_lag_d = PIPE_LAG_D
+    return pipe_lead, pipe_lag_b, max(pipe_lag_b, pipe_lag_d)
+
+
 def _section_len(a, itemsize, k_section_len):
     if k_section_len is None:
         return default_section_len(a.d_qk, len(a.qk_tiles), itemsize, a.seqlen_k, K_SECTION_MAX, len(a.v_tiles))
@@ -480,13 +567,17 @@ def _is_trn1():
 
 
 def _knob_problem(name, value, allowed):
-    """The problem with a tuning keyword: None (the default) or a value of the ``allowed`` kind ("int >= 1" or
-    "bool"); None when it is fine."""
+    """The problem with a tuning keyword: None (the default) or a value of the ``allowed`` kind ("int": an int
+    >= 1, "count": an int >= 0, or "bool"); None when it is fine."""
     if value is None:
         return None
     if allowed == "bool":
         if not isinstance(value, bool):
             return f"{name}={value!r} must be None (the default), True or False"
+        return None
+    if allowed == "count":
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            return f"{name}={value!r} must be None (the default) or an int >= 0"
         return None
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         return f"{name}={value!r} must be None (the default) or an int >= 1"
@@ -497,7 +588,7 @@ def bwd_problem(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref=None, bou
                 use_causal_mask=False, mixed_precision=False, softmax_scale=None, sliding_window=None,
                 softcap=0.0, alibi_slopes=None, window_size=None, dropout_p=0.0, dropout_seed=None,
                 k_section_len=None, group_max=None, block_members_max=None, p_cast_on_gpsimd=None,
-                ds_dma_transpose=None):
+                ds_dma_transpose=None, ds_dma_every=None, pipe_lead=None, pipe_lag_b=None, pipe_lag_d=None):
     """``None`` when ``attention_bwd`` accepts these arguments on the current target, else the first problem as
     a message (argument, value, rule). The kernel asserts on it; ``nki_attn.kernel_api.attention_bwd`` raises it
     as ``ValueError`` before launching."""
@@ -517,7 +608,10 @@ def bwd_problem(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref=None, bou
                 or k_section_len % PMAX != 0:
             return f"k_section_len={k_section_len!r} must be a positive multiple of {PMAX}"
     knobs = (("group_max", group_max, "int"), ("block_members_max", block_members_max, "int"),
-             ("p_cast_on_gpsimd", p_cast_on_gpsimd, "bool"), ("ds_dma_transpose", ds_dma_transpose, "bool"))
+             ("p_cast_on_gpsimd", p_cast_on_gpsimd, "bool"), ("ds_dma_transpose", ds_dma_transpose, "bool"),
+             ("ds_dma_every", ds_dma_every, "int"), ("pipe_lead", pipe_lead, "count"),
+             ("pipe_lag_b", pipe_lag_b, "count"),
+             ("pipe_lag_d", pipe_lag_d, "count"))
     for knob in knobs:
         name, value, allowed = knob
         problem = _knob_problem(name, value, allowed)
@@ -531,7 +625,7 @@ def bwd_problem(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref=None, bou
     dq_fp32 = mixed_precision and isz != 4 and sec < a.seqlen_k
     use = sbuf_usage(a.d_qk, len(a.qk_tiles), isz, sec, a.group, a.seqlen_q, mixed_precision, a.packing,
                      a.num_sinks, trn1 and a.packing, dq_fp32, a.d_v, len(a.v_tiles), a.softcap > 0.0, a.alibi,
-                     a.dropout, group_max, block_members_max)
+                     a.dropout, group_max, block_members_max, _pipe_of(pipe_lead, pipe_lag_b, pipe_lag_d))
     cap = sbuf_bytes_per_partition()
     if use["total"] > cap:
         return (f"attention_bwd needs {use['total']} SBUF bytes per partition (section {use['section']}, per-row "
@@ -550,14 +644,14 @@ def _shape_of(q_ref, k_ref, v_ref, sinks_ref, bound_min, use_causal_mask, softma
 def _configure(q_ref, k_ref, sinks_ref, bound_min, use_causal_mask, mixed_precision, softmax_scale,
                sliding_window, k_section_len, v_ref=None, softcap=0.0, alibi_slopes=None, window_size=None,
                dropout_p=0.0, group_max=None, block_members_max=None, p_cast_on_gpsimd=None,
-               ds_dma_transpose=None):
+               ds_dma_transpose=None, ds_dma_every=None, pipe_lead=None, pipe_lag_b=None, pipe_lag_d=None):
     """The launch's ``BwdConfig``, built once from arguments ``bwd_problem`` accepted (``v_ref`` None: d_v =
     d_qk)."""
     a = _shape_of(q_ref, k_ref, v_ref, sinks_ref, bound_min, use_causal_mask, softmax_scale, sliding_window,
                   softcap, alibi_slopes, window_size, dropout_p)
     sec = _section_len(a, itemsize(q_ref.dtype), k_section_len)
     return BwdConfig(a, q_ref.dtype, mixed_precision, sec, _is_trn1(), group_max, block_members_max,
-                     p_cast_on_gpsimd, ds_dma_transpose)
+                     p_cast_on_gpsimd, ds_dma_transpose, ds_dma_every, pipe_lead, pipe_lag_b, pipe_lag_d)
 
 
 # ----------------------------------------------------------------------------------------------- engines
@@ -661,13 +755,13 @@ def _load_bounds(c, bound_min, bound_max):
 
 
 # ----------------------------------------------------------------------------------------------- steps
-def _rowsum_o_dy(c, o_ref, b, blk, h_abs0, dy_b, ones, dsum):
+def _rowsum_o_dy(c, blk, o_b, dy_b, ones, dsum):
     """Step 1: D = rowsum(O * dO) of the block's members into ``dsum[:, g, i]`` (fp32). Equals
     sum_j P_ij dP_ij (O = P V), so the softmax Jacobian needs no key-axis reduction. O and dO are multiplied in
     their HBM layout (head dim on the partitions: no transpose), one fp32 ``tensor_tensor`` per head-dim tile for
     the whole block; a ones-vector matmul per member sums the head dim over the partitions into one PSUM column.
-    Run in each member's first section only; D stays in SBUF for the later sections."""
-    o_b = _load_block(c, o_ref, b, blk, h_abs0, c.v_rows)
+    Run in each member's first section only; D stays in SBUF for the later sections. ``o_b``, ``dy_b``: the
+    block's O and dO tiles (``_block_load``)."""
     n = blk.nh * blk.nt
     d_ps = nl.ndarray((PMAX, n), dtype=nl.float32, buffer=nl.psum)
     prods = []
@@ -934,11 +1028,10 @@ def _transpose_ds(c, v, ds):
     return dsT
 
 
-def _dq(c, v, ds, kts, kk, dq_ps, dq_fresh):
-    """Step 5.1: dQ += dS K, contracting keys on the partitions (dS^T against the section's K^T), into the
-    member's columns of the group's dQ PSUM tile, accumulated over all the key tiles of the section (onto the
-    earlier sections' partial sum, which ``_reload_dq`` put there, unless ``dq_fresh``)."""
-    dsT = _transpose_ds(c, v, ds)
+def _dq(c, v, dsT, kts, kk, dq_ps, dq_fresh):
+    """Step 5.1: dQ += dS K, contracting keys on the partitions (dS^T, ``_transpose_ds``, against the section's
+    K^T), into the member's columns of the group's dQ PSUM tile, accumulated over all the key tiles of the
+    section (onto the earlier sections' partial sum, which ``_reload_dq`` put there, unless ``dq_fresh``)."""
     n_ch = v.kw // PMAX
     ch0 = kk // PMAX
     for dt in range(len(c.qk_rows)):
@@ -949,9 +1042,9 @@ def _dq(c, v, ds, kts, kk, dq_ps, dq_fresh):
                            moving=dsT[:, 0, ch, :], accumulate=not (dq_fresh and v.dq_first and ch == 0))
 
 
-def _visit(c, item, steps, sec, grp, blk, mem, v, gps):
-    """One member's visit of one key tile: the seed's steps 2-5 on a [128 queries x <= 512 keys] tile. ``mem``:
-    the member's ``_MemberData``, ``v`` the visit (``BwdVisit``), ``gps`` the group's PSUM tiles."""
+def _visit_a(c, item, steps, sec, grp, mem, v):
+    """Stage A of one member's visit of one key tile (the seed's steps 2-4 on a [128 queries x <= 512 keys]
+    tile): S, P and its masks, the P cast, dP and dS. Returns ``(p_mm, ds)``, the operands of stage B."""
     g, i, col = grp.members[v.m]
     tile = Tile(item.b, item.kvh * c.group + g, g, i, v.k0, v.kw, v.kt.needs_lo, v.kt.needs_hi, v.kt.kind,
                 rows=mem.rows, d_col=item.dsum[:, g, i:i + 1])
@@ -960,8 +1053,7 @@ def _visit(c, item, steps, sec, grp, blk, mem, v, gps):
     tile.saved["p_ds"] = run_steps(c, steps.grad, tile, item, p)
     p_mm = _cast_p(c, run_steps(c, steps.prob, tile, item, p))
     ds = _softmax_bwd(c, item, steps, tile, mem.dy, sec.vs, kk)
-    _dv_dk(c, v, mem.dyT, mem.qT, p_mm, ds, gps.dv, gps.dk)
-    _dq(c, v, ds, sec.kts, kk, gps.dq, blk.first)
+    return p_mm, ds
 
 
 def _evict_dv_dk(c, kt, k_lo, dv_ps, dk_ps, dv_acc, dk_acc):
@@ -1021,16 +1113,6 @@ class _MemberData(nl.NKIObject):
         self.rows = rows
 
 
-class _GroupPsum(nl.NKIObject):
-    """The PSUM tiles a group accumulates in: ``dv`` / ``dk`` of the current key tile (one per V / Q-K head-dim
-    tile) and ``dq`` of the whole group."""
-
-    def __init__(self, dv, dk, dq):
-        self.dv = dv
-        self.dk = dk
-        self.dq = dq
-
-
 class _SectionBufs(nl.NKIObject):
     """The buffers of one K/V section ``s`` (keys ``[k_lo, k_lo + k_len)``): ``ks`` / ``vs`` / ``kts`` K, V and
     K^T per head-dim tile (``_load_kv_section``), ``dk_acc`` / ``dv_acc`` the fp32 accumulators."""
@@ -1047,66 +1129,30 @@ class _SectionBufs(nl.NKIObject):
 
 
 class _BlockBufs(nl.NKIObject):
-    """The buffers of one block: ``q`` / ``dy`` its Q (scaled) and dO tiles, ``dq_stage`` the dQ staging,
-    ``dq_prev`` the earlier sections' dQ partial sums (None in the members' first section)."""
+    """The buffers of one block: ``q`` / ``dy`` its Q and dO tiles, ``dq_stage`` the dQ staging, ``dq_prev`` the
+    earlier sections' dQ partial sums (None in the members' first section), ``o`` its O tiles (the members' first
+    section only, for D; else None)."""
 
-    def __init__(self, q, dy, dq_stage, dq_prev):
+    def __init__(self, q, dy, dq_stage, dq_prev, o=None):
         self.q = q
         self.dy = dy
         self.dq_stage = dq_stage
         self.dq_prev = dq_prev
+        self.o = o
 
 
-def _group(c, item, steps, sec, blk, bb, grp):
-    """All visits of one group: dV/dK of each key tile and the members' dQ accumulate in PSUM."""
-    tr = _transpose_members(c, grp, bb.q, bb.dy)
-    dq_ps = nl.ndarray((PMAX, len(c.qk_rows) * c.group_size * PMAX), dtype=nl.float32, buffer=nl.psum)
-    if not blk.first:
-        _reload_dq(c, grp, dq_ps, bb.dq_prev, item.ident)
-    mems = []
-    for mi in range(len(grp.members)):
-        g, i, col = grp.members[mi]
-        # dropout row words of the member, once per group (keys below 65536; else per visit, _drop_keep)
-        rows = None
-        if c.dropout and c.seqlen_k <= 65536:
-            rows = dropout_row_keys(item.seed, item.b, item.kvh * c.group + g, i * PMAX, PMAX, 0)
-        q_m = []
-        for t in bb.q:
-            q_m.append(t[:, col:col + PMAX])
-        dy_m = []
-        for t in bb.dy:
-            dy_m.append(t[:, col:col + PMAX])
-        qT, dyT = tr[mi]
-        mems.append(_MemberData(q_m, dy_m, qT, dyT, rows))
-    for kt in grp.ktiles:
-        dv_ps = []
-        for rt in c.v_rows:
-            dv_ps.append(nl.ndarray((rt[1], kt.uw), dtype=nl.float32, buffer=nl.psum))
-        dk_ps = []
-        for rt in c.qk_rows:
-            dk_ps.append(nl.ndarray((rt[1], kt.uw), dtype=nl.float32, buffer=nl.psum))
-        gps = _GroupPsum(dv_ps, dk_ps, dq_ps)
-        for v in kt.visits:
-            _visit(c, item, steps, sec, grp, blk, mems[v.m], v, gps)
-        _evict_dv_dk(c, kt, sec.k_lo, dv_ps, dk_ps, sec.dv_acc, sec.dk_acc)
-        # release this key tile's dV / dK banks before the next one allocates its own: with two head-dim tiles
-        # (d_head > 128) two generations of them would not fit the 8 PSUM banks next to S, dP and dQ
-        gps = None
-        dv_ps = None
-        dk_ps = None
-    _evict_dq(c, grp, blk, dq_ps, bb.dq_stage)
-
-
-def _block(c, hbm, item, steps, sec, blk):
-    """One block of members in section ``sec``: batched loads, D (first section), the groups, one dQ store per
-    head-dim tile."""
+def _block_load(c, hbm, item, blk):
+    """Pipeline stage L of a block (its first visit, ``c.pipe_lead`` visits before stage A reaches it): the DMAs of
+    dO, Q (and O in the members' first section, for D), the earlier sections' dQ partial sums, and the dQ
+    staging tiles. Returns the block's ``_BlockBufs``."""
     b = item.b
     h_abs0 = item.kvh * c.group + blk.h0
     ncols = blk.nt * PMAX
     dy_b = _load_block(c, hbm.dy, b, blk, h_abs0, c.v_rows)
     q_b = _load_block(c, hbm.q, b, blk, h_abs0, c.qk_rows)
+    o_b = None
     if blk.first:
-        _rowsum_o_dy(c, hbm.o, b, blk, h_abs0, dy_b, item.ones, item.dsum)
+        o_b = _load_block(c, hbm.o, b, blk, h_abs0, c.v_rows)
     to_scratch = c.dq_scratch and not blk.last
     dq_prev = None
     if not blk.first:
@@ -1128,16 +1174,56 @@ def _block(c, hbm, item, steps, sec, blk):
             dq_stage.append(nl.ndarray((rt[1], blk.nh * ncols), dtype=nl.float32, buffer=nl.sbuf))
         else:
             dq_stage.append(nl.ndarray((rt[1], blk.nh * ncols), dtype=c.mm_dtype, buffer=nl.sbuf))
-    bb = _BlockBufs(q_b, dy_b, dq_stage, dq_prev)
-    for grp in blk.groups:
-        _group(c, item, steps, sec, blk, bb, grp)
+    return _BlockBufs(q_b, dy_b, dq_stage, dq_prev, o_b)
+
+
+def _block_store(c, hbm, item, blk, bb):
+    """After the block's last dQ eviction: one dQ store per head-dim tile (to out_dq in the members' last
+    section, else unscaled to the fp32 scratch or out_dq)."""
+    b = item.b
+    h_abs0 = item.kvh * c.group + blk.h0
+    ncols = blk.nt * PMAX
+    to_scratch = c.dq_scratch and not blk.last
     for dt in range(len(c.qk_rows)):
         r0, rn = c.qk_rows[dt]
         if to_scratch:
             dst = _hbm_block(hbm.dq_scratch, 0, blk.h0, blk.nh, r0, rn, blk.i0 * PMAX, ncols)
         else:
             dst = _hbm_block(hbm.dq, b, h_abs0, blk.nh, r0, rn, blk.i0 * PMAX, ncols)
-        nisa.dma_copy(dst=dst, src=dq_stage[dt])
+        nisa.dma_copy(dst=dst, src=bb.dq_stage[dt])
+
+
+def _group_start(c, item, grp, bb):
+    """Stage A of a group's first visit: Q^T, dO^T of its members (``_transpose_members``) and each member's
+    views (``_MemberData``)."""
+    tr = _transpose_members(c, grp, bb.q, bb.dy)
+    mems = []
+    for mi in range(len(grp.members)):
+        g, i, col = grp.members[mi]
+        # dropout row words of the member, once per group (keys below 65536; else per visit, _drop_keep)
+        rows = None
+        if c.dropout and c.seqlen_k <= 65536:
+            rows = dropout_row_keys(item.seed, item.b, item.kvh * c.group + g, i * PMAX, PMAX, 0)
+        q_m = []
+        for t in bb.q:
+            q_m.append(t[:, col:col + PMAX])
+        dy_m = []
+        for t in bb.dy:
+            dy_m.append(t[:, col:col + PMAX])
+        qT, dyT = tr[mi]
+        mems.append(_MemberData(q_m, dy_m, qT, dyT, rows))
+    return mems
+
+
+def _key_tile_psum(c, kt):
+    """The group's dV / dK PSUM tiles of one key tile (one bank per head-dim tile each)."""
+    dv_ps = []
+    for rt in c.v_rows:
+        dv_ps.append(nl.ndarray((rt[1], kt.uw), dtype=nl.float32, buffer=nl.psum))
+    dk_ps = []
+    for rt in c.qk_rows:
+        dk_ps.append(nl.ndarray((rt[1], kt.uw), dtype=nl.float32, buffer=nl.psum))
+    return dv_ps, dk_ps
 
 
 def _dsinks(c, sinks_ref, out_dsinks, b, hk, neg_lse, dsum):
@@ -1184,8 +1270,8 @@ def _identity(c):
 
 def _section(c, hbm, item, steps, s):
     """One K/V section ``s`` of a work item: load K, V, K^T, zero the fp32 dK, dV accumulators, run the section's
-    blocks, write dK, dV. The section's tiles live in this function only, so one section's buffers are released
-    before the next section's are allocated."""
+    visits as a software pipeline (``_pipeline``), write dK, dV. The section's tiles live in this function only,
+    so one section's buffers are released before the next section's are allocated."""
     b = item.b
     hk = item.kvh
     k_lo, k_len = c.sections[s]
@@ -1200,14 +1286,121 @@ def _section(c, hbm, item, steps, s):
         nisa.memset(dst=a_v, value=0.0, engine=nisa.engine.gpsimd)
         dv_acc.append(a_v)
     sec = _SectionBufs(s, k_lo, k_len, ks, vs, kts, dk_acc, dv_acc)
-    for blk in c.blocks[s]:
-        _block(c, hbm, item, steps, sec, blk)
+    _pipeline(c, hbm, item, steps, sec)
     for dt in range(len(c.qk_rows)):
         r0, rn = c.qk_rows[dt]
         nisa.dma_copy(dst=hbm.dk[b, hk, r0:r0 + rn, k_lo:k_lo + k_len], src=dk_acc[dt])
     for dt in range(len(c.v_rows)):
         r0, rn = c.v_rows[dt]
         nisa.dma_copy(dst=hbm.dv[b, hk, r0:r0 + rn, k_lo:k_lo + k_len], src=dv_acc[dt])
+
+
+def _pipeline(c, hbm, item, steps, sec):
+    """Every visit of section ``sec`` in the order of its flat plan (``c.streams[s]``: blocks, groups, key tiles,
+    members), emitted as a software pipeline. Each engine runs its instructions in program order, so a visit's
+    chain across engines (S on TensorE, the exp on ScalarE, the cast, dS on VectorE, back to TensorE for dV, dK
+    and the dS transposes, ScalarE for the dS^T copy, TensorE for dQ) would leave TensorE waiting at every hop.
+    Iteration u emits, in this order:
+
+    - stage L of visit u: a block's first visit issues the block's loads (``_block_load``), ``c.pipe_lead``
+      visits before its stage A, so the DMA latency is hidden;
+    - stage A of visit u - lead: a block's first visit computes D (``_rowsum_o_dy``), a group's first visit its
+      Q^T, dO^T (``_group_start``); then S, P, the cast, dP and dS (``_visit_a``);
+    - stage B of visit u - lead - ``c.pipe_lag_b``: a key tile's first visit allocates its dV / dK PSUM tiles;
+      the dV, dK matmuls (``_dv_dk``) and the dS transpose (``_transpose_ds``); a key tile's last visit adds dV,
+      dK into the section accumulators (``_evict_dv_dk``);
+    - stage D of visit u - lead - ``c.pipe_lag_d``: a group's first visit allocates its dQ PSUM tile (and reloads
+      the earlier sections' partial sums, ``_reload_dq``); the dQ matmuls (``_dq``); a group's last visit evicts
+      dQ (``_evict_dq``); a block's last visit stores it (``_block_store``).
+
+    So TensorE's stream is S, dP of one visit, dV, dK, dS^T of a visit ``pipe_lag_b`` earlier, dQ of one
+    ``pipe_lag_d`` earlier: the other engines' work for a visit has that many visits of TensorE work to finish
+    in. With all three at 0 the order is the plain visit-by-visit one. The buffers of a visit live from its stage
+    A to its stage D (``sbuf_usage`` counts ``pipe_lag_d + 1`` of them)."""
+    stream = c.streams[sec.s]
+    blocks = c.blocks[sec.s]
+    n = len(stream)
+    lead = c.pipe_lead
+    lag_b = c.pipe_lag_b
+    lag_d = c.pipe_lag_d
+    bbs = []
+    for blk in blocks:
+        bbs.append(None)
+    mems = []
+    dqs = []
+    for gf in range(c.stream_groups[sec.s]):
+        mems.append(None)
+        dqs.append(None)
+    p_mms = []
+    dss = []
+    dsTs = []
+    for j in range(n):
+        p_mms.append(None)
+        dss.append(None)
+        dsTs.append(None)
+    dv_ps = None
+    dk_ps = None
+    for u in range(n + lead + lag_d):
+        j = u
+        if j < n:
+            st = stream[j]
+            if st.blk_first:
+                bbs[st.bi] = _block_load(c, hbm, item, blocks[st.bi])
+        j = u - lead
+        if j >= 0 and j < n:
+            st = stream[j]
+            blk = blocks[st.bi]
+            grp = blk.groups[st.gi]
+            bb = bbs[st.bi]
+            if st.blk_first and blk.first:
+                _rowsum_o_dy(c, blk, bb.o, bb.dy, item.ones, item.dsum)
+                bb.o = None
+            if st.grp_first:
+                mems[st.gf] = _group_start(c, item, grp, bb)
+            v = grp.ktiles[st.ki].visits[st.vi]
+            p_mm, ds = _visit_a(c, item, steps, sec, grp, mems[st.gf][v.m], v)
+            p_mms[j] = p_mm
+            dss[j] = ds
+        j = u - lead - lag_b
+        if j >= 0 and j < n:
+            st = stream[j]
+            grp = blocks[st.bi].groups[st.gi]
+            kt = grp.ktiles[st.ki]
+            v = kt.visits[st.vi]
+            mem = mems[st.gf][v.m]
+            if st.kt_first:
+                dv_ps, dk_ps = _key_tile_psum(c, kt)
+            _dv_dk(c, v, mem.dyT, mem.qT, p_mms[j], dss[j], dv_ps, dk_ps)
+            dsTs[j] = _transpose_ds(c, v, dss[j])
+            p_mms[j] = None
+            dss[j] = None
+            if st.kt_last:
+                _evict_dv_dk(c, kt, sec.k_lo, dv_ps, dk_ps, sec.dv_acc, sec.dk_acc)
+                # release this key tile's dV / dK banks before the next one allocates its own: with two head-dim
+                # tiles (d_head > 128) two generations of them would not fit the 8 PSUM banks next to S, dP, dQ
+                dv_ps = None
+                dk_ps = None
+        j = u - lead - lag_d
+        if j >= 0 and j < n:
+            st = stream[j]
+            blk = blocks[st.bi]
+            grp = blk.groups[st.gi]
+            v = grp.ktiles[st.ki].visits[st.vi]
+            bb = bbs[st.bi]
+            if st.grp_first:
+                dqs[st.gf] = nl.ndarray((PMAX, len(c.qk_rows) * c.group_size * PMAX), dtype=nl.float32,
+                                        buffer=nl.psum)
+                if not blk.first:
+                    _reload_dq(c, grp, dqs[st.gf], bb.dq_prev, item.ident)
+            _dq(c, v, dsTs[j], sec.kts, v.k0 - sec.k_lo, dqs[st.gf], blk.first)
+            dsTs[j] = None
+            if st.grp_last:
+                _evict_dq(c, grp, blk, dqs[st.gf], bb.dq_stage)
+                dqs[st.gf] = None
+                mems[st.gf] = None
+            if st.blk_last:
+                _block_store(c, hbm, item, blk, bb)
+                bbs[st.bi] = None
 
 
 def _alibi_coefs(c, sl):
@@ -1253,7 +1446,7 @@ def attention_bwd(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref=None, b
                   use_causal_mask=False, mixed_precision=False, softmax_scale=None, sliding_window=None,
                   softcap=0.0, alibi_slopes=None, window_size=None, dropout_p=0.0, dropout_seed=None,
                   k_section_len=None, group_max=None, block_members_max=None, p_cast_on_gpsimd=None,
-                  ds_dma_transpose=None):
+                  ds_dma_transpose=None, ds_dma_every=None, pipe_lead=None, pipe_lag_b=None, pipe_lag_d=None):
     """Flash-attention backward: ``(dq, dk, dv)`` or ``(dq, dk, dv, dsinks)``. See the module docstring.
 
     Tuning keywords (trace-time; None = the default; the modeled time changes, the gradients only by float32
@@ -1273,11 +1466,11 @@ def attention_bwd(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref=None, b
     problem = bwd_problem(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref, bound_min, bound_max,
                           use_causal_mask, mixed_precision, softmax_scale, sliding_window, softcap, alibi_slopes,
                           window_size, dropout_p, dropout_seed, k_section_len, group_max, block_members_max,
-                          p_cast_on_gpsimd, ds_dma_transpose)
+                          p_cast_on_gpsimd, ds_dma_transpose, ds_dma_every, pipe_lead, pipe_lag_b, pipe_lag_d)
     assert problem is None, problem
     c = _configure(q_ref, k_ref, sinks_ref, bound_min, use_causal_mask, mixed_precision, softmax_scale,
                    sliding_window, k_section_len, v_ref, softcap, alibi_slopes, window_size, dropout_p, group_max,
-                   block_members_max, p_cast_on_gpsimd, ds_dma_transpose)
+                   block_members_max, p_cast_on_gpsimd, ds_dma_transpose, ds_dma_every, pipe_lead, pipe_lag_b, pipe_lag_d)
     steps = _select_steps(c)
     out_dq = nl.ndarray(q_ref.shape, dtype=q_ref.dtype, buffer=nl.shared_hbm)
     out_dk = nl.ndarray(k_ref.shape, dtype=k_ref.dtype, buffer=nl.shared_hbm)
