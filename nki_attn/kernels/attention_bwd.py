@@ -3,7 +3,8 @@
 ``attention_bwd(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref=None, bound_min=None, bound_max=None,
 use_causal_mask=False, mixed_precision=False, softmax_scale=None, sliding_window=None, softcap=0.0,
 alibi_slopes=None, window_size=None, dropout_p=0.0, dropout_seed=None, k_section_len=None, group_max=None,
-block_members_max=None, p_cast_on_gpsimd=None, ds_dma_transpose=None)`` returns ``(dq, dk, dv)`` or, with
+block_members_max=None, p_cast_on_gpsimd=None, ds_dma_transpose=None, ds_dma_every=None, pipe_lead=None,
+pipe_lag_b=None, pipe_lag_d=None)`` returns ``(dq, dk, dv)`` or, with
 sinks, ``(dq, dk, dv, dsinks)``: the layouts and semantics of ``golden.attention_bwd_torch.attention_bwd_torch_ref`` (see docs/semantics.md). docs/kernel-bwd.md explains the
 design; each step below is named there after the function that implements it. Kernel code stays in NKI's
 compile-time subset (checked by the simulator's frontend check): invalid arguments fail an ``assert`` on
@@ -38,6 +39,12 @@ dV, dK and dQ partial sums stay in PSUM:
             store the block's dQ (one DMA)
         write dK, dV of the section
     with sinks: dsinks = -sum_rows exp(sink - LSE) * D, all heads at once       _dsinks
+
+The loops above are the plan (``BwdConfig``: sections, blocks, groups, key tiles, visits, flattened into
+``streams``). ``_pipeline`` emits them as ONE software pipeline over every (work item, section): a visit's
+dV/dK matmuls and dS transposes come ``pipe_lag_b`` visits, its dQ matmuls ``pipe_lag_d`` visits after its S,
+dP and dS, and the loads ``pipe_lead`` visits before, so every engine (which runs its own instructions in
+program order) always has independent work queued.
 """
 
 from ..backend import nisa, nki, nl
@@ -1056,20 +1063,34 @@ def _visit_a(c, item, steps, sec, grp, mem, v):
     return p_mm, ds
 
 
-def _evict_dv_dk(c, kt, k_lo, dv_ps, dk_ps, dv_acc, dk_acc):
+def _evict_dv_dk(c, kt, sec, dv_ps, dk_ps):
     """Add the group's dV and softmax_scale times its dK of one key tile into the section's fp32 SBUF
     accumulators: one VectorE instruction per head-dim tile and group, not per member (the PSUM adds of the
-    group's matmuls are free; the scale rides on the dK add, in float32)."""
-    a = kt.u0 - k_lo
-    e = a + kt.uw
-    for dt in range(len(c.v_rows)):
-        nisa.tensor_tensor(dst=dv_acc[dt][:, a:e], data1=dv_acc[dt][:, a:e], data2=dv_ps[dt], op=nl.add)
-    for dt in range(len(c.qk_rows)):
-        if c.dk_scale == 1.0:
-            nisa.tensor_tensor(dst=dk_acc[dt][:, a:e], data1=dk_acc[dt][:, a:e], data2=dk_ps[dt], op=nl.add)
-        else:
-            nisa.scalar_tensor_tensor(dst=dk_acc[dt][:, a:e], data=dk_ps[dt], op0=nl.multiply,
-                                      operand0=c.dk_scale, op1=nl.add, operand1=dk_acc[dt][:, a:e])
+    group's matmuls are free; the scale rides on the dK add, in float32). Columns no earlier eviction of the
+    section wrote (``sec.written``, trace time) are overwritten instead (a copy, or the scale alone): the
+    accumulators are never zeroed, and the result is bit-identical to adding into zeros."""
+    a0 = kt.u0 - sec.k_lo
+    runs = _segments(sec.written, a0 // PMAX, (a0 + kt.uw) // PMAX)
+    for run in runs:
+        x, y, acc = run
+        src = slice(x - a0, y - a0)
+        for dt in range(len(c.v_rows)):
+            dst = sec.dv_acc[dt][:, x:y]
+            if acc:
+                nisa.tensor_tensor(dst=dst, data1=dst, data2=dv_ps[dt][:, src], op=nl.add)
+            else:
+                nisa.tensor_copy(dst=dst, src=dv_ps[dt][:, src])
+        for dt in range(len(c.qk_rows)):
+            dst = sec.dk_acc[dt][:, x:y]
+            if acc and c.dk_scale == 1.0:
+                nisa.tensor_tensor(dst=dst, data1=dst, data2=dk_ps[dt][:, src], op=nl.add)
+            elif acc:
+                nisa.scalar_tensor_tensor(dst=dst, data=dk_ps[dt][:, src], op0=nl.multiply, operand0=c.dk_scale,
+                                          op1=nl.add, operand1=dst)
+            elif c.dk_scale == 1.0:
+                nisa.tensor_copy(dst=dst, src=dk_ps[dt][:, src])
+            else:
+                nisa.tensor_scalar(dst=dst, data=dk_ps[dt][:, src], op0=nl.multiply, operand0=c.dk_scale)
 
 
 def _reload_dq(c, grp, dq_ps, dq_prev, ident):
@@ -1115,7 +1136,9 @@ class _MemberData(nl.NKIObject):
 
 class _SectionBufs(nl.NKIObject):
     """The buffers of one K/V section ``s`` (keys ``[k_lo, k_lo + k_len)``): ``ks`` / ``vs`` / ``kts`` K, V and
-    K^T per head-dim tile (``_load_kv_section``), ``dk_acc`` / ``dv_acc`` the fp32 accumulators."""
+    K^T per head-dim tile (``_load_kv_section``), ``dk_acc`` / ``dv_acc`` the fp32 accumulators; ``written``: per
+    128-key chunk, whether an eviction has written its accumulator columns yet (the first one overwrites, so the
+    accumulators need no zeroing)."""
 
     def __init__(self, s, k_lo, k_len, ks, vs, kts, dk_acc, dv_acc):
         self.s = s
@@ -1126,6 +1149,9 @@ class _SectionBufs(nl.NKIObject):
         self.kts = kts
         self.dk_acc = dk_acc
         self.dv_acc = dv_acc
+        self.written = []
+        for j in range(k_len // PMAX):
+            self.written.append(False)
 
 
 class _BlockBufs(nl.NKIObject):
@@ -1154,27 +1180,53 @@ def _block_load(c, hbm, item, blk):
     if blk.first:
         o_b = _load_block(c, hbm.o, b, blk, h_abs0, c.v_rows)
     to_scratch = c.dq_scratch and not blk.last
-    dq_prev = None
-    if not blk.first:
-        # the earlier sections' unscaled partial sums: fp32 scratch (mixed precision) or out_dq itself
-        dq_prev = []
-        for rt in c.qk_rows:
-            r0, rn = rt
-            if c.dq_scratch:
-                t = nl.ndarray((rn, blk.nh * ncols), dtype=nl.float32, buffer=nl.sbuf)
-                nisa.dma_copy(dst=t, src=_hbm_block(hbm.dq_scratch, 0, blk.h0, blk.nh, r0, rn, blk.i0 * PMAX,
-                                                    ncols))
-            else:
-                t = nl.ndarray((rn, blk.nh * ncols), dtype=c.mm_dtype, buffer=nl.sbuf)
-                nisa.dma_copy(dst=t, src=_hbm_block(hbm.dq, b, h_abs0, blk.nh, r0, rn, blk.i0 * PMAX, ncols))
-            dq_prev.append(t)
     dq_stage = []
     for rt in c.qk_rows:
         if to_scratch:
             dq_stage.append(nl.ndarray((rt[1], blk.nh * ncols), dtype=nl.float32, buffer=nl.sbuf))
         else:
             dq_stage.append(nl.ndarray((rt[1], blk.nh * ncols), dtype=c.mm_dtype, buffer=nl.sbuf))
-    return _BlockBufs(q_b, dy_b, dq_stage, dq_prev, o_b)
+    return _BlockBufs(q_b, dy_b, dq_stage, None, o_b)
+
+
+def _load_dq_prev(c, hbm, item, blk):
+    """The block's dQ partial sums from its members' earlier sections (unscaled): fp32 scratch (mixed precision)
+    or out_dq itself, one DMA per head-dim tile."""
+    b = item.b
+    h_abs0 = item.kvh * c.group + blk.h0
+    ncols = blk.nt * PMAX
+    dq_prev = []
+    for rt in c.qk_rows:
+        r0, rn = rt
+        if c.dq_scratch:
+            t = nl.ndarray((rn, blk.nh * ncols), dtype=nl.float32, buffer=nl.sbuf)
+            nisa.dma_copy(dst=t, src=_hbm_block(hbm.dq_scratch, 0, blk.h0, blk.nh, r0, rn, blk.i0 * PMAX, ncols))
+        else:
+            t = nl.ndarray((rn, blk.nh * ncols), dtype=c.mm_dtype, buffer=nl.sbuf)
+            nisa.dma_copy(dst=t, src=_hbm_block(hbm.dq, b, h_abs0, blk.nh, r0, rn, blk.i0 * PMAX, ncols))
+        dq_prev.append(t)
+    return dq_prev
+
+
+def _parked(c, parked, blk, s):
+    """True when the store of every member of ``blk`` (a block of section ``s``) from the member's previous
+    section with a visible key has been emitted (``parked``: per member ``g * nq + i`` of the work item, the
+    section of its last emitted dQ partial store, kept by ``_pipeline``)."""
+    for i in range(blk.i0, blk.i0 + blk.nt):
+        prev = -1
+        for t in range(s):
+            if c.tiles[t][i]:
+                prev = t
+        for h in range(blk.h0, blk.h0 + blk.nh):
+            if parked[h * c.nq + i] != prev:
+                return False
+    return True
+
+
+def _set_parked(c, parked, blk, s):
+    for h in range(blk.h0, blk.h0 + blk.nh):
+        for i in range(blk.i0, blk.i0 + blk.nt):
+            parked[h * c.nq + i] = s
 
 
 def _block_store(c, hbm, item, blk, bb):
@@ -1268,139 +1320,223 @@ def _identity(c):
     return ident
 
 
-def _section(c, hbm, item, steps, s):
-    """One K/V section ``s`` of a work item: load K, V, K^T, zero the fp32 dK, dV accumulators, run the section's
-    visits as a software pipeline (``_pipeline``), write dK, dV. The section's tiles live in this function only,
-    so one section's buffers are released before the next section's are allocated."""
-    b = item.b
-    hk = item.kvh
+def _section_start(c, hbm, item, s):
+    """A K/V section ``s`` of a work item: load K, V and K^T (only when a query tile sees a key of it), allocate
+    the fp32 dK, dV accumulators (written by the evictions, ``_evict_dv_dk``). Returns its ``_SectionBufs``."""
     k_lo, k_len = c.sections[s]
-    ks, vs, kts = _load_kv_section(c, hbm.k, hbm.v, b, hk, k_lo, k_len)
+    ks, vs, kts = None, None, None
+    if c.streams[s]:
+        ks, vs, kts = _load_kv_section(c, hbm.k, hbm.v, item.b, item.kvh, k_lo, k_len)
     dk_acc, dv_acc = [], []
     for rt in c.qk_rows:
-        a_k = nl.ndarray((rt[1], k_len), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.memset(dst=a_k, value=0.0, engine=nisa.engine.gpsimd)
-        dk_acc.append(a_k)
+        dk_acc.append(nl.ndarray((rt[1], k_len), dtype=nl.float32, buffer=nl.sbuf))
     for rt in c.v_rows:
-        a_v = nl.ndarray((rt[1], k_len), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.memset(dst=a_v, value=0.0, engine=nisa.engine.gpsimd)
-        dv_acc.append(a_v)
-    sec = _SectionBufs(s, k_lo, k_len, ks, vs, kts, dk_acc, dv_acc)
-    _pipeline(c, hbm, item, steps, sec)
+        dv_acc.append(nl.ndarray((rt[1], k_len), dtype=nl.float32, buffer=nl.sbuf))
+    return _SectionBufs(s, k_lo, k_len, ks, vs, kts, dk_acc, dv_acc)
+
+
+def _section_end(c, hbm, item, sec):
+    """Write dK, dV of a section (cast on the DMA), zeroing first the key chunks no visit reached."""
+    b = item.b
+    hk = item.kvh
+    j = 0
+    n = len(sec.written)
+    while j < n:
+        e = j
+        while e < n and not sec.written[e]:
+            e += 1
+        if e > j:
+            for t in sec.dk_acc:
+                nisa.memset(dst=t[:, j * PMAX:e * PMAX], value=0.0, engine=nisa.engine.gpsimd)
+            for t in sec.dv_acc:
+                nisa.memset(dst=t[:, j * PMAX:e * PMAX], value=0.0, engine=nisa.engine.gpsimd)
+            j = e
+        else:
+            j += 1
     for dt in range(len(c.qk_rows)):
         r0, rn = c.qk_rows[dt]
-        nisa.dma_copy(dst=hbm.dk[b, hk, r0:r0 + rn, k_lo:k_lo + k_len], src=dk_acc[dt])
+        nisa.dma_copy(dst=hbm.dk[b, hk, r0:r0 + rn, sec.k_lo:sec.k_lo + sec.k_len], src=sec.dk_acc[dt])
     for dt in range(len(c.v_rows)):
         r0, rn = c.v_rows[dt]
-        nisa.dma_copy(dst=hbm.dv[b, hk, r0:r0 + rn, k_lo:k_lo + k_len], src=dv_acc[dt])
+        nisa.dma_copy(dst=hbm.dv[b, hk, r0:r0 + rn, sec.k_lo:sec.k_lo + sec.k_len], src=sec.dv_acc[dt])
 
 
-def _pipeline(c, hbm, item, steps, sec):
-    """Every visit of section ``sec`` in the order of its flat plan (``c.streams[s]``: blocks, groups, key tiles,
-    members), emitted as a software pipeline. Each engine runs its instructions in program order, so a visit's
-    chain across engines (S on TensorE, the exp on ScalarE, the cast, dS on VectorE, back to TensorE for dV, dK
-    and the dS transposes, ScalarE for the dS^T copy, TensorE for dQ) would leave TensorE waiting at every hop.
-    Iteration u emits, in this order:
+class _Segment(nl.NKIObject):
+    """Pipeline state of one (work item, section) with visits: ``item`` (``steps.Item``), ``sec``
+    (``_SectionBufs``), and per block / group / visit what flows between the stages."""
 
-    - stage L of visit u: a block's first visit issues the block's loads (``_block_load``), ``c.pipe_lead``
-      visits before its stage A, so the DMA latency is hidden;
+    def __init__(self, c, item, s):
+        self.item = item
+        self.s = s
+        self.sec = None
+        self.bbs = []
+        for blk in c.blocks[s]:
+            self.bbs.append(None)
+        self.mems = []
+        self.dqs = []
+        for gf in range(c.stream_groups[s]):
+            self.mems.append(None)
+            self.dqs.append(None)
+        self.p_mm = []
+        self.ds = []
+        self.dsT = []
+        for j in range(len(c.streams[s])):
+            self.p_mm.append(None)
+            self.ds.append(None)
+            self.dsT.append(None)
+
+
+def _pipeline(c, hbm, steps, start, end, bounds, seed, ones, ident):
+    """Every visit of the work items ``[start, end)``, their sections in order, as ONE software pipeline over the
+    flat plans (``c.streams``: blocks, groups, key tiles, members). Each engine runs its instructions in program
+    order, so a visit's chain across engines (S on TensorE, the exp on ScalarE, the cast, dS on VectorE, back to
+    TensorE for dV, dK and the dS transposes, ScalarE for the dS^T copy, TensorE for dQ) would leave TensorE
+    waiting at every hop. Iteration u emits, in this order:
+
+    - stage L of visit u: a work item's first visit starts the item (``_item_start``), a section's first visit
+      loads K, V, K^T (``_section_start``), a block's first visit issues the block's loads (``_block_load``):
+      ``c.pipe_lead`` visits before their stage A, so DMA latency and the K^T transposes are hidden, also across
+      sections and work items (the next one fills while the last one drains). A block of a later section loads
+      its dQ partial sums (``_load_dq_prev``) at the first of its stages L, A, D at which the earlier section's
+      store of every member has been emitted (``parked``, ``_parked``: the kernel reads them back from HBM);
     - stage A of visit u - lead: a block's first visit computes D (``_rowsum_o_dy``), a group's first visit its
       Q^T, dO^T (``_group_start``); then S, P, the cast, dP and dS (``_visit_a``);
     - stage B of visit u - lead - ``c.pipe_lag_b``: a key tile's first visit allocates its dV / dK PSUM tiles;
       the dV, dK matmuls (``_dv_dk``) and the dS transpose (``_transpose_ds``); a key tile's last visit adds dV,
-      dK into the section accumulators (``_evict_dv_dk``);
+      dK into the section accumulators (``_evict_dv_dk``); a section's last visit writes them (``_section_end``);
     - stage D of visit u - lead - ``c.pipe_lag_d``: a group's first visit allocates its dQ PSUM tile (and reloads
       the earlier sections' partial sums, ``_reload_dq``); the dQ matmuls (``_dq``); a group's last visit evicts
-      dQ (``_evict_dq``); a block's last visit stores it (``_block_store``).
+      dQ (``_evict_dq``); a block's last visit stores it (``_block_store``); a work item's last visit computes
+      its dsinks (``_dsinks``).
 
     So TensorE's stream is S, dP of one visit, dV, dK, dS^T of a visit ``pipe_lag_b`` earlier, dQ of one
     ``pipe_lag_d`` earlier: the other engines' work for a visit has that many visits of TensorE work to finish
     in. With all three at 0 the order is the plain visit-by-visit one. The buffers of a visit live from its stage
-    A to its stage D (``sbuf_usage`` counts ``pipe_lag_d + 1`` of them)."""
-    stream = c.streams[sec.s]
-    blocks = c.blocks[sec.s]
-    n = len(stream)
+    A to its stage D (``sbuf_usage`` counts them)."""
+    secs_used = []
+    for s in range(c.n_sections):
+        if c.streams[s]:
+            secs_used.append(s)
+    if not secs_used:
+        # no query tile sees any key: zero gradients (and dsinks from D = 0)
+        for w in range(start, end):
+            item = _item_start(c, hbm, w, bounds, seed, ones, ident)
+            if c.num_sinks:
+                _dsinks(c, hbm.sinks, hbm.dsinks, item.b, item.kvh, item.neg_lse, item.dsum)
+        return
+    segs = []
+    order = []
+    for w in range(start, end):
+        for s in secs_used:
+            si = len(segs)
+            segs.append(_Segment(c, None, s))
+            for j in range(len(c.streams[s])):
+                order.append((si, j, w, s == secs_used[0] and j == 0,
+                              s == secs_used[len(secs_used) - 1] and j == len(c.streams[s]) - 1))
+    n = len(order)
+    parked = []
+    for w in range(start, end):
+        row = []
+        for m in range(c.group * c.nq):
+            row.append(-1)
+        parked.append(row)
     lead = c.pipe_lead
     lag_b = c.pipe_lag_b
     lag_d = c.pipe_lag_d
-    bbs = []
-    for blk in blocks:
-        bbs.append(None)
-    mems = []
-    dqs = []
-    for gf in range(c.stream_groups[sec.s]):
-        mems.append(None)
-        dqs.append(None)
-    p_mms = []
-    dss = []
-    dsTs = []
-    for j in range(n):
-        p_mms.append(None)
-        dss.append(None)
-        dsTs.append(None)
+    item = None
     dv_ps = None
     dk_ps = None
     for u in range(n + lead + lag_d):
         j = u
         if j < n:
-            st = stream[j]
+            si, jj, w, item_first, item_last = order[j]
+            seg = segs[si]
+            st = c.streams[seg.s][jj]
+            if item_first:
+                item = _item_start(c, hbm, w, bounds, seed, ones, ident)
+            if jj == 0:
+                seg.item = item
+                seg.sec = _section_start(c, hbm, item, seg.s)
             if st.blk_first:
-                bbs[st.bi] = _block_load(c, hbm, item, blocks[st.bi])
+                blk = c.blocks[seg.s][st.bi]
+                seg.bbs[st.bi] = _block_load(c, hbm, item, blk)
+                if not blk.first and _parked(c, parked[w - start], blk, seg.s):
+                    seg.bbs[st.bi].dq_prev = _load_dq_prev(c, hbm, item, blk)
         j = u - lead
         if j >= 0 and j < n:
-            st = stream[j]
-            blk = blocks[st.bi]
+            si, jj, w, item_first, item_last = order[j]
+            seg = segs[si]
+            st = c.streams[seg.s][jj]
+            blk = c.blocks[seg.s][st.bi]
             grp = blk.groups[st.gi]
-            bb = bbs[st.bi]
+            bb = seg.bbs[st.bi]
             if st.blk_first and blk.first:
-                _rowsum_o_dy(c, blk, bb.o, bb.dy, item.ones, item.dsum)
+                _rowsum_o_dy(c, blk, bb.o, bb.dy, seg.item.ones, seg.item.dsum)
                 bb.o = None
+            if st.blk_first and not blk.first and bb.dq_prev is None and \
+                    _parked(c, parked[w - start], blk, seg.s):
+                bb.dq_prev = _load_dq_prev(c, hbm, seg.item, blk)
             if st.grp_first:
-                mems[st.gf] = _group_start(c, item, grp, bb)
+                seg.mems[st.gf] = _group_start(c, seg.item, grp, bb)
             v = grp.ktiles[st.ki].visits[st.vi]
-            p_mm, ds = _visit_a(c, item, steps, sec, grp, mems[st.gf][v.m], v)
-            p_mms[j] = p_mm
-            dss[j] = ds
+            p_mm, ds = _visit_a(c, seg.item, steps, seg.sec, grp, seg.mems[st.gf][v.m], v)
+            seg.p_mm[jj] = p_mm
+            seg.ds[jj] = ds
         j = u - lead - lag_b
         if j >= 0 and j < n:
-            st = stream[j]
-            grp = blocks[st.bi].groups[st.gi]
+            si, jj, w, item_first, item_last = order[j]
+            seg = segs[si]
+            st = c.streams[seg.s][jj]
+            grp = c.blocks[seg.s][st.bi].groups[st.gi]
             kt = grp.ktiles[st.ki]
             v = kt.visits[st.vi]
-            mem = mems[st.gf][v.m]
+            mem = seg.mems[st.gf][v.m]
             if st.kt_first:
                 dv_ps, dk_ps = _key_tile_psum(c, kt)
-            _dv_dk(c, v, mem.dyT, mem.qT, p_mms[j], dss[j], dv_ps, dk_ps)
-            dsTs[j] = _transpose_ds(c, v, dss[j])
-            p_mms[j] = None
-            dss[j] = None
+            _dv_dk(c, v, mem.dyT, mem.qT, seg.p_mm[jj], seg.ds[jj], dv_ps, dk_ps)
+            seg.dsT[jj] = _transpose_ds(c, v, seg.ds[jj])
+            seg.p_mm[jj] = None
+            seg.ds[jj] = None
             if st.kt_last:
-                _evict_dv_dk(c, kt, sec.k_lo, dv_ps, dk_ps, sec.dv_acc, sec.dk_acc)
+                _evict_dv_dk(c, kt, seg.sec, dv_ps, dk_ps)
                 # release this key tile's dV / dK banks before the next one allocates its own: with two head-dim
                 # tiles (d_head > 128) two generations of them would not fit the 8 PSUM banks next to S, dP, dQ
                 dv_ps = None
                 dk_ps = None
+            if jj == len(c.streams[seg.s]) - 1:
+                _section_end(c, hbm, seg.item, seg.sec)
         j = u - lead - lag_d
         if j >= 0 and j < n:
-            st = stream[j]
-            blk = blocks[st.bi]
+            si, jj, w, item_first, item_last = order[j]
+            seg = segs[si]
+            st = c.streams[seg.s][jj]
+            blk = c.blocks[seg.s][st.bi]
             grp = blk.groups[st.gi]
             v = grp.ktiles[st.ki].visits[st.vi]
-            bb = bbs[st.bi]
+            bb = seg.bbs[st.bi]
+            if st.grp_first and not blk.first and bb.dq_prev is None:
+                # (the earlier sections' stores precede this one in stage D's order)
+                bb.dq_prev = _load_dq_prev(c, hbm, seg.item, blk)
             if st.grp_first:
-                dqs[st.gf] = nl.ndarray((PMAX, len(c.qk_rows) * c.group_size * PMAX), dtype=nl.float32,
-                                        buffer=nl.psum)
+                seg.dqs[st.gf] = nl.ndarray((PMAX, len(c.qk_rows) * c.group_size * PMAX), dtype=nl.float32,
+                                            buffer=nl.psum)
                 if not blk.first:
-                    _reload_dq(c, grp, dqs[st.gf], bb.dq_prev, item.ident)
-            _dq(c, v, dsTs[j], sec.kts, v.k0 - sec.k_lo, dqs[st.gf], blk.first)
-            dsTs[j] = None
+                    _reload_dq(c, grp, seg.dqs[st.gf], bb.dq_prev, seg.item.ident)
+            _dq(c, v, seg.dsT[jj], seg.sec.kts, v.k0 - seg.sec.k_lo, seg.dqs[st.gf], blk.first)
+            seg.dsT[jj] = None
             if st.grp_last:
-                _evict_dq(c, grp, blk, dqs[st.gf], bb.dq_stage)
-                dqs[st.gf] = None
-                mems[st.gf] = None
+                _evict_dq(c, grp, blk, seg.dqs[st.gf], bb.dq_stage)
+                seg.dqs[st.gf] = None
+                seg.mems[st.gf] = None
             if st.blk_last:
-                _block_store(c, hbm, item, blk, bb)
-                bbs[st.bi] = None
+                _block_store(c, hbm, seg.item, blk, bb)
+                if not blk.last:
+                    _set_parked(c, parked[w - start], blk, seg.s)
+                seg.bbs[st.bi] = None
+            if jj == len(c.streams[seg.s]) - 1:
+                seg.sec = None
+            if item_last and c.num_sinks:
+                _dsinks(c, hbm.sinks, hbm.dsinks, seg.item.b, seg.item.kvh, seg.item.neg_lse, seg.item.dsum)
 
 
 def _alibi_coefs(c, sl):
@@ -1414,8 +1550,12 @@ def _alibi_coefs(c, sl):
     return neg, pos
 
 
-def _work_item(c, hbm, steps, b, hk, bounds, seed, ones, ident):
-    """All gradients of one (batch, kv head): KV sections outer, blocks and groups of members inner."""
+def _item_start(c, hbm, w, bounds, seed, ones, ident):
+    """Start work item ``w`` (batch ``w // nheads_kv``, kv head ``w % nheads_kv``): ALiBi coefficients, -LSE of
+    every member, the D tile, zero dQ for query tiles that see no key, and zero dK / dV for the sections no query
+    tile reaches. Returns its ``steps.Item``."""
+    b = w // c.nheads_kv
+    hk = w % c.nheads_kv
     neg = None
     pos = None
     if c.alibi:
@@ -1436,9 +1576,9 @@ def _work_item(c, hbm, steps, b, hk, bounds, seed, ones, ident):
                     nisa.dma_copy(dst=hbm.dq[b, hk * c.group + g, r0:r0 + rn, i * PMAX:(i + 1) * PMAX],
                                   src=zero[0:rn, :])
     for s in range(c.n_sections):
-        _section(c, hbm, item, steps, s)
-    if c.num_sinks:
-        _dsinks(c, hbm.sinks, hbm.dsinks, b, hk, neg_lse, dsum)
+        if not c.streams[s]:
+            _section_end(c, hbm, item, _section_start(c, hbm, item, s))
+    return item
 
 
 @nki.jit
@@ -1459,7 +1599,14 @@ def attention_bwd(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref=None, b
     - ``block_members_max``: members per block at most (``BLOCK_MEMBERS_MAX``, 8), loaded with one DMA per tensor;
     - ``p_cast_on_gpsimd``: the fp32 -> matmul-dtype cast of P on GpSimdE (True, ``P_CAST_ON_GPSIMD``) or ScalarE,
       from trn2 on;
-    - ``ds_dma_transpose``: allow dS transposes by DMA where the plan finds they pay (True, ``DS_DMA_TRANSPOSE``).
+    - ``ds_dma_transpose``: allow dS transposes by DMA where the plan finds they pay (``DS_DMA_TRANSPOSE``, False:
+      every dS transpose on TensorE);
+    - ``ds_dma_every``: with DMA transposes allowed, every n-th whole 512-key tile takes the DMA path
+      (``DS_DMA_EVERY``, 1: all of them);
+    - ``pipe_lead``, ``pipe_lag_b``, ``pipe_lag_d``: the software pipeline of the visits (``_pipeline``): block
+      loads ``pipe_lead`` visits ahead (``PIPE_LEAD``, 4), dV/dK matmuls and dS transposes ``pipe_lag_b`` visits
+      (``PIPE_LAG_B``, 2) and dQ matmuls ``pipe_lag_d`` visits (``PIPE_LAG_D``, 4) behind S / dP / dS; all 0: the
+      visit-by-visit order.
 
     Invalid arguments fail the kernel's assert with the message of ``bwd_problem``;
     ``nki_attn.kernel_api.attention_bwd`` raises it as ``ValueError`` instead."""
@@ -1470,7 +1617,8 @@ def attention_bwd(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref=None, b
     assert problem is None, problem
     c = _configure(q_ref, k_ref, sinks_ref, bound_min, use_causal_mask, mixed_precision, softmax_scale,
                    sliding_window, k_section_len, v_ref, softcap, alibi_slopes, window_size, dropout_p, group_max,
-                   block_members_max, p_cast_on_gpsimd, ds_dma_transpose, ds_dma_every, pipe_lead, pipe_lag_b, pipe_lag_d)
+                   block_members_max, p_cast_on_gpsimd, ds_dma_transpose, ds_dma_every, pipe_lead, pipe_lag_b,
+                   pipe_lag_d)
     steps = _select_steps(c)
     out_dq = nl.ndarray(q_ref.shape, dtype=q_ref.dtype, buffer=nl.shared_hbm)
     out_dk = nl.ndarray(k_ref.shape, dtype=k_ref.dtype, buffer=nl.shared_hbm)
@@ -1497,8 +1645,7 @@ def attention_bwd(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref=None, b
     ident = None
     if c.n_sections > 1:
         ident = _identity(c)
-    for w in range(start, end):
-        _work_item(c, hbm, steps, w // c.nheads_kv, w % c.nheads_kv, bounds, seed, ones, ident)
+    _pipeline(c, hbm, steps, start, end, bounds, seed, ones, ident)
     if c.num_sinks:
         return out_dq, out_dk, out_dv, out_dsinks
     return out_dq, out_dk, out_dv

@@ -187,9 +187,14 @@ def _exp_count(rec):
 
 
 def _evictions(rec):
-    """dV/dK leaving PSUM: VectorE adds of a PSUM tile into an SBUF accumulator, in place."""
-    return sum(1 for r in rec.records if r.instr in ("tensor_tensor", "scalar_tensor_tensor") and
-               any(s.buffer == "psum" for s in r.srcs) and any(s.uid == r.dst.uid for s in r.srcs))
+    """dV/dK leaving PSUM: VectorE instructions reading a PSUM tile and writing an fp32 SBUF accumulator (the
+    allocations DMAed out as dK / dV): an add in place, or the copy (scaled for dK) of the columns no earlier
+    eviction wrote. Returns ``(instructions, columns written)``."""
+    accs = {r.srcs[0].uid for r in rec.records if r.instr == "dma_copy" and r.srcs and r.srcs[0].buffer == "sbuf"
+            and r.srcs[0].dtype == "float32" and r.dst.buffer != "sbuf"}
+    ev = [r for r in rec.records if r.engine == "VectorE" and r.dst is not None and r.dst.uid in accs
+          and any(s.buffer == "psum" for s in r.srcs)]
+    return len(ev), sum(r.dst.free_elems for r in ev)
 
 
 def expected_dmas(cfg, sinks=0):
@@ -227,8 +232,13 @@ def test_trace_matches_plan(kw, target):
     items = kw.get("hk", 1)  # work items (batch 1): the plan is per item
     # one exp per visit, one per (head, sink)
     assert _exp_count(rec) == visits * items + kw.get("h", 1) * sinks
-    # dV and dK leave PSUM once per (group, key tile), not once per visit
-    assert _evictions(rec) == ktiles * (len(cfg.v_rows) + len(cfg.qk_rows)) * items
+    # dV and dK leave PSUM once per (group, key tile), not once per visit: every column of the group's key tile
+    # once per head-dim tile (the first eviction of a column overwrites, later ones add: one or two instructions)
+    n_ev, cols = _evictions(rec)
+    uw = sum(kt.uw for blks in cfg.blocks for blk in blks for grp in blk.groups for kt in grp.ktiles)
+    tiles = len(cfg.v_rows) + len(cfg.qk_rows)
+    assert cols == uw * tiles * items
+    assert ktiles * tiles * items <= n_ev <= 2 * ktiles * tiles * items
     assert ktiles < visits
     n_dma = sum(1 for r in rec.records if r.instr == "dma_copy")
     assert n_dma == expected_dmas(cfg, sinks) * items
