@@ -104,7 +104,8 @@ def softmax_dx(dy: torch.Tensor, y: torch.Tensor, dim: int,
 
 def _validate_bwd(q, k, v, o, dy, lse, sinks, bound_min, bound_max, use_causal_mask,
                   mixed_precision, softmax_scale, sliding_window, softcap=0.0, alibi_slopes=None,
-                  window_size=None, dropout_p=0.0, dropout_seed=None, dropout_mask=None) -> dict:
+                  window_size=None, dropout_p=0.0, dropout_seed=None, dropout_mask=None,
+                  attn_bias=None) -> dict:
     """The single validation entry point of this module."""
     fn = "attention_bwd_torch_ref"
     # The q/k/v/mask/sink rules are the forward's; only the names differ.
@@ -114,7 +115,8 @@ def _validate_bwd(q, k, v, o, dy, lse, sinks, bound_min, bound_max, use_causal_m
                       use_causal_mask=use_causal_mask, mixed_precision=mixed_precision,
                       softmax_scale=softmax_scale, sliding_window=sliding_window,
                       softcap=softcap, alibi_slopes=alibi_slopes, window_size=window_size,
-                      dropout_p=dropout_p, dropout_seed=dropout_seed, dropout_mask=dropout_mask)
+                      dropout_p=dropout_p, dropout_seed=dropout_seed, dropout_mask=dropout_mask,
+                      logit_bias=attn_bias, bias_name="attn_bias")
     # o and dy are [bs, nheads, d_v, seqlen_q]: q's shape unless d_v != d_qk.
     o_shape = None
     if a["d_v"] != a["d_head"]:
@@ -146,7 +148,8 @@ def attention_bwd_torch_ref(q_ref: torch.Tensor, k_ref: torch.Tensor, v_ref: tor
                             window_size: Optional[Tuple[int, int]] = None,
                             dropout_p: float = 0.0,
                             dropout_seed=None,
-                            dropout_mask: Optional[torch.Tensor] = None) -> Dict[str, torch.Tensor]:
+                            dropout_mask: Optional[torch.Tensor] = None,
+                            attn_bias: Optional[torch.Tensor] = None) -> Dict[str, torch.Tensor]:
     """Reference with the backward kernel's signature.
 
     Args:
@@ -163,13 +166,18 @@ def attention_bwd_torch_ref(q_ref: torch.Tensor, k_ref: torch.Tensor, v_ref: tor
             alibi_slopes, window_size, dropout_p, dropout_seed, dropout_mask: as
             in the forward (defaults are the backward kernel's); the dropout
             keep mask is the forward's (same seed, same mask).
+        attn_bias: optional floating tensor broadcastable to ``[bs, nheads,
+            seqlen_q, seqlen_k]``, as in the forward.
 
     Returns:
         dict with ``out_dq_ref`` ``[bs, nheads, d_qk, seqlen_q]``,
         ``out_dk_ref`` ``[bs, nheads_kv, d_qk, seqlen_k]`` and ``out_dv_ref``
         ``[bs, nheads_kv, d_v, seqlen_k]`` (in the input dtype), and, only when
         sinks are given, ``out_dsinks_ref`` shaped like ``sinks_ref`` (float32;
-        float64 for float64 inputs).
+        float64 for float64 inputs); only when ``attn_bias`` is given,
+        ``out_dbias_ref`` shaped like it (float32; float64 for float64 inputs):
+        the gradient of the logits (dS before the scale and the cap's chain
+        rule) summed over the dims the bias broadcasts.
 
     Raises:
         ValueError: naming the offending argument, its value and the rule.
@@ -177,14 +185,14 @@ def attention_bwd_torch_ref(q_ref: torch.Tensor, k_ref: torch.Tensor, v_ref: tor
     a = _validate_bwd(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref, bound_min,
                       bound_max, use_causal_mask, mixed_precision, softmax_scale,
                       sliding_window, softcap, alibi_slopes, window_size, dropout_p,
-                      dropout_seed, dropout_mask)
+                      dropout_seed, dropout_mask, attn_bias)
     bs, nheads, nheads_kv = a["bs"], a["nheads"], a["nheads_kv"]
     seqlen_q, seqlen_k, group = a["seqlen_q"], a["seqlen_k"], a["group"]
     dt = q_ref.dtype
     sdt = stats_dtype(dt, a["mixed"])
 
     drop = dropout_multiplier(a, dropout_seed, dropout_mask, sdt)
-    f = _forward(q_ref, k_ref, v_ref, a, None, drop, sinks_ref, bound_min, bound_max, alibi_slopes)
+    f = _forward(q_ref, k_ref, v_ref, a, attn_bias, drop, sinks_ref, bound_min, bound_max, alibi_slopes)
     probs = f["probs"]
 
     qt = q_ref.transpose(-1, -2)                                   # [b, h, sq, d_qk]
@@ -200,6 +208,9 @@ def attention_bwd_torch_ref(q_ref: torch.Tensor, k_ref: torch.Tensor, v_ref: tor
     ds = softmax_dx(dp, probs, dim=-1, mixed_precision=a["mixed"])
 
     ds_keys = ds[..., :seqlen_k]                                   # dL/d(logit) of the keys
+    dbias = None
+    if attn_bias is not None:                                      # the bias is added to the logit
+        dbias = _sum_to(ds_keys.to(acc_dtype(dt)), tuple(attn_bias.shape))
     if f["cap_grad"] is not None:
         ds_keys = ds_keys * f["cap_grad"]                          # through c * tanh(S / c)
     ds_keys = (ds_keys * a["scale"]).to(dt)                        # scale * dS, [b, h, sq, sk]
@@ -226,4 +237,19 @@ def attention_bwd_torch_ref(q_ref: torch.Tensor, k_ref: torch.Tensor, v_ref: tor
     if sinks_ref is not None:
         dsinks = ds[..., seqlen_k:].sum(dim=2)                      # over query rows, in sdt
         out["out_dsinks_ref"] = dsinks.to(acc_dtype(dt)).reshape(sinks_ref.shape)
+    if dbias is not None:
+        out["out_dbias_ref"] = dbias
     return out
+
+
+def _sum_to(x: torch.Tensor, shape: tuple) -> torch.Tensor:
+    """``x`` ``[bs, nheads, seqlen_q, seqlen_k]`` summed over the dims a tensor of
+    ``shape`` (broadcastable to it) broadcasts, viewed as ``shape``."""
+    lead = x.dim() - len(shape)
+    dims = list(range(lead))
+    for i, n in enumerate(shape):
+        if n == 1 and x.shape[lead + i] != 1:
+            dims.append(lead + i)
+    if dims:
+        x = x.sum(dim=dims, keepdim=True)
+    return x.reshape(shape)

@@ -100,7 +100,7 @@ def _validate_fwd(fn: str, q, k, v, *, sinks, sinks_name: str, bound_min, bound_
                   use_causal_mask, mixed_precision, softmax_scale, sliding_window,
                   logit_bias=None, dropout_mask=None, qkv_names=("q", "k", "v"),
                   softcap=0.0, alibi_slopes=None, window_size=None, dropout_p=None,
-                  dropout_seed=None) -> dict:
+                  dropout_seed=None, bias_name="logit_bias") -> dict:
     """The single validation entry point of this module; returns the resolved arguments.
 
     ``sinks_name``/``qkv_names`` are the caller's parameter names, so that
@@ -119,15 +119,15 @@ def _validate_fwd(fn: str, q, k, v, *, sinks, sinks_name: str, bound_min, bound_
     _v.check_alibi(fn, alibi_slopes, dims)
     full = (dims["bs"], dims["nheads"], dims["seqlen_q"], dims["seqlen_k"])
     if logit_bias is not None:
-        _v.check_tensor(fn, "logit_bias", logit_bias)
+        _v.check_tensor(fn, bias_name, logit_bias)
         if not logit_bias.is_floating_point():
-            _v.fail(fn, "logit_bias.dtype", logit_bias.dtype, "must be a floating dtype")
+            _v.fail(fn, f"{bias_name}.dtype", logit_bias.dtype, "must be a floating dtype")
         try:
             ok = torch.broadcast_shapes(tuple(logit_bias.shape), full) == full
         except RuntimeError:
             ok = False
         if not ok:
-            _v.fail(fn, "logit_bias.shape", tuple(logit_bias.shape),
+            _v.fail(fn, f"{bias_name}.shape", tuple(logit_bias.shape),
                     f"must broadcast to [bs, nheads, seqlen_q, seqlen_k] = {list(full)}")
     p = 0.0
     if dropout_p is None:
@@ -376,7 +376,8 @@ def attention_fwd_torch_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                             window_size: Optional[Tuple[int, int]] = None,
                             dropout_p: float = 0.0,
                             dropout_seed=None,
-                            dropout_mask: Optional[torch.Tensor] = None):
+                            dropout_mask: Optional[torch.Tensor] = None,
+                            attn_bias: Optional[torch.Tensor] = None):
     """Reference with the forward kernel's signature; returns ``(o, lse)``.
 
     Args:
@@ -393,6 +394,10 @@ def attention_fwd_torch_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             mask is regenerated with ``golden.dropout.keep_mask``.
         dropout_mask: golden only, instead of ``dropout_seed``: the bool keep
             mask ``[bs, nheads, seqlen_q, seqlen_k]`` (True = keep).
+        attn_bias: optional floating tensor broadcastable to ``[bs, nheads,
+            seqlen_q, seqlen_k]`` (the kernels take it 4-D, each dim 1 or full),
+            added to the scaled and capped scores after ALiBi (as
+            ``compute_o_lse``'s ``logit_bias``).
 
     Returns:
         o: ``[bs, nheads, d_v, seqlen_q]`` in q's dtype.
@@ -404,9 +409,10 @@ def attention_fwd_torch_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       use_causal_mask=use_causal_mask, mixed_precision=mixed_precision,
                       softmax_scale=softmax_scale, sliding_window=sliding_window,
                       softcap=softcap, alibi_slopes=alibi_slopes, window_size=window_size,
-                      dropout_p=dropout_p, dropout_seed=dropout_seed, dropout_mask=dropout_mask)
+                      dropout_p=dropout_p, dropout_seed=dropout_seed, dropout_mask=dropout_mask,
+                      logit_bias=attn_bias, bias_name="attn_bias")
     drop = dropout_multiplier(a, dropout_seed, dropout_mask, stats_dtype(q.dtype, a["mixed"]))
-    f = _forward(q, k, v, a, None, drop, sinks_ref, bound_min, bound_max, alibi_slopes)
+    f = _forward(q, k, v, a, attn_bias, drop, sinks_ref, bound_min, bound_max, alibi_slopes)
     return f["o"], f["lse"]
 
 

@@ -1,6 +1,6 @@
 """PyTorch API: FlashAttention-compatible and SDPA-compatible attention running the NKI kernels.
 
-Entry points (all differentiable with respect to q, k, v and sinks):
+Entry points (all differentiable with respect to q, k, v, sinks and the additive bias where they take one):
 
 - ``flash_attn_func``, ``flash_attn_qkvpacked_func``, ``flash_attn_kvpacked_func`` — FlashAttention's layout
   ``[batch, seqlen, heads, head_dim]``, signatures and conventions (flash_attn_interface.py);
@@ -17,6 +17,7 @@ Every mask is a per-query key interval: a window description (causal, FlashAtten
 alignment) reaches the kernels as their own band; explicit intervals (packed sequences, boolean masks) as their
 per-query bounds ``[bound_min, bound_max)``.
 """
+import dataclasses
 import math
 
 import torch
@@ -25,7 +26,8 @@ from . import ops
 from .dropout import dropout_mask
 from .spec import (AttentionSpec, _alibi_rows, _check_alibi, _check_bool, _check_dropout, _check_flags,
                    _check_head_dim, _check_heads, _check_key_range, _check_qkv, _check_sinks, _check_softcap,
-                   _check_tensor, _dropout_seed, _is_int, fail as _fail, flash_spec, resolve_scale, window_pair)
+                   _check_tensor, _dropout_seed, _is_int, check_bias, fail as _fail, flash_spec, resolve_scale,
+                   window_pair)
 
 MAX_PROBS_ELEMENTS = 1 << 24  # return_attn_probs materialises S_dmask up to this many elements (64 MiB fp32)
 
@@ -58,6 +60,8 @@ def _probs(spec, q, k):
             j = torch.arange(sk, device=q.device)[None, :]
             dist = (i + (pl.sk_k - pl.sq_k) - j).abs().to(torch.float32)
             s = s - spec.alibi[:, :, None, None] * dist
+        if spec.bias is not None:
+            s = s + spec.bias.detach().float()
         lo, hi = ops.spec_intervals(spec, q.device)
         j = torch.arange(sk, device=q.device)
         vis = (j[None, :] >= lo[:, None]) & (j[None, :] < hi[:, None])
@@ -101,7 +105,7 @@ def _results(out, lse, probs, return_attn_probs, return_lse):
 # ----------------------------------------------------------------------------------------------------- flash_attn
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                     alibi_slopes=None, deterministic=False, return_attn_probs=False, *, sinks=None,
-                    return_lse=False, dropout_seed=None, generator=None):
+                    return_lse=False, dropout_seed=None, generator=None, attn_bias=None):
     """Attention in FlashAttention's layout, with FlashAttention's signature and conventions.
 
     Args:
@@ -133,6 +137,11 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
             ``torch.Generator`` the seed is drawn from instead. With neither, the seed is drawn from torch's
             global generator (``torch.manual_seed`` makes runs reproducible). The backward pass regenerates the
             same mask from the same seed.
+        attn_bias: keyword only; an additive bias broadcastable to ``[batch, nheads, seqlen_q, seqlen_k]``
+            (e.g. ``[nheads, seqlen_q, seqlen_k]``, ``[batch, 1, seqlen_q, seqlen_k]``), float32 / bfloat16 /
+            float16 on q's device, added to the scaled (and soft-capped) scores after ALiBi, as torch's SDPA adds
+            a float ``attn_mask``; -inf masks a key. Gets a gradient when it requires one (summed over its
+            broadcast dims); the backward kernel does no bias-gradient work otherwise.
 
     Returns:
         out ``[batch, seqlen_q, nheads, head_dim_v]`` contiguous, in q's dtype. With ``return_attn_probs``:
@@ -145,14 +154,14 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     """
     spec = flash_spec("flash_attn_func", q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
                       alibi_slopes, deterministic, return_attn_probs, sinks=sinks, return_lse=return_lse,
-                      dropout_seed=dropout_seed, generator=generator)
+                      dropout_seed=dropout_seed, generator=generator, attn_bias=attn_bias)
     out, lse, probs = _run(spec, q, k, v, return_attn_probs)
     return _results(out, lse, probs, return_attn_probs, return_lse)
 
 
 def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
                               softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False, *,
-                              sinks=None, return_lse=False, dropout_seed=None, generator=None):
+                              sinks=None, return_lse=False, dropout_seed=None, generator=None, attn_bias=None):
     """``flash_attn_func`` on ``qkv [batch, seqlen, 3, nheads, head_dim]`` (q, k, v stacked on dim 2)."""
     _check_tensor("flash_attn_qkvpacked_func", "qkv", qkv)
     if qkv.dim() != 5 or qkv.shape[2] != 3:
@@ -161,12 +170,12 @@ def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=Fal
     q, k, v = qkv.unbind(2)
     return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                            deterministic, return_attn_probs, sinks=sinks, return_lse=return_lse,
-                           dropout_seed=dropout_seed, generator=generator)
+                           dropout_seed=dropout_seed, generator=generator, attn_bias=attn_bias)
 
 
 def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
                              softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False, *,
-                             sinks=None, return_lse=False, dropout_seed=None, generator=None):
+                             sinks=None, return_lse=False, dropout_seed=None, generator=None, attn_bias=None):
     """``flash_attn_func`` on q and ``kv [batch, seqlen_k, 2, nheads_k, head_dim]`` (k, v stacked on dim 2)."""
     _check_tensor("flash_attn_kvpacked_func", "kv", kv)
     if kv.dim() != 5 or kv.shape[2] != 2:
@@ -175,7 +184,7 @@ def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=Fa
     k, v = kv.unbind(2)
     return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                            deterministic, return_attn_probs, sinks=sinks, return_lse=return_lse,
-                           dropout_seed=dropout_seed, generator=generator)
+                           dropout_seed=dropout_seed, generator=generator, attn_bias=attn_bias)
 
 
 # ----------------------------------------------------------------------------------------------------- varlen
@@ -470,10 +479,12 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     Args:
         query: ``[..., heads, seqlen_q, head_dim]`` (2-D and up, as torch); key, value:
             ``[..., heads_kv, seqlen_k, head_dim]`` with the same leading dims and one head_dim.
-        attn_mask: None, or a bool mask broadcastable to ``[..., 1, seqlen_q, seqlen_k]`` (True = attend; one
+        attn_mask: None; a bool mask broadcastable to ``[..., 1, seqlen_q, seqlen_k]`` (True = attend; one
             mask for all heads) whose visible keys form one contiguous run per query (causal, sliding-window,
-            padding, packed-sequence masks); other masks (gaps, per-head, additive float) raise
-            NotImplementedError.
+            padding, packed-sequence masks; other bool masks raise NotImplementedError); or a float mask
+            (float32 / bfloat16 / float16) broadcastable to ``[..., heads, seqlen_q, seqlen_k]``, added to the
+            scaled scores as torch does (the kernels' additive bias, ``flash_attn_func``'s ``attn_bias``), with
+            a gradient when it requires one.
         dropout_p: float in [0, 1), as in ``flash_attn_func`` (applied whenever > 0, as torch does: pass 0.0 for
             evaluation); the keep mask's seed is drawn from torch's global generator (``torch.manual_seed`` makes
             it reproducible) and the backward regenerates the same mask.
@@ -524,18 +535,44 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     qf, kf, vf = (t.transpose(1, 2) for t in (q4, k4, v4))
     if attn_mask is None:
         out, _ = ops.attention(spec, qf, kf, vf)
+    elif isinstance(attn_mask, torch.Tensor) and attn_mask.is_floating_point():
+        bias = _sdpa_bias(fn, attn_mask, lead, b, hq, sq, sk, q4.device)
+        out, _ = ops.attention(dataclasses.replace(spec, bias=bias), qf, kf, vf)
     else:
         lo, hi = _sdpa_mask_intervals(fn, attn_mask, lead, b, sq, sk, q4.device)
         out, _ = _interval_attention(spec, qf, kf, vf, lo, hi)
     return out.transpose(1, 2).reshape(*query.shape[:-1], dv)
 
 
+def _sdpa_bias(fn, attn_mask, lead, b, hq, sq, sk, device):
+    """A float ``attn_mask`` broadcastable to ``[*lead, heads, seqlen_q, seqlen_k]`` -> the spec's 4-D bias over
+    the flattened batch (``check_bias``): leading dims all 1 stay one broadcast batch entry, others are expanded to
+    the batch (a copy whose gradient autograd sums back)."""
+    full = (*lead, hq, sq, sk)
+    if attn_mask.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        _fail(fn, "attn_mask.dtype", attn_mask.dtype, "a float mask must be float32, bfloat16 or float16",
+              TypeError)
+    try:
+        ok = attn_mask.dim() <= len(full) and torch.broadcast_shapes(tuple(attn_mask.shape), full) == full
+    except RuntimeError:
+        ok = False
+    if not ok:
+        _fail(fn, "attn_mask.shape", tuple(attn_mask.shape), f"must broadcast to [..., heads, seqlen_q, seqlen_k] "
+                                                             f"= {list(full)}")
+    m = attn_mask.reshape((1,) * (len(full) - attn_mask.dim()) + tuple(attn_mask.shape))
+    tail = tuple(m.shape[-3:])
+    if all(n == 1 for n in m.shape[:-3]):
+        m = m.reshape((1,) + tail)
+    else:
+        m = m.expand(*lead, *tail).reshape((b,) + tail)
+    return check_bias(fn, m, b, hq, sq, sk, device, name="attn_mask")
+
+
 def _sdpa_mask_intervals(fn, attn_mask, lead, b, sq, sk, device):
     _check_tensor(fn, "attn_mask", attn_mask)
     if attn_mask.dtype != torch.bool:
-        _fail(fn, "attn_mask.dtype", attn_mask.dtype, "only bool masks are supported (additive float masks are "
-                                                      "arbitrary biases the kernels do not take)",
-              NotImplementedError)
+        _fail(fn, "attn_mask.dtype", attn_mask.dtype, "must be bool (a mask) or float32 / bfloat16 / float16 (an "
+                                                      "additive bias)", NotImplementedError)
     if attn_mask.device != device:
         _fail(fn, "attn_mask.device", attn_mask.device, f"must equal query.device {device}")
     full = (*lead, 1, sq, sk)

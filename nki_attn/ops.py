@@ -19,7 +19,8 @@ Public functions:
     q ``[batch, seqlen_q, heads, d_qk]``, k ``[batch, seqlen_k, heads_kv, d_qk]``, v ``[batch, seqlen_k,
     heads_kv, d_v]`` (sizes and every other argument in ``spec``, an ``nki_attn.spec.AttentionSpec``) -> out
     ``[batch, seqlen_q, heads, d_v]`` in q's dtype, lse float32 ``[batch, heads, seqlen_q]`` (+inf for a row that
-    sees no key and has no sink). Differentiable with respect to q, k, v and ``spec.sinks``; a gradient flowing
+    sees no key and has no sink). Differentiable with respect to q, k, v, ``spec.sinks`` and ``spec.bias`` (the
+    additive bias: its gradient is computed by the kernel only when it requires one); a gradient flowing
     into lse must be zero (NotImplementedError otherwise) and double backward raises RuntimeError.
 
 ``attention_backward(spec, q, k, v, out, dout, lse) -> (dq, dk, dv, dsinks)``
@@ -178,10 +179,34 @@ def check_slopes(fn, alibi_slopes):
                          f"distant keys)")
 
 
-def _op_spec(q, k, v, sinks, key_lo, key_hi, alibi, seed, left, right, shift, scale, softcap, dropout_p):
+def _op_spec(q, k, v, sinks, key_lo, key_hi, alibi, seed, left, right, shift, scale, softcap, dropout_p, bias=None):
     b, sq, hq, d = q.shape
     return AttentionSpec("nki_attn", b, sq, k.shape[1], hq, k.shape[2], d, v.shape[3], q.dtype, scale, left, right,
-                         shift, key_lo, key_hi, softcap, alibi, dropout_p, seed, sinks)
+                         shift, key_lo, key_hi, softcap, alibi, dropout_p, seed, sinks, bias)
+
+
+def _kernel_bias(bias, pl, sq, sk):
+    """The spec's bias ``[bb, hb, sqb, skb]`` (each dim 1 or the call's size) in the kernels' lengths: a full
+    query dim gets ``pl.front`` zero rows before and zeros after (to ``pl.sq_k``), a full key dim zeros after
+    (to ``pl.sk_k``; padded keys are masked), a broadcast dim stays 1. Contiguous, in the bias's dtype."""
+    if bias is None:
+        return None
+    rows = (pl.front, pl.sq_k - sq - pl.front) if bias.shape[2] > 1 else (0, 0)
+    cols = (0, pl.sk_k - sk) if bias.shape[3] > 1 else (0, 0)
+    if rows != (0, 0) or cols != (0, 0):
+        bias = torch.nn.functional.pad(bias, (*cols, *rows))
+    return bias.contiguous()
+
+
+def _bias_grad(dbias, bias, pl, sq, sk):
+    """The kernel's float32 dbias ``[b, h, sq_k, sk_k]`` -> the gradient of the spec's bias: the call's rows and
+    keys, summed over the bias's broadcast dims (on the host: see docs/kernel-bwd.md, "The additive bias"), in
+    the bias's dtype."""
+    g = dbias[:, :, pl.front:pl.front + sq, :sk]
+    dims = [i for i in range(4) if bias.shape[i] == 1 and g.shape[i] != 1]
+    if dims:
+        g = g.sum(dim=dims, keepdim=True)
+    return g.to(bias.dtype).clone(memory_format=_CONTIG)
 
 
 # ----------------------------------------------------------------------------------------------------- the ops
@@ -195,23 +220,27 @@ _OP_DEVICES = "cpu" if BACKEND == "sim" else None
 def _fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: Optional[torch.Tensor],
             key_lo: Optional[torch.Tensor], key_hi: Optional[torch.Tensor], alibi: Optional[torch.Tensor],
             dropout_seed: Optional[torch.Tensor], left: int, right: int, shift: int, scale: float, softcap: float,
-            dropout_p: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """q [b, sq, h, d_qk], k [b, sk, hk, d_qk], v [b, sk, hk, d_v] and the spec's fields -> (out [b, sq, h, d_v],
-    lse float32 [b, h, sq])."""
+            dropout_p: float, bias: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [b, sq, h, d_qk], k [b, sk, hk, d_qk], v [b, sk, hk, d_v] and the spec's fields (bias: the spec's
+    ``[bb, hb, sqb, skb]`` additive bias) -> (out [b, sq, h, d_v], lse float32 [b, h, sq])."""
     check_slopes("attention_fwd", alibi)
     spec = _op_spec(q, k, v, sinks, key_lo, key_hi, alibi, dropout_seed, left, right, shift, scale, softcap,
-                    dropout_p)
+                    dropout_p, bias)
     b, sq, hq = spec.batch, spec.seqlen_q, spec.heads
     pl = kernel_plan(spec, q.device)
+    kw = kernel_keywords(spec, pl)
+    if bias is not None:
+        kw["attn_bias"] = _kernel_bias(bias, pl, sq, spec.seqlen_k)
     o, lse = _launch("attention_fwd", kernel_api.attention_fwd,
                      (_to_kernel(q, pl.sq_k, pl.front), _to_kernel(k, pl.sk_k), _to_kernel(v, pl.sk_k),
-                      _kernel_sinks(sinks, b), pl.bmin, pl.bmax), kernel_keywords(spec, pl))
+                      _kernel_sinks(sinks, b), pl.bmin, pl.bmax), kw)
     lse = lse.permute(0, 1, 3, 2).reshape(b, hq, pl.sq_k)[..., pl.front:pl.front + sq]
     return _from_kernel(o, pl.front, sq), lse.clone(memory_format=_CONTIG)
 
 
 @_fwd_op.register_fake
-def _fwd_fake(q, k, v, sinks, key_lo, key_hi, alibi, dropout_seed, left, right, shift, scale, softcap, dropout_p):
+def _fwd_fake(q, k, v, sinks, key_lo, key_hi, alibi, dropout_seed, left, right, shift, scale, softcap, dropout_p,
+              bias=None):
     b, sq, hq, _ = q.shape
     return q.new_empty((b, sq, hq, v.shape[3])), q.new_empty((b, hq, sq), dtype=torch.float32)
 
@@ -221,49 +250,67 @@ def _bwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor
             lse: torch.Tensor, dlse: Optional[torch.Tensor], sinks: Optional[torch.Tensor],
             key_lo: Optional[torch.Tensor], key_hi: Optional[torch.Tensor], alibi: Optional[torch.Tensor],
             dropout_seed: Optional[torch.Tensor], left: int, right: int, shift: int, scale: float, softcap: float,
-            dropout_p: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients of ``attention_fwd``: (dq, dk, dv like q, k, v; dsinks like sinks, or an empty [0] tensor)."""
+            dropout_p: float, bias: Optional[torch.Tensor] = None, bias_grad: bool = False
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of ``attention_fwd``: (dq, dk, dv like q, k, v; dsinks like sinks, or an empty [0] tensor; dbias
+    like bias when ``bias_grad``, else an empty [0] tensor: no dbias work in the kernel)."""
     if dlse is not None and bool((dlse != 0).any()):
         raise NotImplementedError("nki_attn attention: a gradient flows into the log-sum-exp output (lse), which "
                                   "the backward kernel does not propagate; use lse only outside the graph "
                                   "(e.g. lse.detach())")
     spec = _op_spec(q, k, v, sinks, key_lo, key_hi, alibi, dropout_seed, left, right, shift, scale, softcap,
-                    dropout_p)
+                    dropout_p, bias)
     b, sq, hq, sk = spec.batch, spec.seqlen_q, spec.heads, spec.seqlen_k
     pl = kernel_plan(spec, q.device)
     # Padded query rows get dout = 0 (so D = 0 and dS = 0) and lse = +inf (so P = exp(S - lse) = 0): they add
     # nothing to dk, dv, dsinks, whatever out holds there.
     lse_k = torch.nn.functional.pad(lse, (pl.front, pl.sq_k - sq - pl.front), value=math.inf)
     lse_k = lse_k.reshape(b, hq, pl.sq_k // PMAX, PMAX).transpose(-1, -2).clone(memory_format=_CONTIG)
+    kw = kernel_keywords(spec, pl)
+    bias_grad = bool(bias_grad) and bias is not None
+    if bias is not None:
+        kw["attn_bias"] = _kernel_bias(bias, pl, sq, sk)
+        kw["bias_grad"] = bias_grad
     grads = _launch(
         "attention_bwd", kernel_api.attention_bwd,
         (_to_kernel(q, pl.sq_k, pl.front), _to_kernel(k, pl.sk_k), _to_kernel(v, pl.sk_k),
          _to_kernel(out, pl.sq_k, pl.front), _to_kernel(dout, pl.sq_k, pl.front), lse_k, _kernel_sinks(sinks, b),
-         pl.bmin, pl.bmax), kernel_keywords(spec, pl))
+         pl.bmin, pl.bmax), kw)
     dq, dk, dv = grads[:3]
     dsinks = grads[3].sum(0).to(sinks.dtype) if sinks is not None else q.new_empty((0,), dtype=torch.float32)
-    return _from_kernel(dq, pl.front, sq), _from_kernel(dk, 0, sk), _from_kernel(dv, 0, sk), dsinks
+    dbias = _bias_grad(grads[-1], bias, pl, sq, sk) if bias_grad else q.new_empty((0,), dtype=torch.float32)
+    return _from_kernel(dq, pl.front, sq), _from_kernel(dk, 0, sk), _from_kernel(dv, 0, sk), dsinks, dbias
 
 
 @_bwd_op.register_fake
 def _bwd_fake(q, k, v, out, dout, lse, dlse, sinks, key_lo, key_hi, alibi, dropout_seed, left, right, shift, scale,
-              softcap, dropout_p):
+              softcap, dropout_p, bias=None, bias_grad=False):
     dsinks = torch.empty_like(sinks, memory_format=_CONTIG) if sinks is not None else \
         q.new_empty((0,), dtype=torch.float32)
+    dbias = torch.empty_like(bias, memory_format=_CONTIG) if bias is not None and bias_grad else \
+        q.new_empty((0,), dtype=torch.float32)
     return (torch.empty_like(q, memory_format=_CONTIG), torch.empty_like(k, memory_format=_CONTIG),
-            torch.empty_like(v, memory_format=_CONTIG), dsinks)
+            torch.empty_like(v, memory_format=_CONTIG), dsinks, dbias)
+
+
+_N_FLAGS = 6  # left, right, shift, scale, softcap, dropout_p: the op's inputs after its first 8 tensors
 
 
 def _fwd_setup_context(ctx, inputs, output):
     q, k, v, sinks, key_lo, key_hi, alibi, seed = inputs[:8]
-    ctx.save_for_backward(q, k, v, output[0], output[1], sinks, key_lo, key_hi, alibi, seed)
-    ctx.flags = tuple(inputs[8:])
+    bias = inputs[8 + _N_FLAGS] if len(inputs) > 8 + _N_FLAGS else None
+    ctx.save_for_backward(q, k, v, output[0], output[1], sinks, key_lo, key_hi, alibi, seed, bias)
+    ctx.flags = tuple(inputs[8:8 + _N_FLAGS])
 
 
 def _fwd_backward(ctx, dout, dlse):
-    q, k, v, out, lse, sinks, key_lo, key_hi, alibi, seed = ctx.saved_tensors
-    dq, dk, dv, dsinks = _bwd_op(q, k, v, out, dout, lse, dlse, sinks, key_lo, key_hi, alibi, seed, *ctx.flags)
-    return (dq, dk, dv, (dsinks if sinks is not None else None)) + (None,) * 10
+    q, k, v, out, lse, sinks, key_lo, key_hi, alibi, seed, bias = ctx.saved_tensors
+    # the bias's gradient only when autograd asks for it: otherwise the kernel runs without its dbias steps
+    bias_grad = bias is not None and ctx.needs_input_grad[8 + _N_FLAGS]
+    dq, dk, dv, dsinks, dbias = _bwd_op(q, k, v, out, dout, lse, dlse, sinks, key_lo, key_hi, alibi, seed,
+                                        *ctx.flags, bias, bias_grad)
+    return (dq, dk, dv, (dsinks if sinks is not None else None)) + (None,) * 10 + \
+        ((dbias if bias_grad else None),)
 
 
 def _bwd_setup_context(ctx, inputs, output):
@@ -283,7 +330,7 @@ _bwd_op.register_autograd(_bwd_backward, setup_context=_bwd_setup_context)
 # ----------------------------------------------------------------------------------------------------- public
 def _op_args(spec):
     return (spec.sinks, spec.key_lo, spec.key_hi, spec.alibi, spec.dropout_seed, spec.left, spec.right, spec.shift,
-            spec.scale, spec.softcap, spec.dropout_p)
+            spec.scale, spec.softcap, spec.dropout_p, spec.bias)
 
 
 def _is_empty(spec):
@@ -292,8 +339,15 @@ def _is_empty(spec):
 
 def attention(spec, q, k, v):
     """Attention of q, k, v under ``spec`` (module docstring): ``(out [batch, seqlen_q, heads, d_v], lse float32
-    [batch, heads, seqlen_q])``, differentiable with respect to q, k, v and ``spec.sinks``."""
+    [batch, heads, seqlen_q])``, differentiable with respect to q, k, v, ``spec.sinks`` and ``spec.bias``."""
     if _is_empty(spec):
+        if spec.bias is not None:
+            if 0 not in (spec.batch, spec.seqlen_q, spec.seqlen_k, spec.heads):
+                raise NotImplementedError(f"{spec.fn}: attn_bias with head_dim 0 (q.shape[-1] = {spec.d_qk}, "
+                                          f"v.shape[-1] = {spec.d_v}) is not supported")
+            out, lse = _empty_attention(spec, q, k, v)
+            # no score exists: the bias gets a zero gradient (an empty sum keeps it in the graph, -inf or not)
+            return out + spec.bias.reshape(-1)[:0].sum().to(out.dtype), lse
         return _empty_attention(spec, q, k, v)
     return _fwd_op(q, k, v, *_op_args(spec))
 
@@ -301,8 +355,8 @@ def attention(spec, q, k, v):
 def attention_backward(spec, q, k, v, out, dout, lse):
     """The backward of ``attention`` for given ``out`` / ``lse`` (``[batch, seqlen_q, heads, d_v]`` /
     float32 ``[batch, heads, seqlen_q]``) and ``dout`` (like out): ``(dq, dk, dv, dsinks)``; dsinks float32
-    ``[0]`` without sinks. Not differentiable."""
-    return _bwd_op(q, k, v, out, dout, lse, None, *_op_args(spec))
+    ``[0]`` without sinks. Not differentiable; ``spec.bias`` is added to the scores, its gradient not computed."""
+    return _bwd_op(q, k, v, out, dout, lse, None, *_op_args(spec))[:4]
 
 
 def _empty_attention(spec, q, k, v):

@@ -7,7 +7,7 @@ argument raises ``TypeError`` / ``ValueError`` (``NotImplementedError`` for what
 the message ``"<entry point>: <argument>=<value>: <rule>"``.
 
 Public: ``AttentionSpec``, ``flash_spec`` (the checks of ``flash_attn_func``, for callers that bring their own
-entry point), ``window_pair``, ``window_intervals``, ``resolve_scale``, ``check_device``, ``dropout_seed_tensor``,
+entry point), ``check_bias`` (an additive bias as the spec's 4-D view), ``window_pair``, ``window_intervals``, ``resolve_scale``, ``check_device``, ``dropout_seed_tensor``,
 ``fail``, ``PMAX``, ``MAX_D_HEAD``, ``MAX_EXACT_KEY``, ``DTYPES``.
 """
 import dataclasses
@@ -26,8 +26,8 @@ MAX_EXACT_KEY = 1 << 24  # key bounds are float32 in the kernels: key indices up
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 SEED_MAX = (1 << 32) - 1
 
-__all__ = ["AttentionSpec", "flash_spec", "window_pair", "window_intervals", "resolve_scale", "check_device",
-           "dropout_seed_tensor", "fail", "PMAX", "MAX_D_HEAD", "MAX_EXACT_KEY", "DTYPES"]
+__all__ = ["AttentionSpec", "flash_spec", "check_bias", "window_pair", "window_intervals", "resolve_scale",
+           "check_device", "dropout_seed_tensor", "fail", "PMAX", "MAX_D_HEAD", "MAX_EXACT_KEY", "DTYPES"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +53,8 @@ class AttentionSpec:
         dropout_p: float in [0, 1); dropout_seed: int32 / uint32 ``[2]`` = (seed, offset) (or ``[1]``), given
             iff dropout_p > 0 (``nki_attn.dropout``).
         sinks: ``[heads]`` or ``[heads, num_sinks]`` logits joining the softmax denominator, or None.
+        bias: the additive bias ``[batch or 1, heads or 1, seqlen_q or 1, seqlen_k or 1]`` (float32 / bfloat16 /
+            float16, q's device) added to the scaled and capped scores after ALiBi, or None (``check_bias``).
 
     Derived specs (``dataclasses.replace``, ``with_mask``) are not re-checked: the caller keeps them consistent.
     """
@@ -76,6 +78,7 @@ class AttentionSpec:
     dropout_p: float = 0.0
     dropout_seed: Optional[torch.Tensor] = None
     sinks: Optional[torch.Tensor] = None
+    bias: Optional[torch.Tensor] = None
 
     @property
     def causal(self):
@@ -148,6 +151,38 @@ def _check_alibi(fn, alibi_slopes, batch, hq, device):
     if alibi_slopes.device != device:
         fail(fn, "alibi_slopes.device", alibi_slopes.device, f"must equal q.device {device}")
     return alibi_slopes
+
+
+def check_bias(fn, attn_bias, batch, heads, seqlen_q, seqlen_k, device, name="attn_bias"):
+    """An additive bias broadcastable to ``[batch, heads, seqlen_q, seqlen_k]`` (None: no bias) -> its 4-D view
+    ``[batch or 1, heads or 1, seqlen_q or 1, seqlen_k or 1]`` for ``AttentionSpec.bias`` (views only, so autograd
+    sums the gradient back into the caller's tensor). TypeError for a non-tensor or a dtype other than float32 /
+    bfloat16 / float16, ValueError for a shape that does not broadcast or another device. A dim of size > 1
+    with stride 0 (an ``expand``-ed view) is narrowed to 1: the kernels then read one copy and the gradient is
+    summed over it."""
+    if attn_bias is None:
+        return None
+    _check_tensor(fn, name, attn_bias)
+    if attn_bias.dtype not in DTYPES:
+        fail(fn, f"{name}.dtype", attn_bias.dtype, "must be float32, bfloat16 or float16 (an additive bias; a "
+                                                   "bool mask goes to attn_mask)", TypeError)
+    full = (batch, heads, seqlen_q, seqlen_k)
+    shape = tuple(int(n) for n in attn_bias.shape)
+    ok = len(shape) <= 4
+    if ok:
+        for n, f in zip(shape[::-1], full[::-1]):
+            if n != 1 and n != f:
+                ok = False
+    if not ok:
+        fail(fn, f"{name}.shape", shape, f"must broadcast to [batch, heads, seqlen_q, seqlen_k] = {list(full)} "
+                                         f"(each dim 1 or the full size, at most 4 dims)")
+    if attn_bias.device != device:
+        fail(fn, f"{name}.device", attn_bias.device, f"must equal q.device {device}")
+    bias = attn_bias.reshape((1,) * (4 - len(shape)) + shape)
+    for i in range(4):
+        if bias.shape[i] > 1 and bias.stride(i) == 0:
+            bias = bias.narrow(i, 0, 1)
+    return bias
 
 
 def _check_flags(fn, deterministic, return_attn_probs, return_lse=False):
@@ -309,11 +344,12 @@ def _sizes(q, k, v):
 # ----------------------------------------------------------------------------------------------------- builders
 def flash_spec(fn, q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                alibi_slopes=None, deterministic=False, return_attn_probs=False, *, sinks=None, return_lse=False,
-               dropout_seed=None, generator=None):
+               dropout_seed=None, generator=None, attn_bias=None):
     """Check ``flash_attn_func``'s arguments (same names, shapes and rules; ``fn`` names the caller in the
     messages) and return their ``AttentionSpec``: q ``[batch, seqlen_q, nheads, head_dim]``, k ``[batch,
     seqlen_k, nheads_k, head_dim]``, v ``[batch, seqlen_k, nheads_k, head_dim_v]``, the mask bottom-right
-    aligned (shift = seqlen_k - seqlen_q). Draws the dropout seed when dropout_p > 0 and none is given."""
+    aligned (shift = seqlen_k - seqlen_q). Draws the dropout seed when dropout_p > 0 and none is given.
+    ``attn_bias``: an additive bias broadcastable to ``[batch, nheads, seqlen_q, seqlen_k]`` (``check_bias``)."""
     p = _check_dropout(fn, dropout_p)
     cap = _check_softcap(fn, softcap)
     _check_flags(fn, deterministic, return_attn_probs, return_lse)
@@ -333,8 +369,9 @@ def flash_spec(fn, q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, win
     seed = _dropout_seed(fn, p, dropout_seed, generator, q.device)
     scale = resolve_scale(fn, softmax_scale, max(d, 1))
     _check_key_range(fn, sq, sk, sk - sq)
+    bias = check_bias(fn, attn_bias, b, hq, sq, sk, q.device)
     return AttentionSpec(fn, b, sq, sk, hq, hk, d, dv, q.dtype, scale, left, right, sk - sq, None, None, cap,
-                         _alibi_rows(alibi, b, hq), p, seed, sinks)
+                         _alibi_rows(alibi, b, hq), p, seed, sinks, bias)
 
 
 def window_intervals(sq, sk, left, right, shift, device=None):

@@ -321,10 +321,11 @@ class ExternalCandidate:
                    {**_options(self._bwd, use_causal_mask, mixed_precision, softmax_scale, sliding_window),
                     **variants},
                    "candidate backward")
-        want = 4 if sinks is not None else 3
+        names = "dq, dk, dv" + (", dsinks" if sinks is not None else "") + \
+            (", dbias" if variants.get("bias_grad") else "")
+        want = names.count(",") + 1
         if not isinstance(res, (tuple, list)) or len(res) != want:
-            raise CandidateError(f"candidate backward must return (dq, dk, dv{', dsinks' if want == 4 else ''}); "
-                                 f"got {_describe(res)}")
+            raise CandidateError(f"candidate backward must return ({names}); got {_describe(res)}")
         return res
 
 

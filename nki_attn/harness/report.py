@@ -139,7 +139,7 @@ def write(report, path):
         json.dump(report, f, indent=1, allow_nan=True)
 
 
-_COLS = ("o", "lse", "dq", "dk", "dv", "dsinks")
+_COLS = ("o", "lse", "dq", "dk", "dv", "dsinks", "dbias")
 
 
 def table(report, only_failing=False):

@@ -116,6 +116,8 @@ def make_inputs(case, seed=None):
         ins["alibi_slopes"] = slopes.expand(b, h).contiguous()
     if case.dropout:
         ins["dropout_seed"] = dropout_seed(case)
+    if case.bias:
+        ins["attn_bias"] = draw(*case.bias_shape)
     return ins
 
 
@@ -162,7 +164,21 @@ def _variant_kwargs(case, ins):
     if case.dropout:
         kw["dropout_p"] = case.dropout
         kw["dropout_seed"] = ins["dropout_seed"]
+    if case.bias:
+        kw["attn_bias"] = ins["attn_bias"]
     return kw
+
+
+def _bias_head_slice(bias, hq):
+    """The bias of the query heads ``hq`` (a slice): its head dim, or the whole bias when it is shared by the
+    heads."""
+    return bias[:, hq] if bias.shape[1] > 1 else bias
+
+
+def _sum_to(x, shape):
+    """``x`` ``[b, h, sq, sk]`` summed over the dims a bias of ``shape`` broadcasts (the gradient of that bias)."""
+    dims = [i for i in range(4) if shape[i] == 1 and x.shape[i] != 1]
+    return x.sum(dim=dims, keepdim=True) if dims else x
 
 
 def _pad_to_tiles(ins, case):
@@ -243,6 +259,8 @@ def inputs_baseline(ins, ref, case):
             s = case.softcap * th
         if case.alibi:
             s = s + alibi_bias(ins["alibi_slopes"][:, hq], case.seqlen_q, case.seqlen_k, f32)
+        if case.bias:
+            s = s + _bias_head_slice(ins["attn_bias"], hq).to(f32)
         p = torch.exp(s.masked_fill(~vis, float("-inf")) - lse[:, hq, :, None])
         p = torch.nan_to_num(p, nan=0.0)                                             # rows with no key: 0
         dp = torch.einsum("bhdq,bdk->bhqk", dy[:, hq], v[:, g])
@@ -290,6 +308,8 @@ def _golden(ins, case, as_dtype):
             kw["alibi_slopes"] = ins["alibi_slopes"][:, hq].contiguous()
         if keep is not None:
             kw.update(dropout_p=case.dropout, dropout_mask=keep[:, hq].contiguous())
+        if case.bias:
+            kw["attn_bias"] = cv(_bias_head_slice(ins["attn_bias"], hq))
         o, lse = golden.attention_fwd_torch_ref(q[:, hq], k[:, hk], v[:, hk], s_g, ins["bound_min"],
                                                 ins["bound_max"], mixed_precision=True, **kw)
         gr = golden.attention_bwd_torch_ref(q[:, hq], k[:, hk], v[:, hk], o, dy[:, hq], lse, s_g, ins["bound_min"],
@@ -297,8 +317,13 @@ def _golden(ins, case, as_dtype):
         part = {"o": o, "lse": lse, "dq": gr["out_dq_ref"], "dk": gr["out_dk_ref"], "dv": gr["out_dv_ref"]}
         if sinks is not None:
             part["dsinks"] = gr["out_dsinks_ref"]
+        if case.bias:
+            part["dbias"] = gr["out_dbias_ref"]
         parts.append(part)
-    return {name: torch.cat([p[name] for p in parts], dim=1) for name in parts[0]}
+    out = {name: torch.cat([p[name] for p in parts], dim=1) for name in parts[0]}
+    if case.bias and case.bias_shape[1] == 1:  # a bias shared by the heads: every kv group adds to its gradient
+        out["dbias"] = sum(p["dbias"] for p in parts)
+    return out
 
 
 def run_candidate(candidate, ins, case):
@@ -307,6 +332,8 @@ def run_candidate(candidate, ins, case):
     API rows (``case.via_api``) call ``candidate.run_api(ins, case)`` when the candidate has one, else
     ``run_padded``.
     """
+    if case.via_api and case.bias:
+        raise ValueError(f"row {case.name}: bias rows need lengths that are multiples of 128 (kernel rows)")
     if case.via_api:
         if hasattr(candidate, "run_api"):
             return candidate.run_api(ins, case)
@@ -319,11 +346,15 @@ def _run_kernels(candidate, ins, case):
     extra = _variant_kwargs(case, ins)
     o, lse = candidate.fwd(ins["q"], ins["k"], ins["v"], ins["sinks"], ins["bound_min"], ins["bound_max"],
                            mixed_precision=True, **_kwargs(case), **extra)
+    if case.bias:  # the backward also returns the bias's gradient, float32 [b, h, sq, sk], last
+        extra = dict(extra, bias_grad=True)
     res = candidate.bwd(ins["q"], ins["k"], ins["v"], o, ins["dy"], lse, ins["sinks"], ins["bound_min"],
                         ins["bound_max"], mixed_precision=True, **_kwargs(case), **extra)
     out = {"o": o, "lse": lse, "dq": res[0], "dk": res[1], "dv": res[2]}
     if ins["sinks"] is not None:
         out["dsinks"] = res[3]
+    if case.bias:
+        out["dbias"] = _sum_to(res[-1], case.bias_shape)
     return out
 
 
@@ -546,6 +577,8 @@ def sdpa_low_precision(ins, case):
     bias = torch.zeros(b, h, sq, sk, dtype=torch.float32)
     if case.alibi:
         bias = bias + alibi_bias(ins["alibi_slopes"], sq, sk, torch.float32)
+    if case.bias:
+        bias = bias + ins["attn_bias"].to(torch.float32)
     bias = bias.masked_fill(~vis, float("-inf"))
     seen = vis.any(dim=1)  # [sq]
     kx = k.repeat_interleave(group, dim=1).transpose(-1, -2)

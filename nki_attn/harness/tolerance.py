@@ -84,6 +84,15 @@ def reduction_lengths(case):
     group = case.heads // case.kv_heads
     n = {"o": keys, "lse": keys + case.num_sinks, "dq": keys, "dk": queries * group, "dv": queries * group,
          "dsinks": case.seqlen_q}
+    shape = getattr(case, "bias_shape", None)
+    if shape is not None:
+        # dbias = P (dP - D): P normalised over the keys, times the terms the broadcast dims sum
+        full = (case.batch, case.heads, case.seqlen_q, case.seqlen_k)
+        summed = 1
+        for n_b, n_f in zip(shape, full):
+            if n_b == 1:
+                summed *= n_f
+        n["dbias"] = keys * summed
     return {k: max(1, v) for k, v in n.items()}
 
 

@@ -3,8 +3,8 @@
 ``attention_bwd(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref=None, bound_min=None, bound_max=None,
 use_causal_mask=False, mixed_precision=False, softmax_scale=None, sliding_window=None, softcap=0.0,
 alibi_slopes=None, window_size=None, dropout_p=0.0, dropout_seed=None, k_section_len=None, group_max=None,
-block_members_max=None, p_cast_on_gpsimd=None, ds_dma_transpose=None, ds_dma_every=None, pipe_lead=None,
-pipe_lag_b=None, pipe_lag_d=None)`` returns ``(dq, dk, dv)`` or, with
+block_members_max=None, p_cast_on_gpsimd=None, ds_dma_transpose=None, attn_bias=None, bias_grad=False,
+ds_dma_every=None, pipe_lead=None, pipe_lag_b=None, pipe_lag_d=None)`` returns ``(dq, dk, dv)`` or, with
 sinks, ``(dq, dk, dv, dsinks)``: the layouts and semantics of ``golden.attention_bwd_torch.attention_bwd_torch_ref`` (see docs/semantics.md). docs/kernel-bwd.md explains the
 design; each step below is named there after the function that implements it. Kernel code stays in NKI's
 compile-time subset (checked by the simulator's frontend check): invalid arguments fail an ``assert`` on
@@ -50,9 +50,9 @@ program order) always has independent work queued.
 from ..backend import nisa, nki, nl
 from .band import classify_keys
 from .dropout import dropout_row_keys, dropout_scale_keys, dropout_scale_tile, load_dropout_seed
-from .steps import (FP32_MIN, K_TILE, PMAX, Hbm, Item, Steps, Tile, itemsize,
+from .steps import (FP32_MIN, K_TILE, PMAX, Hbm, Item, Steps, Tile, bias_scores, itemsize,
                     load_packing_bounds, load_slopes, mask_step, no_step, run_steps, softcap_scores, spmd_items)
-from .validation import attention_problem, attention_shape, sbuf_bytes_per_partition
+from .validation import attention_problem, attention_shape, bias_problem, sbuf_bytes_per_partition
 
 # Key tiles (steps.K_TILE, 512 keys): S, dP, dV, dK of one (query tile, key tile) pair are each one 2 KiB PSUM
 # bank (512 fp32), and 512 is the matmul's moving free-size limit on trn1/trn2.
@@ -138,12 +138,13 @@ def block_members(d_tiles, itemsize, dq_fp32, v_tiles=None, group_max=None, bloc
 
 def sbuf_usage(d_head, d_tiles, itemsize, section_len, group, seqlen_q, mixed_precision=False, packing=False,
                num_sinks=0, trn1_packing=False, dq_fp32=False, d_v=None, v_tiles=None, softcap=False,
-               alibi=False, dropout=False, group_max=None, block_members_max=None,
+               alibi=False, dropout=False, group_max=None, block_members_max=None, bias_bytes=0,
                pipe=(PIPE_LEAD, PIPE_LAG_B, PIPE_LAG_D)):
     """SBUF bytes per partition of the kernel's live tensors, by category. ``pipe``: ``(pipe_lead, pipe_lag_b,
     pipe_lag_d)`` of the software pipeline. ``total`` counts the blocks the pipeline holds at once (3 with a
     lead: loading, in stage A, in stage D), two groups, two visits' stage-A tiles and the visit buffers in flight
-    between stages A, B and D (``in_flight``).
+    between stages A, B and D (``in_flight``). ``bias_bytes``: the additive bias's bytes per key of a visit
+    (``_bias_visit_bytes``).
     ``d_head``/``d_tiles``: d_qk and its partition tiles; ``d_v``/``v_tiles`` default to them. Used by the
     trace-time budget check and docs/kernel-bwd.md."""
     e = itemsize
@@ -176,7 +177,8 @@ def sbuf_usage(d_head, d_tiles, itemsize, section_len, group, seqlen_q, mixed_pr
                + (K_TILE * 5 if trn1_packing else 0)       # key index (fp32) and visibility (uint8)
                + (2 * K_TILE * 4 if softcap else 0)        # tanh(S/c), P * (1 - tanh^2) (fp32)
                + (3 * K_TILE * 4 if alibi else 0)          # distances, bias, biased logits (fp32)
-               + (K_TILE * (8 + e) if dropout else 0))     # keep-scale tile, dP * scale (fp32), dropped P
+               + (K_TILE * (8 + e) if dropout else 0)      # keep-scale tile, dP * scale (fp32), dropped P
+               + K_TILE * bias_bytes)                      # the bias tile, biased scores, dL (fp32)
     per_visit = stage_a + p_cast + 2 * K_TILE * e
     in_flight = 2 * stage_a + (lag_b + 1) * (p_cast + K_TILE * e) + (max(lag_b, lag_d) - lag_b + 1) * K_TILE * e
     # blocks: the one in stage D, the one in stage A and, with a lead, the one whose loads are in flight
@@ -595,7 +597,8 @@ def bwd_problem(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref=None, bou
                 use_causal_mask=False, mixed_precision=False, softmax_scale=None, sliding_window=None,
                 softcap=0.0, alibi_slopes=None, window_size=None, dropout_p=0.0, dropout_seed=None,
                 k_section_len=None, group_max=None, block_members_max=None, p_cast_on_gpsimd=None,
-                ds_dma_transpose=None, ds_dma_every=None, pipe_lead=None, pipe_lag_b=None, pipe_lag_d=None):
+                ds_dma_transpose=None, attn_bias=None, bias_grad=False, ds_dma_every=None, pipe_lead=None,
+                pipe_lag_b=None, pipe_lag_d=None):
     """``None`` when ``attention_bwd`` accepts these arguments on the current target, else the first problem as
     a message (argument, value, rule). The kernel asserts on it; ``nki_attn.kernel_api.attention_bwd`` raises it
     as ``ValueError`` before launching."""
@@ -624,21 +627,37 @@ def bwd_problem(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref=None, bou
         problem = _knob_problem(name, value, allowed)
         if problem is not None:
             return problem
+    problem = bias_problem(attn_bias, q_ref.shape[0], q_ref.shape[1], q_ref.shape[3], k_ref.shape[3], bias_grad)
+    if problem is not None:
+        return problem
     a = _shape_of(q_ref, k_ref, v_ref, sinks_ref, bound_min, use_causal_mask, softmax_scale, sliding_window,
                   softcap, alibi_slopes, window_size, dropout_p)
     isz = itemsize(q_ref.dtype)
     sec = _section_len(a, isz, k_section_len)
     trn1 = _is_trn1()
     dq_fp32 = mixed_precision and isz != 4 and sec < a.seqlen_k
+    bias_bytes = _bias_visit_bytes(attn_bias, bias_grad)
     use = sbuf_usage(a.d_qk, len(a.qk_tiles), isz, sec, a.group, a.seqlen_q, mixed_precision, a.packing,
                      a.num_sinks, trn1 and a.packing, dq_fp32, a.d_v, len(a.v_tiles), a.softcap > 0.0, a.alibi,
-                     a.dropout, group_max, block_members_max, _pipe_of(pipe_lead, pipe_lag_b, pipe_lag_d))
+                     a.dropout, group_max, block_members_max, bias_bytes,
+                     _pipe_of(pipe_lead, pipe_lag_b, pipe_lag_d))
     cap = sbuf_bytes_per_partition()
     if use["total"] > cap:
         return (f"attention_bwd needs {use['total']} SBUF bytes per partition (section {use['section']}, per-row "
                 f"statistics {use['persistent']} for nheads/nheads_kv={a.group} x seqlen_q={a.seqlen_q}), more "
                 f"than the {cap} available: shorten seqlen_q or the query-head group per kv head")
     return None
+
+
+def _bias_visit_bytes(attn_bias, bias_grad):
+    """SBUF bytes per key of a visit that the additive bias's steps add: its tile in its dtype and the biased
+    float32 scores (``steps.bias_scores``), with ``bias_grad`` the float32 dL of ``_ds_bias``."""
+    if attn_bias is None:
+        return 0
+    n = itemsize(attn_bias.dtype) + 4
+    if bias_grad:
+        n += 4
+    return n
 
 
 def _shape_of(q_ref, k_ref, v_ref, sinks_ref, bound_min, use_causal_mask, softmax_scale, sliding_window, softcap,
@@ -952,15 +971,79 @@ def _ds_plain(c, tile, item, dp):
     return ds
 
 
-def _select_steps(c):
-    """The steps of this launch (see above), chosen once from the config."""
+def _save_p(c, tile, item, p):
+    """Grad step of the bias gradient (first of the grad steps): keeps the probabilities P for ``_ds_bias``
+    (``tile.saved["p"]``), before soft-capping's chain rule turns the dS operand into P (1 - tanh^2)."""
+    tile.saved["p"] = p
+    return p
+
+
+def _ds_bias(c, tile, item, dp):
+    """dS step when the bias takes a gradient: dL = (dP [* keep] - D) * P in float32, the gradient of the logit
+    the bias is added to (after the scale and the cap), which IS the bias's gradient at this (query, key); ONE
+    DMA writes it into the float32 ``item.dbias`` ``[bs, nheads, seqlen_q, seqlen_k]`` at the tile's place.
+    Then dS for the matmuls, rounded once to the matmul dtype: a GpSimdE cast of dL, or with soft-capping
+    ``(dP - D) * P (1 - tanh^2)`` (the fused op of ``_ds_plain`` on the grad steps' operand). One float32
+    VectorE op and one DMA per tile more than ``_ds_plain`` (a cast on the otherwise idle GpSimdE)."""
+    dl = dp
+    if c.dropout:
+        dl = nl.ndarray((PMAX, tile.kw), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_tensor(dst=dl, data1=dp, data2=tile.saved["keep"], op=nl.multiply)
+    dsl = nl.ndarray((PMAX, tile.kw), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.scalar_tensor_tensor(dst=dsl, data=dl, op0=nl.subtract, operand0=tile.d_col, op1=nl.multiply,
+                              operand1=tile.saved["p"])
+    nisa.dma_copy(dst=item.dbias[tile.b, tile.hq, tile.q0:tile.q0 + PMAX, tile.k0:tile.k0 + tile.kw], src=dsl)
+    ds = nl.ndarray((PMAX, tile.kw), dtype=c.mm_dtype, buffer=nl.sbuf)
+    if c.softcap > 0.0:
+        nisa.scalar_tensor_tensor(dst=ds, data=dl, op0=nl.subtract, operand0=tile.d_col, op1=nl.multiply,
+                                  operand1=tile.saved["p_ds"])
+    else:
+        nisa.tensor_copy(dst=ds, src=dsl, engine=nisa.engine.gpsimd)
+    return ds
+
+
+def _dbias_zero(c, item):
+    """Work-item step of the bias gradient: zeros into ``item.dbias`` wherever no visit writes dS, i.e. the keys
+    outside the visited 128-key chunks of every (query head, query tile) of the kv head (the band's skipped
+    tiles and trimmed chunks, the rows that see no key), so the output is defined everywhere. One float32
+    ``[128, 512]`` zero tile and one DMA per 512 keys of each gap; the visits' keys come from the trace-time plan
+    (``c.tiles``), in increasing key order."""
+    zero = nl.ndarray((PMAX, K_TILE), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.memset(dst=zero, value=0.0, engine=nisa.engine.gpsimd)
+    for i in range(c.nq):
+        gaps = []
+        pos = 0
+        for s in range(c.n_sections):
+            for kt in c.tiles[s][i]:
+                if kt.k0 > pos:
+                    gaps.append((pos, kt.k0))
+                pos = kt.k1
+        if pos < c.seqlen_k:
+            gaps.append((pos, c.seqlen_k))
+        for g in range(c.group):
+            hq = item.kvh * c.group + g
+            for gap in gaps:
+                a, e = gap
+                for j0 in range(a, e, K_TILE):
+                    j1 = min(j0 + K_TILE, e)
+                    nisa.dma_copy(dst=item.dbias[item.b, hq, i * PMAX:(i + 1) * PMAX, j0:j1], src=zero[:, 0:j1 - j0])
+
+
+def _select_steps(c, attn_bias=None, bias_grad=False):
+    """The steps of this launch (see above), chosen once from the config; ``attn_bias`` adds the bias's score
+    step after the variants', ``bias_grad`` the steps of its gradient (``_save_p``, ``_ds_bias``,
+    ``_dbias_zero``)."""
     score = []
     grad = []
+    if bias_grad:
+        grad.append(_save_p)
     if c.softcap > 0.0:
         score.append(softcap_scores)
         grad.append(_grad_softcap)
     if c.alibi:
         score.append(_bias_alibi)
+    if attn_bias is not None:
+        score.append(bias_scores)
     partial = no_step
     p_mask = []
     if c.packing:
@@ -974,7 +1057,11 @@ def _select_steps(c):
     if c.dropout:
         prob.append(_drop_keep)
         ds = _ds_dropout
-    return Steps(score, no_step, partial, p_mask, prob, grad=grad, ds=ds)
+    item = []
+    if bias_grad:
+        ds = _ds_bias
+        item.append(_dbias_zero)
+    return Steps(score, no_step, partial, p_mask, prob, grad=grad, ds=ds, item=item)
 
 
 def _recompute_p(c, item, steps, tile, q_m, ks, kk, nlse_col):
@@ -1420,7 +1507,7 @@ def _pipeline(c, hbm, steps, start, end, bounds, seed, ones, ident):
     if not secs_used:
         # no query tile sees any key: zero gradients (and dsinks from D = 0)
         for w in range(start, end):
-            item = _item_start(c, hbm, w, bounds, seed, ones, ident)
+            item = _item_start(c, hbm, steps, w, bounds, seed, ones, ident)
             if c.num_sinks:
                 _dsinks(c, hbm.sinks, hbm.dsinks, item.b, item.kvh, item.neg_lse, item.dsum)
         return
@@ -1453,7 +1540,7 @@ def _pipeline(c, hbm, steps, start, end, bounds, seed, ones, ident):
             seg = segs[si]
             st = c.streams[seg.s][jj]
             if item_first:
-                item = _item_start(c, hbm, w, bounds, seed, ones, ident)
+                item = _item_start(c, hbm, steps, w, bounds, seed, ones, ident)
             if jj == 0:
                 seg.item = item
                 seg.sec = _section_start(c, hbm, item, seg.s)
@@ -1550,10 +1637,10 @@ def _alibi_coefs(c, sl):
     return neg, pos
 
 
-def _item_start(c, hbm, w, bounds, seed, ones, ident):
+def _item_start(c, hbm, steps, w, bounds, seed, ones, ident):
     """Start work item ``w`` (batch ``w // nheads_kv``, kv head ``w % nheads_kv``): ALiBi coefficients, -LSE of
-    every member, the D tile, zero dQ for query tiles that see no key, and zero dK / dV for the sections no query
-    tile reaches. Returns its ``steps.Item``."""
+    every member, the D tile, the work-item steps (``steps.item``: the bias gradient's zeros), zero dQ for query
+    tiles that see no key, and zero dK / dV for the sections no query tile reaches. Returns its ``steps.Item``."""
     b = w // c.nheads_kv
     hk = w % c.nheads_kv
     neg = None
@@ -1563,7 +1650,9 @@ def _item_start(c, hbm, w, bounds, seed, ones, ident):
     neg_lse = _load_neg_lse(c, hbm.lse, b, hk)
     dsum = nl.ndarray((PMAX, c.group, c.nq), dtype=nl.float32, buffer=nl.sbuf)  # D, same layout as -LSE
     item = Item(b, hk, slopes=neg, slopes_pos=pos, seed=seed, bounds=bounds, neg_lse=neg_lse, dsum=dsum, ones=ones,
-                ident=ident)
+                ident=ident, bias=hbm.attn_bias, dbias=hbm.dbias)
+    for f in steps.item:
+        f(c, item)
     if c.no_key_tiles:
         # query tiles that see no key: D = 0 (their O is 0), dQ = 0
         nisa.memset(dst=dsum, value=0.0)
@@ -1586,8 +1675,16 @@ def attention_bwd(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref=None, b
                   use_causal_mask=False, mixed_precision=False, softmax_scale=None, sliding_window=None,
                   softcap=0.0, alibi_slopes=None, window_size=None, dropout_p=0.0, dropout_seed=None,
                   k_section_len=None, group_max=None, block_members_max=None, p_cast_on_gpsimd=None,
-                  ds_dma_transpose=None, ds_dma_every=None, pipe_lead=None, pipe_lag_b=None, pipe_lag_d=None):
-    """Flash-attention backward: ``(dq, dk, dv)`` or ``(dq, dk, dv, dsinks)``. See the module docstring.
+                  ds_dma_transpose=None, attn_bias=None, bias_grad=False, ds_dma_every=None, pipe_lead=None,
+                  pipe_lag_b=None, pipe_lag_d=None):
+    """Flash-attention backward: ``(dq, dk, dv)`` or ``(dq, dk, dv, dsinks)``, then ``dbias`` when
+    ``bias_grad``. See the module docstring.
+
+    The additive bias ``attn_bias`` (as in ``attention_fwd``: ``[bb, hb, sqb, skb]``, each dim 1 or the call's
+    size, float32 / bfloat16 / float16) is added to the recomputed scores; with ``bias_grad=True`` (trace-time)
+    the kernel also returns ``dbias`` float32 ``[bs, nheads, seqlen_q, seqlen_k]``, the gradient of the logits
+    (dS before the scale and the cap's chain rule), zero where no key is visible; the caller sums it over the
+    bias's broadcast dims. Without ``bias_grad`` no dbias instruction is emitted.
 
     Tuning keywords (trace-time; None = the default; the modeled time changes, the gradients only by float32
     summation order; docs/kernel-bwd.md, "Tuning keywords"):
@@ -1613,24 +1710,29 @@ def attention_bwd(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref=None, b
     problem = bwd_problem(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref, bound_min, bound_max,
                           use_causal_mask, mixed_precision, softmax_scale, sliding_window, softcap, alibi_slopes,
                           window_size, dropout_p, dropout_seed, k_section_len, group_max, block_members_max,
-                          p_cast_on_gpsimd, ds_dma_transpose, ds_dma_every, pipe_lead, pipe_lag_b, pipe_lag_d)
+                          p_cast_on_gpsimd, ds_dma_transpose, attn_bias, bias_grad, ds_dma_every, pipe_lead,
+                          pipe_lag_b, pipe_lag_d)
     assert problem is None, problem
     c = _configure(q_ref, k_ref, sinks_ref, bound_min, use_causal_mask, mixed_precision, softmax_scale,
                    sliding_window, k_section_len, v_ref, softcap, alibi_slopes, window_size, dropout_p, group_max,
                    block_members_max, p_cast_on_gpsimd, ds_dma_transpose, ds_dma_every, pipe_lead, pipe_lag_b,
                    pipe_lag_d)
-    steps = _select_steps(c)
+    steps = _select_steps(c, attn_bias, bias_grad)
     out_dq = nl.ndarray(q_ref.shape, dtype=q_ref.dtype, buffer=nl.shared_hbm)
     out_dk = nl.ndarray(k_ref.shape, dtype=k_ref.dtype, buffer=nl.shared_hbm)
     out_dv = nl.ndarray(v_ref.shape, dtype=v_ref.dtype, buffer=nl.shared_hbm)
     out_dsinks = None
     if c.num_sinks:
         out_dsinks = nl.ndarray(sinks_ref.shape, dtype=nl.float32, buffer=nl.shared_hbm)
+    out_dbias = None
+    if bias_grad:
+        out_dbias = nl.ndarray((c.bs, c.nheads, c.seqlen_q, c.seqlen_k), dtype=nl.float32, buffer=nl.shared_hbm)
     dq_scratch = None
     if c.dq_scratch:
         dq_scratch = nl.ndarray((1, c.group, c.d_qk, c.seqlen_q), dtype=nl.float32, buffer=nl.private_hbm)
     hbm = Hbm(q_ref, k_ref, v_ref, o=o_ref, dy=dy_ref, lse=lse_ref, sinks=sinks_ref, dq=out_dq, dk=out_dk,
-              dv=out_dv, dsinks=out_dsinks, dq_scratch=dq_scratch, alibi_slopes=alibi_slopes)
+              dv=out_dv, dsinks=out_dsinks, dq_scratch=dq_scratch, alibi_slopes=alibi_slopes, attn_bias=attn_bias,
+              dbias=out_dbias)
     seed = None
     if c.dropout:
         seed = load_dropout_seed(dropout_seed)
@@ -1647,5 +1749,9 @@ def attention_bwd(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref=None, b
         ident = _identity(c)
     _pipeline(c, hbm, steps, start, end, bounds, seed, ones, ident)
     if c.num_sinks:
+        if bias_grad:
+            return out_dq, out_dk, out_dv, out_dsinks, out_dbias
         return out_dq, out_dk, out_dv, out_dsinks
+    if bias_grad:
+        return out_dq, out_dk, out_dv, out_dbias
     return out_dq, out_dk, out_dv

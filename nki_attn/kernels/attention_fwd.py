@@ -3,7 +3,7 @@
     attention_fwd(q_ref, k_ref, v_ref, sinks_ref=None, bound_min=None, bound_max=None, use_causal_mask=False,
                   mixed_precision=True, softmax_scale=None, sliding_window=None, softcap=0.0, alibi_slopes=None,
                   window_size=None, dropout_p=0.0, dropout_seed=None, kb_tiles=None, block_members_max=None,
-                  slab_tiles=None) -> (o, lse)
+                  slab_tiles=None, attn_bias=None) -> (o, lse)
 
 Layouts (head_dim on the partition axis): q ``[bs, nheads, d_qk, seqlen_q]``, k ``[bs, nheads_kv, d_qk,
 seqlen_k]``, v ``[bs, nheads_kv, d_v, seqlen_k]``, o ``[bs, nheads, d_v, seqlen_q]``, lse float32 ``[bs, nheads,
@@ -41,9 +41,9 @@ from ..backend import nisa, nki, nl
 from .band import classify_keys
 from .dropout import (dropout_row_keys, dropout_row_keys_members, dropout_values, keep_threshold,
                       load_dropout_seed)
-from .steps import (FP32_MAX, FP32_MIN, K_TILE, PMAX, Hbm, Item, Steps, Tile, head_dim_tiles,
+from .steps import (FP32_MAX, FP32_MIN, K_TILE, PMAX, Hbm, Item, Steps, Tile, bias_scores, head_dim_tiles,
                     itemsize, load_packing_bounds, load_slopes, mask_step, run_steps, softcap_scores, spmd_items)
-from .validation import attention_problem, attention_shape, sbuf_bytes_per_partition
+from .validation import attention_problem, attention_shape, bias_problem, sbuf_bytes_per_partition
 
 # Defaults of the tuning keywords of ``attention_fwd`` (``kb_tiles``, ``block_members_max``, ``slab_tiles``):
 KB_TILES = 4  # key tiles per key block: the online-softmax statistics are updated once per 2048 keys
@@ -413,10 +413,10 @@ def _alibi_coefs(cfg, sl):
     return sl, None
 
 
-def _select_steps(cfg):
+def _select_steps(cfg, attn_bias=None):
     """The launch's steps (``steps`` protocol): the score steps of the variants in the order of the semantics
-    (soft-capping, then ALiBi), the masking steps by generation and mask kind, the probability steps (dropout).
-    The default launch has no score or probability step."""
+    (soft-capping, then ALiBi, then the additive bias ``attn_bias``), the masking steps by generation and mask
+    kind, the probability steps (dropout). The default launch has no score or probability step."""
     partial = _mask_affine
     if cfg.mask == "bounds":
         partial = _mask_bounds
@@ -433,6 +433,8 @@ def _select_steps(cfg):
         score.append(softcap_scores)
     if cfg.alibi and not cfg.alibi_mm:
         score.append(_alibi_scores)
+    if attn_bias is not None:
+        score.append(bias_scores)
     prob = []
     rows = None
     if cfg.dropout_p > 0:
@@ -871,7 +873,7 @@ def _positive_int_problem(name, value):
 def fwd_problem(q_ref, k_ref, v_ref, sinks_ref=None, bound_min=None, bound_max=None, use_causal_mask=False,
                 mixed_precision=True, softmax_scale=None, sliding_window=None, softcap=0.0, alibi_slopes=None,
                 window_size=None, dropout_p=0.0, dropout_seed=None, kb_tiles=None, block_members_max=None,
-                slab_tiles=None):
+                slab_tiles=None, attn_bias=None):
     """``None`` when ``attention_fwd`` accepts these arguments, else the first problem as a message. The kernel
     asserts on it; ``nki_attn.kernel_api.attention_fwd`` raises it as ``ValueError`` before launching."""
     problem = attention_problem(q_ref, k_ref, v_ref, sinks=sinks_ref, bound_min=bound_min, bound_max=bound_max,
@@ -887,6 +889,8 @@ def fwd_problem(q_ref, k_ref, v_ref, sinks_ref=None, bound_min=None, bound_max=N
         problem = _positive_int_problem("block_members_max", block_members_max)
     if problem is None:
         problem = _positive_int_problem("slab_tiles", slab_tiles)
+    if problem is None:
+        problem = bias_problem(attn_bias, q_ref.shape[0], q_ref.shape[1], q_ref.shape[3], k_ref.shape[3])
     return problem
 
 
@@ -907,7 +911,7 @@ def _setup_config(q_ref, k_ref, v_ref, sinks_ref, bound_min, use_causal_mask, mi
 def attention_fwd(q_ref, k_ref, v_ref, sinks_ref=None, bound_min=None, bound_max=None, use_causal_mask=False,
                   mixed_precision=True, softmax_scale=None, sliding_window=None, softcap=0.0, alibi_slopes=None,
                   window_size=None, dropout_p=0.0, dropout_seed=None, kb_tiles=None, block_members_max=None,
-                  slab_tiles=None):
+                  slab_tiles=None, attn_bias=None):
     """Flash-attention forward; returns ``(o, lse)`` in shared HBM.
 
     Args:
@@ -935,19 +939,22 @@ def attention_fwd(q_ref, k_ref, v_ref, sinks_ref=None, bound_min=None, bound_max
             per key block (``KB_TILES``), members per block at most (``BLOCK_MEMBERS_MAX``), query tiles per slab
             (default: the most the SBUF holds, balanced). The modeled time changes, the result only by float32
             summation order (docs/kernel-fwd.md, "Tuning keywords").
+        attn_bias: optional float32 / bfloat16 / float16 ``[bb, hb, sqb, skb]``, each dim 1 (broadcast) or the
+            call's ``[bs, nheads, seqlen_q, seqlen_k]``: added to the scaled (and capped) scores, after ALiBi
+            (``steps.bias_scores``; rows are query positions, columns keys, in the kernel's padded lengths).
 
     Returns:
         o: ``[bs, nheads, d_v, seqlen_q]`` in q's dtype; lse: float32 ``[bs, nheads, 128, seqlen_q // 128]``.
     """
     problem = fwd_problem(q_ref, k_ref, v_ref, sinks_ref, bound_min, bound_max, use_causal_mask, mixed_precision,
                           softmax_scale, sliding_window, softcap, alibi_slopes, window_size, dropout_p, dropout_seed,
-                          kb_tiles, block_members_max, slab_tiles)
+                          kb_tiles, block_members_max, slab_tiles, attn_bias)
     assert problem is None, problem
     cfg = _setup_config(q_ref, k_ref, v_ref, sinks_ref, bound_min, use_causal_mask, mixed_precision, softmax_scale,
                         sliding_window, softcap, alibi_slopes, window_size, dropout_p, kb_tiles, block_members_max,
                         slab_tiles)
     shp = cfg.shp
-    steps = _select_steps(cfg)
+    steps = _select_steps(cfg, attn_bias)
 
     o_ref = nl.ndarray((shp.bs, shp.nheads, cfg.d_v, shp.seqlen_q), dtype=q_ref.dtype, buffer=nl.shared_hbm)
     lse_ref = nl.ndarray((shp.bs, shp.nheads, PMAX, cfg.n_qt), dtype=nl.float32, buffer=nl.shared_hbm)
@@ -978,7 +985,7 @@ def attention_fwd(q_ref, k_ref, v_ref, sinks_ref=None, bound_min=None, bound_max
         if cfg.alibi:
             slopes, alibi_st = _alibi_coefs(cfg, load_slopes(alibi_slopes, shp.nheads, cfg.group, b, kvh))
         item = Item(b, kvh, slopes=slopes, seed=seed_sb, bounds=bounds, alibi_st=alibi_st, pos_tab=pos_tab,
-                    sinks=sink_stats)
+                    sinks=sink_stats, bias=attn_bias)
         for i in range(len(slabs)):
             t0, t1 = slabs[i]
             _attend_slab(cfg, hbm, item, steps, t0, t1)

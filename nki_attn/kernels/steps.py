@@ -11,13 +11,17 @@ position and band classification, fixed at trace time), ``item`` the ``Item`` of
 kernel picks its steps ONCE per launch from its config into a ``Steps`` object; the drivers run the lists in
 order and never test a variant. The stages, in the order a tile goes through them:
 
-    score         S -> S           before the exponent: soft-capping (``softcap_scores``), ALiBi
+    score         S -> S           before the exponent: soft-capping (``softcap_scores``), ALiBi, the additive
+                                   bias (``bias_scores``)
     mask_full     S -> S           masking of a FULL tile (forward: the eviction with the row max; backward: none)
     mask_partial  S -> S           masking of a PARTIAL tile (packing bounds; forward: also the band)
     p_mask        P -> P           after the exponent (backward: the band's element masks on P)
     prob          P -> P           the P operand of the value matmul (PV / dV): dropout
     grad          P -> P           backward: the P operand of dS (soft-capping's chain rule)
-    ds            dP -> dS         backward: ``dS = (dP - D) * P`` (dropout multiplies dP first)
+    ds            dP -> dS         backward: ``dS = (dP - D) * P`` (dropout multiplies dP first; with the bias's
+                                   gradient it also writes dS of the logits to HBM)
+
+and the backward's ``item`` steps ``f(cfg, item)``, once per work item (the bias gradient's zero fill).
 
 A step that needs what an earlier one made for the same tile reads it from ``tile.saved`` (a dict: soft-capping's
 tanh for its gradient, dropout's keep multiplier for dS). A per-head logit scale, for example, is one more score
@@ -74,10 +78,11 @@ class Item(nl.NKIObject):
     ``alibi_st`` / ``pos_tab`` the forward's TensorE ALiBi operands; ``bounds`` ``(bmin, bmax)`` key bounds
     ``[128, n_qt]``; ``seed`` the dropout seed tile; ``sinks`` the forward's starting statistics ``(m0, l0)``
     from the sinks; the backward's row statistics ``neg_lse`` / ``dsum`` ``[128, group, nq]`` (-LSE and D of
-    every member), its D matmul's ``ones`` column and its dQ reload's ``ident`` identity (launch-wide)."""
+    every member), its D matmul's ``ones`` column and its dQ reload's ``ident`` identity (launch-wide); ``bias``
+    the additive bias in HBM and ``dbias`` the backward's float32 HBM output of its gradient (``bias_scores``)."""
 
     def __init__(self, b, kvh, slopes=None, slopes_pos=None, seed=None, bounds=None, alibi_st=None, pos_tab=None,
-                 sinks=None, neg_lse=None, dsum=None, ones=None, ident=None):
+                 sinks=None, neg_lse=None, dsum=None, ones=None, ident=None, bias=None, dbias=None):
         self.b = b
         self.kvh = kvh
         self.slopes = slopes
@@ -91,6 +96,8 @@ class Item(nl.NKIObject):
         self.dsum = dsum
         self.ones = ones
         self.ident = ident
+        self.bias = bias
+        self.dbias = dbias
 
 
 class Hbm(nl.NKIObject):
@@ -98,10 +105,11 @@ class Hbm(nl.NKIObject):
     nheads, d_qk, seqlen_q]``, k ``[bs, nheads_kv, d_qk, seqlen_k]``, v ``[bs, nheads_kv, d_v, seqlen_k]``, o /
     dy ``[bs, nheads, d_v, seqlen_q]``, lse ``[bs, nheads, 128, seqlen_q // 128]``, sinks; the backward's
     gradients dq, dk, dv, dsinks shaped like their inputs and its fp32 dQ scratch; alibi_slopes ``[bs,
-    nheads]``."""
+    nheads]``; attn_bias ``[bb, hb, sqb, skb]`` (each 1 or the full size) and the backward's dbias float32
+    ``[bs, nheads, seqlen_q, seqlen_k]``."""
 
     def __init__(self, q, k, v, o=None, dy=None, lse=None, sinks=None, dq=None, dk=None, dv=None, dsinks=None,
-                 dq_scratch=None, alibi_slopes=None):
+                 dq_scratch=None, alibi_slopes=None, attn_bias=None, dbias=None):
         self.q = q
         self.k = k
         self.v = v
@@ -115,15 +123,18 @@ class Hbm(nl.NKIObject):
         self.dsinks = dsinks
         self.dq_scratch = dq_scratch
         self.alibi_slopes = alibi_slopes
+        self.attn_bias = attn_bias
+        self.dbias = dbias
 
 
 class Steps(nl.NKIObject):
     """The steps of one launch, chosen once from the config (module docstring): lists run in order, or one
     function per tile kind. ``key_block`` / ``lse`` / ``rows`` are the forward's once-per-key-block, LSE and
-    per-slab row-state steps (``_alibi_positions``, ``_alibi_lse``, ``_dropout_slab``)."""
+    per-slab row-state steps (``_alibi_positions``, ``_alibi_lse``, ``_dropout_slab``); ``item``: the
+    backward's once-per-work-item steps ``f(cfg, item)`` (the bias gradient's zero fill)."""
 
     def __init__(self, score, mask_full, mask_partial, p_mask, prob, grad=None, ds=None, key_block=None, lse=None,
-                 rows=None):
+                 rows=None, item=None):
         self.score = score
         self.mask_full = mask_full
         self.mask_partial = mask_partial
@@ -134,6 +145,9 @@ class Steps(nl.NKIObject):
         self.key_block = key_block
         self.lse = lse
         self.rows = rows
+        self.item = item
+        if item is None:
+            self.item = []
 
 
 def run_steps(cfg, fns, tile, item, x):
@@ -165,6 +179,48 @@ def softcap_scores(cfg, tile, item, s):
     nisa.activation(dst=t, op=nl.tanh, data=s, scale=cfg.cap_scale)
     tile.saved["tanh"] = t
     return t
+
+
+def bias_scores(cfg, tile, item, s):
+    """Score step, the additive bias: ``S + bias / e`` with e the exponent's float32 scale (``cfg.exp_scale``:
+    softmax_scale, or the cap with soft-capping), so the exponent's ``e (S + bias / e)`` is the scaled (and
+    capped) logit plus the bias, as torch's SDPA adds ``attn_mask`` to the scaled scores. The tile of the bias
+    ``[128 query rows, kw keys]`` is ONE DMA in the bias's dtype (``bias_tile``: broadcast dims are stride 0),
+    then ONE VectorE ``scalar_tensor_tensor`` ``bias * (1 / e) + S`` reading S from PSUM (or from an earlier
+    score step's SBUF output). Only the tiles the band visits are loaded."""
+    bt = nl.ndarray((PMAX, tile.kw), dtype=item.bias.dtype, buffer=nl.sbuf)
+    nisa.dma_copy(dst=bt, src=bias_tile(item.bias, tile.b, tile.hq, tile.q0, tile.k0, tile.kw))
+    out = nl.ndarray((PMAX, tile.kw), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.scalar_tensor_tensor(dst=out, data=bt, op0=nl.multiply, operand0=1.0 / cfg.exp_scale, op1=nl.add,
+                              operand1=s)
+    return out
+
+
+def bias_tile(bias, b, hq, q0, k0, kw):
+    """HBM view ``[128, kw]`` of the bias ``[bb, hb, sqb, skb]`` (each dim 1 = broadcast, or the full size) for
+    query rows ``[q0, q0 + 128)`` of query head ``hq`` of batch ``b`` and keys ``[k0, k0 + kw)``: a plain slice
+    when neither sequence dim is broadcast (its row stride may exceed the access pattern's int16 field), else an
+    access pattern with stride 0 along the broadcast dim(s)."""
+    bb, hb, sqb, skb = bias.shape
+    bi = 0
+    if bb > 1:
+        bi = b
+    hi = 0
+    if hb > 1:
+        hi = hq
+    if sqb > 1 and skb > 1:
+        return bias[bi, hi, q0:q0 + PMAX, k0:k0 + kw]
+    row_stride = 0
+    qi = 0
+    if sqb > 1:
+        row_stride = skb
+        qi = q0
+    col_stride = 0
+    ki = 0
+    if skb > 1:
+        col_stride = 1
+        ki = k0
+    return bias.ap(pattern=[[row_stride, PMAX], [col_stride, kw]], offset=((bi * hb + hi) * sqb + qi) * skb + ki)
 
 
 # ----------------------------------------------------------------------------------------------- shared helpers

@@ -227,6 +227,33 @@ def _variant_problem(bs, nheads, softcap, alibi_slopes, dropout_p, dropout_seed)
     return None
 
 
+def bias_problem(attn_bias, bs, nheads, seqlen_q, seqlen_k, bias_grad=False):
+    """The additive bias ``attn_bias`` (None = none) and the backward's ``bias_grad`` (first problem or None): a
+    float32 / bfloat16 / float16 tensor ``[bb, hb, sqb, skb]`` with each dim 1 (broadcast) or the call's size
+    ``[bs, nheads, seqlen_q, seqlen_k]``; ``bias_grad`` a bool, True only with a bias."""
+    if not isinstance(bias_grad, bool):
+        return f"bias_grad={bias_grad!r} must be True or False"
+    if attn_bias is None:
+        if bias_grad:
+            return "bias_grad=True needs attn_bias (the gradient of which bias?), got attn_bias=None"
+        return None
+    if not _is_array(attn_bias):
+        return f"attn_bias={attn_bias!r} must be None or a tensor [bs or 1, nheads or 1, seqlen_q or 1, seqlen_k or 1]"
+    full = (bs, nheads, seqlen_q, seqlen_k)
+    shape = _shape(attn_bias)
+    ok = len(shape) == 4
+    if ok:
+        for i in range(4):
+            if shape[i] != 1 and shape[i] != full[i]:
+                ok = False
+    if not ok:
+        return (f"attn_bias shape {shape} must be 4-D with each dim 1 (broadcast) or the call's size "
+                f"[bs, nheads, seqlen_q, seqlen_k] = {full}")
+    if not supported_dtype(attn_bias.dtype):
+        return f"attn_bias dtype {attn_bias.dtype} is not supported; use one of {_DTYPES}"
+    return None
+
+
 def attention_problem(q, k, v, o=None, dy=None, lse=None, sinks=None, bound_min=None, bound_max=None,
                       use_causal_mask=False, softmax_scale=None, sliding_window=None, softcap=0.0,
                       alibi_slopes=None, window_size=None, dropout_p=0.0, dropout_seed=None, supports=None,

@@ -404,10 +404,14 @@ FEATURES = {
     "d_v": (None, int, "head dim of v, o and dO instead of --head-dim"),
     "seqlen_q": (None, int, "query length instead of --seqlen"),
     "seqlen_k": (None, int, "key length instead of --seqlen"),
+    "bias": ("heads", str, "additive bias attn_bias of shape KIND = heads [1,h,s,s] unless given (batch "
+                           "[b,1,s,s], full [b,h,s,s], keys [b,1,1,s]); the backward computes its gradient "
+                           "(--set bias_grad=False: without)"),
 }
 # kernel parameters that are inputs or that the options above set: everything else with a default is a knob
 _NOT_KNOBS = {"sinks_ref", "bound_min", "bound_max", "alibi_slopes", "dropout_seed", "use_causal_mask",
-              "sliding_window", "softcap", "window_size", "dropout_p", "mixed_precision", "softmax_scale"}
+              "sliding_window", "softcap", "window_size", "dropout_p", "mixed_precision", "softmax_scale",
+              "attn_bias"}
 
 
 def add_variant_arguments(p):
@@ -504,7 +508,7 @@ def _variant_case(args):
                 d_v=f.get("d_v", args.head_dim), dtype=DTYPES[args.dtype], causal=bool(args.causal),
                 window=args.window or 0, num_sinks=args.sinks, softcap=f.get("softcap", 0.0),
                 alibi="bloom" if f.get("alibi") else "", window_size=tuple(f.get("window_size", ())),
-                dropout=f.get("dropout", 0.0))
+                dropout=f.get("dropout", 0.0), bias=f.get("bias", ""))
 
 
 def run_variant_kernel(args):
@@ -526,6 +530,8 @@ def run_variant_kernel(args):
         kw["window_size"] = case.window_size
     if case.dropout:
         kw.update(dropout_p=case.dropout, dropout_seed=x["dropout_seed"])
+    if case.bias:
+        kw["attn_bias"] = x["attn_bias"]
     if args.mixed_precision is not None:
         kw["mixed_precision"] = args.mixed_precision
     kernel = _launch(_load(args.kernel), args.lnc)
@@ -534,9 +540,12 @@ def run_variant_kernel(args):
             return kernel(x["q"], x["k"], x["v"], **kw, **args.knobs)
     else:  # o and lse from the golden forward with the same variant, outside the recording
         o, lse = attention_fwd_torch_ref(x["q"], x["k"], x["v"], **kw)
+        knobs = dict(args.knobs)
+        if case.bias:
+            knobs.setdefault("bias_grad", True)
 
         def call():
-            return kernel(x["q"], x["k"], x["v"], o, x["dy"], lse.float(), **kw, **args.knobs)
+            return kernel(x["q"], x["k"], x["v"], o, x["dy"], lse.float(), **kw, **knobs)
     from ..sim.benchmark import run_benchmark
     t0 = time.perf_counter()
     _, result = run_benchmark(call, (), warmup=0, iters=1)

@@ -127,7 +127,8 @@ _gappy = torch.ones(130, 130, dtype=torch.bool)
 _gappy[:, 10] = False
 
 SDPA_CASES = [
-    ("mask-float", sd(attn_mask=torch.zeros(130, 130)), NotImplementedError, r"attn_mask\.dtype=torch\.float32"),
+    ("mask-int", sd(attn_mask=torch.zeros(130, 130, dtype=torch.int32)), NotImplementedError,
+     r"attn_mask\.dtype=torch\.int32"),
     ("mask-gaps", sd(attn_mask=_gappy), NotImplementedError, r"contiguous run"),
     ("mask-per-head", sd(attn_mask=torch.ones(1, 4, 130, 130, dtype=torch.bool)), NotImplementedError,
      r"attn_mask\.shape=\(1, 4, 130, 130\)"),

@@ -78,7 +78,7 @@ def test_wrapper_of_our_kernel_passes_from_a_fresh_process(tmp_path):
     rep = json.loads(out.read_text())
     status = {r["case"]["name"]: r["status"] for r in rep["rows"]}
     errors = {r["case"]["name"]: r.get("error", "") for r in rep["rows"]}
-    variant_rows = {c.name for c in cases.quick() if c.softcap or c.alibi or c.window_size or c.dropout}
+    variant_rows = {c.name for c in cases.quick() if c.softcap or c.alibi or c.window_size or c.dropout or c.bias}
     assert variant_rows, "the quick preset has variant rows"
     assert status.pop("sinks2-s256-d64-bfloat16") == "unsupported"
     assert "one sink per head only" in errors["sinks2-s256-d64-bfloat16"]

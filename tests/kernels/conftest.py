@@ -140,6 +140,9 @@ def bwd_from_stats(q, k, v, o, dy, lse, opts, sinks=None, drop=None, compute_dty
         s = cap * th
     if opts.get("alibi_slopes") is not None:
         s = s + alibi_bias(opts["alibi_slopes"], sq, sk, torch.float32).to(compute_dtype)
+    bias = opts.get("attn_bias")
+    if bias is not None:
+        s = s + bias.to(compute_dtype)
     vis = visibility_mask(sq, sk, opts.get("use_causal_mask", False), opts.get("sliding_window"),
                           opts.get("bound_min"), opts.get("bound_max"), opts.get("window_size"))
     s = s.masked_fill(~vis, float("-inf"))
@@ -151,6 +154,9 @@ def bwd_from_stats(q, k, v, o, dy, lse, opts, sinks=None, drop=None, compute_dty
         dp = dp * drop.to(compute_dtype)
         pv = p * drop.to(compute_dtype)
     ds = torch.nan_to_num(p * (dp - dd[..., None]), nan=0.0)
+    dbias = None
+    if bias is not None:  # the logit's gradient, summed over the bias's broadcast dims
+        dbias = sum_to(ds, tuple(bias.shape))
     if th is not None:
         ds = ds * (1.0 - th * th)
     dq = torch.matmul(ds, kt) * scale
@@ -161,7 +167,16 @@ def bwd_from_stats(q, k, v, o, dy, lse, opts, sinks=None, drop=None, compute_dty
         sk_ = f(sinks).reshape(bs, h, -1)
         psink = torch.exp(sk_[:, :, None, :] - rows[..., None])                     # [b, h, sq, ns]
         out["dsinks"] = (-(psink * dd[..., None]).sum(2)).reshape(tuple(np.shape(sinks)))
+    if dbias is not None:
+        out["dbias"] = dbias
     return {n: as_f64(x) for n, x in out.items()}
+
+
+def sum_to(x, shape):
+    """``x`` ``[bs, h, sq, sk]`` summed over the dims a bias of (4-D) ``shape`` broadcasts."""
+    x = torch.as_tensor(as_f64(x)) if not isinstance(x, torch.Tensor) else x
+    dims = [i for i in range(4) if shape[i] == 1 and x.shape[i] != 1]
+    return x.sum(dim=dims, keepdim=True) if dims else x
 
 
 def check_fwd_outputs(o, lse, q, k, v, sinks, mixed, opts):
@@ -210,7 +225,7 @@ class Case:
     def __init__(self, bs=1, h=1, hk=1, d=64, dv=None, sq=256, sk=None, dtype="float32", mixed=False,
                  causal=False, window=None, window_size=None, softcap=0.0, alibi=False, sinks=0, sink_mul=1.0,
                  cu=None, scale=None, dropout_p=0.0, dropout_seed=(1234, 7), q_mul=1.0, sink_value=None,
-                 seed=0):
+                 seed=0, bias=None):
         sk = sq if sk is None else sk
         dv = d if dv is None else dv
         self.dtype, self.mixed, self.tdt = dtype, mixed, DTYPES[dtype]
@@ -234,6 +249,10 @@ class Case:
                          window_size=window_size)
         if dropout_p > 0.0:
             self.opts.update(dropout_p=dropout_p, dropout_seed=golden_dropout.make_seed(*dropout_seed))
+        self.bias = None
+        if bias is not None:  # the additive bias (``BIAS_SHAPES``), drawn after every other input
+            self.opts["attn_bias"] = rnd(*BIAS_SHAPES[bias](bs, h, sq, sk))
+            self.bias = self.opts["attn_bias"].to(self.tdt)
         self.q, self.k, self.v, self.dy = (x.to(self.tdt) for x in (self.q64, self.k64, self.v64, self.dy64))
         self.sinks = None if self.sinks64 is None else self.sinks64.to(self.tdt)
         # the kernels' keywords: only the variants a case sets; the others stay at the kernels' defaults
@@ -243,6 +262,8 @@ class Case:
         self.kwargs["mixed_precision"] = mixed
         if self.sinks is not None:
             self.kwargs["sinks_ref"] = self.sinks
+        if self.bias is not None:
+            self.kwargs["attn_bias"] = self.bias
         self._bwd_refs = None
 
     @property
@@ -272,7 +293,9 @@ class Case:
         float32, numpy), the float64 reference gradients (``ref``), the golden in the dtype (``golden``), the
         inputs baseline (``inputs``) and the float64 forward's ``lse``."""
         if self._bwd_refs is None:
-            no_drop = {key: val for key, val in self.opts.items() if key not in ("dropout_p", "dropout_seed")}
+            no_drop = {key: val for key, val in self.opts.items()
+                       if key not in ("dropout_p", "dropout_seed", "attn_bias")}
+            no_drop["logit_bias"] = self.opts.get("attn_bias")
             drop = self.drop
             o, lse, _ = compute_o_lse(self.q64, self.k64, self.v64, sinks=self.sinks64, mixed_precision=False,
                                       dropout_mask=drop, **no_drop)
@@ -297,6 +320,8 @@ class Case:
         kern = attention_bwd if lnc is None else attention_bwd[lnc]
         if k_section_len is not None:
             extra["k_section_len"] = k_section_len
+        if self.bias is not None:
+            extra.setdefault("bias_grad", True)
         return kern(*self.bwd_refs()["args"], **self.bwd_kwargs(), **extra)
 
     def check_bwd(self, out, inputs=None):
@@ -304,12 +329,17 @@ class Case:
         (the kernel's formula from other O and LSE). Returns the measured numbers by name."""
         r = self.bwd_refs()
         inputs = r["inputs"] if inputs is None else inputs
-        assert len(out) == (4 if self.sinks is not None else 3)
-        for name, got in zip(GRAD_NAMES, out):
-            want = "float32" if name == "dsinks" else self.dtype
+        names = list(GRAD_NAMES[:3]) + (["dsinks"] if self.sinks is not None else []) + \
+            (["dbias"] if self.bias is not None else [])
+        assert len(out) == len(names)
+        for name, got in zip(names, out):
+            want = "float32" if name in ("dsinks", "dbias") else self.dtype
             assert dtype_name(got.dtype) == want, f"{name}: dtype {got.dtype}, expected {want}"
         if self.sinks is not None:
             assert tuple(np.shape(out[3])) == tuple(self.sinks.shape)
+        if self.bias is not None:  # float32 [bs, h, sq, sk]: summed over the bias's broadcast dims here
+            assert tuple(np.shape(out[-1])) == (*self.q.shape[:2], self.q.shape[3], self.k.shape[3])
+            out = list(out[:-1]) + [sum_to(out[-1], tuple(self.bias.shape))]
         # a query row that sees no key has dq exactly 0; a key no query sees has dk, dv exactly 0
         b = self.opts
         vis = visibility_mask(self.q.shape[3], self.k.shape[3], b["use_causal_mask"], b["sliding_window"],
@@ -318,7 +348,7 @@ class Case:
         for name, got in zip(("dk", "dv"), out[1:3]):
             assert np.all(as_f64(got)[..., ~vis.any(axis=0)] == 0.0), f"{name}: a key no query sees is not 0"
         stats = {}
-        for name, got in zip(GRAD_NAMES, out):
+        for name, got in zip(names, out):
             key = f"out_{name}_ref"
             stats[name] = check_close(name, got, r["ref"][key], r["golden"][key], self.dtype,
                                       inputs_err=inputs[name])
@@ -371,8 +401,13 @@ VARIANT_TOKENS = {
     "alibi": r"alibi", "sinks": r"sinks(\d+)", "sinkmul": r"sinkmul([\d.]+)", "sinkval": r"sinkval([\d.]+)",
     "cu": r"cu([\d-]+)",
     "scale": r"scale([\d.]+)", "drop": r"drop([\d.]+)", "qmul": r"qmul([\d.]+)", "sec": r"sec(\d+)",
-    "seed": r"seed(\d+)",
+    "seed": r"seed(\d+)", "bias": r"bias(h|b|1|full|keys)",
 }
+# the additive bias's shape by token suffix, for [bs, h, sq, sk]: per head (shared by the batch), per batch entry
+# (shared by the heads), one for all, full, and a key-padding bias [bs, 1, 1, sk]
+BIAS_SHAPES = {"h": lambda bs, h, sq, sk: (1, h, sq, sk), "b": lambda bs, h, sq, sk: (bs, 1, sq, sk),
+               "1": lambda bs, h, sq, sk: (1, 1, sq, sk), "full": lambda bs, h, sq, sk: (bs, h, sq, sk),
+               "keys": lambda bs, h, sq, sk: (bs, 1, 1, sk)}
 
 
 def case_kwargs(dtype, variant, shape, heads):
@@ -417,6 +452,8 @@ def case_kwargs(dtype, variant, shape, heads):
             sec = int(g[0])
         elif name == "seed":
             kw["seed"] = int(g[0])
+        elif name == "bias":
+            kw["bias"] = g[0]
     return kw, sec
 
 

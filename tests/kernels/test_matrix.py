@@ -176,6 +176,12 @@ ROWS = [
     ("b", "fp32", "drop0.1", "d64-s256", "h2k1"),
     ("b", "fp32", "causal+drop0.3+sinks1", "d64-s384x512", "h2k2"),
     ("b", "bf16", "alibi+cap2+win100:30+drop0.2", "d64-s256", "h1k1"),
+    # ---- additive bias (attn_bias; backward with its gradient, summed over the broadcast dims)
+    ("fb", "fp32", "causal+biash", "d64-s256x384", "b2h4k2"),
+    ("fb", "bf16", "win100:40+cap3+biasb", "d64-s384", "b2h2k1"),
+    ("b", "fp16", "causal+alibi+sinks1+bias1+sec128", "d64-s512", "h2k1"),
+    ("f", "bf16", "causal+alibi+biaskeys+seed3", "d64-s256", "b2h2k2"),         # with the ALiBi matmul path
+    ("b", "fp32", "drop0.2+biasfull+cu0-100-250-384", "d64-s384", "b2h2k1", S),
 ]
 
 # The cross product of the core axes (slow): every variant on every dtype, shape and head layout, both kernels.
