@@ -30,6 +30,10 @@ Public functions:
 ``kernel_plan(spec, device) -> KernelPlan``, ``kernel_bounds``, ``padded_length``: how a spec reaches the
 kernels (used by the probabilities of ``return_attn_probs`` and by ring attention's block geometry).
 
+``block_mask_attention(q, k, v, rows, store, alibi, n_b, n_h, scale, softcap) -> (out, lse)``
+    The second op pair, ``torch.ops.nki_attn.flex_fwd`` / ``flex_bwd``: the kernels under a block mask
+    (``nki_attn.flex_attention`` checks the arguments and calls it; docs/masks.md).
+
 The ops take plain tensors and numbers (the spec's fields); their implementation rebuilds the spec and launches
 the kernel, their fake kernels give shapes, so ``torch.compile(fullgraph=True)`` holds one opaque node per
 direction and FakeTensor / ``meta`` inputs get the right output shapes without running anything. Every output is
@@ -46,7 +50,7 @@ from .backend import BACKEND
 from .spec import PMAX, AttentionSpec, window_intervals
 
 __all__ = ["attention", "attention_backward", "kernel_plan", "kernel_keywords", "kernel_bounds", "padded_length",
-           "spec_intervals", "KernelPlan"]
+           "spec_intervals", "KernelPlan", "block_mask_attention"]
 
 _CONTIG = torch.contiguous_format
 
@@ -377,3 +381,119 @@ def _empty_attention(spec, q, k, v):
         lse = torch.logaddexp(lse, torch.logsumexp(s, -1)[None, :, None])
     lse = torch.where(torch.isneginf(lse), torch.full_like(lse, math.inf), lse)
     return out, lse.clone(memory_format=_CONTIG)
+
+
+# The op pair of block-masked attention (``nki_attn.flex_attention``): the kernels with a ``BlockMask``'s operands
+# (``BlockMask.kernel_operands``: the union classes as a uint8 tensor, the bitmap store) instead of a spec's mask.
+_FLEX = "flex_attention"
+
+
+def _rows_tuple(rows):
+    """The trace-time classes of a launch from their uint8 ``[n_qt, n_kc]`` tensor."""
+    return tuple(tuple(r) for r in rows.tolist())
+
+
+def _flex_keywords(rows, store, alibi_t, n_b, n_h, scale, cap, bias, sq, sk):
+    kw = dict(mixed_precision=True, softmax_scale=scale, softcap=cap, alibi_slopes=alibi_t,
+              block_mask=(n_b, n_h, _rows_tuple(rows)), block_bits=store)
+    if bias is not None:
+        kw["attn_bias"] = _kernel_bias(bias, KernelPlan(0, padded_length(sq), padded_length(sk)), sq, sk)
+    return kw
+
+
+@torch.library.custom_op("nki_attn::flex_fwd", mutates_args=(), device_types=_OP_DEVICES)
+def _flex_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor, store: Optional[torch.Tensor],
+              alibi_t: Optional[torch.Tensor], n_b: int, n_h: int, scale: float, cap: float,
+              bias: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [b, sq, h, d], k [b, sk, hk, d], v [b, sk, hk, dv] (FlashAttention's layout), the block mask's kernel
+    operands (rows uint8 [ceil(sq/128), ceil(sk/128)], store uint8 [128, n] or None), the additive bias
+    [bb, hb, sqb, skb] or None -> (out [b, sq, h, dv], lse float32 [b, h, sq])."""
+    check_slopes(_FLEX, alibi_t)
+    b, sq, hq, _ = q.shape
+    sk = k.shape[1]
+    sq_k, sk_k = padded_length(sq), padded_length(sk)
+    o, lse = _launch(_FLEX, kernel_api.attention_fwd,
+                     (_to_kernel(q, sq_k), _to_kernel(k, sk_k), _to_kernel(v, sk_k)),
+                     _flex_keywords(rows, store, alibi_t, n_b, n_h, scale, cap, bias, sq, sk))
+    lse = lse.permute(0, 1, 3, 2).reshape(b, hq, sq_k)[..., :sq]
+    return _from_kernel(o, 0, sq), lse.clone(memory_format=_CONTIG)
+
+
+@_flex_fwd.register_fake
+def _flex_fwd_fake(q, k, v, rows, store, alibi_t, n_b, n_h, scale, cap, bias=None):
+    b, sq, hq, _ = q.shape
+    return q.new_empty((b, sq, hq, v.shape[3])), q.new_empty((b, hq, sq), dtype=torch.float32)
+
+
+@torch.library.custom_op("nki_attn::flex_bwd", mutates_args=(), device_types=_OP_DEVICES)
+def _flex_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, dout: torch.Tensor,
+              lse: torch.Tensor, dlse: Optional[torch.Tensor], rows: torch.Tensor, store: Optional[torch.Tensor],
+              alibi_t: Optional[torch.Tensor], n_b: int, n_h: int, scale: float, cap: float,
+              bias: Optional[torch.Tensor] = None, bias_grad: bool = False
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of ``flex_fwd``: (dq, dk, dv like q, k, v; dbias like bias when ``bias_grad``, else an empty
+    [0] tensor) (``dlse``, the gradient reaching lse, must be 0)."""
+    if dlse is not None and bool((dlse != 0).any()):
+        raise NotImplementedError(f"{_FLEX}: a gradient flows into the returned lse, which the backward kernel does "
+                                  f"not propagate; use lse.detach()")
+    b, sq, hq, _ = q.shape
+    sk = k.shape[1]
+    sq_k, sk_k = padded_length(sq), padded_length(sk)
+    # padded query rows: dout = 0 and lse = +inf, so P = 0 and they add nothing
+    lse_k = torch.nn.functional.pad(lse, (0, sq_k - sq), value=math.inf)
+    lse_k = lse_k.reshape(b, hq, sq_k // PMAX, PMAX).transpose(-1, -2).clone(memory_format=_CONTIG)
+    kw = _flex_keywords(rows, store, alibi_t, n_b, n_h, scale, cap, bias, sq, sk)
+    bias_grad = bool(bias_grad) and bias is not None
+    if bias is not None:
+        kw["bias_grad"] = bias_grad
+    grads = _launch(_FLEX, kernel_api.attention_bwd,
+                    (_to_kernel(q, sq_k), _to_kernel(k, sk_k), _to_kernel(v, sk_k), _to_kernel(out, sq_k),
+                     _to_kernel(dout, sq_k), lse_k), kw)
+    dq, dk, dv = grads[:3]
+    dbias = _bias_grad(grads[-1], bias, KernelPlan(0, sq_k, sk_k), sq, sk) if bias_grad else \
+        q.new_empty((0,), dtype=torch.float32)
+    return _from_kernel(dq, 0, sq), _from_kernel(dk, 0, sk), _from_kernel(dv, 0, sk), dbias
+
+
+@_flex_bwd.register_fake
+def _flex_bwd_fake(q, k, v, out, dout, lse, dlse, rows, store, alibi_t, n_b, n_h, scale, cap, bias=None,
+                   bias_grad=False):
+    dbias = torch.empty_like(bias, memory_format=_CONTIG) if bias is not None and bias_grad else \
+        q.new_empty((0,), dtype=torch.float32)
+    return (torch.empty_like(q, memory_format=_CONTIG), torch.empty_like(k, memory_format=_CONTIG),
+            torch.empty_like(v, memory_format=_CONTIG), dbias)
+
+
+def _flex_setup(ctx, inputs, output):
+    q, k, v, rows, store, alibi_t = inputs[:6]
+    bias = inputs[10] if len(inputs) > 10 else None
+    ctx.save_for_backward(q, k, v, output[0], output[1], rows, store, alibi_t, bias)
+    ctx.flags = tuple(inputs[6:10])
+
+
+def _flex_backward(ctx, dout, dlse):
+    q, k, v, out, lse, rows, store, alibi_t, bias = ctx.saved_tensors
+    # dbias only when autograd asks for it (no dbias instruction otherwise)
+    bias_grad = bias is not None and len(ctx.needs_input_grad) > 10 and ctx.needs_input_grad[10]
+    dq, dk, dv, dbias = _flex_bwd(q, k, v, out, dout, lse, dlse, rows, store, alibi_t, *ctx.flags, bias, bias_grad)
+    return (dq, dk, dv) + (None,) * 7 + ((dbias if bias_grad else None),)
+
+
+def _flex_double_backward(ctx, *grads):
+    raise RuntimeError(f"{_FLEX}: double backward is not implemented (the backward kernel is not differentiable)")
+
+
+_flex_fwd.register_autograd(_flex_backward, setup_context=_flex_setup)
+_flex_bwd.register_autograd(_flex_double_backward, setup_context=lambda ctx, inputs, output: None)
+
+
+def block_mask_attention(q, k, v, rows, store, alibi, n_b, n_h, scale, softcap, bias=None):
+    """Attention of q ``[b, sq, h, d_qk]``, k ``[b, sk, hk, d_qk]``, v ``[b, sk, hk, d_v]`` (FlashAttention's
+    layout, any lengths) under a block mask given by its kernel operands (``BlockMask.kernel_operands`` /
+    ``union_rows``: ``rows`` uint8 ``[ceil(sq / 128), ceil(sk / 128)]``, ``store`` uint8 ``[128, n]`` or None,
+    its batch / head extents ``n_b``, ``n_h``), with the float32 ALiBi slopes ``alibi`` ``[b, h]`` or None, the
+    softmax ``scale``, ``softcap`` (0: off) and the additive ``bias`` ``[bb, hb, sqb, skb]`` (each dim 1 or the
+    call's size; float32 / bfloat16 / float16) or None: ``(out [b, sq, h, d_v], lse float32 [b, h, sq])``,
+    differentiable with respect to q, k, v and the bias. Checked by ``nki_attn.flex.flex_attention``, trusted
+    here."""
+    return _flex_fwd(q, k, v, rows, store, alibi, n_b, n_h, scale, softcap, bias)

@@ -173,6 +173,9 @@ MUTATIONS = [
       "wrong scale placement: the softmax scale applied twice by the forward's float32 exponent", T_FWD),
     M("b_dk_eviction_unscaled", BWD, "self.dk_scale = a.scale", "self.dk_scale = 1.0",
       "wrong scale placement: dK leaves PSUM without the softmax scale (Q is not scaled at load)", T_BWD),
+    M("b_row_d_from_o", BWD, "    return c.tiles[s][i][0].k1 - c.tiles[s][i][0].k0 == PMAX\n", "    return False\n",
+      "D of the rows whose keys fit one 128-key chunk taken from the bf16 O (rowsum(O*dO)) instead of summed from "
+      "the visit's P and dP", ["tests/kernels/test_bwd_exact_d.py"]),
     # ---- forward: masks and tile bounds
     M("k_classify_run_drops_last", BAND, "            k1 = c0 + PMAX\n", "            k1 = c0\n",
       "off-by-one tile bound: a member's visible chunk run loses its last chunk", T_TILING + T_FWD + T_BWD),

@@ -105,6 +105,11 @@ def make_inputs(case, seed=None):
     if case.cu_seqlens:
         cu = torch.tensor(case.cu_seqlens, dtype=torch.int64)
         ins["bound_min"], ins["bound_max"] = golden.packing_bounds(cu, seqlen_q=case.seqlen_q)
+    if case.mask:
+        # the golden takes the mask as per-query key bounds; the kernels get it as a block mask (_run_kernels)
+        from ..masks import interval_example
+        _, lo, hi = interval_example(case.mask, case.seqlen_q)
+        ins["bound_min"], ins["bound_max"] = lo.to(torch.float32), hi.to(torch.float32)
     if case.alibi == "bloom":
         ins["alibi_slopes"] = bloom_alibi_slopes(h).expand(b, h).contiguous()
     elif case.alibi == "random":  # as FlashAttention's tests draw them: U[0, 0.3) per (batch, head)
@@ -245,7 +250,8 @@ def inputs_baseline(ins, ref, case):
     q, k, v, dy = (ins[n].to(f32) for n in ("q", "k", "v", "dy"))
     scale = case.scale or case.d_head ** -0.5
     vis = visibility_mask(case.seqlen_q, case.seqlen_k, case.causal, case.window or None,
-                          ins["bound_min"] if case.cu_seqlens else None, ins["bound_max"] if case.cu_seqlens else None,
+                          ins["bound_min"] if case.cu_seqlens or case.mask else None,
+                          ins["bound_max"] if case.cu_seqlens or case.mask else None,
                           window_size=tuple(case.window_size) or None)
     group = case.heads // case.kv_heads
     keep = keep_mask(ins, case)
@@ -344,12 +350,22 @@ def run_candidate(candidate, ins, case):
 def _run_kernels(candidate, ins, case):
     """Forward then backward in the kernels' layout (lengths multiples of 128); dict of outputs."""
     extra = _variant_kwargs(case, ins)
-    o, lse = candidate.fwd(ins["q"], ins["k"], ins["v"], ins["sinks"], ins["bound_min"], ins["bound_max"],
+    bmin, bmax = ins["bound_min"], ins["bound_max"]
+    if case.mask and isinstance(candidate, KernelCandidate):
+        # our kernels take the row's mask as a block mask (a candidate of yours gets the same mask as bounds)
+        from ..block_mask import create_block_mask
+        from ..masks import interval_example
+        bm = create_block_mask(interval_example(case.mask, case.seqlen_q)[0], None, None, case.seqlen_q,
+                               case.seqlen_k)
+        blk, store = bm.kernel_operands()
+        bmin, bmax = None, None
+        extra.update(block_mask=blk, block_bits=store)
+    o, lse = candidate.fwd(ins["q"], ins["k"], ins["v"], ins["sinks"], bmin, bmax,
                            mixed_precision=True, **_kwargs(case), **extra)
     if case.bias:  # the backward also returns the bias's gradient, float32 [b, h, sq, sk], last
         extra = dict(extra, bias_grad=True)
-    res = candidate.bwd(ins["q"], ins["k"], ins["v"], o, ins["dy"], lse, ins["sinks"], ins["bound_min"],
-                        ins["bound_max"], mixed_precision=True, **_kwargs(case), **extra)
+    res = candidate.bwd(ins["q"], ins["k"], ins["v"], o, ins["dy"], lse, ins["sinks"], bmin,
+                        bmax, mixed_precision=True, **_kwargs(case), **extra)
     out = {"o": o, "lse": lse, "dq": res[0], "dk": res[1], "dv": res[2]}
     if ins["sinks"] is not None:
         out["dsinks"] = res[3]
@@ -572,7 +588,8 @@ def sdpa_low_precision(ins, case):
     b, h, d_qk, sq = q.shape
     hk, sk, group = k.shape[1], k.shape[3], q.shape[1] // k.shape[1]
     vis = visibility_mask(sq, sk, case.causal, case.window or None,
-                          ins["bound_min"] if case.cu_seqlens else None, ins["bound_max"] if case.cu_seqlens else None,
+                          ins["bound_min"] if case.cu_seqlens or case.mask else None,
+                          ins["bound_max"] if case.cu_seqlens or case.mask else None,
                           window_size=tuple(case.window_size) or None)
     bias = torch.zeros(b, h, sq, sk, dtype=torch.float32)
     if case.alibi:

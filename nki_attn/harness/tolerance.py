@@ -81,6 +81,12 @@ def reduction_lengths(case):
     if case.cu_seqlens:
         longest = max(b - a for a, b in zip(case.cu_seqlens[:-1], case.cu_seqlens[1:]))
         keys, queries = min(keys, longest), min(queries, longest)
+    if getattr(case, "mask", ""):  # a prebuilt block mask: its longest row and its longest column
+        from ..masks import interval_example
+        _, lo, hi = interval_example(case.mask, case.seqlen_q)
+        keys = int((hi - lo).max())
+        j = np.arange(case.seqlen_k)[None, :]
+        queries = int(((j >= lo.numpy()[:, None]) & (j < hi.numpy()[:, None])).sum(0).max())
     group = case.heads // case.kv_heads
     n = {"o": keys, "lse": keys + case.num_sinks, "dq": keys, "dk": queries * group, "dv": queries * group,
          "dsinks": case.seqlen_q}

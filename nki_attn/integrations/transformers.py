@@ -5,12 +5,19 @@
     model = AutoModelForCausalLM.from_config(config, attn_implementation="nki_attn")
     # or model.set_attn_implementation("nki_attn") on a loaded model
 
-``register()`` adds ``attention_forward`` to transformers' ``AttentionInterface`` and, under the same name, its
-SDPA mask builder to ``AttentionMaskInterface``: models then hand the attention function either no mask (plain
-causal or full attention) or a boolean ``[batch or 1, 1, seqlen_q, seqlen_k]`` mask that already combines
-causality, padding, sliding windows and packed sequences. Each query row of such a mask is one contiguous run of
-keys, which the kernels take as per-query key bounds (the varlen path: batch entries with different masks are
-packed along the sequence). A mask row with gaps raises NotImplementedError; nothing is approximated.
+``register()`` adds ``attention_forward`` to transformers' ``AttentionInterface`` and, under the same name,
+``block_mask_builder`` to ``AttentionMaskInterface``: the model's mask function (causality, padding, sliding
+windows, packed sequences from ``position_ids``, prefix-LM / bidirectional-prefix patterns, chunked attention:
+whatever transformers composes) becomes an ``nki_attn.BlockMask`` (``nki_attn.create_block_mask``, evaluated on
+the host by broadcasting, as transformers' SDPA mask builder does), built once per forward pass and shared by
+every layer, forward and backward. The kernels then skip the blocks nobody sees (``nki_attn.flex``). Where no
+mask is needed (plain causal or full attention without padding) the builder returns None, as SDPA's does.
+
+A dense boolean ``[batch or 1, 1, seqlen_q, seqlen_k]`` mask (a model or caller that builds its own, or the
+block mask of a call with sinks or dropout, which the block-mask op does not take) goes the interval path: each
+query row must be one contiguous run of keys, which the kernels take as per-query key bounds (batch entries with
+different masks are packed along the sequence); a row with gaps raises NotImplementedError. Nothing is
+approximated.
 
 What is handled, per transformers argument:
 
@@ -34,6 +41,8 @@ import torch
 
 from .. import ops
 from ..attention import interval_attention, mask_intervals
+from ..block_mask import BlockMask, create_block_mask
+from ..flex import flex_attention, softcap as _softcap_mod
 from ..spec import flash_spec
 
 NAME = "nki_attn"
@@ -66,6 +75,12 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     """
     cap = 0.0 if softcap is None else softcap
     is_causal = getattr(module, "is_causal", True) if is_causal is None else bool(is_causal)
+    if isinstance(attention_mask, BlockMask):
+        if s_aux is None and not dropout:
+            out = flex_attention(query, key, value, score_mod=_softcap_mod(cap) if cap else None,
+                                 block_mask=attention_mask, scale=scaling, enable_gqa=query.shape[1] != key.shape[1])
+            return out.transpose(1, 2), None
+        attention_mask = attention_mask.to_dense()  # sinks / dropout: the interval path below takes them
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))
     sq, sk = q.shape[1], k.shape[1]
     if attention_mask is None:
@@ -93,15 +108,42 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     return out, None
 
 
+def block_mask_builder(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None,
+                       attention_mask=None, local_size=None, allow_is_causal_skip=True,
+                       allow_is_bidirectional_skip=False, use_vmap=False, device="cpu", **kwargs):
+    """transformers' mask-builder interface (``AttentionMaskInterface``, the arguments of its ``sdpa_mask``) ->
+    an ``nki_attn.BlockMask`` ``(batch_size, 1, q_length, kv_length)`` of ``mask_function`` (and the 2-D padding
+    ``attention_mask``), or None where SDPA's builder skips the mask. Mask functions that need ``use_vmap``
+    (not index-based) get transformers' dense SDPA mask instead."""
+    from transformers import masking_utils as mu
+    if mask_function is None:
+        mask_function = mu.causal_mask_function
+    if use_vmap:
+        return mu.sdpa_mask(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask,
+                            local_size, allow_is_causal_skip, allow_is_bidirectional_skip, use_vmap, device, **kwargs)
+    padding_mask = mu.prepare_padding_mask(attention_mask, kv_length, kv_offset)
+    if allow_is_causal_skip and mu._ignore_causal_mask_sdpa(padding_mask, q_length, kv_length, q_offset, kv_offset,
+                                                            local_size):
+        return None
+    if allow_is_bidirectional_skip and mu._ignore_bidirectional_mask_sdpa(padding_mask, kv_length, local_size):
+        return None
+    if padding_mask is not None:
+        mask_function = mu.and_masks(mask_function, mu.padding_mask_function(padding_mask.cpu().bool()))
+
+    def offset_mask(b, h, q_idx, kv_idx):
+        return mask_function(b, h, q_idx + q_offset, kv_idx + kv_offset)
+    return create_block_mask(offset_mask, batch_size, None, q_length, kv_length)
+
+
 def register(name=NAME):
-    """Register ``attention_forward`` (and transformers' SDPA mask builder) as attention implementation
-    ``name`` (default ``"nki_attn"``); returns the name, for ``attn_implementation=``. Idempotent."""
+    """Register ``attention_forward`` and ``block_mask_builder`` as attention implementation ``name`` (default
+    ``"nki_attn"``); returns the name, for ``attn_implementation=``. Idempotent."""
     try:
         from transformers import AttentionInterface
-        from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+        from transformers.masking_utils import AttentionMaskInterface
     except ImportError as e:  # pragma: no cover - depends on the environment
         raise ImportError("nki_attn.integrations.transformers needs Hugging Face transformers: "
                           "pip install 'nki-attn[hf]'") from e
     AttentionInterface.register(name, attention_forward)
-    AttentionMaskInterface.register(name, sdpa_mask)
+    AttentionMaskInterface.register(name, block_mask_builder)
     return name

@@ -4,7 +4,7 @@
 use_causal_mask=False, mixed_precision=False, softmax_scale=None, sliding_window=None, softcap=0.0,
 alibi_slopes=None, window_size=None, dropout_p=0.0, dropout_seed=None, k_section_len=None, group_max=None,
 block_members_max=None, p_cast_on_gpsimd=None, ds_dma_transpose=None, attn_bias=None, bias_grad=False,
-ds_dma_every=None, pipe_lead=None, pipe_lag_b=None, pipe_lag_d=None)`` returns ``(dq, dk, dv)`` or, with
+block_mask=None, block_bits=None, ds_dma_every=None, pipe_lead=None, pipe_lag_b=None, pipe_lag_d=None)`` returns ``(dq, dk, dv)`` or, with
 sinks, ``(dq, dk, dv, dsinks)``: the layouts and semantics of ``golden.attention_bwd_torch.attention_bwd_torch_ref`` (see docs/semantics.md). docs/kernel-bwd.md explains the
 design; each step below is named there after the function that implements it. Kernel code stays in NKI's
 compile-time subset (checked by the simulator's frontend check): invalid arguments fail an ``assert`` on
@@ -48,9 +48,10 @@ program order) always has independent work queued.
 """
 
 from ..backend import nisa, nki, nl
-from .band import classify_keys
+from .band import BlockRows, block_mask_problem, classify_keys
 from .dropout import dropout_row_keys, dropout_scale_keys, dropout_scale_tile, load_dropout_seed
-from .steps import (FP32_MIN, K_TILE, PMAX, Hbm, Item, Steps, Tile, bias_scores, itemsize,
+from .steps import (FP32_MIN, K_TILE, PMAX, Hbm, Item, Steps, Tile, bias_scores, block_bitsel, block_mask_probs,
+                    itemsize,
                     load_packing_bounds, load_slopes, mask_step, no_step, run_steps, softcap_scores, spmd_items)
 from .validation import attention_problem, attention_shape, bias_problem, sbuf_bytes_per_partition
 
@@ -205,7 +206,8 @@ def _visible_tiles(c, q0, k_lo, k_len):
     c.hi_rel)`` decides both, so a bounded window costs O(window) per query tile."""
     out = []
     for t0 in range(k_lo, k_lo + k_len, K_TILE):
-        kt = classify_keys(q0, q0 + PMAX, t0, min(t0 + K_TILE, k_lo + k_len), c.lo_rel, c.hi_rel, c.packing)
+        kt = classify_keys(q0, q0 + PMAX, t0, min(t0 + K_TILE, k_lo + k_len), c.lo_rel, c.hi_rel, c.packing,
+                           c.block_mask)
         if kt.k1 > kt.k0:
             out.append(kt)
     return out
@@ -412,11 +414,11 @@ class BwdConfig(nl.NKIObject):
 
     ``a``: the call's ``validation.AttentionShape``; ``group_max``, ``block_members_max``, ``p_cast_on_gpsimd``,
     ``ds_dma_transpose``, ``pipe_lead``, ``pipe_lag_b``, ``pipe_lag_d``: the kernel's tuning keywords (None: the
-    module defaults)."""
+    module defaults); ``block_mask``: a ``band.BlockRows`` or None."""
 
     def __init__(self, a, dtype, mixed, section_len, trn1, group_max=None, block_members_max=None,
-                 p_cast_on_gpsimd=None, ds_dma_transpose=None, ds_dma_every=None, pipe_lead=None, pipe_lag_b=None,
-                 pipe_lag_d=None):
+                 p_cast_on_gpsimd=None, ds_dma_transpose=None, block_mask=None, ds_dma_every=None, pipe_lead=None,
+                 pipe_lag_b=None, pipe_lag_d=None):
         # (NKI binds one target per attribute assignment: no tuple unpacking into attributes)
         self.bs = a.bs
         self.nheads = a.nheads
@@ -481,6 +483,8 @@ class BwdConfig(nl.NKIObject):
         for lo in range(0, a.seqlen_k, section_len):
             self.sections.append((lo, min(section_len, a.seqlen_k - lo)))
         self.n_sections = len(self.sections)
+        # a block mask's ``band.BlockRows`` (or None): its classes replace the band's in the plan below
+        self.block_mask = block_mask
         # tiles[s][i]: visible key tiles of section s for query tile i; first_sec[i] / last_sec[i]: the first and
         # last section with one (-1: none)
         self.tiles = []
@@ -597,8 +601,8 @@ def bwd_problem(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref=None, bou
                 use_causal_mask=False, mixed_precision=False, softmax_scale=None, sliding_window=None,
                 softcap=0.0, alibi_slopes=None, window_size=None, dropout_p=0.0, dropout_seed=None,
                 k_section_len=None, group_max=None, block_members_max=None, p_cast_on_gpsimd=None,
-                ds_dma_transpose=None, attn_bias=None, bias_grad=False, ds_dma_every=None, pipe_lead=None,
-                pipe_lag_b=None, pipe_lag_d=None):
+                ds_dma_transpose=None, attn_bias=None, bias_grad=False, block_mask=None, block_bits=None,
+                ds_dma_every=None, pipe_lead=None, pipe_lag_b=None, pipe_lag_d=None):
     """``None`` when ``attention_bwd`` accepts these arguments on the current target, else the first problem as
     a message (argument, value, rule). The kernel asserts on it; ``nki_attn.kernel_api.attention_bwd`` raises it
     as ``ValueError`` before launching."""
@@ -630,6 +634,14 @@ def bwd_problem(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref=None, bou
     problem = bias_problem(attn_bias, q_ref.shape[0], q_ref.shape[1], q_ref.shape[3], k_ref.shape[3], bias_grad)
     if problem is not None:
         return problem
+    masked = use_causal_mask or sliding_window is not None or window_size is not None or bound_min is not None
+    problem = block_mask_problem(block_mask, block_bits, q_ref.shape[3], k_ref.shape[3], q_ref.shape[0],
+                                 q_ref.shape[1], masked)
+    if problem is not None:
+        return problem
+    if block_mask is not None and k_section_len is not None and k_section_len % K_TILE != 0:
+        # the block mask's store is laid out by 512-key tiles from key 0: sections must end on them
+        return f"k_section_len={k_section_len} must be a multiple of {K_TILE} with a block_mask"
     a = _shape_of(q_ref, k_ref, v_ref, sinks_ref, bound_min, use_causal_mask, softmax_scale, sliding_window,
                   softcap, alibi_slopes, window_size, dropout_p)
     isz = itemsize(q_ref.dtype)
@@ -670,14 +682,18 @@ def _shape_of(q_ref, k_ref, v_ref, sinks_ref, bound_min, use_causal_mask, softma
 def _configure(q_ref, k_ref, sinks_ref, bound_min, use_causal_mask, mixed_precision, softmax_scale,
                sliding_window, k_section_len, v_ref=None, softcap=0.0, alibi_slopes=None, window_size=None,
                dropout_p=0.0, group_max=None, block_members_max=None, p_cast_on_gpsimd=None,
-               ds_dma_transpose=None, ds_dma_every=None, pipe_lead=None, pipe_lag_b=None, pipe_lag_d=None):
+               ds_dma_transpose=None, block_mask=None, ds_dma_every=None, pipe_lead=None, pipe_lag_b=None,
+               pipe_lag_d=None):
     """The launch's ``BwdConfig``, built once from arguments ``bwd_problem`` accepted (``v_ref`` None: d_v =
-    d_qk)."""
+    d_qk; ``block_mask`` the kernel's trace-time ``(n_b, n_h, rows)`` or None)."""
     a = _shape_of(q_ref, k_ref, v_ref, sinks_ref, bound_min, use_causal_mask, softmax_scale, sliding_window,
                   softcap, alibi_slopes, window_size, dropout_p)
     sec = _section_len(a, itemsize(q_ref.dtype), k_section_len)
+    rows = None
+    if block_mask is not None:
+        rows = BlockRows(block_mask[0], block_mask[1], block_mask[2], a.seqlen_k // PMAX)
     return BwdConfig(a, q_ref.dtype, mixed_precision, sec, _is_trn1(), group_max, block_members_max,
-                     p_cast_on_gpsimd, ds_dma_transpose, ds_dma_every, pipe_lead, pipe_lag_b, pipe_lag_d)
+                     p_cast_on_gpsimd, ds_dma_transpose, rows, ds_dma_every, pipe_lead, pipe_lag_b, pipe_lag_d)
 
 
 # ----------------------------------------------------------------------------------------------- engines
@@ -1052,6 +1068,8 @@ def _select_steps(c, attn_bias=None, bias_grad=False):
             partial = _scores_packed_trn1
     elif c.banded:
         p_mask.append(_p_band)
+    if c.block_mask is not None:
+        p_mask.append(block_mask_probs)
     prob = []
     ds = _ds_plain
     if c.dropout:
@@ -1081,11 +1099,40 @@ def _recompute_p(c, item, steps, tile, q_m, ks, kk, nlse_col):
 
 def _softmax_bwd(c, item, steps, tile, dy_m, vs, kk):
     """Steps 3.2 + 4: dP = dO V^T in PSUM, then dS = (dP - D) * P by the dS step (ONE fused op without
-    dropout)."""
+    dropout); D summed from this visit instead when it sees the whole row (``tile.saved["p_row"]``,
+    ``_row_dsum``)."""
     dp_ps = nl.ndarray((PMAX, tile.kw), dtype=nl.float32, buffer=nl.psum)
     for dt in range(len(c.v_rows)):
         nisa.nc_matmul(dst=dp_ps, stationary=dy_m[dt], moving=vs[dt][:, kk:kk + tile.kw], accumulate=dt > 0)
+    if tile.saved["p_row"] is not None:
+        tile.d_col = _row_dsum(tile, dp_ps, tile.saved["p_row"])
     return steps.ds(c, tile, item, dp_ps)
+
+
+def _whole_row(c, i):
+    """True when every key query tile ``i`` sees lies in ONE 128-key chunk of one visit (with a causal mask: the
+    first 128 rows; without one: seqlen_k 128), so that visit has all of the row's P and dP. Rows with more keys
+    keep D = rowsum(O * dO): the error D's rounding puts into a row's dq falls as 1 / (its keys) while the dq
+    falls as 1 / sqrt(its keys), so the first chunk's rows carry nearly all of it, at a tenth of the VectorE
+    time the first 512 rows would take. Not with dropout, whose D is summed over the dropped P."""
+    s = c.first_sec[i]
+    if c.dropout or c.last_sec[i] != s or len(c.tiles[s][i]) != 1:
+        return False
+    return c.tiles[s][i][0].k1 - c.tiles[s][i][0].k0 == PMAX
+
+
+def _row_dsum(tile, dp, p):
+    """D = sum_j P_ij dP_ij ``[128, 1]`` fp32 over the visit's keys, all of the row's (``_whole_row``): the P
+    ``[128, kw]`` (fp32 with mixed precision) and the fp32 dP (PSUM) the visit's dS is made of, two VectorE
+    instructions. It equals rowsum(O * dO) in exact arithmetic, but
+    the O the forward wrote is rounded to the input dtype, and a row with few keys has a small dS next to that
+    rounding: with a causal mask, D from the bf16 O adds up to a tenth to dq's and dk's error, nearly all of it
+    from the first rows (docs/validation.md "Where the backward's error comes from")."""
+    prod = nl.ndarray((PMAX, tile.kw), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_tensor(dst=prod, data1=dp, data2=p, op=nl.multiply)
+    d = nl.ndarray((PMAX, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_reduce(dst=d, op=nl.add, data=prod, axis=1)
+    return d
 
 
 def _dv_dk(c, v, dyT, qT, p_mm, ds, dv_ps, dk_ps):
@@ -1144,6 +1191,7 @@ def _visit_a(c, item, steps, sec, grp, mem, v):
                 rows=mem.rows, d_col=item.dsum[:, g, i:i + 1])
     kk = v.k0 - sec.k_lo
     p = _recompute_p(c, item, steps, tile, mem.q, sec.ks, kk, item.neg_lse[:, g, i:i + 1])
+    tile.saved["p_row"] = p if _whole_row(c, i) else None
     tile.saved["p_ds"] = run_steps(c, steps.grad, tile, item, p)
     p_mm = _cast_p(c, run_steps(c, steps.prob, tile, item, p))
     ds = _softmax_bwd(c, item, steps, tile, mem.dy, sec.vs, kk)
@@ -1675,8 +1723,8 @@ def attention_bwd(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref=None, b
                   use_causal_mask=False, mixed_precision=False, softmax_scale=None, sliding_window=None,
                   softcap=0.0, alibi_slopes=None, window_size=None, dropout_p=0.0, dropout_seed=None,
                   k_section_len=None, group_max=None, block_members_max=None, p_cast_on_gpsimd=None,
-                  ds_dma_transpose=None, attn_bias=None, bias_grad=False, ds_dma_every=None, pipe_lead=None,
-                  pipe_lag_b=None, pipe_lag_d=None):
+                  ds_dma_transpose=None, attn_bias=None, bias_grad=False, block_mask=None, block_bits=None,
+                  ds_dma_every=None, pipe_lead=None, pipe_lag_b=None, pipe_lag_d=None):
     """Flash-attention backward: ``(dq, dk, dv)`` or ``(dq, dk, dv, dsinks)``, then ``dbias`` when
     ``bias_grad``. See the module docstring.
 
@@ -1705,18 +1753,23 @@ def attention_bwd(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref=None, b
       (``PIPE_LAG_B``, 2) and dQ matmuls ``pipe_lag_d`` visits (``PIPE_LAG_D``, 4) behind S / dP / dS; all 0: the
       visit-by-visit order.
 
+    ``block_mask`` / ``block_bits``: a block mask, as in ``attention_fwd`` (sections end on 512-key tiles).
+
     Invalid arguments fail the kernel's assert with the message of ``bwd_problem``;
     ``nki_attn.kernel_api.attention_bwd`` raises it as ``ValueError`` instead."""
     problem = bwd_problem(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref, bound_min, bound_max,
                           use_causal_mask, mixed_precision, softmax_scale, sliding_window, softcap, alibi_slopes,
                           window_size, dropout_p, dropout_seed, k_section_len, group_max, block_members_max,
-                          p_cast_on_gpsimd, ds_dma_transpose, attn_bias, bias_grad, ds_dma_every, pipe_lead,
-                          pipe_lag_b, pipe_lag_d)
+                          p_cast_on_gpsimd, ds_dma_transpose, attn_bias, bias_grad, block_mask, block_bits,
+                          ds_dma_every, pipe_lead, pipe_lag_b, pipe_lag_d)
     assert problem is None, problem
     c = _configure(q_ref, k_ref, sinks_ref, bound_min, use_causal_mask, mixed_precision, softmax_scale,
                    sliding_window, k_section_len, v_ref, softcap, alibi_slopes, window_size, dropout_p, group_max,
-                   block_members_max, p_cast_on_gpsimd, ds_dma_transpose, ds_dma_every, pipe_lead, pipe_lag_b,
-                   pipe_lag_d)
+                   block_members_max, p_cast_on_gpsimd, ds_dma_transpose, block_mask, ds_dma_every, pipe_lead,
+                   pipe_lag_b, pipe_lag_d)
+    if c.block_mask is not None and c.block_mask.n_slots > 0:
+        c.block_mask.bits = block_bits
+        c.block_mask.bitsel = block_bitsel()
     steps = _select_steps(c, attn_bias, bias_grad)
     out_dq = nl.ndarray(q_ref.shape, dtype=q_ref.dtype, buffer=nl.shared_hbm)
     out_dk = nl.ndarray(k_ref.shape, dtype=k_ref.dtype, buffer=nl.shared_hbm)

@@ -3,7 +3,7 @@
     attention_fwd(q_ref, k_ref, v_ref, sinks_ref=None, bound_min=None, bound_max=None, use_causal_mask=False,
                   mixed_precision=True, softmax_scale=None, sliding_window=None, softcap=0.0, alibi_slopes=None,
                   window_size=None, dropout_p=0.0, dropout_seed=None, kb_tiles=None, block_members_max=None,
-                  slab_tiles=None, attn_bias=None) -> (o, lse)
+                  slab_tiles=None, attn_bias=None, block_mask=None, block_bits=None) -> (o, lse)
 
 Layouts (head_dim on the partition axis): q ``[bs, nheads, d_qk, seqlen_q]``, k ``[bs, nheads_kv, d_qk,
 seqlen_k]``, v ``[bs, nheads_kv, d_v, seqlen_k]``, o ``[bs, nheads, d_v, seqlen_q]``, lse float32 ``[bs, nheads,
@@ -38,11 +38,12 @@ band planner's decision (``nki_attn.kernels.band``), also shared.
 import math
 
 from ..backend import nisa, nki, nl
-from .band import classify_keys
+from .band import BlockRows, block_mask_problem, classify_keys
 from .dropout import (dropout_row_keys, dropout_row_keys_members, dropout_values, keep_threshold,
                       load_dropout_seed)
-from .steps import (FP32_MAX, FP32_MIN, K_TILE, PMAX, Hbm, Item, Steps, Tile, bias_scores, head_dim_tiles,
-                    itemsize, load_packing_bounds, load_slopes, mask_step, run_steps, softcap_scores, spmd_items)
+from .steps import (FP32_MAX, FP32_MIN, K_TILE, PMAX, Hbm, Item, Steps, Tile, bias_scores, block_bitsel,
+                    block_mask_scores, head_dim_tiles, itemsize, load_packing_bounds, load_slopes, mask_step,
+                    run_steps, softcap_scores, spmd_items)
 from .validation import attention_problem, attention_shape, bias_problem, sbuf_bytes_per_partition
 
 # Defaults of the tuning keywords of ``attention_fwd`` (``kb_tiles``, ``block_members_max``, ``slab_tiles``):
@@ -114,6 +115,7 @@ class _FwdConfig(nl.NKIObject):
         self.band_hi = self.hi_rel < shp.seqlen_k - 1
         self.packing = shp.packing
         self.masked = shp.packing or self.band_lo or self.band_hi
+        self.block_mask = None  # a block mask's band.BlockRows (set by _setup_config)
         # ALiBi by TensorE (``_alibi_matmul``) when every visible key is left of the diagonal (causal), the inputs
         # are bfloat16, no soft-cap (the bias follows the tanh) and no sinks (they would need the row shift);
         # otherwise the exact VectorE step (``_alibi_scores``)
@@ -182,7 +184,7 @@ def _key_blocks(cfg, tiles):
                 k0 = (kt0 + i) * K_TILE
                 q0 = tiles[u] * PMAX
                 kt = classify_keys(q0, q0 + PMAX, k0, min(k0 + K_TILE, shp.seqlen_k), cfg.lo_rel, cfg.hi_rel,
-                                   cfg.packing)
+                                   cfg.packing, cfg.block_mask)
                 row.append(kt)
                 if kt.k1 > kt.k0:
                     c_lo = min(c_lo, i * ch + (kt.k0 - k0) // PMAX)
@@ -422,6 +424,8 @@ def _select_steps(cfg, attn_bias=None):
         partial = _mask_bounds
     elif cfg.mask == "predicate":
         partial = _mask_predicate
+    if cfg.block_mask is not None:
+        partial = block_mask_scores
     score = []
     key_block = []
     lse = []
@@ -873,7 +877,7 @@ def _positive_int_problem(name, value):
 def fwd_problem(q_ref, k_ref, v_ref, sinks_ref=None, bound_min=None, bound_max=None, use_causal_mask=False,
                 mixed_precision=True, softmax_scale=None, sliding_window=None, softcap=0.0, alibi_slopes=None,
                 window_size=None, dropout_p=0.0, dropout_seed=None, kb_tiles=None, block_members_max=None,
-                slab_tiles=None, attn_bias=None):
+                slab_tiles=None, attn_bias=None, block_mask=None, block_bits=None):
     """``None`` when ``attention_fwd`` accepts these arguments, else the first problem as a message. The kernel
     asserts on it; ``nki_attn.kernel_api.attention_fwd`` raises it as ``ValueError`` before launching."""
     problem = attention_problem(q_ref, k_ref, v_ref, sinks=sinks_ref, bound_min=bound_min, bound_max=bound_max,
@@ -891,27 +895,35 @@ def fwd_problem(q_ref, k_ref, v_ref, sinks_ref=None, bound_min=None, bound_max=N
         problem = _positive_int_problem("slab_tiles", slab_tiles)
     if problem is None:
         problem = bias_problem(attn_bias, q_ref.shape[0], q_ref.shape[1], q_ref.shape[3], k_ref.shape[3])
+    if problem is None:
+        masked = use_causal_mask or sliding_window is not None or window_size is not None or bound_min is not None
+        problem = block_mask_problem(block_mask, block_bits, q_ref.shape[3], k_ref.shape[3], q_ref.shape[0],
+                                     q_ref.shape[1], masked)
     return problem
 
 
 def _setup_config(q_ref, k_ref, v_ref, sinks_ref, bound_min, use_causal_mask, mixed_precision, softmax_scale,
                   sliding_window, softcap, alibi_slopes, window_size, dropout_p, kb_tiles, block_members_max,
-                  slab_tiles):
-    """The launch's ``_FwdConfig``, built once from the kernel's (valid) arguments."""
+                  slab_tiles, block_mask=None):
+    """The launch's ``_FwdConfig``, built once from the kernel's (valid) arguments; ``block_mask`` its
+    ``band.BlockRows`` (or None)."""
     shp = attention_shape(q_ref, k_ref, sinks=sinks_ref, bound_min=bound_min, use_causal_mask=use_causal_mask,
                           softmax_scale=softmax_scale, sliding_window=sliding_window, v=v_ref, softcap=softcap,
                           alibi_slopes=alibi_slopes, window_size=window_size, dropout_p=dropout_p)
     range_select_ok = nisa.get_nc_version() >= nisa.nc_version.gen3  # range_select exists on trn2+
     acc_dtype = nl.float32 if mixed_precision else q_ref.dtype
-    return _FwdConfig(shp, q_ref.dtype, acc_dtype, range_select_ok, v_ref.shape[2], kb_tiles, block_members_max,
-                      slab_tiles)
+    cfg = _FwdConfig(shp, q_ref.dtype, acc_dtype, range_select_ok, v_ref.shape[2], kb_tiles, block_members_max,
+                     slab_tiles)
+    if block_mask is not None:
+        cfg.block_mask = BlockRows(block_mask[0], block_mask[1], block_mask[2], shp.seqlen_k // PMAX)
+    return cfg
 
 
 @nki.jit
 def attention_fwd(q_ref, k_ref, v_ref, sinks_ref=None, bound_min=None, bound_max=None, use_causal_mask=False,
                   mixed_precision=True, softmax_scale=None, sliding_window=None, softcap=0.0, alibi_slopes=None,
                   window_size=None, dropout_p=0.0, dropout_seed=None, kb_tiles=None, block_members_max=None,
-                  slab_tiles=None, attn_bias=None):
+                  slab_tiles=None, attn_bias=None, block_mask=None, block_bits=None):
     """Flash-attention forward; returns ``(o, lse)`` in shared HBM.
 
     Args:
@@ -942,17 +954,24 @@ def attention_fwd(q_ref, k_ref, v_ref, sinks_ref=None, bound_min=None, bound_max
         attn_bias: optional float32 / bfloat16 / float16 ``[bb, hb, sqb, skb]``, each dim 1 (broadcast) or the
             call's ``[bs, nheads, seqlen_q, seqlen_k]``: added to the scaled (and capped) scores, after ALiBi
             (``steps.bias_scores``; rows are query positions, columns keys, in the kernel's padded lengths).
+        block_mask, block_bits: a block mask (docs/masks.md): trace-time ``(n_b, n_h, rows)`` (n_b 1 or bs, n_h
+            1 or nheads; ``rows[t][c]`` the class ``band.BLOCK_*`` of query tile t and 128-key chunk c over all
+            (batch, head) pairs) and the uint8 HBM bitmap store of its PARTIAL key tiles (``band`` "Block
+            masks"); not with causal, windows or packing bounds.
 
     Returns:
         o: ``[bs, nheads, d_v, seqlen_q]`` in q's dtype; lse: float32 ``[bs, nheads, 128, seqlen_q // 128]``.
     """
     problem = fwd_problem(q_ref, k_ref, v_ref, sinks_ref, bound_min, bound_max, use_causal_mask, mixed_precision,
                           softmax_scale, sliding_window, softcap, alibi_slopes, window_size, dropout_p, dropout_seed,
-                          kb_tiles, block_members_max, slab_tiles, attn_bias)
+                          kb_tiles, block_members_max, slab_tiles, attn_bias, block_mask, block_bits)
     assert problem is None, problem
     cfg = _setup_config(q_ref, k_ref, v_ref, sinks_ref, bound_min, use_causal_mask, mixed_precision, softmax_scale,
                         sliding_window, softcap, alibi_slopes, window_size, dropout_p, kb_tiles, block_members_max,
-                        slab_tiles)
+                        slab_tiles, block_mask)
+    if cfg.block_mask is not None and cfg.block_mask.n_slots > 0:
+        cfg.block_mask.bits = block_bits
+        cfg.block_mask.bitsel = block_bitsel()
     shp = cfg.shp
     steps = _select_steps(cfg, attn_bias)
 

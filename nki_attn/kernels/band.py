@@ -23,10 +23,16 @@ sides of the band still cut the trimmed tile: a tile is SKIP (no visible pair: n
 visible: no element mask) or PARTIAL (an element mask is needed). Sequence-packing bounds are runtime data: they
 never skip a tile, and a kernel treats every tile of a packed call as PARTIAL. ``band_plan`` applies it to a whole
 problem (the host's view; the kernels classify the tiles of their own loops with ``classify_keys``).
+
+**Block masks.** A call with a block mask (any ``mask_mod``, ``nki_attn.create_block_mask``) has no band; its
+per-tile classes replace the band's tests (``BlockRows``, ``block_key_tile``, the section below). They are
+trace-time data, like the band: NKI's control flow is fixed when the kernel is traced, and skipping a tile
+means emitting no instruction for it, which only a trace-time decision can do. The element masks of PARTIAL
+tiles are runtime data (a bitmap store in HBM), as the packing bounds are.
 """
 
 from ..backend import nl
-from .steps import PMAX
+from .steps import K_TILE, PMAX
 
 SKIP = "skip"
 FULL = "full"
@@ -126,10 +132,13 @@ class KeyTile(nl.NKIObject):
         self.kind = kind
 
 
-def classify_keys(q0, q1, t0, t1, lo_rel, hi_rel, packing=False):
+def classify_keys(q0, q1, t0, t1, lo_rel, hi_rel, packing=False, blocks=None):
     """Classify the key tile ``[t0, t1)`` (whole 128-key chunks) for the query tile ``[q0, q1)`` under the band
     ``(lo_rel, hi_rel)``: a ``KeyTile`` trimmed to the run of chunks some query sees (the band leaves one
-    contiguous run), with the band sides that still cut it."""
+    contiguous run), with the band sides that still cut it. With a block mask (``blocks``, a ``BlockRows``; the
+    band is then the whole problem) its classes decide instead (``block_key_tile``)."""
+    if blocks is not None:
+        return block_key_tile(blocks.rows[q0 // PMAX], t0, t1)
     k0 = t0
     k1 = t0
     for c0 in range(t0, t1, PMAX):
@@ -147,15 +156,133 @@ def classify_keys(q0, q1, t0, t1, lo_rel, hi_rel, packing=False):
     return KeyTile(k0, k1, needs_lo, needs_hi, kind)
 
 
-def band_plan(seqlen_q, seqlen_k, lo_rel, hi_rel, packing=False, q_tile=128, k_tile=512):
+def band_plan(seqlen_q, seqlen_k, lo_rel, hi_rel, packing=False, q_tile=128, k_tile=512, blocks=None):
     """Host view of a whole problem: ``plan[i][j]`` is the ``KeyTile`` of query tile i (rows ``[i q_tile,
     (i + 1) q_tile)``) and key tile j (keys ``[j k_tile, min((j + 1) k_tile, seqlen_k))``). Lengths are multiples
-    of 128 and ``k_tile`` a multiple of 128."""
+    of 128 and ``k_tile`` a multiple of 128; ``blocks``: a ``BlockRows`` (block mask) instead of the band
+    (``q_tile`` 128 then)."""
     plan = []
     for q0 in range(0, seqlen_q, q_tile):
         row = []
         for t0 in range(0, seqlen_k, k_tile):
             row.append(classify_keys(q0, min(q0 + q_tile, seqlen_q), t0, min(t0 + k_tile, seqlen_k), lo_rel,
-                                     hi_rel, packing))
+                                     hi_rel, packing, blocks))
         plan.append(row)
     return plan
+
+
+# ----------------------------------------------------------------------------------------------- block masks
+# A block mask (``nki_attn.create_block_mask``) reaches the kernels as per-tile classes fixed at trace time plus
+# a bitmap store in HBM read at run time. The classes are one row per 128-query tile, one entry per 128-key
+# chunk, already reduced over the (batch, head) pairs of the call ("union" classes: SKIP when every pair skips
+# the chunk, FULL when every pair sees all of it, PARTIAL otherwise). A kernel key tile (512 keys from a
+# multiple of 512) is trimmed to the run of its non-SKIP chunks; it is FULL when every chunk of the run is FULL,
+# else PARTIAL. The chunks of a PARTIAL key tile get consecutive *slots* of the store (one per chunk of the
+# run, in order), so one DMA loads the tile's bits: the store is uint8 ``[128, pairs * n_slots * 16]``, slot s
+# of pair (b, h) at columns ``((b * n_h + h) * n_slots + s) * 16`` (16 bytes = 128 keys of one query row, bit
+# ``c % 8`` of byte ``c // 8`` for key column c, set = visible).
+BLOCK_SKIP = 0
+BLOCK_PARTIAL = 1
+BLOCK_FULL = 2
+CHUNK_BYTES = PMAX // 8  # bytes of one query row of one 128-key chunk's bitmap
+
+
+def block_key_tile(row, t0, t1):
+    """Classify the key tile ``[t0, t1)`` (whole 128-key chunks) of one query tile from its row of chunk
+    classes ``row`` (``BLOCK_*`` ints): a ``KeyTile`` trimmed to the run of non-SKIP chunks, FULL when every
+    chunk of the run is FULL, else PARTIAL (the bitmap masks it)."""
+    first = -1
+    last = -1
+    for c in range(t0 // PMAX, t1 // PMAX):
+        if row[c] != BLOCK_SKIP:
+            if first < 0:
+                first = c
+            last = c
+    if first < 0:
+        return KeyTile(t0, t0, False, False, SKIP)
+    kind = FULL
+    for c in range(first, last + 1):
+        if row[c] != BLOCK_FULL:
+            kind = PARTIAL
+    return KeyTile(first * PMAX, (last + 1) * PMAX, False, False, kind)
+
+
+class BlockRows(nl.NKIObject):
+    """The trace-time half of a block mask in a kernel: ``n_b`` / ``n_h`` the batch and query-head extents of
+    the mask (1: broadcast), ``rows[t][c]`` the union class of query tile t and key chunk c, ``n_kc`` the key
+    chunks, ``slot0[t][kt]`` the first store slot of key tile kt of query tile t (-1 unless PARTIAL),
+    ``n_slots`` the slots per (batch, head) pair. ``bits`` (the HBM store) and ``bitsel`` (the on-chip
+    bit-select constant) are set by the kernel at launch."""
+
+    def __init__(self, n_b, n_h, rows, n_kc):
+        self.n_b = n_b
+        self.n_h = n_h
+        self.rows = rows
+        self.n_kc = n_kc
+        table = []
+        n = 0
+        for t in range(len(rows)):
+            r = []
+            for t0 in range(0, n_kc * PMAX, K_TILE):
+                kt = block_key_tile(rows[t], t0, min(t0 + K_TILE, n_kc * PMAX))
+                if kt.kind == PARTIAL:
+                    r.append(n)
+                    n += (kt.k1 - kt.k0) // PMAX
+                else:
+                    r.append(-1)
+            table.append(r)
+        self.slot0 = table
+        self.n_slots = n
+        self.bits = None
+        self.bitsel = None
+
+
+def block_slot(bl, b, hq, t, k0):
+    """Store slot (global, all pairs) of the PARTIAL key tile starting at key ``k0`` of query tile ``t`` for
+    batch ``b`` and query head ``hq``."""
+    bb = 0
+    if bl.n_b > 1:
+        bb = b
+    hh = 0
+    if bl.n_h > 1:
+        hh = hq
+    return (bb * bl.n_h + hh) * bl.n_slots + bl.slot0[t][k0 // K_TILE]
+
+
+def block_mask_problem(block_mask, block_bits, seqlen_q, seqlen_k, bs, nheads, masked):
+    """None when the kernels accept ``block_mask`` (None, or a trace-time ``(n_b, n_h, rows)``, rows a tuple of
+    ``seqlen_q // 128`` tuples of ``seqlen_k // 128`` ``BLOCK_*`` ints) with ``block_bits`` (uint8 ``[128,
+    n_b * n_h * n_slots * 16]`` HBM, or None when no key tile is PARTIAL); ``masked``: the call also has a
+    causal / window / packing mask (not combinable: fold it into the block mask). Else the problem."""
+    if block_mask is None:
+        if block_bits is not None:
+            return "block_bits is given without block_mask"
+        return None
+    if masked:
+        return ("block_mask cannot be combined with use_causal_mask, sliding_window, window_size or packing "
+                "bounds: fold that mask into the block mask")
+    if not isinstance(block_mask, tuple) or len(block_mask) != 3:
+        return "block_mask must be a tuple (n_b, n_h, rows)"
+    n_b = block_mask[0]
+    n_h = block_mask[1]
+    rows = block_mask[2]
+    if n_b != 1 and n_b != bs:
+        return f"block_mask batch extent {n_b} must be 1 or bs={bs}"
+    if n_h != 1 and n_h != nheads:
+        return f"block_mask head extent {n_h} must be 1 or nheads={nheads}"
+    if len(rows) != seqlen_q // PMAX:
+        return f"block_mask has {len(rows)} query-tile rows, expected seqlen_q // 128 = {seqlen_q // PMAX}"
+    for r in rows:
+        if len(r) != seqlen_k // PMAX:
+            return f"a block_mask row has {len(r)} key chunks, expected seqlen_k // 128 = {seqlen_k // PMAX}"
+    bl = BlockRows(n_b, n_h, rows, seqlen_k // PMAX)
+    if bl.n_slots == 0:
+        return None
+    if block_bits is None:
+        return "block_mask has PARTIAL key tiles but block_bits is None"
+    want = n_b * n_h * bl.n_slots * CHUNK_BYTES
+    if tuple(block_bits.shape) != (PMAX, want):
+        return f"block_bits.shape={tuple(block_bits.shape)} must be ({PMAX}, {want})"
+    if str(block_bits.dtype) != str(nl.uint8):
+        return f"block_bits.dtype={block_bits.dtype} must be uint8"
+    return None

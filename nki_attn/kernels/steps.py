@@ -14,8 +14,10 @@ order and never test a variant. The stages, in the order a tile goes through the
     score         S -> S           before the exponent: soft-capping (``softcap_scores``), ALiBi, the additive
                                    bias (``bias_scores``)
     mask_full     S -> S           masking of a FULL tile (forward: the eviction with the row max; backward: none)
-    mask_partial  S -> S           masking of a PARTIAL tile (packing bounds; forward: also the band)
-    p_mask        P -> P           after the exponent (backward: the band's element masks on P)
+    mask_partial  S -> S           masking of a PARTIAL tile (packing bounds; forward: also the band and the
+                                   block mask's bitmap, ``block_mask_scores``)
+    p_mask        P -> P           after the exponent (backward: the band's element masks on P, the block
+                                   mask's bitmap, ``block_mask_probs``)
     prob          P -> P           the P operand of the value matmul (PV / dV): dropout
     grad          P -> P           backward: the P operand of dS (soft-capping's chain rule)
     ds            dP -> dS         backward: ``dS = (dP - D) * P`` (dropout multiplies dP first; with the bias's
@@ -272,3 +274,60 @@ def load_packing_bounds(bound_min, bound_max, n_qt):
     nisa.dma_copy(dst=bmin, src=bound_min.ap(pattern=[[1, PMAX], [PMAX, n_qt]], offset=0))
     nisa.dma_copy(dst=bmax, src=bound_max.ap(pattern=[[1, PMAX], [PMAX, n_qt]], offset=0))
     return bmin, bmax
+
+
+# ----------------------------------------------------------------------------------------------- block masks
+# The element mask of a PARTIAL tile of a block mask (``band`` "Block masks"): its bits come from the HBM store
+# (one DMA of ``kw / 8`` bytes per query row), are turned into a uint8 keep predicate by ONE bitwise AND with
+# the launch's bit-select constant, and the tile is masked by one select. FULL tiles never reach these steps.
+def block_bitsel():
+    """The bit-select constant of a launch: uint8 ``[128, 512]``, column c holds ``1 << (c % 8)`` (eight
+    memsets, once per launch); ANDed with a row's bytes read 8 times over (a stride-0 view) it is non-zero
+    exactly where the key's bit is set."""
+    sel = nl.ndarray((PMAX, K_TILE // 8, 8), dtype=nl.uint8, buffer=nl.sbuf)
+    for j in range(8):
+        nisa.memset(dst=sel[:, :, j], value=1 << j, engine=nisa.engine.gpsimd)
+    return sel.reshape((PMAX, K_TILE))
+
+
+def block_keep(cfg, tile):
+    """The keep predicate of a PARTIAL block-mask tile: uint8 ``[128, kw]``, non-zero where the key is visible
+    to the query row. Its bytes are one DMA from the store, the bits one GpSimdE AND
+    (VectorE carries the masking select and the rest of the tile)."""
+    bl = cfg.block_mask
+    bb = 0
+    if bl.n_b > 1:
+        bb = tile.b
+    hh = 0
+    if bl.n_h > 1:
+        hh = tile.hq
+    # the slot of this tile for its (batch, head) pair (``band.block_slot``; not imported: band imports steps)
+    col = ((bb * bl.n_h + hh) * bl.n_slots + bl.slot0[tile.t][tile.k0 // K_TILE]) * (PMAX // 8)
+    nb = tile.kw // 8
+    raw = nl.ndarray((PMAX, nb), dtype=nl.uint8, buffer=nl.sbuf)
+    nisa.dma_copy(dst=raw, src=bl.bits[:, col:col + nb])
+    keep = nl.ndarray((PMAX, tile.kw), dtype=nl.uint8, buffer=nl.sbuf)
+    nisa.tensor_tensor(dst=keep, data1=raw.ap(pattern=[[nb, PMAX], [1, nb], [0, 8]], offset=0),
+                       data2=bl.bitsel[:, 0:tile.kw], op=nl.bitwise_and, engine=nisa.engine.gpsimd)
+    return keep
+
+
+def block_mask_scores(cfg, tile, item, s):
+    """Forward mask step of a PARTIAL block-mask tile: ONE select copies S (PSUM, or a score step's SBUF output)
+    into float32 SBUF, FP32_MIN where the bitmap hides the key, and takes the row max into ``tile.row_max``."""
+    keep = block_keep(cfg, tile)
+    dst = nl.ndarray((PMAX, tile.kw), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.select_reduce(dst=dst, predicate=keep, on_true=s, on_false=FP32_MIN, reduce_res=tile.row_max,
+                       reduce_cmd=nisa.reduce_cmd.reset_reduce, reduce_op=nl.maximum)
+    return dst
+
+
+def block_mask_probs(cfg, tile, item, p):
+    """Backward P step of a block mask: on a PARTIAL tile ONE select zeroes P where the bitmap hides the key (the
+    exponent read S straight from PSUM; a hidden score's exp may overflow, the select replaces it). FULL tiles
+    pass unchanged."""
+    if tile.kind != "partial":
+        return p
+    keep = block_keep(cfg, tile)
+    nisa.select_reduce(dst=p, predicate=keep, on_true=p, on_false=0.0)
+    return p

@@ -205,6 +205,11 @@ def describe(args):
     if getattr(args, "mixed_precision", None) is not None:
         bits.append(f"mixed_precision={args.mixed_precision}")
     bits += [f"{k}={v!r}" for k, v in (getattr(args, "knobs", None) or {}).items()]
+    if (getattr(args, "features", None) or {}).get("mask"):
+        # the skipped work: how many 128 x 128 blocks the kernels skip, compute whole, or mask
+        n = _block_mask(_variant_case(args)).counts()
+        bits.append(f"(blocks: {n['full']} full, {n['partial']} partial, {n['skip']} skipped of "
+                    f"{sum(n.values())})")
     return " ".join(bits)
 
 
@@ -395,6 +400,13 @@ def _pair(text):
 
 
 # The variant set of --features: name -> (value when none is given (None: a value is required), parser, meaning).
+def _mask_name(text):
+    from ..masks import INTERVAL_EXAMPLES
+    if text not in INTERVAL_EXAMPLES:
+        raise ValueError(text)
+    return text
+
+
 FEATURES = {
     "softcap": (50.0, float, "logit soft-capping c * tanh(S / c), c = 50 (Gemma-2's) unless given"),
     "alibi": (True, None, "ALiBi with BLOOM's geometric slopes per head"),
@@ -407,6 +419,8 @@ FEATURES = {
     "bias": ("heads", str, "additive bias attn_bias of shape KIND = heads [1,h,s,s] unless given (batch "
                            "[b,1,s,s], full [b,h,s,s], keys [b,1,1,s]); the backward computes its gradient "
                            "(--set bias_grad=False: without)"),
+    "mask": (None, _mask_name, "a prebuilt block mask (causal, sliding_window, document, prefix_lm, chunked_local; "
+                        "nki_attn.masks.interval_example at --seqlen): the kernels skip its SKIP tiles"),
 }
 # kernel parameters that are inputs or that the options above set: everything else with a default is a knob
 _NOT_KNOBS = {"sinks_ref", "bound_min", "bound_max", "alibi_slopes", "dropout_seed", "use_causal_mask",
@@ -508,7 +522,21 @@ def _variant_case(args):
                 d_v=f.get("d_v", args.head_dim), dtype=DTYPES[args.dtype], causal=bool(args.causal),
                 window=args.window or 0, num_sinks=args.sinks, softcap=f.get("softcap", 0.0),
                 alibi="bloom" if f.get("alibi") else "", window_size=tuple(f.get("window_size", ())),
-                dropout=f.get("dropout", 0.0), bias=f.get("bias", ""))
+                dropout=f.get("dropout", 0.0), bias=f.get("bias", ""), mask=f.get("mask", ""))
+
+
+def _block_mask(case):
+    """The ``BlockMask`` of a --features mask=NAME run (built once per case)."""
+    from ..block_mask import create_block_mask
+    from ..masks import interval_example
+    key = (case.mask, case.seqlen_q)
+    if key not in _BLOCK_MASKS:
+        mm = interval_example(case.mask, case.seqlen_q)[0]
+        _BLOCK_MASKS[key] = create_block_mask(mm, None, None, case.seqlen_q, case.seqlen_k)
+    return _BLOCK_MASKS[key]
+
+
+_BLOCK_MASKS = {}
 
 
 def run_variant_kernel(args):
@@ -534,6 +562,9 @@ def run_variant_kernel(args):
         kw["attn_bias"] = x["attn_bias"]
     if args.mixed_precision is not None:
         kw["mixed_precision"] = args.mixed_precision
+    if case.mask:
+        blk, store = _block_mask(case).kernel_operands()
+        kw.update(block_mask=blk, block_bits=store)
     kernel = _launch(_load(args.kernel), args.lnc)
     if args.kernel == "fwd":
         def call():
@@ -559,8 +590,11 @@ def variant_flops(args):
     query head, 2.5x that for the backward."""
     from golden.attention_fwd_torch import visibility_mask
     c = _variant_case(args)
-    pairs = int(visibility_mask(c.seqlen_q, c.seqlen_k, c.causal, c.window or None, None, None,
-                                window_size=c.window_size or None).sum())
+    if c.mask:
+        pairs = int(_block_mask(c).to_dense().sum())
+    else:
+        pairs = int(visibility_mask(c.seqlen_q, c.seqlen_k, c.causal, c.window or None, None, None,
+                                    window_size=c.window_size or None).sum())
     fwd = 2 * c.batch * c.heads * pairs * (c.d_head + c.dv)
     return fwd * 5 // 2 if args.kernel == "bwd" else fwd
 

@@ -874,6 +874,8 @@ class Gathered:
         self.globals = []
         self.functions = []
         self.snapshot = None  # per global: (value at the first launch, immutable?, frozen picture)
+        self.identity = ()    # (module dict, name, value) of the globals an identity test checks
+        self.others = ()      # (global, snapshot entry) of the rest
         self.swaps = None     # (function, instrumented code) pairs, built at the first full launch
         self._defs = set()
         self._pkeys = set()
@@ -1039,9 +1041,20 @@ def _check_globals(fn, g):
         for ref in g.globals:
             v = ref.current()
             g.snapshot.append((v, _immutable(v), _freeze(v)))
+        # the common case, checked first at every launch: a plain module global (no attribute chain) whose value
+        # fixes its content, unchanged if it is still the same object
+        simple = [fixed and len(ref.path) == 1 for ref, (_, fixed, _) in zip(g.globals, g.snapshot)]
+        g.identity = tuple((ref.root, ref.path[0], old) for ref, (old, _, _), easy in
+                           zip(g.globals, g.snapshot, simple) if easy)
+        g.others = tuple((ref, snap) for ref, snap, easy in zip(g.globals, g.snapshot, simple) if not easy)
         return
+    missing = _MISSING
+    if all(root.get(name, missing) is old for root, name, old in g.identity):
+        pairs = g.others
+    else:
+        pairs = zip(g.globals, g.snapshot)
     problems = []
-    for ref, (old, fixed, frozen) in zip(g.globals, g.snapshot):
+    for ref, (old, fixed, frozen) in pairs:
         v = ref.current()
         if v is old and fixed:
             continue

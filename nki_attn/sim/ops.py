@@ -65,7 +65,10 @@ class Op:
 
 
 def _cmp(fn):
-    return lambda a, b: fn(a, b).astype(_F32)
+    wrapped = lambda a, b: fn(a, b).astype(_F32)  # noqa: E731
+    # the boolean comparison itself, for compiled replay steps (nki_attn.sim.fast) that test the result != 0
+    wrapped.compare = fn
+    return wrapped
 
 
 def _sigmoid(x):
@@ -123,6 +126,9 @@ def _safe(fn):
             return np.asarray(fn(*a)).astype(_F32, copy=False)
         with np.errstate(all="ignore"):
             return np.asarray(fn(*a)).astype(_F32, copy=False)
+    # a numpy ufunc, called by compiled replay steps (nki_attn.sim.fast) on float32 arrays, where it returns the
+    # float32 array the wrapper would (the replay runs under errstate(all="ignore") already)
+    wrapped.ufunc = fn if isinstance(fn, np.ufunc) else None
     return wrapped
 
 

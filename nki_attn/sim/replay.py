@@ -7,8 +7,10 @@ body and records, in order, every storage it allocates and every ``nki.isa`` ins
 operands. A later launch with the same signature does not run the kernel body: it copies the new argument data
 into the recorded storages and executes the recorded instructions again. The instructions are the same functions
 as in a traced launch, so every check that depends on data (uninitialised reads in strict mode, PSUM accumulation
-history, NaN sentinels of fresh storage) runs in the replay too; each recorded allocation refills its storage with
-the sentinel at its place in the stream, as a fresh allocation would. What depends only on the signature (the
+history, NaN sentinels of fresh storage) runs in the replay too; each recorded allocation that an instruction could
+read before writing refills its storage with the sentinel at its place in the stream, as a fresh allocation would
+(the others are never read unwritten, so their refill is skipped). Instructions run as compiled steps
+(nki_attn.sim.fast) where they have a compiled form. What depends only on the signature (the
 frontend's gathering, the tracing rules, capacity) was checked by the traced launch; the frontend's launch checks
 (argument values, module globals) still run at every call.
 
@@ -31,6 +33,7 @@ import types
 import numpy as np
 
 from . import context
+from . import fast as _fast
 from . import isa as _isa
 from . import ops as _ops
 from .tensor import INT_SENTINEL, NkiTensor, Storage
@@ -212,6 +215,73 @@ class _Pool:
         return arr
 
 
+# Instructions that write only part of ``dst`` and keep the rest, which they read.
+_PARTIAL_WRITERS = frozenset(("tensor_copy_predicated", "nc_stream_shuffle"))
+
+
+def _views(v, out):
+    t = type(v)
+    if t is _View:
+        out.append(v)
+    elif t is tuple or t is list:
+        for e in v:
+            _views(e, out)
+    elif t is dict:
+        for e in v.values():
+            _views(e, out)
+    return out
+
+
+def _unobserved(rec, keep):
+    """The allocation slots whose fresh contents no replay can observe: every element an instruction reads was
+    written by an earlier instruction since the allocation (a write counts only when it covers its whole ``dst``
+    view with the storage's own element size). Slots in ``keep`` (results, read after the stream) are left out.
+    Such a slot needs no refill with the sentinel: what a replay reads from it is what the replay wrote."""
+    sizes = {k: int(np.prod(s.shape)) for k, s in enumerate(rec.slots) if s.arg is None and k not in keep}
+    itemsize = {k: s.dtype.itemsize for k, s in enumerate(rec.slots)}
+    covered = {}
+    observed = set()
+
+    def mask(v):
+        c = covered.get(v.slot)
+        if c is None or v.dtype.itemsize != itemsize[v.slot]:
+            return None
+        return np.ndarray(v.shape, bool, buffer=c, offset=v.offset, strides=v.strides)
+
+    done = {}  # op index -> slots last used there, whose masks are dropped then (live memory, not the sum)
+    for k, i in rec.last_use.items():
+        done.setdefault(i, []).append(k)
+    for i, op in enumerate(rec.ops):
+        for k in done.get(i - 1, ()):
+            covered.pop(k, None)
+        if op[0] == _ALLOC:
+            if op[1] in sizes:
+                covered[op[1]] = np.zeros(sizes[op[1]], dtype=bool)
+            continue
+        fn = op[1]
+        bound = _isa._signature(fn).bind(*op[2], **op[3]).arguments
+        partial = fn.__name__ in _PARTIAL_WRITERS
+        written = []
+        for name, v in bound.items():
+            views = _views(v, [])
+            if name in _isa._WRITE_OPERANDS:
+                written += views
+                if not partial:
+                    continue
+            for w in views:
+                m = mask(w)
+                if m is None or not m.all():
+                    observed.add(w.slot)
+        if not partial:
+            for w in written:
+                m = mask(w)
+                if m is not None:
+                    m[...] = True
+                else:
+                    observed.add(w.slot)
+    return set(sizes) - observed
+
+
 class Program:
     """A recording made executable: its own storages (kept between calls) and views."""
 
@@ -246,20 +316,31 @@ class Program:
                 st.written = pool.take(np.int8, n, first, last).view(bool)
             self.storages.append(st)
         self.bytes = pool.bytes
+        # Allocations whose fresh contents no replay can observe (every element read was written first) are not
+        # refilled with the sentinel; their PSUM history and written masks are still cleared.
+        self.quiet = _unobserved(rec, pinned) if not strict else set()
         self.fills = [np.nan if st.data.dtype.kind == "f" or s.dtype.kind == "float" else INT_SENTINEL
                       for s, st in zip(rec.slots, self.storages)]
+        # The engine accumulators of the replay's core: NaN at the start of every replay, as at a launch.
+        self.scalar_acc = np.full(128, np.nan, dtype=np.float32)
+        self.vector_acc = np.full(128, np.nan, dtype=np.float32)
         # Each step is a ready call: the operand views (and their numpy views, flag views and passed static
         # checks, cached on the views) are made once here, so a replay runs only the instructions' numeric work
         # and their data-dependent checks.
         self.steps = []
         self.n_instr = 0
+        self.n_fast = 0
         self.blas_size = 0  # the largest M*N*K of the program's matmuls
+        use_fast = _fast.enabled() and not strict
         for op in rec.ops:
             if op[0] == _ALLOC:
                 # what a fresh allocation holds: the sentinel, no PSUM history, nothing written (strict mode)
                 st = self.storages[op[1]]
                 flags = tuple(f for f in (st.mm_written, st.other_written, st.written) if f is not None)
-                self.steps.append(functools.partial(_reset, st, self.fills[op[1]], flags))
+                if op[1] not in self.quiet:
+                    self.steps.append(functools.partial(_reset, st, self.fills[op[1]], flags))
+                elif flags:
+                    self.steps.append(functools.partial(_clear, st, flags))
             else:
                 args, kwargs = self.make(op[2]), self.make(op[3])
                 step = functools.partial(op[1], *args, **kwargs)
@@ -269,6 +350,11 @@ class Program:
                     # values that depend on static arguments alone (iota, memset): computed by the first replay,
                     # copied by the later ones
                     step = functools.partial(self._first_fixed, len(self.steps), step, *fixed)
+                elif use_fast:
+                    fast = _fast.compile_step(op[1], args, kwargs, step, self)
+                    if fast is not None:
+                        step = fast
+                        self.n_fast += 1
                 self.steps.append(step)
                 self.n_instr += 1
         self.args = [self.make(v) for v in arg_views]  # the argument tensors, in launch order
@@ -300,6 +386,11 @@ class Program:
             st.dirty = False
             if st.written is not None:
                 st.written[:] = True
+        # the core's engine accumulators start poisoned, as at a launch; the compiled steps hold these arrays
+        self.scalar_acc.fill(np.nan)
+        self.vector_acc.fill(np.nan)
+        core = context.current()
+        core.scalar_acc, core.vector_acc = self.scalar_acc, self.vector_acc
         # floating-point warnings are off for the whole stream, as each operator turns them off for itself
         with np.errstate(all="ignore"):
             _ops.REPLAY.on = True
@@ -314,6 +405,12 @@ class Program:
 
 def _reset(st, fill, flags):
     st.data.fill(fill)
+    st.dirty = False
+    for f in flags:
+        f.fill(False)
+
+
+def _clear(st, flags):
     st.dirty = False
     for f in flags:
         f.fill(False)

@@ -34,8 +34,9 @@ def compare():
 
 @pytest.mark.parametrize("script, commands", [
     ("bench", ["compile", "frontend-overhead", "sim-overhead", "modeled-util", "dropout-cost", "dropout-stats",
-               "blas-orders", "planted-bugs", "sim-speed"]),
-    ("figures", ["fwd", "bwd", "bwd-tolerances", "ring", "validation-note", "readme"]),
+               "blas-orders", "planted-bugs", "sim-speed", "block-mask-cost"]),
+    ("figures", ["fwd", "bwd", "bwd-tolerances", "ring", "validation-note", "readme", "accuracy",
+                 "accuracy-steps", "masks"]),
     ("compare", ["flash-attention"]),
 ])
 def test_every_subcommand_is_listed_and_parses(script, commands, capsys):
@@ -111,7 +112,7 @@ def test_the_validation_note_keeps_its_hand_written_sections(tmp_path):
     assert note.KEEP_MARK in text
     # the tables the scripts write live after the marker, so a regeneration keeps them
     tail = text.split(note.KEEP_MARK, 1)[1]
-    for name in ("harness-tolerances", "blas-orders", "planted-bugs", "bwd-tolerances"):
+    for name in ("harness-tolerances", "blas-orders", "planted-bugs", "bwd-tolerances", "accuracy-steps"):
         assert f"<!-- {name}:begin -->" in tail and f"<!-- {name}:end -->" in tail, name
 
 

@@ -1,0 +1,232 @@
+"""``flex_attention`` with block masks: forward and backward against the float64 definition with the dense mask
+(the harness's two rules, ``_reference.judge``), the forward against torch's own FlexAttention on CPU (same
+mask_mod, same inputs), score-mod markers, GQA, empty rows, compile / FakeTensor, and bad input."""
+import math
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import nki_attn
+from nki_attn import flex, masks, ops
+from nki_attn.block_mask import create_block_mask
+
+from ._reference import dense_attention, from_stats, judge, run
+from .test_block_mask import _dense, _random_blocks
+
+torch.set_num_threads(1)
+
+def _ids(n):
+    """Document ids of n tokens: 4 documents of unequal length (cuts at 30 %, 73 %, 85 %)."""
+    i = torch.arange(n)
+    return (i >= n * 30 // 100).long() + (i >= n * 73 // 100).long() + (i >= n * 85 // 100).long()
+
+
+def _mask_cases(sq, sk):
+    """name -> (mask_mod, B extent (None: broadcast), H extent)."""
+    n = max(sq, sk)
+    ids = _ids(n)
+    ids2 = torch.stack([ids, (torch.arange(n) >= n // 2).long()])
+    return {
+        "causal": (masks.causal_mask, None, None),
+        "sliding_window": (masks.sliding_window(100), None, None),
+        "document": (masks.and_masks(masks.causal_mask, masks.document(ids2)), 2, None),
+        "prefix_lm": (masks.prefix_lm(torch.tensor([37, 150])), 2, None),
+        "chunked_local": (masks.chunked_local(64), None, None),
+        "dilated": (masks.dilated(3, window=40), None, None),
+        "or_masks": (masks.or_masks(masks.sliding_window(20), masks.document(ids)), None, None),
+        "random": (_random_blocks(5, 0.5, sq, sk, 2, 4), 2, 4),
+        "empty_rows": (lambda b, h, q, kv: (q >= 140) & (kv <= q - 140), None, None),
+    }
+
+
+def _qkv(b, hq, hk, sq, sk, d, dv, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, hq, sq, d, generator=g).to(dtype)
+    k = torch.randn(b, hk, sk, d, generator=g).to(dtype)
+    v = torch.randn(b, hk, sk, dv, generator=g).to(dtype)
+    return q, k, v
+
+
+def check_fwd_bwd(name, dtype, sq=300, sk=300, hq=4, hk=2, d=32, dv=24, score_mod=None, cap=0.0, slopes=None):
+    mm, nb, nh = _mask_cases(sq, sk)[name]
+    b = 2
+    bm = create_block_mask(mm, nb, nh, sq, sk)
+    dense = _dense(mm, nb or 1, nh or 1, sq, sk)
+    q, k, v = _qkv(b, hq, hk, sq, sk, d, dv, dtype, seed=len(name))
+    dout = torch.randn(b, hq, sq, dv, generator=torch.Generator().manual_seed(9)).to(dtype)
+    scale = 1.0 / math.sqrt(d)
+
+    def ours(q, k, v):
+        return flex.flex_attention(q, k, v, score_mod=score_mod, block_mask=bm, enable_gqa=hq != hk, return_lse=True)
+
+    def ref(q, k, v):
+        return dense_attention(q, k, v, dense, scale, cap, slopes)
+
+    got = run(ours, q, k, v, dout)
+    truth = run(ref, q.double(), k.double(), v.double(), dout.double())
+    base = run(ref, q, k, v, dout)
+    inputs = from_stats(q, k, v, got[0], got[1], dout, dense, scale, cap, slopes)
+    grp = hq // hk
+    for i, (what, n) in enumerate((("out", sk), ("lse", sk), ("dq", sk), ("dk", sq * grp), ("dv", sq * grp))):
+        judge(what, got[i], truth[i], base[i], dtype, n, inputs=inputs[i - 2] if i >= 2 else None,
+              vec_axis=None if what == "lse" else 3)
+    return got
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", ["document", "random", "empty_rows"])
+def test_fwd_bwd_match_the_dense_golden(name, dtype):
+    got = check_fwd_bwd(name, dtype)
+    if name == "empty_rows":
+        assert torch.isinf(got[1][:, :, :140]).all() and bool((got[0][:, :, :140] == 0).all())
+        assert bool((got[2][:, :, :140] == 0).all())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", ["causal", "sliding_window", "prefix_lm", "chunked_local", "dilated", "or_masks"])
+def test_fwd_bwd_every_prebuilt_mask(name, dtype):
+    check_fwd_bwd(name, dtype, sq=384, sk=640)
+
+
+def test_score_mod_markers_compose_with_the_block_mask():
+    slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625])
+    check_fwd_bwd("document", torch.float32, score_mod=[flex.softcap(3.0), flex.alibi(slopes)], cap=3.0,
+                  slopes=slopes)
+
+
+def _torch_flex(mm, nb, nh, q, k, v, enable_gqa):
+    from torch.nn.attention.flex_attention import create_block_mask as t_cbm
+    from torch.nn.attention.flex_attention import flex_attention as t_flex
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        tb = t_cbm(mm, nb, nh, q.shape[2], k.shape[2], device="cpu")
+        return t_flex(q, k, v, block_mask=tb, enable_gqa=enable_gqa, return_lse=True)
+
+
+def check_vs_torch(name, sq=300, sk=300):
+    mm, nb, nh = _mask_cases(sq, sk)[name]
+    q, k, v = _qkv(2, 4, 2, sq, sk, 32, 32, torch.float32, seed=3)
+    bm = create_block_mask(mm, nb, nh, sq, sk)
+    out, lse = flex.flex_attention(q, k, v, block_mask=bm, enable_gqa=True, return_lse=True)
+    t_out, t_lse = _torch_flex(mm, nb, nh, q, k, v, True)
+    dense = _dense(mm, nb or 1, nh or 1, sq, sk)
+    truth, t_lse64 = dense_attention(q.double(), k.double(), v.double(), dense, 1 / math.sqrt(32))
+    judge("out", out, truth, t_out, torch.float32, sk)
+    # torch's lse is -inf for a row without keys, ours +inf (both give a zero output)
+    t_lse = torch.where(torch.isneginf(t_lse), torch.full_like(t_lse, math.inf), t_lse)
+    judge("lse", lse, t_lse64, t_lse, torch.float32, sk, vec_axis=None)
+
+
+@pytest.mark.parametrize("name", ["document", "prefix_lm", "random"])
+def test_forward_matches_torch_flex_attention(name):
+    check_vs_torch(name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["causal", "sliding_window", "chunked_local", "dilated", "or_masks", "empty_rows"])
+def test_forward_matches_torch_flex_attention_every_mask(name):
+    check_vs_torch(name)
+
+
+def test_no_block_mask_and_mqa():
+    q, k, v = _qkv(1, 4, 1, 200, 130, 16, 16, torch.float32)
+    out = flex.flex_attention(q, k, v, enable_gqa=True)
+    ref, _ = dense_attention(q.double(), k.double(), v.double(), torch.ones(200, 130, dtype=torch.bool), 0.25)
+    base, _ = dense_attention(q, k, v, torch.ones(200, 130, dtype=torch.bool), 0.25)
+    judge("out", out, ref, base, torch.float32, 130)
+
+
+def test_compile_fullgraph_and_fake_tensors():
+    bm = create_block_mask(masks.causal_mask, None, None, 256, 256)
+    q, k, v = _qkv(1, 2, 2, 256, 256, 16, 16, torch.float32)
+
+    def f(q, k, v):
+        return flex.flex_attention(q, k, v, score_mod=flex.softcap(5.0), block_mask=bm)
+
+    assert torch.equal(torch.compile(f, fullgraph=True)(q, k, v), f(q, k, v))
+    for mode in ("meta", "fake"):
+        def shapes():
+            mk = (lambda *s: torch.empty(*s, device="meta")) if mode == "meta" else torch.empty
+            qq = mk(1, 2, 256, 16).requires_grad_(True)
+            kk, vv = mk(1, 2, 256, 16).requires_grad_(True), mk(1, 2, 256, 8)
+            out, lse = flex.flex_attention(qq, kk, vv, block_mask=bm, return_lse=True)
+            assert out.shape == (1, 2, 256, 8) and lse.shape == (1, 2, 256)
+            out.sum().backward()
+            assert qq.grad.shape == qq.shape
+        if mode == "meta":
+            shapes()
+        else:
+            with FakeTensorMode(allow_non_fake_inputs=True):
+                shapes()
+
+
+def _no_kernel(*a, **kw):
+    raise AssertionError("a kernel ran for a call that should have been refused")
+
+
+@pytest.mark.parametrize("kw, exc, match", [
+    (dict(block_mask="Q"), ValueError, r"must match the call's \(Sq, Sk\)"),
+    (dict(block_mask="B"), ValueError, "its B and H must be 1"),
+    (dict(block_mask="torch"), TypeError, "must be None or an nki_attn.BlockMask"),
+    (dict(score_mod=lambda s, b, h, q, kv: s * 2), TypeError, "arbitrary Python score_mod"),
+    (dict(score_mod=[flex.softcap(2.0), flex.softcap(3.0)]), TypeError, "at most once"),
+    (dict(enable_gqa=None), TypeError, "enable_gqa"),
+    (dict(gqa_off=True), ValueError, "enable_gqa=True"),
+    (dict(scale=-1.0), ValueError, "scale"),
+])
+def test_bad_input_is_refused_before_any_kernel(monkeypatch, kw, exc, match):
+    monkeypatch.setattr(ops, "_launch", _no_kernel)
+    q, k, v = _qkv(2, 4, 2, 256, 256, 16, 16, torch.float32)
+    if kw.pop("gqa_off", False):
+        kw["enable_gqa"] = False
+    else:
+        kw.setdefault("enable_gqa", True)
+    which = kw.get("block_mask")
+    if which == "Q":
+        kw["block_mask"] = create_block_mask(masks.causal_mask, None, None, 128, 256)
+    elif which == "B":
+        kw["block_mask"] = create_block_mask(masks.causal_mask, 3, None, 256, 256)
+    elif which == "torch":
+        kw["block_mask"] = object()
+    with pytest.raises(exc, match=match):
+        flex.flex_attention(q, k, v, **kw)
+
+
+def test_top_level_names():
+    assert nki_attn.flex_attention is flex.flex_attention
+    assert nki_attn.create_block_mask is create_block_mask
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_bias_marker_is_block_sparse_with_its_gradient(dtype):
+    """``flex.bias``: an additive bias [1, Hq, Sq, Sk] under a per-batch document block mask, forward and the
+    gradients of q, k, v and the bias (reduced over the batch) against the dense float64 definition."""
+    sq = sk = 300
+    mm, nb, nh = _mask_cases(sq, sk)["document"]
+    bm = create_block_mask(mm, nb, nh, sq, sk)
+    dense = _dense(mm, nb, 1, sq, sk)
+    q, k, v = _qkv(2, 4, 2, sq, sk, 32, 32, dtype, seed=8)
+    bias = torch.randn(1, 4, sq, sk, generator=torch.Generator().manual_seed(2)).to(dtype)
+    dout = torch.randn(2, 4, sq, 32, generator=torch.Generator().manual_seed(3)).to(dtype)
+
+    def grads(fn, tensors):
+        leaves = [t.detach().clone().requires_grad_(True) for t in tensors]
+        out = fn(*leaves)
+        out.backward(dout.to(out.dtype))
+        return [out.detach()] + [t.grad.detach() for t in leaves]
+
+    def ours(q, k, v, b):
+        return flex.flex_attention(q, k, v, score_mod=flex.bias(b), block_mask=bm, enable_gqa=True)
+
+    def ref(q, k, v, b):
+        return dense_attention(q, k, v, dense, 32 ** -0.5, bias=b)[0]
+
+    got = grads(ours, (q, k, v, bias))
+    truth = grads(ref, [t.double() for t in (q, k, v, bias)])
+    base = grads(ref, (q, k, v, bias))
+    for i, (name, n) in enumerate((("out", sk), ("dq", sk), ("dk", sq * 2), ("dv", sq * 2), ("dbias", sk))):
+        judge(name, got[i], truth[i], base[i], dtype, n)
+    assert got[4].shape == bias.shape and bool((got[4][:, :, 0, 200:] == 0).all())  # hidden keys: no gradient
