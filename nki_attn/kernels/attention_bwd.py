@@ -4,7 +4,8 @@
 use_causal_mask=False, mixed_precision=False, softmax_scale=None, sliding_window=None, softcap=0.0,
 alibi_slopes=None, window_size=None, dropout_p=0.0, dropout_seed=None, k_section_len=None, group_max=None,
 block_members_max=None, p_cast_on_gpsimd=None, ds_dma_transpose=None, attn_bias=None, bias_grad=False,
-block_mask=None, block_bits=None, ds_dma_every=None, pipe_lead=None, pipe_lag_b=None, pipe_lag_d=None)`` returns ``(dq, dk, dv)`` or, with
+block_mask=None, block_bits=None, ds_dma_every=None, pipe_lead=None, pipe_lag_b=None,
+pipe_lag_d=None)`` returns ``(dq, dk, dv)`` or, with
 sinks, ``(dq, dk, dv, dsinks)``: the layouts and semantics of ``golden.attention_bwd_torch.attention_bwd_torch_ref`` (see docs/semantics.md). docs/kernel-bwd.md explains the
 design; each step below is named there after the function that implements it. Kernel code stays in NKI's
 compile-time subset (checked by the simulator's frontend check): invalid arguments fail an ``assert`` on
