@@ -189,6 +189,21 @@ def check_alibi(fn: str, alibi_slopes, dims: dict):
     return alibi_slopes
 
 
+def check_logit_scale(fn: str, logit_scale, dims: dict):
+    """The per-head logit scale: float32 ``[bs, nheads]``, finite (None = none)."""
+    if logit_scale is None:
+        return None
+    check_tensor(fn, "logit_scale", logit_scale)
+    want = (dims["bs"], dims["nheads"])
+    if tuple(logit_scale.shape) != want:
+        fail(fn, "logit_scale.shape", _shape(logit_scale), f"must be [bs, nheads] = {list(want)}")
+    if logit_scale.dtype not in (torch.float32, torch.float64):
+        fail(fn, "logit_scale.dtype", logit_scale.dtype, "must be float32 (float64 for a float64 reference)")
+    if not bool(torch.isfinite(logit_scale).all()):
+        fail(fn, "logit_scale", "tensor with inf/NaN", "scales must be finite")
+    return logit_scale
+
+
 def check_dropout(fn: str, dropout_p, dropout_seed, dropout_mask, dims: dict) -> float:
     """Dropout: ``dropout_p`` in [0, 1); when > 0, exactly one of ``dropout_seed``
     (the keep mask comes from ``golden.dropout``) or ``dropout_mask`` (bool

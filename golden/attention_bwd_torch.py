@@ -40,6 +40,9 @@ Formulas (``P`` includes the sink columns, last)
   ``dQ = scale * dS_keys . K``; ``dK = scale * dS_keys^T . Q`` (i.e.
   ``dS^T . (Q * scale)``);
 * ``dK``/``dV`` of a kv head sum over all query heads that read it (GQA/MQA);
+* logit scale ``lam = logit_scale[b, h]``: ``dS_keys *= lam`` on the way to
+  dQ and dK, and ``dlogit_scale[b, h] = sum_ij dS_keys * S0`` (``dS_keys``
+  after the soft-cap factor, ``S0`` the scaled score before the logit scale);
 * ``dsinks[b, h, n] = sum_i dS[b, h, i, seqlen_k + n]`` (sinks are not
   scaled, so no scale factor), which equals ``-sum_i P_sink[i] * D_i`` with
   ``D_i = sum_d O * dO``;
@@ -105,7 +108,7 @@ def softmax_dx(dy: torch.Tensor, y: torch.Tensor, dim: int,
 def _validate_bwd(q, k, v, o, dy, lse, sinks, bound_min, bound_max, use_causal_mask,
                   mixed_precision, softmax_scale, sliding_window, softcap=0.0, alibi_slopes=None,
                   window_size=None, dropout_p=0.0, dropout_seed=None, dropout_mask=None,
-                  attn_bias=None) -> dict:
+                  attn_bias=None, logit_scale=None) -> dict:
     """The single validation entry point of this module."""
     fn = "attention_bwd_torch_ref"
     # The q/k/v/mask/sink rules are the forward's; only the names differ.
@@ -116,7 +119,7 @@ def _validate_bwd(q, k, v, o, dy, lse, sinks, bound_min, bound_max, use_causal_m
                       softmax_scale=softmax_scale, sliding_window=sliding_window,
                       softcap=softcap, alibi_slopes=alibi_slopes, window_size=window_size,
                       dropout_p=dropout_p, dropout_seed=dropout_seed, dropout_mask=dropout_mask,
-                      logit_bias=attn_bias, bias_name="attn_bias")
+                      logit_bias=attn_bias, bias_name="attn_bias", logit_scale=logit_scale)
     # o and dy are [bs, nheads, d_v, seqlen_q]: q's shape unless d_v != d_qk.
     o_shape = None
     if a["d_v"] != a["d_head"]:
@@ -149,7 +152,8 @@ def attention_bwd_torch_ref(q_ref: torch.Tensor, k_ref: torch.Tensor, v_ref: tor
                             dropout_p: float = 0.0,
                             dropout_seed=None,
                             dropout_mask: Optional[torch.Tensor] = None,
-                            attn_bias: Optional[torch.Tensor] = None) -> Dict[str, torch.Tensor]:
+                            attn_bias: Optional[torch.Tensor] = None,
+                            logit_scale: Optional[torch.Tensor] = None) -> Dict[str, torch.Tensor]:
     """Reference with the backward kernel's signature.
 
     Args:
@@ -168,6 +172,7 @@ def attention_bwd_torch_ref(q_ref: torch.Tensor, k_ref: torch.Tensor, v_ref: tor
             keep mask is the forward's (same seed, same mask).
         attn_bias: optional floating tensor broadcastable to ``[bs, nheads,
             seqlen_q, seqlen_k]``, as in the forward.
+        logit_scale: optional float32 ``[bs, nheads]``, as in the forward.
 
     Returns:
         dict with ``out_dq_ref`` ``[bs, nheads, d_qk, seqlen_q]``,
@@ -178,6 +183,8 @@ def attention_bwd_torch_ref(q_ref: torch.Tensor, k_ref: torch.Tensor, v_ref: tor
         ``out_dbias_ref`` shaped like it (float32; float64 for float64 inputs):
         the gradient of the logits (dS before the scale and the cap's chain
         rule) summed over the dims the bias broadcasts.
+        Only with a logit scale, ``out_dlogit_scale_ref`` ``[bs, nheads]`` (same
+        dtype rule).
 
     Raises:
         ValueError: naming the offending argument, its value and the rule.
@@ -185,14 +192,15 @@ def attention_bwd_torch_ref(q_ref: torch.Tensor, k_ref: torch.Tensor, v_ref: tor
     a = _validate_bwd(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref, bound_min,
                       bound_max, use_causal_mask, mixed_precision, softmax_scale,
                       sliding_window, softcap, alibi_slopes, window_size, dropout_p,
-                      dropout_seed, dropout_mask, attn_bias)
+                      dropout_seed, dropout_mask, attn_bias, logit_scale)
     bs, nheads, nheads_kv = a["bs"], a["nheads"], a["nheads_kv"]
     seqlen_q, seqlen_k, group = a["seqlen_q"], a["seqlen_k"], a["group"]
     dt = q_ref.dtype
     sdt = stats_dtype(dt, a["mixed"])
 
     drop = dropout_multiplier(a, dropout_seed, dropout_mask, sdt)
-    f = _forward(q_ref, k_ref, v_ref, a, attn_bias, drop, sinks_ref, bound_min, bound_max, alibi_slopes)
+    f = _forward(q_ref, k_ref, v_ref, a, attn_bias, drop, sinks_ref, bound_min, bound_max, alibi_slopes,
+                 logit_scale)
     probs = f["probs"]
 
     qt = q_ref.transpose(-1, -2)                                   # [b, h, sq, d_qk]
@@ -213,6 +221,9 @@ def attention_bwd_torch_ref(q_ref: torch.Tensor, k_ref: torch.Tensor, v_ref: tor
         dbias = _sum_to(ds_keys.to(acc_dtype(dt)), tuple(attn_bias.shape))
     if f["cap_grad"] is not None:
         ds_keys = ds_keys * f["cap_grad"]                          # through c * tanh(S / c)
+    if logit_scale is not None:                                    # through lam * S0
+        dlogit = (ds_keys * f["s0"]).sum(dim=(2, 3))
+        ds_keys = ds_keys * logit_scale.to(device=ds_keys.device, dtype=ds_keys.dtype)[..., None, None]
     ds_keys = (ds_keys * a["scale"]).to(dt)                        # scale * dS, [b, h, sq, sk]
     p_keys = probs[..., :seqlen_k]
     if drop is not None:
@@ -239,6 +250,8 @@ def attention_bwd_torch_ref(q_ref: torch.Tensor, k_ref: torch.Tensor, v_ref: tor
         out["out_dsinks_ref"] = dsinks.to(acc_dtype(dt)).reshape(sinks_ref.shape)
     if dbias is not None:
         out["out_dbias_ref"] = dbias
+    if logit_scale is not None:
+        out["out_dlogit_scale_ref"] = dlogit.to(acc_dtype(dt))
     return out
 
 

@@ -19,7 +19,8 @@ Layouts (head_dim BEFORE sequence, as the kernels use them)
 Semantics (in this order; ``off = seqlen_k - seqlen_q``)
 --------------------------------------------------------
 * scale: ``S = softmax_scale * (q_i . k_j)`` with ``softmax_scale`` defaulting
-  to ``1 / sqrt(d_qk)``.
+  to ``1 / sqrt(d_qk)``; times ``logit_scale[b, h]`` (float32 ``[bs, nheads]``)
+  when given, before soft-capping and ALiBi.
 * soft-capping ``softcap = c > 0``: ``S = c * tanh(S / c)``.
 * ALiBi ``alibi_slopes`` ``[bs, nheads]`` float32: ``S += -slope * |i + off - j|``;
   ``logit_bias`` (``compute_o_lse`` only) is added after it.
@@ -100,7 +101,7 @@ def _validate_fwd(fn: str, q, k, v, *, sinks, sinks_name: str, bound_min, bound_
                   use_causal_mask, mixed_precision, softmax_scale, sliding_window,
                   logit_bias=None, dropout_mask=None, qkv_names=("q", "k", "v"),
                   softcap=0.0, alibi_slopes=None, window_size=None, dropout_p=None,
-                  dropout_seed=None, bias_name="logit_bias") -> dict:
+                  dropout_seed=None, bias_name="logit_bias", logit_scale=None) -> dict:
     """The single validation entry point of this module; returns the resolved arguments.
 
     ``sinks_name``/``qkv_names`` are the caller's parameter names, so that
@@ -117,6 +118,7 @@ def _validate_fwd(fn: str, q, k, v, *, sinks, sinks_name: str, bound_min, bound_
     num_sinks = _v.check_sinks(fn, sinks_name, sinks, dims)
     cap = _v.check_softcap(fn, softcap)
     _v.check_alibi(fn, alibi_slopes, dims)
+    _v.check_logit_scale(fn, logit_scale, dims)
     full = (dims["bs"], dims["nheads"], dims["seqlen_q"], dims["seqlen_k"])
     if logit_bias is not None:
         _v.check_tensor(fn, bias_name, logit_bias)
@@ -236,7 +238,8 @@ def compute_o_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   bound_max: Optional[torch.Tensor] = None,
                   softcap: float = 0.0,
                   alibi_slopes: Optional[torch.Tensor] = None,
-                  window_size: Optional[Tuple[int, int]] = None):
+                  window_size: Optional[Tuple[int, int]] = None,
+                  logit_scale: Optional[torch.Tensor] = None):
     """Attention forward by the definition; returns ``(o, lse, probs)``.
 
     Args:
@@ -265,6 +268,8 @@ def compute_o_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             ``-slope * |i + off - j|`` after soft-capping.
         window_size: optional ``(left, right)``, -1 = unbounded: query i sees keys
             ``i + off - left .. i + off + right``; not with ``sliding_window``.
+        logit_scale: optional float32 ``[bs, nheads]``, multiplies the scaled
+            scores before soft-capping and ALiBi.
 
     Returns:
         o: ``[bs, nheads, d_v, seqlen_q]`` in q's dtype (0 for empty rows).
@@ -282,21 +287,22 @@ def compute_o_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       use_causal_mask=use_causal_mask, mixed_precision=mixed_precision,
                       softmax_scale=softmax_scale, sliding_window=sliding_window,
                       logit_bias=logit_bias, dropout_mask=dropout_mask, softcap=softcap,
-                      alibi_slopes=alibi_slopes, window_size=window_size)
-    f = _forward(q, k, v, a, logit_bias, dropout_mask, sinks, bound_min, bound_max, alibi_slopes)
+                      alibi_slopes=alibi_slopes, window_size=window_size, logit_scale=logit_scale)
+    f = _forward(q, k, v, a, logit_bias, dropout_mask, sinks, bound_min, bound_max, alibi_slopes, logit_scale)
     return f["o"], f["lse"], f["probs"]
 
 
 def _forward(q, k, v, a, logit_bias, dropout_mask, sinks, bound_min, bound_max,
-             alibi_slopes=None) -> dict:
+             alibi_slopes=None, logit_scale=None) -> dict:
     """Forward on validated arguments ``a`` (the dict from ``_validate_fwd``).
 
     ``dropout_mask`` here is the multiplier of the probabilities as given
     (bool, or floating values already holding any ``1/(1-p)``).  Returns a dict:
     ``o``, ``lse``, ``probs`` (as :func:`compute_o_lse`) and, for the backward,
     ``cap_grad`` (``1 - tanh^2(S / c)`` in ``sdt``, ``[bs, nheads, seqlen_q,
-    seqlen_k]``, or None without soft-capping) and ``drop`` (the dropout
-    multiplier in ``sdt``, or None).
+    seqlen_k]``, or None without soft-capping), ``drop`` (the dropout
+    multiplier in ``sdt``, or None) and ``s0`` (the scaled scores before the
+    logit scale, the factor of its gradient).
     """
     bs, nheads, seqlen_q, seqlen_k = a["bs"], a["nheads"], a["seqlen_q"], a["seqlen_k"]
     dt = q.dtype
@@ -309,7 +315,8 @@ def _forward(q, k, v, a, logit_bias, dropout_mask, sinks, bound_min, bound_max,
     vt = v.transpose(-1, -2).repeat_interleave(a["group"], dim=1)
 
     # Matmul rounded to dt, everything softmax-related in sdt.
-    s = torch.matmul(qt, kt.transpose(-1, -2)).to(sdt) * a["scale"]
+    s0 = s = torch.matmul(qt, kt.transpose(-1, -2)).to(sdt) * a["scale"]
+    s = s if logit_scale is None else s * logit_scale.to(device=s.device, dtype=sdt)[..., None, None]
     cap_grad = None
     if a["softcap"] > 0.0:
         th = torch.tanh(s / a["softcap"])
@@ -350,7 +357,7 @@ def _forward(q, k, v, a, logit_bias, dropout_mask, sinks, bound_min, bound_max,
     lse = (lse_rows.to(adt)
            .reshape(bs, nheads, seqlen_q // _v.PARTITIONS, _v.PARTITIONS)
            .transpose(-1, -2).contiguous())
-    return dict(o=o, lse=lse, probs=probs, cap_grad=cap_grad, drop=drop)
+    return dict(o=o, lse=lse, probs=probs, cap_grad=cap_grad, drop=drop, s0=s0)
 
 
 def dropout_multiplier(a: dict, dropout_seed, dropout_mask, dtype: torch.dtype):
@@ -377,7 +384,8 @@ def attention_fwd_torch_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                             dropout_p: float = 0.0,
                             dropout_seed=None,
                             dropout_mask: Optional[torch.Tensor] = None,
-                            attn_bias: Optional[torch.Tensor] = None):
+                            attn_bias: Optional[torch.Tensor] = None,
+                            logit_scale: Optional[torch.Tensor] = None):
     """Reference with the forward kernel's signature; returns ``(o, lse)``.
 
     Args:
@@ -398,6 +406,7 @@ def attention_fwd_torch_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             seqlen_q, seqlen_k]`` (the kernels take it 4-D, each dim 1 or full),
             added to the scaled and capped scores after ALiBi (as
             ``compute_o_lse``'s ``logit_bias``).
+        logit_scale: optional float32 ``[bs, nheads]`` (see :func:`compute_o_lse`).
 
     Returns:
         o: ``[bs, nheads, d_v, seqlen_q]`` in q's dtype.
@@ -410,9 +419,9 @@ def attention_fwd_torch_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       softmax_scale=softmax_scale, sliding_window=sliding_window,
                       softcap=softcap, alibi_slopes=alibi_slopes, window_size=window_size,
                       dropout_p=dropout_p, dropout_seed=dropout_seed, dropout_mask=dropout_mask,
-                      logit_bias=attn_bias, bias_name="attn_bias")
+                      logit_bias=attn_bias, bias_name="attn_bias", logit_scale=logit_scale)
     drop = dropout_multiplier(a, dropout_seed, dropout_mask, stats_dtype(q.dtype, a["mixed"]))
-    f = _forward(q, k, v, a, attn_bias, drop, sinks_ref, bound_min, bound_max, alibi_slopes)
+    f = _forward(q, k, v, a, attn_bias, drop, sinks_ref, bound_min, bound_max, alibi_slopes, logit_scale)
     return f["o"], f["lse"]
 
 

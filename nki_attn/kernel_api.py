@@ -11,7 +11,7 @@ and raise ``ValueError`` with the kernel's message before anything is launched::
 Arguments and results are those of ``nki_attn.kernels.attention_fwd.attention_fwd`` /
 ``nki_attn.kernels.attention_bwd.attention_bwd`` (layouts in their docstrings and docs/kernel-*.md), including the
 variant keywords of docs/semantics.md (``softcap``, ``alibi_slopes``, ``window_size``, ``dropout_p``,
-``dropout_seed``: ``VARIANT_KEYWORDS``). ``variant_problem`` checks the arguments against the rules of
+``dropout_seed``, ``logit_scale``: ``VARIANT_KEYWORDS``). ``variant_problem`` checks the arguments against the rules of
 docs/semantics.md alone. The PyTorch op pair (``nki_attn.ops``) launches the bare kernels: its arguments were
 checked once on the host (``nki_attn.spec``), and it asks ``CheckedKernel.problem_of`` only when a kernel's own
 assert fails.
@@ -25,7 +25,7 @@ from .kernels import validation as _validation
 
 # the variant keywords of both kernels, with their defaults (the "off" value of each variant)
 VARIANT_KEYWORDS = (("softcap", 0.0), ("alibi_slopes", None), ("window_size", None), ("dropout_p", 0.0),
-                    ("dropout_seed", None))
+                    ("dropout_seed", None), ("logit_scale", None))
 
 
 class _HostTensor:
@@ -46,14 +46,15 @@ def _host(v):
 
 def variant_problem(q, k, v, o=None, dy=None, lse=None, sinks=None, bound_min=None, bound_max=None,
                     use_causal_mask=False, softmax_scale=None, sliding_window=None, softcap=0.0, alibi_slopes=None,
-                    window_size=None, dropout_p=0.0, dropout_seed=None):
+                    window_size=None, dropout_p=0.0, dropout_seed=None, logit_scale=None):
     """The first problem of these arguments under the rules of docs/semantics.md with every variant allowed
     (``validation.attention_problem`` with all ``FEATURES``), or None. Tensors are any host arrays (torch,
     numpy); layouts as in ``validation.attention_problem``."""
     return _validation.attention_problem(
         _host(q), _host(k), _host(v), _host(o), _host(dy), _host(lse), _host(sinks), _host(bound_min),
         _host(bound_max), use_causal_mask, softmax_scale, sliding_window, softcap, _host(alibi_slopes),
-        window_size, dropout_p, _host(dropout_seed), supports=_validation.FEATURES)
+        window_size, dropout_p, _host(dropout_seed), supports=_validation.FEATURES,
+        logit_scale=_host(logit_scale))
 
 
 class CheckedKernel:

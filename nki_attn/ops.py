@@ -19,13 +19,15 @@ Public functions:
     q ``[batch, seqlen_q, heads, d_qk]``, k ``[batch, seqlen_k, heads_kv, d_qk]``, v ``[batch, seqlen_k,
     heads_kv, d_v]`` (sizes and every other argument in ``spec``, an ``nki_attn.spec.AttentionSpec``) -> out
     ``[batch, seqlen_q, heads, d_v]`` in q's dtype, lse float32 ``[batch, heads, seqlen_q]`` (+inf for a row that
-    sees no key and has no sink). Differentiable with respect to q, k, v, ``spec.sinks`` and ``spec.bias`` (the
-    additive bias: its gradient is computed by the kernel only when it requires one); a gradient flowing
-    into lse must be zero (NotImplementedError otherwise) and double backward raises RuntimeError.
+    sees no key and has no sink). Differentiable with respect to q, k, v, ``spec.sinks``, ``spec.bias`` (the
+    additive bias: its gradient is computed by the kernel only when it requires one) and ``spec.logit_scale``; a
+    gradient flowing into lse must be zero (NotImplementedError otherwise) and double backward raises
+    RuntimeError.
 
 ``attention_backward(spec, q, k, v, out, dout, lse) -> (dq, dk, dv, dsinks)``
     The backward alone (ring attention calls it per block with the merged out and lse): dq, dk, dv shaped like
-    q, k, v; dsinks like ``spec.sinks`` (an empty float32 ``[0]`` tensor without sinks).
+    q, k, v; dsinks like ``spec.sinks`` (an empty float32 ``[0]`` tensor without sinks); with a logit scale a fifth,
+    dlogit_scale float32 ``[batch, heads]``.
 
 ``kernel_plan(spec, device) -> KernelPlan``, ``kernel_bounds``, ``padded_length``: how a spec reaches the
 kernels (used by the probabilities of ``return_attn_probs`` and by ring attention's block geometry).
@@ -127,7 +129,8 @@ def kernel_keywords(spec, plan):
     arguments (``nki_attn.kernels.attention_fwd`` / ``attention_bwd`` signatures)."""
     return dict(use_causal_mask=plan.causal, mixed_precision=True, softmax_scale=spec.scale,
                 sliding_window=plan.window, softcap=spec.softcap, alibi_slopes=spec.alibi,
-                window_size=plan.window_size, dropout_p=spec.dropout_p, dropout_seed=spec.dropout_seed)
+                window_size=plan.window_size, dropout_p=spec.dropout_p, dropout_seed=spec.dropout_seed,
+                logit_scale=spec.logit_scale)
 
 
 def _launch(fn, checked, args, kwargs):
@@ -183,10 +186,22 @@ def check_slopes(fn, alibi_slopes):
                          f"distant keys)")
 
 
-def _op_spec(q, k, v, sinks, key_lo, key_hi, alibi, seed, left, right, shift, scale, softcap, dropout_p, bias=None):
+def check_logit_scale(fn, logit_scale):
+    """The per-head logit scale's values, float32 ``[batch, heads]`` (the host checks shape and dtype; values are
+    only seen here, in the ops' bodies, where the tensors are real even under ``torch.compile``): every scale
+    finite. Any sign and zero are accepted (a negative temperature inverts the ranking, zero gives uniform
+    attention over the visible keys)."""
+    if logit_scale is not None and not bool(torch.isfinite(logit_scale).all()):
+        bad = logit_scale[~torch.isfinite(logit_scale)]
+        raise ValueError(f"{fn}: logit_scale=a [batch, heads] tensor with {bad.numel()} non-finite value(s), e.g. "
+                         f"{float(bad[0])}: every scale must be finite")
+
+
+def _op_spec(q, k, v, sinks, key_lo, key_hi, alibi, seed, left, right, shift, scale, softcap, dropout_p, bias=None,
+             logit_scale=None):
     b, sq, hq, d = q.shape
     return AttentionSpec("nki_attn", b, sq, k.shape[1], hq, k.shape[2], d, v.shape[3], q.dtype, scale, left, right,
-                         shift, key_lo, key_hi, softcap, alibi, dropout_p, seed, sinks, bias)
+                         shift, key_lo, key_hi, softcap, alibi, dropout_p, seed, sinks, bias, logit_scale=logit_scale)
 
 
 def _kernel_bias(bias, pl, sq, sk):
@@ -224,12 +239,15 @@ _OP_DEVICES = "cpu" if BACKEND == "sim" else None
 def _fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: Optional[torch.Tensor],
             key_lo: Optional[torch.Tensor], key_hi: Optional[torch.Tensor], alibi: Optional[torch.Tensor],
             dropout_seed: Optional[torch.Tensor], left: int, right: int, shift: int, scale: float, softcap: float,
-            dropout_p: float, bias: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+            dropout_p: float, bias: Optional[torch.Tensor] = None, logit_scale: Optional[torch.Tensor] = None
+            ) -> tuple[torch.Tensor, torch.Tensor]:
     """q [b, sq, h, d_qk], k [b, sk, hk, d_qk], v [b, sk, hk, d_v] and the spec's fields (bias: the spec's
-    ``[bb, hb, sqb, skb]`` additive bias) -> (out [b, sq, h, d_v], lse float32 [b, h, sq])."""
+    ``[bb, hb, sqb, skb]`` additive bias; logit_scale: float32 ``[b, h]``) -> (out [b, sq, h, d_v], lse float32
+    [b, h, sq])."""
     check_slopes("attention_fwd", alibi)
+    check_logit_scale("attention_fwd", logit_scale)
     spec = _op_spec(q, k, v, sinks, key_lo, key_hi, alibi, dropout_seed, left, right, shift, scale, softcap,
-                    dropout_p, bias)
+                    dropout_p, bias, logit_scale)
     b, sq, hq = spec.batch, spec.seqlen_q, spec.heads
     pl = kernel_plan(spec, q.device)
     kw = kernel_keywords(spec, pl)
@@ -244,7 +262,7 @@ def _fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: Optional[t
 
 @_fwd_op.register_fake
 def _fwd_fake(q, k, v, sinks, key_lo, key_hi, alibi, dropout_seed, left, right, shift, scale, softcap, dropout_p,
-              bias=None):
+              bias=None, logit_scale=None):
     b, sq, hq, _ = q.shape
     return q.new_empty((b, sq, hq, v.shape[3])), q.new_empty((b, hq, sq), dtype=torch.float32)
 
@@ -254,16 +272,18 @@ def _bwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor
             lse: torch.Tensor, dlse: Optional[torch.Tensor], sinks: Optional[torch.Tensor],
             key_lo: Optional[torch.Tensor], key_hi: Optional[torch.Tensor], alibi: Optional[torch.Tensor],
             dropout_seed: Optional[torch.Tensor], left: int, right: int, shift: int, scale: float, softcap: float,
-            dropout_p: float, bias: Optional[torch.Tensor] = None, bias_grad: bool = False
-            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+            dropout_p: float, bias: Optional[torch.Tensor] = None, bias_grad: bool = False,
+            logit_scale: Optional[torch.Tensor] = None
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of ``attention_fwd``: (dq, dk, dv like q, k, v; dsinks like sinks, or an empty [0] tensor; dbias
-    like bias when ``bias_grad``, else an empty [0] tensor: no dbias work in the kernel)."""
+    like bias when ``bias_grad``, else an empty [0] tensor: no dbias work in the kernel; dlogit_scale like
+    logit_scale, or an empty [0] tensor)."""
     if dlse is not None and bool((dlse != 0).any()):
         raise NotImplementedError("nki_attn attention: a gradient flows into the log-sum-exp output (lse), which "
                                   "the backward kernel does not propagate; use lse only outside the graph "
                                   "(e.g. lse.detach())")
     spec = _op_spec(q, k, v, sinks, key_lo, key_hi, alibi, dropout_seed, left, right, shift, scale, softcap,
-                    dropout_p, bias)
+                    dropout_p, bias, logit_scale)
     b, sq, hq, sk = spec.batch, spec.seqlen_q, spec.heads, spec.seqlen_k
     pl = kernel_plan(spec, q.device)
     # Padded query rows get dout = 0 (so D = 0 and dS = 0) and lse = +inf (so P = exp(S - lse) = 0): they add
@@ -282,19 +302,24 @@ def _bwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor
          pl.bmin, pl.bmax), kw)
     dq, dk, dv = grads[:3]
     dsinks = grads[3].sum(0).to(sinks.dtype) if sinks is not None else q.new_empty((0,), dtype=torch.float32)
-    dbias = _bias_grad(grads[-1], bias, pl, sq, sk) if bias_grad else q.new_empty((0,), dtype=torch.float32)
-    return _from_kernel(dq, pl.front, sq), _from_kernel(dk, 0, sk), _from_kernel(dv, 0, sk), dsinks, dbias
+    # the kernel's outputs after dq, dk, dv: [dsinks], [dbias], [dlogit_scale] (float32 [b, h] like logit_scale)
+    dlogit = grads[-1].clone() if logit_scale is not None else q.new_empty((0,), dtype=torch.float32)
+    n_dbias = len(grads) - (1 if logit_scale is not None else 0) - 1
+    dbias = _bias_grad(grads[n_dbias], bias, pl, sq, sk) if bias_grad else q.new_empty((0,), dtype=torch.float32)
+    return _from_kernel(dq, pl.front, sq), _from_kernel(dk, 0, sk), _from_kernel(dv, 0, sk), dsinks, dbias, dlogit
 
 
 @_bwd_op.register_fake
 def _bwd_fake(q, k, v, out, dout, lse, dlse, sinks, key_lo, key_hi, alibi, dropout_seed, left, right, shift, scale,
-              softcap, dropout_p, bias=None, bias_grad=False):
+              softcap, dropout_p, bias=None, bias_grad=False, logit_scale=None):
     dsinks = torch.empty_like(sinks, memory_format=_CONTIG) if sinks is not None else \
         q.new_empty((0,), dtype=torch.float32)
     dbias = torch.empty_like(bias, memory_format=_CONTIG) if bias is not None and bias_grad else \
         q.new_empty((0,), dtype=torch.float32)
+    dlogit = torch.empty_like(logit_scale, memory_format=_CONTIG) if logit_scale is not None else \
+        q.new_empty((0,), dtype=torch.float32)
     return (torch.empty_like(q, memory_format=_CONTIG), torch.empty_like(k, memory_format=_CONTIG),
-            torch.empty_like(v, memory_format=_CONTIG), dsinks, dbias)
+            torch.empty_like(v, memory_format=_CONTIG), dsinks, dbias, dlogit)
 
 
 _N_FLAGS = 6  # left, right, shift, scale, softcap, dropout_p: the op's inputs after its first 8 tensors
@@ -303,18 +328,20 @@ _N_FLAGS = 6  # left, right, shift, scale, softcap, dropout_p: the op's inputs a
 def _fwd_setup_context(ctx, inputs, output):
     q, k, v, sinks, key_lo, key_hi, alibi, seed = inputs[:8]
     bias = inputs[8 + _N_FLAGS] if len(inputs) > 8 + _N_FLAGS else None
-    ctx.save_for_backward(q, k, v, output[0], output[1], sinks, key_lo, key_hi, alibi, seed, bias)
+    # (a trailing None may be left out of the inputs: bias and logit_scale have defaults)
+    logit_scale = inputs[9 + _N_FLAGS] if len(inputs) > 9 + _N_FLAGS else None
+    ctx.save_for_backward(q, k, v, output[0], output[1], sinks, key_lo, key_hi, alibi, seed, bias, logit_scale)
     ctx.flags = tuple(inputs[8:8 + _N_FLAGS])
 
 
 def _fwd_backward(ctx, dout, dlse):
-    q, k, v, out, lse, sinks, key_lo, key_hi, alibi, seed, bias = ctx.saved_tensors
+    q, k, v, out, lse, sinks, key_lo, key_hi, alibi, seed, bias, logit_scale = ctx.saved_tensors
     # the bias's gradient only when autograd asks for it: otherwise the kernel runs without its dbias steps
     bias_grad = bias is not None and ctx.needs_input_grad[8 + _N_FLAGS]
-    dq, dk, dv, dsinks, dbias = _bwd_op(q, k, v, out, dout, lse, dlse, sinks, key_lo, key_hi, alibi, seed,
-                                        *ctx.flags, bias, bias_grad)
+    dq, dk, dv, dsinks, dbias, dlogit = _bwd_op(q, k, v, out, dout, lse, dlse, sinks, key_lo, key_hi, alibi, seed,
+                                                *ctx.flags, bias, bias_grad, logit_scale)
     return (dq, dk, dv, (dsinks if sinks is not None else None)) + (None,) * 10 + \
-        ((dbias if bias_grad else None),)
+        ((dbias if bias_grad else None), (dlogit if logit_scale is not None else None))
 
 
 def _bwd_setup_context(ctx, inputs, output):
@@ -343,7 +370,8 @@ def _is_empty(spec):
 
 def attention(spec, q, k, v):
     """Attention of q, k, v under ``spec`` (module docstring): ``(out [batch, seqlen_q, heads, d_v], lse float32
-    [batch, heads, seqlen_q])``, differentiable with respect to q, k, v, ``spec.sinks`` and ``spec.bias``."""
+    [batch, heads, seqlen_q])``, differentiable with respect to q, k, v, ``spec.sinks``, ``spec.bias`` and
+    ``spec.logit_scale``."""
     if _is_empty(spec):
         if spec.bias is not None:
             if 0 not in (spec.batch, spec.seqlen_q, spec.seqlen_k, spec.heads):
@@ -353,14 +381,16 @@ def attention(spec, q, k, v):
             # no score exists: the bias gets a zero gradient (an empty sum keeps it in the graph, -inf or not)
             return out + spec.bias.reshape(-1)[:0].sum().to(out.dtype), lse
         return _empty_attention(spec, q, k, v)
-    return _fwd_op(q, k, v, *_op_args(spec))
+    return _fwd_op(q, k, v, *_op_args(spec), spec.logit_scale)
 
 
 def attention_backward(spec, q, k, v, out, dout, lse):
     """The backward of ``attention`` for given ``out`` / ``lse`` (``[batch, seqlen_q, heads, d_v]`` /
     float32 ``[batch, heads, seqlen_q]``) and ``dout`` (like out): ``(dq, dk, dv, dsinks)``; dsinks float32
-    ``[0]`` without sinks. Not differentiable; ``spec.bias`` is added to the scores, its gradient not computed."""
-    return _bwd_op(q, k, v, out, dout, lse, None, *_op_args(spec))[:4]
+    ``[0]`` without sinks; with ``spec.logit_scale`` a fifth, dlogit_scale float32 ``[batch, heads]``. Not
+    differentiable; ``spec.bias`` is added to the scores, its gradient not computed."""
+    grads = _bwd_op(q, k, v, out, dout, lse, None, *_op_args(spec), False, spec.logit_scale)
+    return grads[:4] + (grads[5],) if spec.logit_scale is not None else grads[:4]
 
 
 def _empty_attention(spec, q, k, v):

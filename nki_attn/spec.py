@@ -55,6 +55,8 @@ class AttentionSpec:
         sinks: ``[heads]`` or ``[heads, num_sinks]`` logits joining the softmax denominator, or None.
         bias: the additive bias ``[batch or 1, heads or 1, seqlen_q or 1, seqlen_k or 1]`` (float32 / bfloat16 /
             float16, q's device) added to the scaled and capped scores after ALiBi, or None (``check_bias``).
+        logit_scale: float32 ``[batch, heads]`` or None: the per-head logit scale, the logits are ``scale *
+            logit_scale[b, h] * q·k`` before soft-capping and ALiBi (docs/semantics.md, "Per-head logit scale").
 
     Derived specs (``dataclasses.replace``, ``with_mask``) are not re-checked: the caller keeps them consistent.
     """
@@ -79,6 +81,7 @@ class AttentionSpec:
     dropout_seed: Optional[torch.Tensor] = None
     sinks: Optional[torch.Tensor] = None
     bias: Optional[torch.Tensor] = None
+    logit_scale: Optional[torch.Tensor] = None
 
     @property
     def causal(self):
@@ -151,6 +154,35 @@ def _check_alibi(fn, alibi_slopes, batch, hq, device):
     if alibi_slopes.device != device:
         fail(fn, "alibi_slopes.device", alibi_slopes.device, f"must equal q.device {device}")
     return alibi_slopes
+
+
+def _check_logit_scale(fn, logit_scale, batch, hq, device, batched=True):
+    """The per-head logit scale: float32 ``[nheads]`` or (``batched``) ``[batch, nheads]`` (None: none). Its values
+    (finite) are checked where the tensors are real, in the op's body (``nki_attn.ops.check_logit_scale``)."""
+    if logit_scale is None:
+        return None
+    if not isinstance(logit_scale, torch.Tensor):
+        fail(fn, "logit_scale", type(logit_scale).__name__, "must be a float32 torch.Tensor [nheads] or None",
+             TypeError)
+    shape = tuple(logit_scale.shape)
+    if shape != (hq,) and not (batched and shape == (batch, hq)):
+        rule = f"must be [nheads] = [{hq}]" + (f" or [batch, nheads] = [{batch}, {hq}]" if batched else
+                                                " (one scale per head, shared by the packed sequences)")
+        fail(fn, "logit_scale.shape", shape, rule)
+    if logit_scale.dtype != torch.float32:
+        fail(fn, "logit_scale.dtype", logit_scale.dtype, "must be torch.float32 (the kernels apply it in float32)",
+             TypeError)
+    if logit_scale.device != device:
+        fail(fn, "logit_scale.device", logit_scale.device, f"must equal q.device {device}")
+    return logit_scale
+
+
+def _logit_rows(logit_scale, batch, hq):
+    """``[nheads]`` or ``[batch, nheads]`` logit scales -> float32 ``[batch, nheads]``, differentiable (a
+    ``[nheads]`` scale gets the gradient summed over the batch)."""
+    if logit_scale is None:
+        return None
+    return logit_scale.expand(batch, hq).clone(memory_format=torch.contiguous_format)
 
 
 def check_bias(fn, attn_bias, batch, heads, seqlen_q, seqlen_k, device, name="attn_bias"):
@@ -344,12 +376,13 @@ def _sizes(q, k, v):
 # ----------------------------------------------------------------------------------------------------- builders
 def flash_spec(fn, q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                alibi_slopes=None, deterministic=False, return_attn_probs=False, *, sinks=None, return_lse=False,
-               dropout_seed=None, generator=None, attn_bias=None):
+               dropout_seed=None, generator=None, attn_bias=None, logit_scale=None):
     """Check ``flash_attn_func``'s arguments (same names, shapes and rules; ``fn`` names the caller in the
     messages) and return their ``AttentionSpec``: q ``[batch, seqlen_q, nheads, head_dim]``, k ``[batch,
     seqlen_k, nheads_k, head_dim]``, v ``[batch, seqlen_k, nheads_k, head_dim_v]``, the mask bottom-right
     aligned (shift = seqlen_k - seqlen_q). Draws the dropout seed when dropout_p > 0 and none is given.
-    ``attn_bias``: an additive bias broadcastable to ``[batch, nheads, seqlen_q, seqlen_k]`` (``check_bias``)."""
+    ``attn_bias``: an additive bias broadcastable to ``[batch, nheads, seqlen_q, seqlen_k]`` (``check_bias``).
+    ``logit_scale``: float32 ``[nheads]`` or ``[batch, nheads]`` (``AttentionSpec.logit_scale``)."""
     p = _check_dropout(fn, dropout_p)
     cap = _check_softcap(fn, softcap)
     _check_flags(fn, deterministic, return_attn_probs, return_lse)
@@ -365,13 +398,14 @@ def flash_spec(fn, q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, win
     _check_head_dim(fn, dv, "v.shape[3]")
     _check_sinks(fn, sinks, hq, q.device)
     alibi = _check_alibi(fn, alibi_slopes, b, hq, q.device)
+    lscale = _check_logit_scale(fn, logit_scale, b, hq, q.device)
     left, right = window_pair(fn, window_size, causal)
     seed = _dropout_seed(fn, p, dropout_seed, generator, q.device)
     scale = resolve_scale(fn, softmax_scale, max(d, 1))
     _check_key_range(fn, sq, sk, sk - sq)
     bias = check_bias(fn, attn_bias, b, hq, sq, sk, q.device)
     return AttentionSpec(fn, b, sq, sk, hq, hk, d, dv, q.dtype, scale, left, right, sk - sq, None, None, cap,
-                         _alibi_rows(alibi, b, hq), p, seed, sinks, bias)
+                         _alibi_rows(alibi, b, hq), p, seed, sinks, bias, _logit_rows(lscale, b, hq))
 
 
 def window_intervals(sq, sk, left, right, shift, device=None):

@@ -142,9 +142,9 @@ def fwd_figures():
         else:
             os.environ["NEURON_PLATFORM_TARGET_OVERRIDE"] = prev
     lines += ["**On-chip budget** (peak per core, simulator accounting of the kernel's allocations; float32 inputs, "
-              "GQA 8:1 so a block holds 8 units, seqlen 2048, causal + packing (no key tile skipped, full key blocks) "
+              "GQA 8:1 so a block holds 8 members, seqlen 2048, causal + packing (no key tile skipped, full key blocks) "
               "+ 2 sinks; trn1 adds the packing fallback's index/predicate tiles):", "",
-              "| d_head | target | peak SBUF B/partition | usable | share | peak PSUM banks | sections of the 16 query "
+              "| d_head | target | peak SBUF B/partition | usable | share | peak PSUM banks | slabs of the 16 query "
               "tiles |", "|---:|---|---:|---:|---:|---:|---:|"] + rows + [""]
     lines += ["Allocation sites (bytes per partition of one allocation, float32, trn1):", "",
               "| buffer | function | tensor | d=64 | d=128 | d=256 |", "|---|---|---|---:|---:|---:|"]

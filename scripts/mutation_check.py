@@ -194,7 +194,8 @@ MUTATIONS = [
     M("k_mask_step_ignores_kind", STEPS, 'if tile.kind == "full":', 'if tile.kind != "skip":',
       "dropped mask: every visible tile gets the mask step of a fully visible one", T_FWD + T_BWD),
     # ---- forward: blocks, sections, offsets
-    M("f_kv_load_offset", FWD, "key0 = kb.kt0 * K_TILE + kb.c_lo * PMAX", "key0 = kb.kt0 * K_TILE",
+    M("f_kv_load_offset", FWD, "kvh = work.kvh\n    key0 = kb.kt0 * K_TILE + kb.c_lo * PMAX",
+      "kvh = work.kvh\n    key0 = kb.kt0 * K_TILE",
       "K/V of a key block loaded from the block start, not from its first visible chunk", T_FWD),
     M("f_v_chunk_index", FWD, "moving=vt[:, i * ch + lo + c - kb.c_lo, :]", "moving=vt[:, i * ch + c - kb.c_lo, :]",
       "wrong V^T chunk in the PV matmul (the member's first visible chunk of the tile ignored)", T_FWD),

@@ -1,6 +1,6 @@
 """The ring's communication: one small interface, two implementations, chosen by the tensors' device.
 
-The interface (what ``ring.py`` uses): ``rank``, ``size``, ``bytes_sent``, ``peer(offset)``,
+The interface (what ``ring.py`` uses): ``rank``, ``size``, ``bytes_sent``, ``uniform_steps``, ``peer(offset)``,
 ``start(sends, recvs) -> works``, ``wait(works)`` and ``all_lengths(n, device)``. Every rank posts the same list
 of transfers at each step (the schedule is the same everywhere); a send ``(tensor, offset, tag)`` goes
 ``offset`` places along the ring and is received by a ``(buffer, -offset, tag)`` on its destination.
@@ -11,6 +11,14 @@ isend / irecv into its own ``collective_permute`` for one rank pair, so a ring's
 differ from rank to rank, which XLA cannot match up; here every transfer of the ring is one
 ``xm.collective_permute(tensor, pairs=[(r, (r + offset) % R) for every r])`` that every rank joins (offset +1
 for K/V, -1 for the dK/dV partial sums going back), and the lengths are one ``xm.all_gather``.
+
+``uniform_steps`` (False for P2P, True for XLA): every ring step ends with the forward K/V hop and the forward
+dK/dV partial sums always make their trip home, even where the schedule needs no transfer (after the last step,
+at world size 1). The XLA ring is then the same sequence of collectives at every world size, so the
+world-size-1 run on XLA:CPU (the only one that runs here: multi-device XLA:CPU collectives hang) goes through
+the ``collective_permute`` path a multi-rank ring uses; it costs one K/V transfer more per pass on R ranks (the
+hop home after the last step, overlapping that step's kernels), and at world size 1 it moves the data onto the
+device itself (pairs [(0, 0)]). P2P rings skip those transfers.
 
 P2P details: every transfer goes through ``torch.distributed.batch_isend_irecv`` (one call per exchange, all of its sends and
 receives posted together and completed later), so the kernel call that follows overlaps the transfer on
@@ -37,6 +45,7 @@ class RingComm:
                                "torch.distributed.init_process_group(...) in every process first (e.g. under "
                                "torchrun), or use nki_attn.distributed.run_local for a local test")
         self.group = group
+        self.uniform_steps = False
         self.rank = dist.get_rank(group)
         self.size = dist.get_world_size(group)
         if self.rank < 0:
@@ -124,6 +133,7 @@ class XlaRingComm:
         import torch_xla.runtime as xr
         self._xm = xm
         self.group = None
+        self.uniform_steps = True
         self.rank = xr.global_ordinal()
         self.size = xr.world_size()
         self.bytes_sent = 0

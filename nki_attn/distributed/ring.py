@@ -16,7 +16,11 @@ Backward. FlashAttention-2's backward of a block needs only the global o and lse
 rowsum(o * do)), so each block pair runs the backward kernel with the merged o and lse. K/V travel the same way
 again; each rank adds its block's dQ to its own float32 dQ and its dK/dV to a float32 partial sum that travels
 with the K/V, and after the last hop each partial sum is sent home, so every rank ends with the gradient of its
-own keys and values. dsinks = -sum_i exp(sink - lse_i) D_i over the rank's own queries (see ``sinks`` below).
+own keys and values. On XLA tensors (``comm.XlaRingComm.uniform_steps``) every step ends with the forward hop
+and the forward partial sums always travel home, even where the schedule needs no transfer (the last step's
+K/V hop returns them to their owner; with no forward travel the trip home is a shift by 0), so the XLA ring is
+one program of steps whatever the world size: at world size 1 each of those is a ``collective_permute`` with
+pairs [(0, 0)]. dsinks = -sum_i exp(sink - lse_i) D_i over the rank's own queries (see ``sinks`` below).
 """
 import contextlib
 import functools
@@ -213,7 +217,8 @@ def _travel_post(ring, step, cur, tags):
     """Post the hop that brings step+1's K/V (or partial sums): returns (works, next buffers)."""
     s = ring.sched
     sends, recvs, nxt = [], [], {}
-    if step < s.forward:
+    # on XLA every step ends with the forward hop (``uniform_steps``, comm.py); the last one returns K/V home
+    if step < s.forward or ring.comm.uniform_steps:
         nxt[1] = torch.empty_like(cur[1])
         sends.append((cur[1], 1, tags[0]))
         recvs.append((nxt[1], -1, tags[0]))
@@ -307,8 +312,8 @@ def _backward(ring, q_kl, kv, o_kl, do_kl, lse):
             acc[direction] = a
         # pass the partial sums on (or home, after the last hop of their direction)
         for direction, hops, tag in ((1, s.forward, TAG_DKV_FWD), (-1, s.backward, TAG_DKV_BWD)):
-            if hops == 0:
-                continue
+            if hops == 0 and not (direction == 1 and comm.uniform_steps):
+                continue  # nothing travelled this way: the partial sums are home (on XLA: a shift by 0, below)
             src_dir = 0 if (direction == 1 and step == 0) else direction
             if step == 0 and direction == -1:
                 continue  # the backward path starts at step 1
@@ -329,7 +334,7 @@ def _backward(ring, q_kl, kv, o_kl, do_kl, lse):
         rec.done()
     for direction in (1, -1):
         comm.wait(acc_works[direction])
-    dkv = home[1] if s.forward else acc[0]
+    dkv = home[1] if 1 in home else acc[0]
     if s.backward:
         dkv = dkv + home[-1]
     return dq, dkv

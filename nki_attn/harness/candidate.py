@@ -280,7 +280,8 @@ class ExternalCandidate:
     def fwd(self, q, k, v, sinks=None, bound_min=None, bound_max=None, use_causal_mask=False, mixed_precision=True,
             softmax_scale=None, sliding_window=None, **variants):
         """``variants``: the attention-variant keywords a row uses (``softcap``, ``alibi_slopes``, ``window_size``,
-        ``dropout_p``, ``dropout_seed``), passed by name; a candidate whose signature lacks one is Unsupported."""
+        ``dropout_p``, ``dropout_seed``, ``logit_scale``), passed by name; a candidate whose signature lacks one
+        is Unsupported."""
         if self._bwd is not None:
             # a backward that cannot take the row's arguments refuses it before any forward work is spent: the
             # bind the backward's own call will make, with the forward's tensors standing in for o, dy and lse
@@ -322,7 +323,7 @@ class ExternalCandidate:
                     **variants},
                    "candidate backward")
         names = "dq, dk, dv" + (", dsinks" if sinks is not None else "") + \
-            (", dbias" if variants.get("bias_grad") else "")
+            (", dbias" if variants.get("bias_grad") else "") + (", dlogit_scale" if "logit_scale" in variants else "")
         want = names.count(",") + 1
         if not isinstance(res, (tuple, list)) or len(res) != want:
             raise CandidateError(f"candidate backward must return ({names}); got {_describe(res)}")

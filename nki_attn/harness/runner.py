@@ -79,7 +79,8 @@ def make_inputs(case, seed=None):
     """Inputs of a row in the kernels' layout, drawn in float64 then rounded to the row dtype.
 
     Returns dict: q [b, h, d, sq], k, v [b, hk, d, sk], dy like q (row dtype); sinks float32 [b, h] or
-    [b, h, n] or None; bound_min, bound_max float32 [sq] or None.
+    [b, h, n] or None; bound_min, bound_max float32 [sq] or None; with the variants, alibi_slopes, logit_scale
+    float32 [b, h] and dropout_seed.
     """
     g = torch.Generator().manual_seed(case_seed(case) if seed is None else seed)
     dt = _TORCH[case.dtype]
@@ -123,6 +124,9 @@ def make_inputs(case, seed=None):
         ins["dropout_seed"] = dropout_seed(case)
     if case.bias:
         ins["attn_bias"] = draw(*case.bias_shape)
+    if case.logit_scale:  # learned temperatures around 1 (U[0.5, 3)); packed API rows share one per head
+        lam = 0.5 + 2.5 * torch.rand(1 if case.cu_seqlens else b, h, generator=g, dtype=torch.float64)
+        ins["logit_scale"] = lam.to(torch.float32).expand(b, h).contiguous()
     return ins
 
 
@@ -171,6 +175,8 @@ def _variant_kwargs(case, ins):
         kw["dropout_seed"] = ins["dropout_seed"]
     if case.bias:
         kw["attn_bias"] = ins["attn_bias"]
+    if case.logit_scale:
+        kw["logit_scale"] = ins["logit_scale"]
     return kw
 
 
@@ -230,24 +236,22 @@ def reference(ins, case, as_dtype):
     return cut(_golden(pad, case, as_dtype))
 
 
-def inputs_baseline(ins, ref, case):
-    """The backward's LSE-based formula in float32, reading the reference O rounded to the row's dtype and the
-    reference LSE rounded to float32 (the inputs a backward kernel is handed): D = rowsum(O * dO),
-    P = exp(S - LSE), dS = P * (dP - D), dV = P^T dO, dQ = scale dS K, dK = scale dS^T Q, dsinks =
-    -sum_rows P_sink D. Its error is what any implementation of that formula gets from those inputs, which
-    the golden baseline (it normalises its own P and never reads O) does not make (docs/validation.md).
+def _softmax_groups(ins, ref, case, dt):
+    """The backward's softmax pieces in dtype ``dt``, one kv group at a time, from the reference LSE rounded to
+    float32 (the LSE a backward kernel is handed) on the unpadded problem.
 
-    Works on the unpadded problem for every row; returns dq, dk, dv (and dsinks) in ``reference``'s layouts.
+    Yields ``(hq, g, p, th, dp, drop, s0, lam)`` per kv head g: ``hq`` the slice of its query heads; p =
+    exp(S - LSE) [b, group, sq, sk] (0 where a row sees no key); th = tanh(S / softcap) or None; dp = dO V^T
+    [b, group, sq, sk]; drop the dropout multiplier M / (1 - p) or None; s0 the scaled scores before the
+    per-head logit scale, lam that scale [b, group, 1, 1] (or None).
     """
     from golden.attention_fwd_torch import alibi_bias, visibility_mask
 
-    f32, dt = torch.float32, _TORCH[case.dtype]
     lse = ref["lse"]
     if lse.dim() == 4:  # kernel layout [b, h, 128, sq // 128]: row t * 128 + p at [p, t]
         lse = lse.permute(0, 1, 3, 2).reshape(lse.shape[0], lse.shape[1], -1)
-    lse = lse.to(f32)
-    o = ref["o"].to(dt).to(f32)
-    q, k, v, dy = (ins[n].to(f32) for n in ("q", "k", "v", "dy"))
+    lse = lse.to(torch.float32).to(dt)
+    q, k, v, dy = (ins[n].to(dt) for n in ("q", "k", "v", "dy"))
     scale = case.scale or case.d_head ** -0.5
     vis = visibility_mask(case.seqlen_q, case.seqlen_k, case.causal, case.window or None,
                           ins["bound_min"] if case.cu_seqlens or case.mask else None,
@@ -255,39 +259,115 @@ def inputs_baseline(ins, ref, case):
                           window_size=tuple(case.window_size) or None)
     group = case.heads // case.kv_heads
     keep = keep_mask(ins, case)
-    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    dd = (o * dy).sum(2)                                                              # D [b, h, sq] (dropped O)
     for g in range(case.kv_heads):
         hq = slice(g * group, (g + 1) * group)
-        s = torch.einsum("bhdq,bdk->bhqk", q[:, hq], k[:, g]) * scale
+        s0 = s = torch.einsum("bhdq,bdk->bhqk", q[:, hq], k[:, g]) * scale
+        lam = None
+        if case.logit_scale:
+            lam = ins["logit_scale"][:, hq, None, None].to(dt)
+            s = s * lam
+        th = None
         if case.softcap:
             th = torch.tanh(s / case.softcap)
             s = case.softcap * th
         if case.alibi:
-            s = s + alibi_bias(ins["alibi_slopes"][:, hq], case.seqlen_q, case.seqlen_k, f32)
+            s = s + alibi_bias(ins["alibi_slopes"][:, hq], case.seqlen_q, case.seqlen_k, dt)
         if case.bias:
-            s = s + _bias_head_slice(ins["attn_bias"], hq).to(f32)
+            s = s + _bias_head_slice(ins["attn_bias"], hq).to(dt)
         p = torch.exp(s.masked_fill(~vis, float("-inf")) - lse[:, hq, :, None])
         p = torch.nan_to_num(p, nan=0.0)                                             # rows with no key: 0
         dp = torch.einsum("bhdq,bdk->bhqk", dy[:, hq], v[:, g])
+        drop = None if keep is None else keep[:, hq].to(dt) / (1.0 - case.dropout)
+        yield hq, g, p, th, dp, drop, s0, lam
+
+
+def inputs_baseline(ins, ref, case):
+    """The backward's LSE-based formula in float32, reading the reference O rounded to the row's dtype and the
+    reference LSE rounded to float32 (the inputs a backward kernel is handed): D = rowsum(O * dO),
+    P = exp(S - LSE), dS = P * (dP - D), dV = P^T dO, dQ = scale dS K, dK = scale dS^T Q, dsinks =
+    -sum_rows P_sink D (with a logit scale lam: S scaled by lam first, dS by lam on its way to dQ, dK, and
+    dlogit_scale = sum dS * scale S). Its error is what any implementation of that formula gets from those inputs, which
+    the golden baseline (it normalises its own P and never reads O) does not make (docs/validation.md).
+
+    Works on the unpadded problem for every row; returns dq, dk, dv (and dsinks) in ``reference``'s layouts.
+    """
+    f32, dt = torch.float32, _TORCH[case.dtype]
+    o = ref["o"].to(dt).to(f32)
+    q, k, v, dy = (ins[n].to(f32) for n in ("q", "k", "v", "dy"))
+    scale = case.scale or case.d_head ** -0.5
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    dd = (o * dy).sum(2)                                                              # D [b, h, sq] (dropped O)
+    dlogit = torch.zeros(q.shape[:2], dtype=f32)
+    for hq, g, p, th, dp, drop, s0, lam in _softmax_groups(ins, ref, case, f32):
         p_v = p                                                                      # P as dV and O see it
-        if keep is not None:
-            drop = keep[:, hq].to(f32) / (1.0 - case.dropout)
+        if drop is not None:
             p_v, dp = p * drop, dp * drop
         ds = p * (dp - dd[:, hq, :, None])
-        if case.softcap:
+        if th is not None:
             ds = ds * (1.0 - th * th)
+        if case.logit_scale:
+            dlogit[:, hq] = (ds * s0).sum((2, 3))
+            ds = ds * lam
         dq[:, hq] = torch.einsum("bhqk,bdk->bhdq", ds, k[:, g]) * scale
         dk[:, g] = torch.einsum("bhqk,bhdq->bdk", ds, q[:, hq]) * scale
         dv[:, g] = torch.einsum("bhqk,bhdq->bdk", p_v, dy[:, hq])
     out = {"dq": dq, "dk": dk, "dv": dv}
+    if case.logit_scale:
+        out["dlogit_scale"] = dlogit
     if ins["sinks"] is not None:
+        lse = ref["lse"]
+        if lse.dim() == 4:
+            lse = lse.permute(0, 1, 3, 2).reshape(lse.shape[0], lse.shape[1], -1)
+        lse = lse.to(f32)
         sinks = ins["sinks"].to(f32)
         sinks = sinks[..., None] if sinks.dim() == 2 else sinks                      # [b, h, n]
         psink = torch.nan_to_num(torch.exp(sinks[:, :, None, :] - lse[..., None]), nan=0.0)
         ds = -(psink * dd[..., None]).sum(2).reshape(ins["sinks"].shape)
         out["dsinks"] = ds.sum(0) if case.via_api else ds
     return out
+
+
+def residue_scales(ins, ref, case):
+    """The float32 residue dS = P * (dP - D) leaves in dq and dk where dP and D cancel (``tolerance.compare``'s
+    ``residue``; derivation: docs/harness.md, "Cancellation in dS").
+
+    dP_ij = dO_i . V_j and D_i = dO_i . O_i are float32 reductions of length d_v, each in error by about
+    sqrt(d_v) * u * ||terms||_2 (the floor's length rule applied to them), and that error survives their
+    difference even where the difference, and so dq and dk, is tiny (a saturated softmax: O_i = V_j, P_ij = 1).
+    With a_ij = ||dO_i * V_j||_2 (times the dropout multiplier), b_i = ||dO_i * O_i||_2 and P' = P (1 - tanh^2)
+    with soft-capping (times |logit_scale| with one), from the float64 reference, the residue's size per element is
+
+        dq[i, c]: scale * sqrt(d_v) * (sqrt(sum_j (P'_ij a_ij K_jc)^2) + b_i |sum_j P'_ij K_jc|)
+        dk[j, c]: scale * sqrt(d_v) * (sqrt(sum_i (P'_ij a_ij Q_ic)^2) + sqrt(sum_i (P'_ij b_i Q_ic)^2))
+
+    (the dP errors are independent per (i, j) and add like a random walk; D's is shared by a query row's keys,
+    so it adds coherently in dq). Returns {"dq": max over dq's elements, "dk": max over dk's}, both without the
+    factor u, which ``tolerance.compare`` applies."""
+    f64 = torch.float64
+    o = ref["o"].to(f64)
+    q, k, v, dy = (ins[n].to(f64) for n in ("q", "k", "v", "dy"))
+    scale = case.scale or case.d_head ** -0.5
+    b_i = ((o * dy) ** 2).sum(2).sqrt()                                               # [b, h, sq]
+    rq, rk = torch.zeros_like(q), torch.zeros_like(k)
+    for hq, g, p, th, _, drop, _, lam in _softmax_groups(ins, ref, case, f64):
+        if th is not None:
+            p = p * (1.0 - th * th)
+        if lam is not None:  # dS reaches dq and dk times the logit scale
+            p = p * lam.abs()
+        a = torch.einsum("bhdq,bdk->bhqk", dy[:, hq] ** 2, v[:, g] ** 2).sqrt()         # ||dO_i * V_j||_2
+        if drop is not None:
+            a = a * drop
+        pb = p * b_i[:, hq, :, None]
+        rq[:, hq] = torch.einsum("bhqk,bdk->bhdq", (p * a) ** 2, k[:, g] ** 2).sqrt() \
+            + b_i[:, hq, None, :] * torch.einsum("bhqk,bdk->bhdq", p, k[:, g]).abs()
+        rk[:, g] = torch.einsum("bhqk,bhdq->bdk", (p * a) ** 2, q[:, hq] ** 2).sqrt() \
+            + torch.einsum("bhqk,bhdq->bdk", pb ** 2, q[:, hq] ** 2).sqrt()
+    d = case.dv ** 0.5 * scale
+
+    def top(t):
+        return float(t.max()) * d if t.numel() else 0.0
+
+    return {"dq": top(rq), "dk": top(rk)}
 
 
 def _golden(ins, case, as_dtype):
@@ -316,6 +396,8 @@ def _golden(ins, case, as_dtype):
             kw.update(dropout_p=case.dropout, dropout_mask=keep[:, hq].contiguous())
         if case.bias:
             kw["attn_bias"] = cv(_bias_head_slice(ins["attn_bias"], hq))
+        if case.logit_scale:
+            kw["logit_scale"] = ins["logit_scale"][:, hq].contiguous()
         o, lse = golden.attention_fwd_torch_ref(q[:, hq], k[:, hk], v[:, hk], s_g, ins["bound_min"],
                                                 ins["bound_max"], mixed_precision=True, **kw)
         gr = golden.attention_bwd_torch_ref(q[:, hq], k[:, hk], v[:, hk], o, dy[:, hq], lse, s_g, ins["bound_min"],
@@ -325,6 +407,8 @@ def _golden(ins, case, as_dtype):
             part["dsinks"] = gr["out_dsinks_ref"]
         if case.bias:
             part["dbias"] = gr["out_dbias_ref"]
+        if case.logit_scale:
+            part["dlogit_scale"] = gr["out_dlogit_scale_ref"]
         parts.append(part)
     out = {name: torch.cat([p[name] for p in parts], dim=1) for name in parts[0]}
     if case.bias and case.bias_shape[1] == 1:  # a bias shared by the heads: every kv group adds to its gradient
@@ -369,8 +453,10 @@ def _run_kernels(candidate, ins, case):
     out = {"o": o, "lse": lse, "dq": res[0], "dk": res[1], "dv": res[2]}
     if ins["sinks"] is not None:
         out["dsinks"] = res[3]
-    if case.bias:
-        out["dbias"] = _sum_to(res[-1], case.bias_shape)
+    if case.bias:  # the kernel's outputs after dsinks: [dbias], [dlogit_scale]
+        out["dbias"] = _sum_to(res[-2] if case.logit_scale else res[-1], case.bias_shape)
+    if case.logit_scale:
+        out["dlogit_scale"] = res[-1]  # the backward returns it last
     return out
 
 
@@ -443,7 +529,7 @@ def run_api(ins, case):
     """Forward + backward of a row through ``nki_attn.flash_attn_func`` (``flash_attn_varlen_func`` for packed
     rows) with ``return_lse=True``; o.backward(dy). Inputs in the kernels' layout (``make_inputs``); outputs
     o, dq [b, h, d, sq], dk, dv [b, hk, d, sk], lse [b, h, sq], dsinks [h(, n)] (the gradient of the shared
-    sinks)."""
+    sinks), dlogit_scale [b, h] (packed rows: the [h] scale they share, as [1, h])."""
     from ..attention import flash_attn_func, flash_attn_varlen_func
 
     def api_layout(t):  # [b, h, d, s] -> [b, s, h, d]
@@ -465,6 +551,10 @@ def run_api(ins, case):
         # one batch row holds every sequence: varlen's [b, h] would mean per sequence), [b, h] otherwise
         common["alibi_slopes"] = ins["alibi_slopes"][0].contiguous() if case.alibi == "random_h" \
             or case.cu_seqlens else ins["alibi_slopes"]
+    lam = None
+    if case.logit_scale:  # varlen takes one scale per head ([h]), flash_attn_func a scale per (batch, head)
+        lam = (ins["logit_scale"][0] if case.cu_seqlens else ins["logit_scale"]).clone().requires_grad_()
+        common["logit_scale"] = lam
     if case.cu_seqlens:
         if case.batch != 1 or case.seqlen_q != case.seqlen_k:
             raise ValueError(f"row {case.name}: packed rows need batch 1 and seqlen_q == seqlen_k")
@@ -487,6 +577,9 @@ def run_api(ins, case):
         # no grad at all when no query row sees a key (every packed sequence empty: the API's output does not
         # depend on the sinks there): the gradient is zero
         out["dsinks"] = sinks.grad if sinks.grad is not None else torch.zeros_like(sinks)
+    if lam is not None:
+        grad = lam.grad if lam.grad is not None else torch.zeros_like(lam)
+        out["dlogit_scale"] = grad.reshape(-1, case.heads)
     return out
 
 
@@ -510,6 +603,7 @@ def run_case(case, candidate):
         base = reference(ins, case, None)
         from_inputs = inputs_baseline(ins, ref, case)
         lengths = tolerance.reduction_lengths(case)
+        residues = residue_scales(ins, ref, case)
         checks = {}
         for name in ref:
             if got.get(name) is None:
@@ -521,7 +615,8 @@ def run_case(case, candidate):
             checks[name] = tolerance.compare(name, _np(got[name]), _np(ref[name]), _np(base[name]), case.dtype,
                                              n=lengths[name], input_scale=scale,
                                              inputs=_np(from_inputs[name]) if name in from_inputs else None,
-                                             vec_axis=VECTOR_AXIS.get(name), zero_scale=zs)
+                                             vec_axis=VECTOR_AXIS.get(name), zero_scale=zs,
+                                             residue=residues.get(name, 0.0))
         row["outputs"] = checks
         if case.dtype in ("bfloat16", "float16"):
             vs_sdpa(checks, got, ref, sdpa_low_precision(ins, case))
@@ -575,13 +670,13 @@ def sdpa_low_precision(ins, case):
     """o, dq, dk, dv of torch's SDPA math path (``aten._scaled_dot_product_attention_math``) computed in the
     row's dtype (``allow_fp16_bf16_reduction_math_sdp(True)``: its matmuls, softmax and gradients in bf16/fp16,
     like FlashAttention's tests' low-precision reference) on the row's inputs, in the reference's layouts
-    (``[b, h, d, sq]``, ``[b, hk, d, sk]``); None when SDPA cannot express the row (soft-capping, dropout).
+    (``[b, h, d, sq]``, ``[b, hk, d, sk]``); None when SDPA cannot express the row (soft-capping, dropout, a logit scale).
 
     Masks (causal, windows, packing) and ALiBi become its float ``attn_mask``; sinks become extra keys with a
     zero key and value whose mask entry is the sink logit (exactly a sink's softmax term). Query rows that see
     no key (NaN in SDPA) are left out of every output: zero rows in o and dq of both, their keys' terms absent."""
     from golden.attention_fwd_torch import alibi_bias, visibility_mask
-    if case.softcap or case.dropout:
+    if case.softcap or case.dropout or case.logit_scale:
         return None
     dt = _TORCH[case.dtype]
     q, k, v, dy = (ins[n] for n in ("q", "k", "v", "dy"))

@@ -19,6 +19,10 @@ Every candidate output X is compared with a float64 reference X64 computed by th
      PSUM and the golden's statistics; U_ACC = 2^-24 for every row dtype) over zero-mean data, relative to the
      result's size. ``n`` is the length of the reduction that produced the output (``reduction_lengths``):
      keys for o / lse / dq, queries (times the GQA group) for dk / dv, all query rows for dsinks.
+   * dq and dk only, ``LAMBDA * U_ACC * residue`` (``runner.residue_scales``): where dS = P (dP - D) cancels
+     (a saturated softmax: O_i = V_j), dq and dk are far smaller than the float32 roundings of the two
+     length-d_v reductions dP and D, which survive the difference; the term carries those roundings, sized by
+     the floor's own length rule, through dq = scale dS K and dk = scale dS^T Q (docs/harness.md).
    * dsinks only, ``INPUT_LAMBDA * u(dtype) * ||t||_2`` (``dsinks_input_scale``): the backward reads O rounded
      to the dtype, and dsinks = -sum_i P_sink,i * sum_d O_id * dO_id carries that rounding term by term, an
      error the golden (which never reads O) does not make; and as dsinks has only heads x sinks elements, a
@@ -67,7 +71,8 @@ def reduction_lengths(case):
 
     o, lse, dq sum over the keys one query row sees (at most seqlen_k; the window or the longest packed
     sequence caps it; lse also sums the sinks); dk, dv over the query rows that see one key, times the query
-    heads of its GQA group; dsinks over every query row of the head. Returns dict output name -> n.
+    heads of its GQA group; dsinks over every query row of the head; dlogit_scale over every visible (query, key)
+    pair of the head. Returns dict output name -> n.
     """
     keys, queries = case.seqlen_k, case.seqlen_q
     if case.window:
@@ -89,7 +94,7 @@ def reduction_lengths(case):
         queries = int(((j >= lo.numpy()[:, None]) & (j < hi.numpy()[:, None])).sum(0).max())
     group = case.heads // case.kv_heads
     n = {"o": keys, "lse": keys + case.num_sinks, "dq": keys, "dk": queries * group, "dv": queries * group,
-         "dsinks": case.seqlen_q}
+         "dsinks": case.seqlen_q, "dlogit_scale": case.seqlen_q * keys}
     shape = getattr(case, "bias_shape", None)
     if shape is not None:
         # dbias = P (dP - D): P normalised over the keys, times the terms the broadcast dims sum
@@ -160,7 +165,8 @@ def projection(err, ref, vec_axis=None):
     return c, math.sqrt(float(np.sum(e2 * r2)) * n_eff / (n_eff - 1.0)) / rr, n_eff
 
 
-def compare(name, got, ref64, base, dtype, n=1, input_scale=0.0, inputs=None, vec_axis=None, zero_scale=0.0):
+def compare(name, got, ref64, base, dtype, n=1, input_scale=0.0, inputs=None, vec_axis=None, zero_scale=0.0,
+            residue=0.0):
     """Errors of one output and the verdict of the two rules (module docstring).
 
     Args:
@@ -177,9 +183,11 @@ def compare(name, got, ref64, base, dtype, n=1, input_scale=0.0, inputs=None, ve
             max|X64| in the floor.
             A zero max|X64| would otherwise demand an exact 0 from any candidate, whose D and dP are float32
             reductions in different orders; no other output is affected.
+        residue: dq and dk only, ``runner.residue_scales``: the size of the float32 residue that dS = P (dP - D)
+            keeps where dP and D cancel, divided by u; adds LAMBDA * U_ACC * residue to the floor.
     Returns:
-        dict with max_abs, max_rel (max_abs / max|ref64|), base_abs, base_rel, inputs_abs, n, input_floor, floor
-        (absolute, input_floor included), bound (rule 1), k; proj, proj_base, proj_inputs (the projections c of
+        dict with max_abs, max_rel (max_abs / max|ref64|), base_abs, base_rel, inputs_abs, n, input_floor,
+        residue_floor, floor (absolute, input_floor and residue_floor included), bound (rule 1), k; proj, proj_base, proj_inputs (the projections c of
         the candidate's, the baseline's and the inputs baseline's errors), proj_sigma, proj_bound, proj_vectors
         (n_eff), proj_applies (n_eff >= SYS_LAMBDA^2), proj_ok (rule 2); band ([atol, rtol]), band_bound (atol + rtol * max|ref64|) and band_ok (reported, not judged);
         nonfinite, ok.
@@ -206,7 +214,8 @@ def compare(name, got, ref64, base, dtype, n=1, input_scale=0.0, inputs=None, ve
         berr = float(np.max(np.abs(base - ref))) if ref.size else 0.0
         ierr = float(np.max(np.abs(inputs - ref))) if inputs is not None and ref.size else 0.0
     input_floor = INPUT_LAMBDA * U[dtype] * input_scale
-    floor = floor_rel(dtype, n) * scale + input_floor
+    residue_floor = LAMBDA * U_ACC * residue
+    floor = floor_rel(dtype, n) * scale + input_floor + residue_floor
     bound = K[dtype] * (berr + ierr) + floor
     finite = nonfinite == 0 and bool(np.isfinite(err))
     # rule 2: the error's projection on the reference (systematic error), judged like rule 1 judges its size
@@ -225,6 +234,7 @@ def compare(name, got, ref64, base, dtype, n=1, input_scale=0.0, inputs=None, ve
     ok = finite and err <= bound and proj_ok
     return {"name": name, "max_abs": err, "max_rel": err / scale if scale else 0.0, "base_abs": berr,
             "base_rel": berr / scale if scale else 0.0, "inputs_abs": ierr, "n": int(n), "input_floor": input_floor,
+            "residue_floor": residue_floor,
             "floor": floor, "bound": bound, "k": K[dtype],
             "proj": proj, "proj_base": proj_b, "proj_inputs": proj_i, "proj_sigma": sigma, "proj_bound": proj_bound,
             "proj_vectors": n_eff, "proj_applies": proj_applies, "proj_ok": proj_ok, "band": [atol, rtol], "band_bound": band, "band_ok": bool(err <= band),

@@ -4,9 +4,10 @@
 use_causal_mask=False, mixed_precision=False, softmax_scale=None, sliding_window=None, softcap=0.0,
 alibi_slopes=None, window_size=None, dropout_p=0.0, dropout_seed=None, k_section_len=None, group_max=None,
 block_members_max=None, p_cast_on_gpsimd=None, ds_dma_transpose=None, attn_bias=None, bias_grad=False,
-block_mask=None, block_bits=None, ds_dma_every=None, pipe_lead=None, pipe_lag_b=None,
-pipe_lag_d=None)`` returns ``(dq, dk, dv)`` or, with
-sinks, ``(dq, dk, dv, dsinks)``: the layouts and semantics of ``golden.attention_bwd_torch.attention_bwd_torch_ref`` (see docs/semantics.md). docs/kernel-bwd.md explains the
+block_mask=None, block_bits=None, logit_scale=None, ds_dma_every=None, pipe_lead=None, pipe_lag_b=None,
+pipe_lag_d=None)`` returns ``(dq, dk, dv)``, then ``dsinks`` with sinks, then ``dlogit_scale`` (float32
+``[bs, nheads]``) with a logit scale: the layouts and semantics of
+``golden.attention_bwd_torch.attention_bwd_torch_ref`` (see docs/semantics.md). docs/kernel-bwd.md explains the
 design; each step below is named there after the function that implements it. Kernel code stays in NKI's
 compile-time subset (checked by the simulator's frontend check): invalid arguments fail an ``assert`` on
 ``bwd_problem``'s message; ``nki_attn.kernel_api.attention_bwd`` raises it as ``ValueError`` before launching.
@@ -52,8 +53,8 @@ from ..backend import nisa, nki, nl
 from .band import BlockRows, block_mask_problem, classify_keys
 from .dropout import dropout_row_keys, dropout_scale_keys, dropout_scale_tile, load_dropout_seed
 from .steps import (FP32_MIN, K_TILE, PMAX, Hbm, Item, Steps, Tile, bias_scores, block_bitsel, block_mask_probs,
-                    itemsize,
-                    load_packing_bounds, load_slopes, mask_step, no_step, run_steps, softcap_scores, spmd_items)
+                    itemsize, load_logit_scale, load_packing_bounds, load_slopes, logit_scale_scores, mask_step,
+                    no_step, run_steps, softcap_scores, spmd_items)
 from .validation import attention_problem, attention_shape, bias_problem, sbuf_bytes_per_partition
 
 # Key tiles (steps.K_TILE, 512 keys): S, dP, dV, dK of one (query tile, key tile) pair are each one 2 KiB PSUM
@@ -141,7 +142,7 @@ def block_members(d_tiles, itemsize, dq_fp32, v_tiles=None, group_max=None, bloc
 def sbuf_usage(d_head, d_tiles, itemsize, section_len, group, seqlen_q, mixed_precision=False, packing=False,
                num_sinks=0, trn1_packing=False, dq_fp32=False, d_v=None, v_tiles=None, softcap=False,
                alibi=False, dropout=False, group_max=None, block_members_max=None, bias_bytes=0,
-               pipe=(PIPE_LEAD, PIPE_LAG_B, PIPE_LAG_D)):
+               logit_scale=False, pipe=(PIPE_LEAD, PIPE_LAG_B, PIPE_LAG_D)):
     """SBUF bytes per partition of the kernel's live tensors, by category. ``pipe``: ``(pipe_lead, pipe_lag_b,
     pipe_lag_d)`` of the software pipeline. ``total`` counts the blocks the pipeline holds at once (3 with a
     lead: loading, in stage A, in stage D), two groups, two visits' stage-A tiles and the visit buffers in flight
@@ -166,6 +167,8 @@ def sbuf_usage(d_head, d_tiles, itemsize, section_len, group, seqlen_q, mixed_pr
         persistent += 2 * group * num_sinks * 4 + 2 * group * num_sinks * nq * 4
     if alibi:
         persistent += 2 * group * 4                        # the slope coefficients of the kv head's query heads
+    if logit_scale:
+        persistent += group * 4 + group * nq * 4           # the scales; the per-row partial sums of the gradient
     g = group_size(d_tiles, group_max)
     per_block = (block_members(d_tiles, e, dq_fp32, v_tiles, group_max, block_members_max)
                  * block_member_bytes(d_tiles, e, dq_fp32, v_tiles))
@@ -180,7 +183,8 @@ def sbuf_usage(d_head, d_tiles, itemsize, section_len, group, seqlen_q, mixed_pr
                + (2 * K_TILE * 4 if softcap else 0)        # tanh(S/c), P * (1 - tanh^2) (fp32)
                + (3 * K_TILE * 4 if alibi else 0)          # distances, bias, biased logits (fp32)
                + (K_TILE * (8 + e) if dropout else 0)      # keep-scale tile, dP * scale (fp32), dropped P
-               + K_TILE * bias_bytes)                      # the bias tile, biased scores, dL (fp32)
+               + K_TILE * bias_bytes                       # the bias tile, biased scores, dL (fp32)
+               + (3 * K_TILE * 4 if logit_scale else 0))   # scaled S, fp32 dS, dS * S (fp32)
     per_visit = stage_a + p_cast + 2 * K_TILE * e
     in_flight = 2 * stage_a + (lag_b + 1) * (p_cast + K_TILE * e) + (max(lag_b, lag_d) - lag_b + 1) * K_TILE * e
     # blocks: the one in stage D, the one in stage A and, with a lead, the one whose loads are in flight
@@ -455,6 +459,10 @@ class BwdConfig(nl.NKIObject):
         self.alibi = a.alibi
         self.dropout_p = a.dropout_p
         self.dropout = a.dropout
+        self.logit_scale = a.logit_scale
+        # the dS step's output: the dS operand in the matmul dtype, or float32 for a ds_post step that scales it
+        # (the logit scale: dS * scale[h] is rounded once, by that step)
+        self.ds_dtype = nl.float32 if a.logit_scale else dtype
         # the scale of the exp's input after the score steps: soft-capping hands over tanh(scale S / c) with
         # scale c, so ALiBi divides its bias by it (``_bias_alibi``)
         self.cap_scale = a.scale / a.softcap if a.softcap > 0.0 else 1.0
@@ -603,7 +611,7 @@ def bwd_problem(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref=None, bou
                 softcap=0.0, alibi_slopes=None, window_size=None, dropout_p=0.0, dropout_seed=None,
                 k_section_len=None, group_max=None, block_members_max=None, p_cast_on_gpsimd=None,
                 ds_dma_transpose=None, attn_bias=None, bias_grad=False, block_mask=None, block_bits=None,
-                ds_dma_every=None, pipe_lead=None, pipe_lag_b=None, pipe_lag_d=None):
+                logit_scale=None, ds_dma_every=None, pipe_lead=None, pipe_lag_b=None, pipe_lag_d=None):
     """``None`` when ``attention_bwd`` accepts these arguments on the current target, else the first problem as
     a message (argument, value, rule). The kernel asserts on it; ``nki_attn.kernel_api.attention_bwd`` raises it
     as ``ValueError`` before launching."""
@@ -613,7 +621,7 @@ def bwd_problem(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref=None, bou
                                 bound_min=bound_min, bound_max=bound_max, use_causal_mask=use_causal_mask,
                                 softmax_scale=softmax_scale, sliding_window=sliding_window, softcap=softcap,
                                 alibi_slopes=alibi_slopes, window_size=window_size, dropout_p=dropout_p,
-                                dropout_seed=dropout_seed, kernel="attention_bwd")
+                                dropout_seed=dropout_seed, kernel="attention_bwd", logit_scale=logit_scale)
     if problem is not None:
         return problem
     if not isinstance(mixed_precision, bool):
@@ -644,7 +652,7 @@ def bwd_problem(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref=None, bou
         # the block mask's store is laid out by 512-key tiles from key 0: sections must end on them
         return f"k_section_len={k_section_len} must be a multiple of {K_TILE} with a block_mask"
     a = _shape_of(q_ref, k_ref, v_ref, sinks_ref, bound_min, use_causal_mask, softmax_scale, sliding_window,
-                  softcap, alibi_slopes, window_size, dropout_p)
+                  softcap, alibi_slopes, window_size, dropout_p, logit_scale)
     isz = itemsize(q_ref.dtype)
     sec = _section_len(a, isz, k_section_len)
     trn1 = _is_trn1()
@@ -652,7 +660,7 @@ def bwd_problem(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref=None, bou
     bias_bytes = _bias_visit_bytes(attn_bias, bias_grad)
     use = sbuf_usage(a.d_qk, len(a.qk_tiles), isz, sec, a.group, a.seqlen_q, mixed_precision, a.packing,
                      a.num_sinks, trn1 and a.packing, dq_fp32, a.d_v, len(a.v_tiles), a.softcap > 0.0, a.alibi,
-                     a.dropout, group_max, block_members_max, bias_bytes,
+                     a.dropout, group_max, block_members_max, bias_bytes, a.logit_scale,
                      _pipe_of(pipe_lead, pipe_lag_b, pipe_lag_d))
     cap = sbuf_bytes_per_partition()
     if use["total"] > cap:
@@ -674,21 +682,22 @@ def _bias_visit_bytes(attn_bias, bias_grad):
 
 
 def _shape_of(q_ref, k_ref, v_ref, sinks_ref, bound_min, use_causal_mask, softmax_scale, sliding_window, softcap,
-              alibi_slopes, window_size, dropout_p):
+              alibi_slopes, window_size, dropout_p, logit_scale=None):
     return attention_shape(q_ref, k_ref, sinks=sinks_ref, bound_min=bound_min, use_causal_mask=use_causal_mask,
                            softmax_scale=softmax_scale, sliding_window=sliding_window, v=v_ref, softcap=softcap,
-                           alibi_slopes=alibi_slopes, window_size=window_size, dropout_p=dropout_p)
+                           alibi_slopes=alibi_slopes, window_size=window_size, dropout_p=dropout_p,
+                           logit_scale=logit_scale)
 
 
 def _configure(q_ref, k_ref, sinks_ref, bound_min, use_causal_mask, mixed_precision, softmax_scale,
                sliding_window, k_section_len, v_ref=None, softcap=0.0, alibi_slopes=None, window_size=None,
                dropout_p=0.0, group_max=None, block_members_max=None, p_cast_on_gpsimd=None,
-               ds_dma_transpose=None, block_mask=None, ds_dma_every=None, pipe_lead=None, pipe_lag_b=None,
-               pipe_lag_d=None):
+               ds_dma_transpose=None, block_mask=None, logit_scale=None, ds_dma_every=None, pipe_lead=None,
+               pipe_lag_b=None, pipe_lag_d=None):
     """The launch's ``BwdConfig``, built once from arguments ``bwd_problem`` accepted (``v_ref`` None: d_v =
     d_qk; ``block_mask`` the kernel's trace-time ``(n_b, n_h, rows)`` or None)."""
     a = _shape_of(q_ref, k_ref, v_ref, sinks_ref, bound_min, use_causal_mask, softmax_scale, sliding_window,
-                  softcap, alibi_slopes, window_size, dropout_p)
+                  softcap, alibi_slopes, window_size, dropout_p, logit_scale)
     sec = _section_len(a, itemsize(q_ref.dtype), k_section_len)
     rows = None
     if block_mask is not None:
@@ -854,13 +863,15 @@ def _transpose_members(c, grp, q_b, dy_b):
 # ----------------------------------------------------------------------------------------------- steps
 # The backward's steps (``steps`` protocol, one signature ``step(c, tile, item, x) -> x``), chosen once per launch
 # by ``_select_steps``. Per visit, in this order:
-#   score         S (PSUM) -> the exp's input      soft-capping (``steps.softcap_scores``), ALiBi (``_bias_alibi``)
+#   score         S (PSUM) -> the exp's input      the logit scale (``steps.logit_scale_scores``), soft-capping
+#                                                  (``steps.softcap_scores``), ALiBi (``_bias_alibi``)
 #   mask_partial  -> the exp's input               packing bounds (``_scores_packed``; causal, window folded in)
 #   P = exp(exp_scale * x - LSE)                    (ONE activation, always)
 #   p_mask        P -> P                           the band's element masks (causal, windows: ``_p_band``)
 #   grad          P -> the P operand of dS         soft-capping: P * (1 - tanh^2)
 #   prob          P -> the P operand of dV         dropout (its keep multiplier saved for dS)
 #   ds            dP -> dS = (dP [* keep] - D) * P operand
+#   ds_post       dS -> the dS operand of dK, dQ   the logit scale: its gradient's partial sums, dS * scale[h]
 def _bias_alibi(c, tile, item, s):
     """Score step, ALiBi, logits += -slope * |i + off - j|, generated in the kernel: the distance x = i + off - j
     is ONE GpSimdE iota (exact integers in fp32), then ONE VectorE ``scalar_tensor_tensor`` data + x * coef, with
@@ -973,7 +984,7 @@ def _ds_dropout(c, tile, item, dp):
     first (VectorE, from PSUM), then the fused op of ``_ds_plain``."""
     dpm = nl.ndarray((PMAX, tile.kw), dtype=nl.float32, buffer=nl.sbuf)
     nisa.tensor_tensor(dst=dpm, data1=dp, data2=tile.saved["keep"], op=nl.multiply)
-    ds = nl.ndarray((PMAX, tile.kw), dtype=c.mm_dtype, buffer=nl.sbuf)
+    ds = nl.ndarray((PMAX, tile.kw), dtype=c.ds_dtype, buffer=nl.sbuf)
     nisa.scalar_tensor_tensor(dst=ds, data=dpm, op0=nl.subtract, operand0=tile.d_col, op1=nl.multiply,
                               operand1=tile.saved["p_ds"])
     return ds
@@ -982,10 +993,59 @@ def _ds_dropout(c, tile, item, dp):
 def _ds_plain(c, tile, item, dp):
     """dS = (dP - D) * P as ONE VectorE scalar_tensor_tensor reading dP from PSUM, fp32 inside, rounded once to
     the matmul dtype (P: the grad steps' output, ``tile.saved["p_ds"]``)."""
-    ds = nl.ndarray((PMAX, tile.kw), dtype=c.mm_dtype, buffer=nl.sbuf)
+    ds = nl.ndarray((PMAX, tile.kw), dtype=c.ds_dtype, buffer=nl.sbuf)
     nisa.scalar_tensor_tensor(dst=ds, data=dp, op0=nl.subtract, operand0=tile.d_col, op1=nl.multiply,
                               operand1=tile.saved["p_ds"])
     return ds
+
+
+def _logit_scale_keep_s(c, tile, item, s):
+    """The logit scale's score step (``steps.logit_scale_scores``), keeping the unscaled S (PSUM) for the
+    gradient: ``tile.saved["s_raw"]`` (the visit's S bank stays live until its dS, as ``psum_banks`` counts;
+    the forward, which holds many tiles' scores at once, keeps none)."""
+    tile.saved["s_raw"] = s
+    return logit_scale_scores(c, tile, item, s)
+
+
+def _ds_logit_scale(c, tile, item, ds):
+    """The logit scale's dS step: with z = lam S the exp's input (``steps.logit_scale_scores``; lam = scale[h]),
+    the float32 dS of z gives its gradient, d lam = softmax_scale * sum dS * S (``_logit_scale_keep_s`` kept S),
+    and the dS operand of dK and dQ,
+    lam dS (rounded ONCE to the matmul dtype: dS reaches this step in float32, ``c.ds_dtype``). Per visit: dS * S
+    (VectorE, S read from PSUM where it still lies), its row sum added into the member's column of
+    ``item.dlogit`` (the rows' partial sums: reduced over rows, query tiles and keys once per work item,
+    ``_store_dlogit``), and lam dS on ScalarE (a per-partition ``scale``)."""
+    h = tile.h
+    prod = nl.ndarray((PMAX, tile.kw), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_tensor(dst=prod, data1=ds, data2=tile.saved["s_raw"], op=nl.multiply)
+    part = nl.ndarray((PMAX, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_reduce(dst=part, op=nl.add, data=prod, axis=1)
+    acc = item.dlogit[:, h, tile.t:tile.t + 1]
+    nisa.tensor_tensor(dst=acc, data1=acc, data2=part, op=nl.add)
+    out = nl.ndarray((PMAX, tile.kw), dtype=c.mm_dtype, buffer=nl.sbuf)
+    nisa.activation(dst=out, op=nl.copy, data=ds, scale=item.logit_scale[:, h:h + 1])
+    return out
+
+
+def _zero_dlogit(c, hbm, item):
+    """Work-item start step of the logit scale: the per-row partial sums of its gradient, ``item.dlogit``
+    ``[128, group, nq]`` float32, zeroed."""
+    acc = nl.ndarray((PMAX, c.group, c.nq), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.memset(dst=acc, value=0.0, engine=nisa.engine.gpsimd)
+    item.dlogit = acc
+
+
+def _store_dlogit(c, hbm, item):
+    """Work-item end step of the logit scale: d lam of the kv head's query heads = softmax_scale * the sum of
+    ``item.dlogit`` over query tiles (VectorE) and partitions (GpSimdE), one DMA into ``dlogit_scale[b, heads]``
+    (``[bs, nheads]``; the host sums over the batch for a ``[nheads]`` scale)."""
+    g = c.group
+    red = nl.ndarray((PMAX, g), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_reduce(dst=red, op=nl.add, data=item.dlogit, axis=2)
+    tot = nl.ndarray((1, g), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_partition_reduce(dst=tot, op=nl.add, data=red)
+    nisa.tensor_scalar(dst=tot, data=tot, op0=nl.multiply, operand0=c.scale)
+    nisa.dma_copy(dst=hbm.dlogit_scale[item.b, item.kvh * g:(item.kvh + 1) * g], src=tot)
 
 
 def _save_p(c, tile, item, p):
@@ -1010,7 +1070,7 @@ def _ds_bias(c, tile, item, dp):
     nisa.scalar_tensor_tensor(dst=dsl, data=dl, op0=nl.subtract, operand0=tile.d_col, op1=nl.multiply,
                               operand1=tile.saved["p"])
     nisa.dma_copy(dst=item.dbias[tile.b, tile.hq, tile.q0:tile.q0 + PMAX, tile.k0:tile.k0 + tile.kw], src=dsl)
-    ds = nl.ndarray((PMAX, tile.kw), dtype=c.mm_dtype, buffer=nl.sbuf)
+    ds = nl.ndarray((PMAX, tile.kw), dtype=c.ds_dtype, buffer=nl.sbuf)
     if c.softcap > 0.0:
         nisa.scalar_tensor_tensor(dst=ds, data=dl, op0=nl.subtract, operand0=tile.d_col, op1=nl.multiply,
                                   operand1=tile.saved["p_ds"])
@@ -1054,6 +1114,15 @@ def _select_steps(c, attn_bias=None, bias_grad=False):
     grad = []
     if bias_grad:
         grad.append(_save_p)
+    ds_post = []
+    item_start = []
+    item_end = []
+    if c.logit_scale:
+        score.append(_logit_scale_keep_s)
+        ds_post.append(_ds_logit_scale)
+        item_start.append(load_logit_scale)
+        item_start.append(_zero_dlogit)
+        item_end.append(_store_dlogit)
     if c.softcap > 0.0:
         score.append(softcap_scores)
         grad.append(_grad_softcap)
@@ -1080,7 +1149,8 @@ def _select_steps(c, attn_bias=None, bias_grad=False):
     if bias_grad:
         ds = _ds_bias
         item.append(_dbias_zero)
-    return Steps(score, no_step, partial, p_mask, prob, grad=grad, ds=ds, item=item)
+    return Steps(score, no_step, partial, p_mask, prob, grad=grad, ds=ds, item=item, ds_post=ds_post,
+                 item_start=item_start, item_end=item_end)
 
 
 def _recompute_p(c, item, steps, tile, q_m, ks, kk, nlse_col):
@@ -1107,7 +1177,7 @@ def _softmax_bwd(c, item, steps, tile, dy_m, vs, kk):
         nisa.nc_matmul(dst=dp_ps, stationary=dy_m[dt], moving=vs[dt][:, kk:kk + tile.kw], accumulate=dt > 0)
     if tile.saved["p_row"] is not None:
         tile.d_col = _row_dsum(tile, dp_ps, tile.saved["p_row"])
-    return steps.ds(c, tile, item, dp_ps)
+    return run_steps(c, steps.ds_post, tile, item, steps.ds(c, tile, item, dp_ps))
 
 
 def _whole_row(c, i):
@@ -1559,6 +1629,8 @@ def _pipeline(c, hbm, steps, start, end, bounds, seed, ones, ident):
             item = _item_start(c, hbm, steps, w, bounds, seed, ones, ident)
             if c.num_sinks:
                 _dsinks(c, hbm.sinks, hbm.dsinks, item.b, item.kvh, item.neg_lse, item.dsum)
+            for f in steps.item_end:
+                f(c, hbm, item)
         return
     segs = []
     order = []
@@ -1671,8 +1743,11 @@ def _pipeline(c, hbm, steps, start, end, bounds, seed, ones, ident):
                 seg.bbs[st.bi] = None
             if jj == len(c.streams[seg.s]) - 1:
                 seg.sec = None
-            if item_last and c.num_sinks:
-                _dsinks(c, hbm.sinks, hbm.dsinks, seg.item.b, seg.item.kvh, seg.item.neg_lse, seg.item.dsum)
+            if item_last:
+                if c.num_sinks:
+                    _dsinks(c, hbm.sinks, hbm.dsinks, seg.item.b, seg.item.kvh, seg.item.neg_lse, seg.item.dsum)
+                for f in steps.item_end:
+                    f(c, hbm, seg.item)
 
 
 def _alibi_coefs(c, sl):
@@ -1702,6 +1777,8 @@ def _item_start(c, hbm, steps, w, bounds, seed, ones, ident):
                 ident=ident, bias=hbm.attn_bias, dbias=hbm.dbias)
     for f in steps.item:
         f(c, item)
+    for f in steps.item_start:
+        f(c, hbm, item)
     if c.no_key_tiles:
         # query tiles that see no key: D = 0 (their O is 0), dQ = 0
         nisa.memset(dst=dsum, value=0.0)
@@ -1725,9 +1802,10 @@ def attention_bwd(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref=None, b
                   softcap=0.0, alibi_slopes=None, window_size=None, dropout_p=0.0, dropout_seed=None,
                   k_section_len=None, group_max=None, block_members_max=None, p_cast_on_gpsimd=None,
                   ds_dma_transpose=None, attn_bias=None, bias_grad=False, block_mask=None, block_bits=None,
-                  ds_dma_every=None, pipe_lead=None, pipe_lag_b=None, pipe_lag_d=None):
+                  logit_scale=None, ds_dma_every=None, pipe_lead=None, pipe_lag_b=None, pipe_lag_d=None):
     """Flash-attention backward: ``(dq, dk, dv)`` or ``(dq, dk, dv, dsinks)``, then ``dbias`` when
-    ``bias_grad``. See the module docstring.
+    ``bias_grad``, then ``dlogit_scale`` (float32 ``[bs, nheads]``, per batch row) with a logit scale (float32
+    ``[bs, nheads]``, as in ``attention_fwd``). See the module docstring.
 
     The additive bias ``attn_bias`` (as in ``attention_fwd``: ``[bb, hb, sqb, skb]``, each dim 1 or the call's
     size, float32 / bfloat16 / float16) is added to the recomputed scores; with ``bias_grad=True`` (trace-time)
@@ -1762,12 +1840,12 @@ def attention_bwd(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref=None, b
                           use_causal_mask, mixed_precision, softmax_scale, sliding_window, softcap, alibi_slopes,
                           window_size, dropout_p, dropout_seed, k_section_len, group_max, block_members_max,
                           p_cast_on_gpsimd, ds_dma_transpose, attn_bias, bias_grad, block_mask, block_bits,
-                          ds_dma_every, pipe_lead, pipe_lag_b, pipe_lag_d)
+                          logit_scale, ds_dma_every, pipe_lead, pipe_lag_b, pipe_lag_d)
     assert problem is None, problem
     c = _configure(q_ref, k_ref, sinks_ref, bound_min, use_causal_mask, mixed_precision, softmax_scale,
                    sliding_window, k_section_len, v_ref, softcap, alibi_slopes, window_size, dropout_p, group_max,
-                   block_members_max, p_cast_on_gpsimd, ds_dma_transpose, block_mask, ds_dma_every, pipe_lead,
-                   pipe_lag_b, pipe_lag_d)
+                   block_members_max, p_cast_on_gpsimd, ds_dma_transpose, block_mask, logit_scale, ds_dma_every,
+                   pipe_lead, pipe_lag_b, pipe_lag_d)
     if c.block_mask is not None and c.block_mask.n_slots > 0:
         c.block_mask.bits = block_bits
         c.block_mask.bitsel = block_bitsel()
@@ -1781,12 +1859,15 @@ def attention_bwd(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref=None, b
     out_dbias = None
     if bias_grad:
         out_dbias = nl.ndarray((c.bs, c.nheads, c.seqlen_q, c.seqlen_k), dtype=nl.float32, buffer=nl.shared_hbm)
+    out_dlogit = None
+    if c.logit_scale:
+        out_dlogit = nl.ndarray(logit_scale.shape, dtype=nl.float32, buffer=nl.shared_hbm)
     dq_scratch = None
     if c.dq_scratch:
         dq_scratch = nl.ndarray((1, c.group, c.d_qk, c.seqlen_q), dtype=nl.float32, buffer=nl.private_hbm)
     hbm = Hbm(q_ref, k_ref, v_ref, o=o_ref, dy=dy_ref, lse=lse_ref, sinks=sinks_ref, dq=out_dq, dk=out_dk,
               dv=out_dv, dsinks=out_dsinks, dq_scratch=dq_scratch, alibi_slopes=alibi_slopes, attn_bias=attn_bias,
-              dbias=out_dbias)
+              dbias=out_dbias, logit_scale=logit_scale, dlogit_scale=out_dlogit)
     seed = None
     if c.dropout:
         seed = load_dropout_seed(dropout_seed)
@@ -1802,6 +1883,14 @@ def attention_bwd(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref=None, b
     if c.n_sections > 1:
         ident = _identity(c)
     _pipeline(c, hbm, steps, start, end, bounds, seed, ones, ident)
+    if c.logit_scale:
+        if c.num_sinks and bias_grad:
+            return out_dq, out_dk, out_dv, out_dsinks, out_dbias, out_dlogit
+        if c.num_sinks:
+            return out_dq, out_dk, out_dv, out_dsinks, out_dlogit
+        if bias_grad:
+            return out_dq, out_dk, out_dv, out_dbias, out_dlogit
+        return out_dq, out_dk, out_dv, out_dlogit
     if c.num_sinks:
         if bias_grad:
             return out_dq, out_dk, out_dv, out_dsinks, out_dbias

@@ -3,7 +3,8 @@
     attention_fwd(q_ref, k_ref, v_ref, sinks_ref=None, bound_min=None, bound_max=None, use_causal_mask=False,
                   mixed_precision=True, softmax_scale=None, sliding_window=None, softcap=0.0, alibi_slopes=None,
                   window_size=None, dropout_p=0.0, dropout_seed=None, kb_tiles=None, block_members_max=None,
-                  slab_tiles=None, attn_bias=None, block_mask=None, block_bits=None) -> (o, lse)
+                  slab_tiles=None, attn_bias=None, block_mask=None, block_bits=None, p_dma_period=None,
+                  pv_lag=None, logit_scale=None) -> (o, lse)
 
 Layouts (head_dim on the partition axis): q ``[bs, nheads, d_qk, seqlen_q]``, k ``[bs, nheads_kv, d_qk,
 seqlen_k]``, v ``[bs, nheads_kv, d_v, seqlen_k]``, o ``[bs, nheads, d_v, seqlen_q]``, lse float32 ``[bs, nheads,
@@ -42,19 +43,27 @@ from .band import BlockRows, block_mask_problem, classify_keys
 from .dropout import (dropout_row_keys, dropout_row_keys_members, dropout_values, keep_threshold,
                       load_dropout_seed)
 from .steps import (FP32_MAX, FP32_MIN, K_TILE, PMAX, Hbm, Item, Steps, Tile, bias_scores, block_bitsel,
-                    block_mask_scores, head_dim_tiles, itemsize, load_packing_bounds, load_slopes, mask_step,
+                    block_mask_scores, head_dim_tiles, itemsize, load_logit_scale, load_packing_bounds, load_slopes,
+                    logit_scale_scores, mask_step,
                     run_steps, softcap_scores, spmd_items)
 from .validation import attention_problem, attention_shape, bias_problem, sbuf_bytes_per_partition
 
 # Defaults of the tuning keywords of ``attention_fwd`` (``kb_tiles``, ``block_members_max``, ``slab_tiles``):
 KB_TILES = 4  # key tiles per key block: the online-softmax statistics are updated once per 2048 keys
 BLOCK_MEMBERS_MAX = 8  # members per block: they share one K/V load and one set of statistics ops
+# every P_DMA_PERIOD-th member's full P tiles by one dma_transpose per (member, key block), when both head dims are
+# <= 128 (P^T is then a third of TensorE's work per tile; with a 256 head dim a fifth, not worth the DMA's cost)
+P_DMA_PERIOD = 4
+P_DMA_MIN_TILES = 2  # ... when it has at least this many (a DMA's fixed costs are paid per transpose)
+PV_LAG = 16  # P^T tiles waiting for their PV matmul: TensorE never waits for the P^T eviction or DMA
+EXP_LEAD = 3  # exponents emitted ahead of their P^T: ScalarE never waits behind TensorE's finishing work
+FIN_DELAY = 2  # phase-3 steps between a block's last PV and its finishing (and between its members' O^T)
 # A row's running max stays at FP32_MIN while every score it saw was masked; any real score is many orders of
 # magnitude larger, so "max below -1e38" means "the row saw no key".
 EMPTY_MAX = -1.0e38
 L_FLOOR = 0.5  # a row that saw a key has l >= 1 (its max contributes exp(0)); keeps log/reciprocal in range
 POS_INF = float("inf")  # lse of a row that sees no key (module level: plain Python, not traced)
-SBUF_MARGIN = 8192  # bytes per partition left free when sizing a slab
+SBUF_MARGIN = 24576  # bytes per partition left free when sizing a slab (allocation order, small tiles)
 
 
 # ----------------------------------------------------------------------------------------------------- trace-time plan
@@ -78,7 +87,7 @@ class _FwdConfig(nl.NKIObject):
     """
 
     def __init__(self, shp, io_dtype, acc_dtype, range_select_ok, d_v=None, kb_tiles=None, block_members_max=None,
-                 slab_tiles=None):
+                 slab_tiles=None, p_dma_period=None, pv_lag=None):
         if d_v is None:
             d_v = shp.d_v
         self.shp = shp
@@ -98,11 +107,12 @@ class _FwdConfig(nl.NKIObject):
         self.scalar_busy = shp.softcap > 0 and not shp.alibi and shp.dropout_p == 0.0
         self.exp_scale = shp.softcap if shp.softcap > 0 else shp.scale
         self.alibi = shp.alibi
+        self.logit_scale = shp.logit_scale
         self.dropout_p = shp.dropout_p
         self.o_factor = 1.0 / (1.0 - shp.dropout_p)  # dropout's 1 / (1 - p), applied with 1 / l
         self.io_dtype = io_dtype
         self.acc_dtype = acc_dtype
-        self.kb_tiles = KB_TILES if kb_tiles is None else kb_tiles
+        self.kb_tiles = KB_TILES if kb_tiles is None else kb_tiles  # the default is sized below
         self.block_members_max = BLOCK_MEMBERS_MAX if block_members_max is None else block_members_max
         self.n_qt = shp.seqlen_q // PMAX
         self.n_kt = (shp.seqlen_k + K_TILE - 1) // K_TILE
@@ -120,8 +130,9 @@ class _FwdConfig(nl.NKIObject):
         # are bfloat16, no soft-cap (the bias follows the tanh) and no sinks (they would need the row shift);
         # otherwise the exact VectorE step (``_alibi_scores``)
         # (positions up to 65536: 256 floor(j / 256) stays an exact bfloat16 integer)
+        # (and no logit scale: the matmul adds the bias in PSUM, before the logit scale's step would scale it)
         self.alibi_mm = (shp.alibi and self.hi_rel <= self.off and shp.num_sinks == 0 and shp.softcap == 0.0
-                         and str(io_dtype) == str(nl.bfloat16) and shp.seqlen_k <= 65536)
+                         and not shp.logit_scale and str(io_dtype) == str(nl.bfloat16) and shp.seqlen_k <= 65536)
         if range_select_ok:
             self.mask = "bounds"
         elif shp.packing:
@@ -135,33 +146,68 @@ class _FwdConfig(nl.NKIObject):
             self.members = self.block_members_max  # a block holds some heads of one query tile
         # dma_transpose: trn2+ (the range_select generations), 2-byte dtypes only
         self.p_dma_transpose = range_select_ok and itemsize(io_dtype) == 2
+        self.p_dma_period = p_dma_period
+        if p_dma_period is None:
+            self.p_dma_period = 0
+            if shp.d_head <= PMAX and d_v <= PMAX:
+                self.p_dma_period = P_DMA_PERIOD
+        self.pv_lag = PV_LAG if pv_lag is None else pv_lag
+        self.fin_delay = FIN_DELAY
+        self.exp_lead = EXP_LEAD
+        if kb_tiles is None:
+            self.kb_tiles = _kb_tiles(self, itemsize(io_dtype), itemsize(acc_dtype))
         if slab_tiles is None:
             self.slab_tiles = _slab_tiles(self, itemsize(io_dtype), itemsize(acc_dtype))
         else:
             self.slab_tiles = min(slab_tiles, self.n_qt)
 
 
-def _slab_tiles(cfg, e, acc_e):
-    """Query tiles per slab: the most whose Q, O and LSE staging (every head of the group) fits the SBUF next
-    to the block's working set, slabs of balanced length."""
+def _working_set(cfg, kb_tiles, e, acc_e):
+    """SBUF bytes per partition the pipeline holds besides the slabs' staging, with ``kb_tiles`` key tiles per
+    key block: two units' scores (one scored while one is exponentiated), three units' K and V (loaded two units ahead),
+    two units' V^T, the O accumulators of two blocks, the P and P^T tiles in flight, statistics, key bounds."""
     shp = cfg.shp
-    kk = cfg.kb_tiles * K_TILE
+    kk = kb_tiles * K_TILE
     n_qk = len(cfg.qk_tiles)
     n_v = len(cfg.v_tiles)
     u = cfg.members
-    fixed = u * kk * 4  # a key block's scores of every member (float32)
-    fixed += (n_qk + n_v) * kk * e  # K and V of a key block
-    fixed += (kk // PMAX) * cfg.d_v * e  # V^T
-    fixed += u * cfg.d_v * acc_e  # O accumulators
-    fixed += 2 * K_TILE * e + cfg.d_v * e  # P, P^T, normalised O
-    fixed += 4 * u * (cfg.kb_tiles + 1) * 4 + 12 * u * 4  # statistics
+    fixed = 2 * u * kk * 4  # scores of every member of two units (float32): the next one's, this one's
+    fixed += 3 * (n_qk + n_v) * kk * e  # K and V of three units
+    fixed += 2 * (kk // PMAX) * cfg.d_v * e  # V^T of two units
+    fixed += 3 * u * cfg.d_v * acc_e  # O accumulators of three blocks (one accumulating, two finishing)
+    fixed += (cfg.exp_lead + cfg.pv_lag + 2) * K_TILE * e + u * cfg.d_v * e  # P, P^T in flight, normalised O
+    fixed += 2 * kk * e  # P of the members transposed by DMA (one being written, one waiting for its DMA)
+    fixed += 3 * 4 * u * (kb_tiles + 1) * 4 + 2 * 12 * u * 4  # statistics
     fixed += 2 * cfg.n_qt * 4  # key bounds per query tile
     if cfg.mask == "predicate":
-        fixed += kk * 4 + K_TILE  # key index, visibility predicate
+        fixed += 2 * kk * 4 + K_TILE  # key index of two units, visibility predicate
     fixed += 3 * cfg.group * max(shp.num_sinks, 1) * 4  # sink statistics
-    per_tile = cfg.group * (n_qk * PMAX * e + n_v * PMAX * e + 4)  # Q, O staging and LSE of one query tile
-    room = sbuf_bytes_per_partition() - fixed - SBUF_MARGIN
-    fit = max(1, room // per_tile)
+    return fixed
+
+
+def _per_tile(cfg, e):
+    """SBUF bytes per partition of one query tile of a slab: Q, O staging and LSE of every head of the group."""
+    return cfg.group * (len(cfg.qk_tiles) * PMAX * e + len(cfg.v_tiles) * PMAX * e + 4)
+
+
+def _kb_tiles(cfg, e, acc_e):
+    """The default key-block size: ``KB_TILES``, halved until the working set leaves room for three slabs (the
+    finishing one, the current one and the next one, which opens two units ahead) of two blocks' query tiles
+    each."""
+    kb = KB_TILES
+    tiles = min(cfg.n_qt, 2 * max(1, cfg.members // cfg.group))
+    while kb > 1 and _working_set(cfg, kb, e, acc_e) + 3 * tiles * _per_tile(cfg, e) + SBUF_MARGIN > \
+            sbuf_bytes_per_partition():
+        kb = kb // 2
+    return kb
+
+
+def _slab_tiles(cfg, e, acc_e):
+    """Query tiles per slab: the most whose Q, O and LSE staging (every head of the group) fits the SBUF three
+    times (the pipeline opens the next slab two units ahead, while the last one may still be finishing) next to
+    the working set, slabs of balanced length."""
+    room = sbuf_bytes_per_partition() - _working_set(cfg, cfg.kb_tiles, e, acc_e) - SBUF_MARGIN
+    fit = max(1, room // (3 * _per_tile(cfg, e)))
     n_sec = (cfg.n_qt + fit - 1) // fit
     return (cfg.n_qt + n_sec - 1) // n_sec
 
@@ -417,8 +463,9 @@ def _alibi_coefs(cfg, sl):
 
 def _select_steps(cfg, attn_bias=None):
     """The launch's steps (``steps`` protocol): the score steps of the variants in the order of the semantics
-    (soft-capping, then ALiBi, then the additive bias ``attn_bias``), the masking steps by generation and mask
-    kind, the probability steps (dropout). The default launch has no score or probability step."""
+    (the logit scale, soft-capping, then ALiBi, then the additive bias ``attn_bias``), the masking steps by
+    generation and mask kind, the probability steps (dropout). The default launch has no score or probability
+    step."""
     partial = _mask_affine
     if cfg.mask == "bounds":
         partial = _mask_bounds
@@ -433,6 +480,10 @@ def _select_steps(cfg, attn_bias=None):
         score.append(_alibi_matmul)
         key_block.append(_alibi_positions)
         lse.append(_alibi_lse)
+    item_start = []
+    if cfg.logit_scale:
+        score.append(logit_scale_scores)
+        item_start.append(load_logit_scale)
     if cfg.softcap > 0:
         score.append(softcap_scores)
     if cfg.alibi and not cfg.alibi_mm:
@@ -444,7 +495,8 @@ def _select_steps(cfg, attn_bias=None):
     if cfg.dropout_p > 0:
         prob.append(_dropout_probs)
         rows = _dropout_slab
-    return Steps(score, _evict_max, partial, [], prob, key_block=key_block, lse=lse, rows=rows)
+    return Steps(score, _evict_max, partial, [], prob, key_block=key_block, lse=lse, rows=rows,
+                 item_start=item_start)
 
 
 def _load_bounds(cfg, bound_min, bound_max):
@@ -528,33 +580,106 @@ def _blocks(cfg, n_tiles):
     return out
 
 
-class _Slab(nl.NKIObject):
-    """The buffers of one slab: query tiles ``[t0, t0 + n)``; ``q[h][qi]`` the Q of head h of the group
-    per Q/K partition tile; ``o[vi]`` / ``lse`` the O^T and LSE staging in member order (column block j = member
-    j); ``state``: the per-row state of the row steps (``[128, members, k]``, or None)."""
+class _WorkItem(nl.NKIObject):
+    """One (batch ``b``, kv head ``kvh``) work item of the pipeline; ``item``: its ``steps.Item`` (runtime
+    tiles), made when its first slab opens (``_open_item``)."""
 
-    def __init__(self, t0, n, q, o, lse, state):
+    def __init__(self, b, kvh):
+        self.b = b
+        self.kvh = kvh
+        self.item = None
+
+
+class _Slab(nl.NKIObject):
+    """One slab of a work item: query tiles ``[t0, t0 + n)``; once opened (``_open_slab``) ``q[h][qi]`` the Q of
+    head h of the group per Q/K partition tile, ``o[vi]`` / ``lse`` the O^T and LSE staging in member order
+    (column block j = member j), ``state`` the per-row state of the row steps (``[128, members, k]``, or None).
+    ``blocks_left``: blocks not finished yet (the slab is stored after its last)."""
+
+    def __init__(self, work, t0, n, n_blocks):
+        self.work = work
         self.t0 = t0
         self.n = n
-        self.q = q
-        self.o = o
-        self.lse = lse
-        self.state = state
+        self.q = None
+        self.o = None
+        self.lse = None
+        self.state = None
+        self.opened = False
+        self.blocks_left = n_blocks
 
 
 class _Block(nl.NKIObject):
     """The work of one block: members ``[j0, j1)`` of its slab (member j: query tile ``t0 + j // group``, head
-    ``j % group``), their ``heads`` and query ``tiles``, ``plan`` (``_key_blocks``); its O accumulator ``o_acc``
-    ``[128, members, d_v]`` and ``started[u]``: member u's O holds a key block's PV already."""
+    ``j % group``), their ``heads`` and query ``tiles``, ``plan`` (``_key_blocks``). Once started
+    (``_start_block``; the O accumulator ``o_acc`` ``[128, members, d_v]`` at its first exponents): ``started[u]`` (member u's O holds
+    a key block's PV already), and the online-softmax statistics as the key blocks leave them: ``pm`` (running
+    max in column ``kb_tiles``), ``l_sum``, ``bias`` (the last exponent bias, None before the first)."""
 
-    def __init__(self, j0, j1, heads, tiles, plan, o_acc, started):
+    def __init__(self, slab, j0, j1, heads, tiles, plan):
+        self.slab = slab
         self.j0 = j0
         self.j1 = j1
         self.heads = heads
         self.tiles = tiles
         self.plan = plan
-        self.o_acc = o_acc
-        self.started = started
+        self.o_acc = None
+        self.started = None
+        self.pm = None
+        self.l_sum = None
+        self.bias = None
+
+
+class _Unit(nl.NKIObject):
+    """One (block, key block) of the pipeline (``kb`` None: a block no key reaches). ``jobs``: its visible
+    (member, key tile) pairs ``[u, i]`` in phase order; the rest is filled as the pipeline emits it: K, V^T,
+    the scores ``s[u][i]`` and tiles ``tl[u][i]`` (phase 1), the exponent bias and alpha (phase 2), the row sums
+    ``rs`` and PV accumulators ``o_ps[u]`` (phase 3)."""
+
+    def __init__(self, blk, kb, first, last):
+        self.blk = blk
+        self.kb = kb
+        self.first = first
+        self.last = last
+        self.jobs = []
+        if kb is not None:
+            for u in range(len(blk.heads)):
+                for i in range(kb.kt_n):
+                    if kb.vis[u][i].k1 > kb.vis[u][i].k0:
+                        self.jobs.append([u, i])
+        self.k_tiles = None
+        self.v_tiles = None
+        self.vt = None
+        self.idx = None
+        self.s = None
+        self.tl = None
+        self.diff = None
+        self.alpha = None
+        self.bias = None
+        self.rs = None
+        self.o_ps = None
+        self.pv_left = None
+        self.pv_total = 0
+        self.n_full = None
+        self.last_full = None
+        self.pbuf = None
+        self.p = None
+        self.slot = None
+        self.summed = False
+
+
+class _Pipe(nl.NKIObject):
+    """Emission state of the software pipeline (``_attend_all``): ``pv`` the P^T tiles waiting for their PV
+    matmul (``[unit, u, i, pt]``, emitted ``cfg.pv_lag`` exponents later; ``pv_at`` the next one), ``later`` the
+    deferred finishing work ``[due step, kind, block, member, o_n list]``, ``step`` the phase-3 steps emitted,
+    ``dma_members`` the members that could have their P transposed by DMA so far (every ``p_dma_period``-th does)."""
+
+    def __init__(self):
+        self.pv = []
+        self.pv_at = 0
+        self.later = []
+        self.step = 0
+        self.dma_members = 0
+        self.live_slabs = 0
 
 
 # ----------------------------------------------------------------------------------------------------- key block phases
@@ -576,62 +701,56 @@ def _transpose_v(cfg, v_tiles, n_ch):
     return vt
 
 
-def _scores(cfg, item, steps, slab, blk, kb, k_tiles, idx, pm):
-    """Phase 1 (scoring and masking): S = Q^T K of every visible (member, key tile) of key block ``kb``, through
-    the score steps and the mask step of the tile's kind into float32 SBUF, its row max into ``pm[:, u, i]``.
-    Returns ``(s, tiles)``: ``s[u][i]`` the scores and ``tiles[u][i]`` the ``steps.Tile`` (None where the member
-    sees nothing of key tile i)."""
-    ch = K_TILE // PMAX
-    s = []
-    tl = []
-    for u in range(len(blk.heads)):
-        h = blk.heads[u]
-        qcol = (blk.tiles[u] - slab.t0) * PMAX
-        rows = None
-        if slab.state is not None:
-            rows = slab.state[:, blk.j0 + u, :]
-        row = []
-        trow = []
-        for i in range(kb.kt_n):
-            kt = kb.vis[u][i]
-            if kt.k1 > kt.k0:
-                w = kt.k1 - kt.k0
-                col = kt.k0 - kb.kt0 * K_TILE - kb.c_lo * PMAX  # first visible key in the loaded K
-                key_idx = None
-                if idx is not None:
-                    key_idx = idx[:, col:col + w]
-                tile = Tile(item.b, item.kvh * cfg.group + h, h, blk.tiles[u], kt.k0, w, kt.needs_lo, kt.needs_hi,
-                            kt.kind, rows, pm[:, u, i], key_idx)
-                s_ps = nl.ndarray((PMAX, w), dtype=nl.float32, buffer=nl.psum)
-                for qi in range(len(cfg.qk_tiles)):
-                    nisa.nc_matmul(dst=s_ps, stationary=slab.q[h][qi][:, qcol:qcol + PMAX],
-                                   moving=k_tiles[qi][:, col:col + w])
-                src = run_steps(cfg, steps.score, tile, item, s_ps)
-                row.append(mask_step(steps, tile)(cfg, tile, item, src))
-                trow.append(tile)
-            else:
-                row.append(None)
-                trow.append(None)
-        s.append(row)
-        tl.append(trow)
-    return s, tl
+def _score_tile(cfg, steps, unit, u, i):
+    """Phase 1 of one (member u, key tile i) of ``unit``: S = Q^T K (TensorE, fp32 PSUM), the score steps and the
+    mask step of the tile's kind into float32 SBUF ``unit.s[u][i]``, its row max into ``blk.pm[:, u, i]``."""
+    blk = unit.blk
+    kb = unit.kb
+    slab = blk.slab
+    item = slab.work.item
+    h = blk.heads[u]
+    qcol = (blk.tiles[u] - slab.t0) * PMAX
+    rows = None
+    if slab.state is not None:
+        rows = slab.state[:, blk.j0 + u, :]
+    kt = kb.vis[u][i]
+    w = kt.k1 - kt.k0
+    col = kt.k0 - kb.kt0 * K_TILE - kb.c_lo * PMAX  # first visible key in the loaded K
+    key_idx = None
+    if unit.idx is not None:
+        key_idx = unit.idx[:, col:col + w]
+    tile = Tile(item.b, item.kvh * cfg.group + h, h, blk.tiles[u], kt.k0, w, kt.needs_lo, kt.needs_hi, kt.kind,
+                rows, blk.pm[:, u, i], key_idx)
+    s_ps = nl.ndarray((PMAX, w), dtype=nl.float32, buffer=nl.psum)
+    for qi in range(len(cfg.qk_tiles)):
+        nisa.nc_matmul(dst=s_ps, stationary=slab.q[h][qi][:, qcol:qcol + PMAX], moving=unit.k_tiles[qi][:, col:col + w])
+    src = run_steps(cfg, steps.score, tile, item, s_ps)
+    unit.s[u][i] = mask_step(steps, tile)(cfg, tile, item, src)
+    tile.saved = {}  # what the score steps left (soft-capping's tanh) is the backward's; the tile lives to its PV
+    unit.tl[u][i] = tile
 
 
 def _update_max(cfg, pm, pm_next):
     """Phase 2 (online-softmax max, all members at once): ``m' = max(m, tile maxima)`` into ``pm_next[:, :, KB]``
-    (``pm[:, :, KB]`` holds m), ``alpha = exp(c (m - m'))`` and the exponent bias ``-c m'`` (c = exp_scale),
-    capped at FP32_MAX (with c > 1 a row that saw only masked scores would give -inf + inf in the exponent)."""
+    (``pm[:, :, KB]`` holds m), the exponent bias ``-c m'`` (c = exp_scale) capped at FP32_MAX (with c > 1 a row
+    that saw only masked scores would give -inf + inf in the exponent), and ``m - m'`` for alpha (``_alpha``). The
+    bias first: the exponents wait for it, alpha only for the O rescale."""
     kb = cfg.kb_tiles
     n = pm.shape[1]
     nisa.tensor_reduce(dst=pm_next[:, :, kb], op=nl.maximum, data=pm, axis=2)
-    diff = nl.ndarray((PMAX, n), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.tensor_tensor(dst=diff, data1=pm[:, :, kb], data2=pm_next[:, :, kb], op=nl.subtract)
-    alpha = nl.ndarray((PMAX, n), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.activation(dst=alpha, op=nl.exp, data=diff, scale=cfg.exp_scale)
     bias = nl.ndarray((PMAX, n), dtype=nl.float32, buffer=nl.sbuf)
     nisa.tensor_scalar(dst=bias, data=pm_next[:, :, kb], op0=nl.multiply, operand0=-cfg.exp_scale,
                        op1=nl.minimum, operand1=FP32_MAX)
-    return alpha, bias
+    diff = nl.ndarray((PMAX, n), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_tensor(dst=diff, data1=pm[:, :, kb], data2=pm_next[:, :, kb], op=nl.subtract)
+    return diff, bias
+
+
+def _alpha(cfg, diff):
+    """alpha = exp(c (m - m')) of every member (ScalarE), the factor O and l are rescaled by."""
+    alpha = nl.ndarray((PMAX, diff.shape[1]), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.activation(dst=alpha, op=nl.exp, data=diff, scale=cfg.exp_scale)
+    return alpha
 
 
 def _rescale_o(o_acc, u, alpha, o_ps, first):
@@ -646,9 +765,8 @@ def _rescale_o(o_acc, u, alpha, o_ps, first):
 
 def _transpose_p(cfg, p_sb, n_ch, dma_turn):
     """P^T ``[128 keys, n_ch, 128 queries]`` (SBUF) for the PV matmul. TensorE transposes (PSUM) and one eviction
-    by default; on trn2+ with 16-bit P, every other full key tile (``dma_turn``) goes by one SBUF -> SBUF
-    dma_transpose instead (bit-exact too), which balances TensorE and VectorE against the otherwise idle DMA
-    queues (docs/kernel-fwd.md, "Engine balance")."""
+    by default; on trn2+ with 16-bit P, a full key tile whose ``dma_turn`` it is goes by one SBUF -> SBUF
+    dma_transpose instead (bit-exact too; docs/kernel-fwd.md, "Engine balance", says which share)."""
     pt_sb = nl.ndarray((PMAX, n_ch, PMAX), dtype=cfg.io_dtype, buffer=nl.sbuf)
     if cfg.p_dma_transpose and dma_turn and n_ch == K_TILE // PMAX:
         nisa.dma_transpose(dst=pt_sb, src=p_sb.ap(pattern=[[n_ch * PMAX, PMAX], [PMAX, n_ch], [1, PMAX]], offset=0))
@@ -660,31 +778,99 @@ def _transpose_p(cfg, p_sb, n_ch, dma_turn):
     return pt_sb
 
 
-def _exp_pv(cfg, item, steps, blk, kb, s, tl, vt, bias, alpha, rs):
-    """Phase 3 (exponent and PV): per visible (member, key tile) ``P = exp(c S + bias)`` with its row sum into
-    ``rs[:, u, i]`` in ONE activation, the probability steps, P^T, PV accumulated over the whole key block in one
-    PSUM tile; then per member the O update."""
+def _exp_tile(cfg, steps, unit, j):
+    """Phase 3, first part, of job ``j`` (member u, key tile i) of ``unit``: ``P = exp(c S + bias)`` with its row
+    sum into ``rs[:, u, i]`` in ONE activation, then the probability steps; P waits in ``unit.p[j]`` for its
+    transpose (``_pt_tile``), so ScalarE runs ahead of TensorE."""
+    u = unit.jobs[j][0]
+    i = unit.jobs[j][1]
+    tile = unit.tl[u][i]
+    item = unit.blk.slab.work.item
+    k = unit.slot[j]
+    if k >= 0:
+        if unit.pbuf[u] is None:
+            unit.pbuf[u] = nl.ndarray((PMAX, unit.n_full[u] * K_TILE), dtype=cfg.io_dtype, buffer=nl.sbuf)
+        p_sb = unit.pbuf[u][:, k * K_TILE:(k + 1) * K_TILE]
+    else:
+        p_sb = nl.ndarray((PMAX, tile.kw), dtype=cfg.io_dtype, buffer=nl.sbuf)
+    nisa.activation(dst=p_sb, op=nl.exp, data=unit.s[u][i], bias=unit.bias[:, u:u + 1], scale=cfg.exp_scale,
+                    reduce_op=nl.add, reduce_res=unit.rs[:, u, i], reduce_cmd=nisa.reduce_cmd.reset_reduce)
+    unit.s[u][i] = None
+    p_sb = run_steps(cfg, steps.p_mask, tile, item, p_sb)
+    unit.p[j] = run_steps(cfg, steps.prob, tile, item, p_sb)
+
+
+def _pt_tile(cfg, pipe, unit, j):
+    """Phase 3, second part, of job ``j``: P^T by TensorE (``_transpose_p``), or, for a member whose full tiles
+    go by DMA, nothing until its last full tile, then ONE dma_transpose of all of them (SBUF -> SBUF,
+    bit-exact). Each P^T waits in ``pipe.pv`` for its PV."""
+    u = unit.jobs[j][0]
+    i = unit.jobs[j][1]
+    n_ch = unit.tl[u][i].kw // PMAX
+    if unit.slot[j] < 0:
+        pt_sb = _transpose_p(cfg, unit.p[j], n_ch, False)
+        unit.p[j] = None
+        pipe.pv.append([unit, u, i, pt_sb])
+    elif unit.last_full[u] == j:
+        nc = unit.n_full[u] * n_ch
+        pt_all = nl.ndarray((PMAX, nc, PMAX), dtype=cfg.io_dtype, buffer=nl.sbuf)
+        nisa.dma_transpose(dst=pt_all, src=unit.pbuf[u].ap(pattern=[[nc * PMAX, PMAX], [PMAX, nc], [1, PMAX]],
+                                                            offset=0))
+        unit.pbuf[u] = None
+        for jj in range(len(unit.jobs)):
+            k = unit.slot[jj]
+            if unit.jobs[jj][0] == u and k >= 0:
+                unit.p[jj] = None
+                pipe.pv.append([unit, u, unit.jobs[jj][1], pt_all[:, k * n_ch:(k + 1) * n_ch, :]])
+
+
+def _pv_tile(cfg, pipe):
+    """Phase 3, second half, of the oldest waiting tile: PV accumulated over the member's key block in one PSUM
+    tile; after the member's last tile of the key block the O update, after the unit's last tile the block's
+    finishing is scheduled (``_later``)."""
+    entry = pipe.pv[pipe.pv_at]
+    pipe.pv[pipe.pv_at] = None
+    pipe.pv_at = pipe.pv_at + 1
+    unit = entry[0]
+    u = entry[1]
+    i = entry[2]
+    pt_sb = entry[3]
+    kb = unit.kb
+    blk = unit.blk
+    vt = unit.vt
     ch = K_TILE // PMAX
-    for u in range(len(s)):
-        o_ps = None
-        for i in range(kb.kt_n):
-            tile = tl[u][i]
-            if tile is not None:
-                n_ch = tile.kw // PMAX
-                lo = (tile.k0 - (kb.kt0 + i) * K_TILE) // PMAX
-                p_sb = nl.ndarray((PMAX, tile.kw), dtype=cfg.io_dtype, buffer=nl.sbuf)
-                nisa.activation(dst=p_sb, op=nl.exp, data=s[u][i], bias=bias[:, u:u + 1], scale=cfg.exp_scale,
-                                reduce_op=nl.add, reduce_res=rs[:, u, i], reduce_cmd=nisa.reduce_cmd.reset_reduce)
-                p_sb = run_steps(cfg, steps.p_mask, tile, item, p_sb)
-                p_sb = run_steps(cfg, steps.prob, tile, item, p_sb)
-                pt_sb = _transpose_p(cfg, p_sb, n_ch, (u + kb.kt0 + i) % 2 == 0)
-                if o_ps is None:
-                    o_ps = nl.ndarray((PMAX, cfg.d_v), dtype=nl.float32, buffer=nl.psum)
-                for c in range(n_ch):
-                    nisa.nc_matmul(dst=o_ps, stationary=pt_sb[:, c, :], moving=vt[:, i * ch + lo + c - kb.c_lo, :])
-        if o_ps is not None:
-            _rescale_o(blk.o_acc, u, alpha, o_ps, not blk.started[u])
+    tile = unit.tl[u][i]
+    n_ch = tile.kw // PMAX
+    lo = (tile.k0 - (kb.kt0 + i) * K_TILE) // PMAX
+    if unit.o_ps[u] is None:
+        unit.o_ps[u] = nl.ndarray((PMAX, cfg.d_v), dtype=nl.float32, buffer=nl.psum)
+    o_ps = unit.o_ps[u]
+    for c in range(n_ch):
+        nisa.nc_matmul(dst=o_ps, stationary=pt_sb[:, c, :], moving=vt[:, i * ch + lo + c - kb.c_lo, :])
+    unit.pv_left[u] = unit.pv_left[u] - 1
+    unit.pv_total = unit.pv_total - 1
+    if unit.pv_left[u] == 0:
+        _rescale_o(blk.o_acc, u, unit.alpha, o_ps, not blk.started[u])
+        if not blk.started[u]:
             blk.started[u] = True
+        unit.o_ps[u] = None
+    if unit.pv_total == 0:
+        unit.vt = None
+        _release_unit(unit)
+        if unit.last:
+            pipe.later.append([pipe.step + cfg.fin_delay, "stats", blk, 0, None])
+
+
+def _release_unit(unit):
+    """Drop a unit's tiles once its PVs and its phase 4 are out (the plan keeps every unit to the end)."""
+    if unit.pv_total == 0 and unit.summed:
+        unit.alpha = None
+        unit.diff = None
+        unit.bias = None
+        unit.tl = None
+        unit.s = None
+        unit.o_ps = None
+        unit.p = None
 
 
 def _update_sum(cfg, l_sum, alpha, rs):
@@ -696,141 +882,35 @@ def _update_sum(cfg, l_sum, alpha, rs):
     return l_new
 
 
-def _key_block(cfg, hbm, item, steps, slab, blk, kb, gaps_next, pm, l_sum):
-    """One key block ``kb`` of block ``blk``: load K and V (the union of the members' visible chunks), V^T, then
-    the four phases. Returns the statistics after it: ``(pm_next, l, bias)``."""
-    b = item.b
-    kvh = item.kvh
-    key0 = kb.kt0 * K_TILE + kb.c_lo * PMAX
-    width = (kb.c_hi - kb.c_lo) * PMAX
-    k_tiles = []
-    for qi in range(len(cfg.qk_tiles)):
-        d0, dsz = cfg.qk_tiles[qi]
-        kt_sb = nl.ndarray((dsz, width), dtype=cfg.io_dtype, buffer=nl.sbuf)
-        nisa.dma_copy(dst=kt_sb, src=hbm.k[b, kvh, d0:d0 + dsz, key0:key0 + width])
-        k_tiles.append(kt_sb)
-    v_tiles = []
-    for vi in range(len(cfg.v_tiles)):
-        v0, vsz = cfg.v_tiles[vi]
-        v_sb = nl.ndarray((vsz, width), dtype=cfg.io_dtype, buffer=nl.sbuf)
-        nisa.dma_copy(dst=v_sb, src=hbm.v[b, kvh, v0:v0 + vsz, key0:key0 + width])
-        v_tiles.append(v_sb)
-    vt = _transpose_v(cfg, v_tiles, kb.c_hi - kb.c_lo)
-    idx = None
-    if cfg.mask == "predicate":
-        idx = nl.ndarray((PMAX, width), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.iota(dst=idx, pattern=[[1, width]], offset=key0, channel_multiplier=0)  # key index per column
-
-    for f in steps.key_block:
-        f(cfg, kb.kt0, item)
-    s, tl = _scores(cfg, item, steps, slab, blk, kb, k_tiles, idx, pm)
-    n = len(blk.heads)
-    pm_next = nl.ndarray((PMAX, n, cfg.kb_tiles + 1), dtype=nl.float32, buffer=nl.sbuf)
-    if gaps_next:
-        nisa.memset(dst=pm_next, value=FP32_MIN, engine=nisa.engine.gpsimd)  # slots no key tile will write
-    alpha, bias = _update_max(cfg, pm, pm_next)
-    rs = nl.ndarray((PMAX, n, cfg.kb_tiles + 1), dtype=nl.float32, buffer=nl.sbuf)
-    if kb.gaps:
-        nisa.memset(dst=rs, value=0.0, engine=nisa.engine.gpsimd)
-    _exp_pv(cfg, item, steps, blk, kb, s, tl, vt, bias, alpha, rs)
-    l_new = _update_sum(cfg, l_sum, alpha, rs)
-    return pm_next, l_new, bias
+# ----------------------------------------------------------------------------------------------------- opening work
+def _open_item(cfg, hbm, sinks_ref, alibi_slopes, launch, steps, work):
+    """The work item's runtime tiles (``steps.Item``): sink statistics, ALiBi coefficients, then the steps'
+    ``item_start`` hooks (the logit scale's per-head column); ``launch``: the launch-wide ``Item`` (seed, bounds,
+    position table)."""
+    b = work.b
+    kvh = work.kvh
+    sink_stats = None
+    if cfg.shp.num_sinks > 0:
+        sink_stats = _sink_stats(cfg, sinks_ref, b, kvh)
+    slopes = None
+    alibi_st = None
+    if cfg.alibi:
+        slopes, alibi_st = _alibi_coefs(cfg, load_slopes(alibi_slopes, cfg.shp.nheads, cfg.group, b, kvh))
+    work.item = Item(b, kvh, slopes=slopes, seed=launch.seed, bounds=launch.bounds, alibi_st=alibi_st,
+                     pos_tab=launch.pos_tab, sinks=sink_stats, bias=launch.bias)
+    for f in steps.item_start:
+        f(cfg, hbm, work.item)
 
 
-# ----------------------------------------------------------------------------------------------------- blocks, slabs
-def _finish_block(cfg, item, steps, slab, blk, pm, l_sum, bias):
-    """Finishing, all members at once: ``o = O / l`` and ``lse = c m + log(l)`` (= log(l) - bias); rows that saw
-    no key (and have no sink) get 0 and +inf. O is normalised per member, transposed back to ``[d, q]`` into the
-    slab's O staging, the LSE columns go to the slab's LSE staging."""
-    j0 = blk.j0
-    o_acc = blk.o_acc
-    n = pm.shape[1]
-    keep = nl.ndarray((PMAX, n), dtype=nl.uint8, buffer=nl.sbuf)
-    nisa.tensor_scalar(dst=keep, data=pm[:, :, cfg.kb_tiles], op0=nl.greater, operand0=EMPTY_MAX)
-    l_safe = nl.ndarray((PMAX, n), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.tensor_scalar(dst=l_safe, data=l_sum, op0=nl.maximum, operand0=L_FLOOR)
-    recip = nl.ndarray((PMAX, n), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.reciprocal(dst=recip, data=l_safe)
-    nisa.select_reduce(dst=recip, predicate=keep, on_true=recip, on_false=0.0)  # 0 for empty rows
-    if cfg.o_factor != 1.0:
-        nisa.tensor_scalar(dst=recip, data=recip, op0=nl.multiply, operand0=cfg.o_factor)
-    log_l = nl.ndarray((PMAX, n), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.activation(dst=log_l, op=nl.log, data=l_safe)
-    lse_real = nl.ndarray((PMAX, n), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.tensor_tensor(dst=lse_real, data1=log_l, data2=bias, op=nl.subtract)
-    for f in steps.lse:
-        f(cfg, slab.t0, j0, lse_real, item)
-    nisa.select_reduce(dst=slab.lse[:, j0:j0 + n], predicate=keep, on_true=lse_real, on_false=POS_INF)
-    # Per member on ScalarE (its exponents leave it idle at the end of a block, VectorE is the busier engine):
-    # O * (1/l) into o's dtype, then O^T per V/O partition tile into the staging.
-    for u in range(n):
-        o_n = nl.ndarray((PMAX, cfg.d_v), dtype=cfg.io_dtype, buffer=nl.sbuf)
-        if cfg.scalar_busy:
-            nisa.tensor_scalar(dst=o_n, data=o_acc[:, u, :], op0=nl.multiply, operand0=recip[:, u:u + 1])
-        else:
-            nisa.activation(dst=o_n, op=nl.copy, data=o_acc[:, u, :], scale=recip[:, u:u + 1])
-        col = (j0 + u) * PMAX
-        for vi in range(len(cfg.v_tiles)):
-            v0, vsz = cfg.v_tiles[vi]
-            ot_ps = nl.ndarray((vsz, PMAX), dtype=cfg.io_dtype, buffer=nl.psum)
-            nisa.nc_transpose(dst=ot_ps, data=o_n[:, v0:v0 + vsz])
-            if cfg.scalar_busy:
-                nisa.tensor_copy(dst=slab.o[vi][:, col:col + PMAX], src=ot_ps)
-            else:
-                nisa.activation(dst=slab.o[vi][:, col:col + PMAX], op=nl.copy, data=ot_ps)
-
-
-def _attend_block(cfg, hbm, item, steps, slab, j0, j1):
-    """Members ``j0 .. j1 - 1`` of ``slab`` (member j: query tile ``t0 + j // group``, head ``j % group``)
-    against every key block one of them sees."""
+def _open_slab(cfg, hbm, steps, slab):
+    """Q of the slab's query tiles (every head of the group, loaded once, unscaled), the O^T and LSE staging,
+    the row steps' state."""
     g = cfg.group
-    n = j1 - j0
-    heads = []
-    tiles = []
-    started = []
-    for j in range(j0, j1):
-        heads.append(j % g)
-        tiles.append(slab.t0 + j // g)
-        started.append(False)
-    # (a bottom-right band can leave whole query tiles without a visible key: seqlen_q > seqlen_k with causal,
-    # windows that end before the first key or start after the last; such members are finished as empty rows)
-    plan = _key_blocks(cfg, tiles)
-    # pm[:, u, i]: row max of key tile i of the current key block; pm[:, u, KB]: the running max m
-    pm = nl.ndarray((PMAX, n, cfg.kb_tiles + 1), dtype=nl.float32, buffer=nl.sbuf)
-    l_sum = nl.ndarray((PMAX, n), dtype=nl.float32, buffer=nl.sbuf)
-    if item.sinks is None:
-        nisa.memset(dst=pm, value=FP32_MIN, engine=nisa.engine.gpsimd)
-        nisa.memset(dst=l_sum, value=0.0, engine=nisa.engine.gpsimd)
-    else:
-        if len(plan) == 0 or plan[0].gaps:
-            nisa.memset(dst=pm, value=FP32_MIN, engine=nisa.engine.gpsimd)
-        m0, l0 = item.sinks
-        nisa.tensor_copy(dst=pm[:, :, cfg.kb_tiles], src=_per_member(cfg, m0, j0, n))
-        nisa.tensor_copy(dst=l_sum, src=_per_member(cfg, l0, j0, n))
-    o_acc = nl.ndarray((PMAX, n, cfg.d_v), dtype=cfg.acc_dtype, buffer=nl.sbuf)
-    blk = _Block(j0, j1, heads, tiles, plan, o_acc, started)
-    bias = None
-    for k in range(len(plan)):
-        gaps_next = k + 1 < len(plan) and plan[k + 1].gaps
-        pm, l_sum, bias = _key_block(cfg, hbm, item, steps, slab, blk, plan[k], gaps_next, pm, l_sum)
-    for u in range(n):
-        if not started[u]:
-            # no visible key for this member's rows: O = 0 (o = 0; with sinks lse = their logsumexp)
-            nisa.memset(dst=o_acc[:, u, :], value=0.0, engine=nisa.engine.gpsimd)
-    if bias is None:
-        bias = nl.ndarray((PMAX, n), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.tensor_scalar(dst=bias, data=pm[:, :, cfg.kb_tiles], op0=nl.multiply, operand0=-cfg.exp_scale,
-                           op1=nl.minimum, operand1=FP32_MAX)
-    _finish_block(cfg, item, steps, slab, blk, pm, l_sum, bias)
-
-
-def _attend_slab(cfg, hbm, item, steps, t0, t1):
-    """Query tiles ``[t0, t1)`` of every query head of the work item's kv head: Q loaded and O, LSE stored once
-    per head."""
-    g = cfg.group
-    n = t1 - t0
-    b = item.b
-    kvh = item.kvh
+    n = slab.n
+    t0 = slab.t0
+    t1 = t0 + n
+    b = slab.work.b
+    kvh = slab.work.kvh
     q_slab = []
     for h in range(g):
         row = []
@@ -846,23 +926,414 @@ def _attend_slab(cfg, hbm, item, steps, t0, t1):
         v0, vsz = cfg.v_tiles[vi]
         o_stage = nl.ndarray((vsz, n * g * PMAX), dtype=cfg.io_dtype, buffer=nl.sbuf)
         o_slab.append(o_stage)
-    lse_slab = nl.ndarray((PMAX, n * g), dtype=nl.float32, buffer=nl.sbuf)
-    state = None
+    slab.q = q_slab
+    slab.o = o_slab
+    slab.lse = nl.ndarray((PMAX, n * g), dtype=nl.float32, buffer=nl.sbuf)
     if steps.rows is not None:
-        state = steps.rows(cfg, b, kvh, t0, n, item)
-    slab = _Slab(t0, n, q_slab, o_slab, lse_slab, state)
-    blocks = _blocks(cfg, n)
-    for i in range(len(blocks)):
-        j0, j1 = blocks[i]
-        _attend_block(cfg, hbm, item, steps, slab, j0, j1)
+        slab.state = steps.rows(cfg, b, kvh, t0, n, slab.work.item)
+    slab.opened = True
+
+
+def _start_block(cfg, blk):
+    """The block's statistics (running max, sum: from the sinks, or empty)."""
+    j0 = blk.j0
+    n = blk.j1 - j0
+    item = blk.slab.work.item
+    plan = blk.plan
+    started = []
+    for u in range(n):
+        started.append(False)
+    # pm[:, u, i]: row max of key tile i of the current key block; pm[:, u, KB]: the running max m
+    pm = nl.ndarray((PMAX, n, cfg.kb_tiles + 1), dtype=nl.float32, buffer=nl.sbuf)
+    l_sum = nl.ndarray((PMAX, n), dtype=nl.float32, buffer=nl.sbuf)
+    if item.sinks is None:
+        nisa.memset(dst=pm, value=FP32_MIN, engine=nisa.engine.gpsimd)
+        nisa.memset(dst=l_sum, value=0.0, engine=nisa.engine.gpsimd)
+    else:
+        if len(plan) == 0 or plan[0].gaps:
+            nisa.memset(dst=pm, value=FP32_MIN, engine=nisa.engine.gpsimd)
+        m0, l0 = item.sinks
+        nisa.tensor_copy(dst=pm[:, :, cfg.kb_tiles], src=_per_member(cfg, m0, j0, n))
+        nisa.tensor_copy(dst=l_sum, src=_per_member(cfg, l0, j0, n))
+    blk.started = started
+    blk.pm = pm
+    blk.l_sum = l_sum
+
+
+def _load_unit(cfg, hbm, sinks_ref, alibi_slopes, launch, steps, unit):
+    """Open what ``unit`` needs (its work item, slab and block when it is their first) and load its K and V
+    (the union of the members' visible chunks) one pipeline segment before its scores."""
+    blk = unit.blk
+    slab = blk.slab
+    work = slab.work
+    if work.item is None:
+        _open_item(cfg, hbm, sinks_ref, alibi_slopes, launch, steps, work)
+    if not slab.opened:
+        _open_slab(cfg, hbm, steps, slab)
+    if unit.first:
+        _start_block(cfg, blk)
+    kb = unit.kb
+    if kb is None:
+        return
+    b = work.b
+    kvh = work.kvh
+    key0 = kb.kt0 * K_TILE + kb.c_lo * PMAX
+    width = (kb.c_hi - kb.c_lo) * PMAX
+    k_tiles = []
+    for qi in range(len(cfg.qk_tiles)):
+        d0, dsz = cfg.qk_tiles[qi]
+        kt_sb = nl.ndarray((dsz, width), dtype=cfg.io_dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=kt_sb, src=hbm.k[b, kvh, d0:d0 + dsz, key0:key0 + width])
+        k_tiles.append(kt_sb)
+    v_tiles = []
+    for vi in range(len(cfg.v_tiles)):
+        v0, vsz = cfg.v_tiles[vi]
+        v_sb = nl.ndarray((vsz, width), dtype=cfg.io_dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=v_sb, src=hbm.v[b, kvh, v0:v0 + vsz, key0:key0 + width])
+        v_tiles.append(v_sb)
+    unit.k_tiles = k_tiles
+    unit.v_tiles = v_tiles
+
+
+def _begin_scores(cfg, steps, unit):
+    """Before a unit's first score: the key-index tile (trn1 packing) and the key-block steps."""
+    kb = unit.kb
+    n = len(unit.blk.heads)
+    s = []
+    tl = []
+    for u in range(n):
+        row = []
+        for i in range(kb.kt_n):
+            row.append(None)
+        s.append(row)
+        tl.append(list(row))
+    unit.s = s
+    unit.tl = tl
+    if cfg.mask == "predicate":
+        key0 = kb.kt0 * K_TILE + kb.c_lo * PMAX
+        width = (kb.c_hi - kb.c_lo) * PMAX
+        unit.idx = nl.ndarray((PMAX, width), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.iota(dst=unit.idx, pattern=[[1, width]], offset=key0, channel_multiplier=0)  # key index per column
+    for f in steps.key_block:
+        f(cfg, kb.kt0, unit.blk.slab.work.item)
+
+
+def _end_scores(cfg, unit, gaps_next):
+    """After a unit's last score: V^T, and phase 2 into the statistics tile of the block's next key block
+    (``gaps_next``: it has slots no key tile will write)."""
+    kb = unit.kb
+    blk = unit.blk
+    unit.k_tiles = None
+    unit.vt = _transpose_v(cfg, unit.v_tiles, kb.c_hi - kb.c_lo)
+    unit.v_tiles = None
+    unit.idx = None
+    n = len(blk.heads)
+    pm_next = nl.ndarray((PMAX, n, cfg.kb_tiles + 1), dtype=nl.float32, buffer=nl.sbuf)
+    if gaps_next:
+        nisa.memset(dst=pm_next, value=FP32_MIN, engine=nisa.engine.gpsimd)  # slots no key tile will write
+    diff, bias = _update_max(cfg, blk.pm, pm_next)
+    unit.diff = diff
+    unit.bias = bias
+    blk.pm = pm_next
+    blk.bias = bias
+
+
+def _begin_exps(cfg, steps, pipe, unit):
+    """Before a unit's first exponent: alpha, the row-sum tile, the PV accumulators and counters, and which
+    members' full P tiles go by one dma_transpose (every ``p_dma_period``-th member with at least
+    ``P_DMA_MIN_TILES`` full tiles, on trn2+ with 16-bit P and no probability step): their exponents write one
+    ``[128, n * 512]`` P buffer (``pbuf[u]``, job j in column block ``slot[j]``)."""
+    kb = unit.kb
+    n = len(unit.blk.heads)
+    full = K_TILE // PMAX
+    if unit.first:
+        unit.blk.o_acc = nl.ndarray((PMAX, n, cfg.d_v), dtype=cfg.acc_dtype, buffer=nl.sbuf)
+    unit.alpha = _alpha(cfg, unit.diff)
+    unit.rs = nl.ndarray((PMAX, n, cfg.kb_tiles + 1), dtype=nl.float32, buffer=nl.sbuf)
+    if kb.gaps:
+        nisa.memset(dst=unit.rs, value=0.0, engine=nisa.engine.gpsimd)
+    o_ps = []
+    pv_left = []
+    n_full = []
+    last_full = []
+    pbuf = []
+    for u in range(n):
+        o_ps.append(None)
+        pv_left.append(0)
+        n_full.append(0)
+        last_full.append(-1)
+        pbuf.append(None)
+    p = []
+    slot = []
+    for j in range(len(unit.jobs)):
+        u = unit.jobs[j][0]
+        i = unit.jobs[j][1]
+        pv_left[u] = pv_left[u] + 1
+        p.append(None)
+        slot.append(-1)
+        if unit.tl[u][i].kw // PMAX == full:
+            slot[j] = n_full[u]
+            n_full[u] = n_full[u] + 1
+            last_full[u] = j
+    batch = cfg.p_dma_transpose and cfg.p_dma_period > 0 and len(steps.prob) == 0 and len(steps.p_mask) == 0
+    for u in range(n):
+        dma = False
+        if batch and n_full[u] >= P_DMA_MIN_TILES:
+            pipe.dma_members = pipe.dma_members + 1
+            dma = pipe.dma_members % cfg.p_dma_period == 0
+        if not dma:
+            last_full[u] = -1
+    for j in range(len(unit.jobs)):
+        if last_full[unit.jobs[j][0]] < 0:
+            slot[j] = -1
+    unit.o_ps = o_ps
+    unit.pv_left = pv_left
+    unit.pv_total = len(unit.jobs)
+    unit.n_full = n_full
+    unit.last_full = last_full
+    unit.pbuf = pbuf
+    unit.p = p
+    unit.slot = slot
+
+
+# ----------------------------------------------------------------------------------------------------- finishing
+def _finish_stats(cfg, steps, blk):
+    """Finishing of a block, all members at once: ``1 / l`` and ``lse = c m + log(l)`` (= log(l) - bias) into the
+    slab's LSE staging, rows that saw no key (and have no sink) get 0 and +inf; then per member on ScalarE (its
+    exponents leave it the idle engine at the end of a block) ``O * (1/l)`` into o's dtype. Returns the
+    normalised ``o_n`` per member (``_finish_member`` transposes them)."""
+    slab = blk.slab
+    item = slab.work.item
+    j0 = blk.j0
+    o_acc = blk.o_acc
+    pm = blk.pm
+    l_sum = blk.l_sum
+    n = pm.shape[1]
+    if o_acc is None:
+        o_acc = nl.ndarray((PMAX, n, cfg.d_v), dtype=cfg.acc_dtype, buffer=nl.sbuf)
+        blk.o_acc = o_acc
+    for u in range(n):
+        if not blk.started[u]:
+            # no visible key for this member's rows: O = 0 (o = 0; with sinks lse = their logsumexp)
+            nisa.memset(dst=o_acc[:, u, :], value=0.0, engine=nisa.engine.gpsimd)
+    bias = blk.bias
+    if bias is None:
+        bias = nl.ndarray((PMAX, n), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_scalar(dst=bias, data=pm[:, :, cfg.kb_tiles], op0=nl.multiply, operand0=-cfg.exp_scale,
+                           op1=nl.minimum, operand1=FP32_MAX)
+    keep = nl.ndarray((PMAX, n), dtype=nl.uint8, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=keep, data=pm[:, :, cfg.kb_tiles], op0=nl.greater, operand0=EMPTY_MAX)
+    l_safe = nl.ndarray((PMAX, n), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=l_safe, data=l_sum, op0=nl.maximum, operand0=L_FLOOR)
+    recip = nl.ndarray((PMAX, n), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.reciprocal(dst=recip, data=l_safe)
+    nisa.select_reduce(dst=recip, predicate=keep, on_true=recip, on_false=0.0)  # 0 for empty rows
+    if cfg.o_factor != 1.0:
+        nisa.tensor_scalar(dst=recip, data=recip, op0=nl.multiply, operand0=cfg.o_factor)
+    o_ns = []
+    for u in range(n):
+        o_n = nl.ndarray((PMAX, cfg.d_v), dtype=cfg.io_dtype, buffer=nl.sbuf)
+        if cfg.scalar_busy:
+            nisa.tensor_scalar(dst=o_n, data=o_acc[:, u, :], op0=nl.multiply, operand0=recip[:, u:u + 1])
+        else:
+            nisa.activation(dst=o_n, op=nl.copy, data=o_acc[:, u, :], scale=recip[:, u:u + 1])
+        o_ns.append(o_n)
+    log_l = nl.ndarray((PMAX, n), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.activation(dst=log_l, op=nl.log, data=l_safe)
+    lse_real = nl.ndarray((PMAX, n), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_tensor(dst=lse_real, data1=log_l, data2=bias, op=nl.subtract)
+    for f in steps.lse:
+        f(cfg, slab.t0, j0, lse_real, item)
+    nisa.select_reduce(dst=slab.lse[:, j0:j0 + n], predicate=keep, on_true=lse_real, on_false=POS_INF)
+    return o_ns
+
+
+def _finish_member(cfg, blk, u, o_n):
+    """O^T of member ``u`` per V/O partition tile (TensorE) into the slab's O staging."""
+    slab = blk.slab
+    j0 = blk.j0
+    col = (j0 + u) * PMAX
+    for vi in range(len(cfg.v_tiles)):
+        v0, vsz = cfg.v_tiles[vi]
+        ot_ps = nl.ndarray((vsz, PMAX), dtype=cfg.io_dtype, buffer=nl.psum)
+        nisa.nc_transpose(dst=ot_ps, data=o_n[:, v0:v0 + vsz])
+        if cfg.scalar_busy:
+            nisa.tensor_copy(dst=slab.o[vi][:, col:col + PMAX], src=ot_ps)
+        else:
+            nisa.activation(dst=slab.o[vi][:, col:col + PMAX], op=nl.copy, data=ot_ps)
+
+
+def _store_slab(cfg, hbm, slab):
+    """O and the LSE of the slab, one DMA per (head, d tile) and one per head, from the staging."""
+    g = cfg.group
+    n = slab.n
+    t0 = slab.t0
+    t1 = t0 + n
+    b = slab.work.b
+    kvh = slab.work.kvh
     for h in range(g):
         hq = kvh * g + h
         for vi in range(len(cfg.v_tiles)):
             v0, vsz = cfg.v_tiles[vi]
             nisa.dma_copy(dst=hbm.o[b, hq, v0:v0 + vsz, t0 * PMAX:t1 * PMAX],
-                          src=o_slab[vi].ap(pattern=[[n * g * PMAX, vsz], [g * PMAX, n], [1, PMAX]],
+                          src=slab.o[vi].ap(pattern=[[n * g * PMAX, vsz], [g * PMAX, n], [1, PMAX]],
                                             offset=h * PMAX))
-        nisa.dma_copy(dst=hbm.lse[b, hq, :, t0:t1], src=lse_slab.ap(pattern=[[n * g, PMAX], [g, n]], offset=h))
+        nisa.dma_copy(dst=hbm.lse[b, hq, :, t0:t1], src=slab.lse.ap(pattern=[[n * g, PMAX], [g, n]], offset=h))
+    slab.q = None
+    slab.o = None
+    slab.lse = None
+    slab.state = None
+
+
+def _run_later(cfg, hbm, steps, pipe, flush):
+    """Run the deferred finishing work that is due (all of it when ``flush``): a block's statistics and
+    normalisation (``stats``), then one member's O^T per phase-3 step (``member``), then the slab's stores."""
+    again = True
+    while again:
+        again = False
+        todo = pipe.later
+        pipe.later = []
+        for k in range(len(todo)):
+            job = todo[k]
+            if flush or job[0] <= pipe.step:
+                blk = job[2]
+                if job[1] == "stats":
+                    o_ns = _finish_stats(cfg, steps, blk)
+                    for u in range(len(o_ns)):
+                        pipe.later.append([pipe.step + cfg.fin_delay + u, "member", blk, u, o_ns])
+                    again = flush
+                else:
+                    u = job[3]
+                    _finish_member(cfg, blk, u, job[4][u])
+                    job[4][u] = None
+                    if u == len(job[4]) - 1:
+                        blk.o_acc = None
+                        blk.pm = None
+                        blk.l_sum = None
+                        blk.bias = None
+                        blk.slab.blocks_left = blk.slab.blocks_left - 1
+                        if blk.slab.blocks_left == 0:
+                            _store_slab(cfg, hbm, blk.slab)
+                            pipe.live_slabs = pipe.live_slabs - 1
+            else:
+                pipe.later.append(job)
+
+
+# ----------------------------------------------------------------------------------------------------- the pipeline
+def _plan_units(cfg, start, stop, slabs):
+    """Every unit of this core's work items, in emission order: work item, slab, block, key block."""
+    shp = cfg.shp
+    g = cfg.group
+    units = []
+    for w in range(start, stop):
+        work = _WorkItem(w // shp.nheads_kv, w % shp.nheads_kv)
+        for si in range(len(slabs)):
+            t0, t1 = slabs[si]
+            blocks = _blocks(cfg, t1 - t0)
+            slab = _Slab(work, t0, t1 - t0, len(blocks))
+            for bi in range(len(blocks)):
+                j0, j1 = blocks[bi]
+                heads = []
+                tiles = []
+                for j in range(j0, j1):
+                    heads.append(j % g)
+                    tiles.append(slab.t0 + j // g)
+                # (a bottom-right band can leave whole query tiles without a visible key: seqlen_q > seqlen_k with
+                # causal, windows that end before the first key or start after the last; such members are
+                # finished as empty rows)
+                plan = _key_blocks(cfg, tiles)
+                blk = _Block(slab, j0, j1, heads, tiles, plan)
+                if len(plan) == 0:
+                    units.append(_Unit(blk, None, True, True))
+                for k in range(len(plan)):
+                    units.append(_Unit(blk, plan[k], k == 0, k == len(plan) - 1))
+    return units
+
+
+def _make_room(cfg, hbm, steps, pipe):
+    """Before a slab opens: while three slabs are live (finishing, current, next: what ``_slab_tiles`` sizes
+    for), emit the waiting PVs and the deferred finishing, oldest first, until one is stored. Only short slabs
+    (a few units each) get here."""
+    while pipe.live_slabs >= 3 and (pipe.pv_at < len(pipe.pv) or len(pipe.later) > 0):
+        if pipe.pv_at < len(pipe.pv):
+            _pv_tile(cfg, pipe)
+            pipe.step = pipe.step + 1
+            _run_later(cfg, hbm, steps, pipe, False)
+        else:
+            _run_later(cfg, hbm, steps, pipe, True)
+
+
+def _attend_all(cfg, hbm, sinks_ref, alibi_slopes, launch, steps, units):
+    """The software pipeline over ``units``: while unit n is in phase 3 (exponents, P^T, PV), unit n + 1 is
+    scored (phase 1, its phase 2 as soon as its last score is out) and unit n + 2's K and V are loaded, so each
+    engine's instruction stream always holds independent work (engines run their streams in order). PV runs
+    ``cfg.pv_lag`` tiles behind its P^T, a block's finishing ``cfg.fin_delay`` steps behind its last PV
+    (docs/kernel-fwd.md, "Loop nest")."""
+    pipe = _Pipe()
+    n_units = len(units)
+    for n in range(min(2, n_units)):
+        if not units[n].blk.slab.opened:
+            pipe.live_slabs = pipe.live_slabs + 1
+        _load_unit(cfg, hbm, sinks_ref, alibi_slopes, launch, steps, units[n])
+    for n in range(n_units + 1):
+        cur = None
+        if n < n_units:
+            cur = units[n]
+        prev = None
+        if n > 0:
+            prev = units[n - 1]
+        if n + 2 < n_units:
+            if not units[n + 2].blk.slab.opened:
+                _make_room(cfg, hbm, steps, pipe)
+                pipe.live_slabs = pipe.live_slabs + 1
+            _load_unit(cfg, hbm, sinks_ref, alibi_slopes, launch, steps, units[n + 2])
+        n1 = 0
+        if cur is not None and cur.kb is not None:
+            n1 = len(cur.jobs)
+            _begin_scores(cfg, steps, cur)
+        n3 = 0
+        if prev is not None and prev.kb is not None:
+            n3 = len(prev.jobs)
+            _begin_exps(cfg, steps, pipe, prev)
+        if prev is not None and prev.kb is None:
+            pipe.later.append([pipe.step, "stats", prev.blk, 0, None])
+        done1 = 0
+        done3 = 0
+        gaps_next = False
+        if cur is not None and cur.kb is not None and not cur.last:
+            gaps_next = units[n + 1].kb.gaps
+        if n3 == 0 and n1 > 0:
+            for j in range(n1):
+                _score_tile(cfg, steps, cur, cur.jobs[j][0], cur.jobs[j][1])
+            _end_scores(cfg, cur, gaps_next)
+            done1 = n1
+        for t in range(n3):
+            # the scores of the next unit run ahead of this unit's exponents, done by 2/3 of them: its phase 2
+            # then has the last third of the segment to reach the exponent bias
+            want = min(n1, ((t + 1) * n1 * 3 + 2 * n3 - 1) // (2 * n3))
+            while done1 < want:
+                _score_tile(cfg, steps, cur, cur.jobs[done1][0], cur.jobs[done1][1])
+                done1 = done1 + 1
+                if done1 == n1:
+                    _end_scores(cfg, cur, gaps_next)
+            while done3 < min(n3, t + 1 + cfg.exp_lead):
+                _exp_tile(cfg, steps, prev, done3)
+                done3 = done3 + 1
+            _pt_tile(cfg, pipe, prev, t)
+            if len(pipe.pv) - pipe.pv_at > cfg.pv_lag:
+                _pv_tile(cfg, pipe)
+            pipe.step = pipe.step + 1
+            _run_later(cfg, hbm, steps, pipe, False)
+        if n3 > 0:
+            prev.blk.l_sum = _update_sum(cfg, prev.blk.l_sum, prev.alpha, prev.rs)
+            prev.rs = None
+            prev.summed = True
+            _release_unit(prev)
+    while pipe.pv_at < len(pipe.pv):
+        _pv_tile(cfg, pipe)
+        pipe.step = pipe.step + 1
+        _run_later(cfg, hbm, steps, pipe, False)
+    _run_later(cfg, hbm, steps, pipe, True)
 
 
 def _positive_int_problem(name, value):
@@ -874,17 +1345,27 @@ def _positive_int_problem(name, value):
     return None
 
 
+def _nonnegative_int_problem(name, value):
+    """The problem with a tuning keyword that must be None or an int >= 0 (None when it is fine)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        return f"{name}={value!r} must be None (the default) or an int >= 0"
+    return None
+
+
 def fwd_problem(q_ref, k_ref, v_ref, sinks_ref=None, bound_min=None, bound_max=None, use_causal_mask=False,
                 mixed_precision=True, softmax_scale=None, sliding_window=None, softcap=0.0, alibi_slopes=None,
                 window_size=None, dropout_p=0.0, dropout_seed=None, kb_tiles=None, block_members_max=None,
-                slab_tiles=None, attn_bias=None, block_mask=None, block_bits=None):
+                slab_tiles=None, attn_bias=None, block_mask=None, block_bits=None, p_dma_period=None,
+                pv_lag=None, logit_scale=None):
     """``None`` when ``attention_fwd`` accepts these arguments, else the first problem as a message. The kernel
     asserts on it; ``nki_attn.kernel_api.attention_fwd`` raises it as ``ValueError`` before launching."""
     problem = attention_problem(q_ref, k_ref, v_ref, sinks=sinks_ref, bound_min=bound_min, bound_max=bound_max,
                                 use_causal_mask=use_causal_mask, softmax_scale=softmax_scale,
                                 sliding_window=sliding_window, softcap=softcap, alibi_slopes=alibi_slopes,
                                 window_size=window_size, dropout_p=dropout_p, dropout_seed=dropout_seed,
-                                kernel="attention_fwd")
+                                kernel="attention_fwd", logit_scale=logit_scale)
     if problem is None and not isinstance(mixed_precision, bool):
         problem = f"mixed_precision={mixed_precision!r} must be True or False"
     if problem is None:
@@ -899,21 +1380,26 @@ def fwd_problem(q_ref, k_ref, v_ref, sinks_ref=None, bound_min=None, bound_max=N
         masked = use_causal_mask or sliding_window is not None or window_size is not None or bound_min is not None
         problem = block_mask_problem(block_mask, block_bits, q_ref.shape[3], k_ref.shape[3], q_ref.shape[0],
                                      q_ref.shape[1], masked)
+    if problem is None:
+        problem = _nonnegative_int_problem("p_dma_period", p_dma_period)
+    if problem is None:
+        problem = _nonnegative_int_problem("pv_lag", pv_lag)
     return problem
 
 
 def _setup_config(q_ref, k_ref, v_ref, sinks_ref, bound_min, use_causal_mask, mixed_precision, softmax_scale,
                   sliding_window, softcap, alibi_slopes, window_size, dropout_p, kb_tiles, block_members_max,
-                  slab_tiles, block_mask=None):
+                  slab_tiles, block_mask=None, p_dma_period=None, pv_lag=None, logit_scale=None):
     """The launch's ``_FwdConfig``, built once from the kernel's (valid) arguments; ``block_mask`` its
     ``band.BlockRows`` (or None)."""
     shp = attention_shape(q_ref, k_ref, sinks=sinks_ref, bound_min=bound_min, use_causal_mask=use_causal_mask,
                           softmax_scale=softmax_scale, sliding_window=sliding_window, v=v_ref, softcap=softcap,
-                          alibi_slopes=alibi_slopes, window_size=window_size, dropout_p=dropout_p)
+                          alibi_slopes=alibi_slopes, window_size=window_size, dropout_p=dropout_p,
+                          logit_scale=logit_scale)
     range_select_ok = nisa.get_nc_version() >= nisa.nc_version.gen3  # range_select exists on trn2+
     acc_dtype = nl.float32 if mixed_precision else q_ref.dtype
     cfg = _FwdConfig(shp, q_ref.dtype, acc_dtype, range_select_ok, v_ref.shape[2], kb_tiles, block_members_max,
-                     slab_tiles)
+                     slab_tiles, p_dma_period, pv_lag)
     if block_mask is not None:
         cfg.block_mask = BlockRows(block_mask[0], block_mask[1], block_mask[2], shp.seqlen_k // PMAX)
     return cfg
@@ -923,7 +1409,8 @@ def _setup_config(q_ref, k_ref, v_ref, sinks_ref, bound_min, use_causal_mask, mi
 def attention_fwd(q_ref, k_ref, v_ref, sinks_ref=None, bound_min=None, bound_max=None, use_causal_mask=False,
                   mixed_precision=True, softmax_scale=None, sliding_window=None, softcap=0.0, alibi_slopes=None,
                   window_size=None, dropout_p=0.0, dropout_seed=None, kb_tiles=None, block_members_max=None,
-                  slab_tiles=None, attn_bias=None, block_mask=None, block_bits=None):
+                  slab_tiles=None, attn_bias=None, block_mask=None, block_bits=None, p_dma_period=None,
+                  pv_lag=None, logit_scale=None):
     """Flash-attention forward; returns ``(o, lse)`` in shared HBM.
 
     Args:
@@ -951,6 +1438,10 @@ def attention_fwd(q_ref, k_ref, v_ref, sinks_ref=None, bound_min=None, bound_max
             per key block (``KB_TILES``), members per block at most (``BLOCK_MEMBERS_MAX``), query tiles per slab
             (default: the most the SBUF holds, balanced). The modeled time changes, the result only by float32
             summation order (docs/kernel-fwd.md, "Tuning keywords").
+        p_dma_period, pv_lag: tuning (trace-time ints >= 0, None = the default): every p_dma_period-th member's
+            full P tiles of a key block are transposed by one dma_transpose (trn2+, 16-bit; default 4 when both
+            head dims are <= 128, else 0 = never); PV matmuls run pv_lag jobs behind their P^T (``PV_LAG``). The
+            result does not change.
         attn_bias: optional float32 / bfloat16 / float16 ``[bb, hb, sqb, skb]``, each dim 1 (broadcast) or the
             call's ``[bs, nheads, seqlen_q, seqlen_k]``: added to the scaled (and capped) scores, after ALiBi
             (``steps.bias_scores``; rows are query positions, columns keys, in the kernel's padded lengths).
@@ -958,17 +1449,20 @@ def attention_fwd(q_ref, k_ref, v_ref, sinks_ref=None, bound_min=None, bound_max
             1 or nheads; ``rows[t][c]`` the class ``band.BLOCK_*`` of query tile t and 128-key chunk c over all
             (batch, head) pairs) and the uint8 HBM bitmap store of its PARTIAL key tiles (``band`` "Block
             masks"); not with causal, windows or packing bounds.
+        logit_scale: optional float32 ``[bs, nheads]``, the per-head logit scale: the logits are
+            ``softmax_scale * logit_scale[b, h] * q.k`` before soft-capping and ALiBi.
 
     Returns:
         o: ``[bs, nheads, d_v, seqlen_q]`` in q's dtype; lse: float32 ``[bs, nheads, 128, seqlen_q // 128]``.
     """
     problem = fwd_problem(q_ref, k_ref, v_ref, sinks_ref, bound_min, bound_max, use_causal_mask, mixed_precision,
                           softmax_scale, sliding_window, softcap, alibi_slopes, window_size, dropout_p, dropout_seed,
-                          kb_tiles, block_members_max, slab_tiles, attn_bias, block_mask, block_bits)
+                          kb_tiles, block_members_max, slab_tiles, attn_bias, block_mask, block_bits, p_dma_period,
+                          pv_lag, logit_scale)
     assert problem is None, problem
     cfg = _setup_config(q_ref, k_ref, v_ref, sinks_ref, bound_min, use_causal_mask, mixed_precision, softmax_scale,
                         sliding_window, softcap, alibi_slopes, window_size, dropout_p, kb_tiles, block_members_max,
-                        slab_tiles, block_mask)
+                        slab_tiles, block_mask, p_dma_period, pv_lag, logit_scale)
     if cfg.block_mask is not None and cfg.block_mask.n_slots > 0:
         cfg.block_mask.bits = block_bits
         cfg.block_mask.bitsel = block_bitsel()
@@ -977,7 +1471,7 @@ def attention_fwd(q_ref, k_ref, v_ref, sinks_ref=None, bound_min=None, bound_max
 
     o_ref = nl.ndarray((shp.bs, shp.nheads, cfg.d_v, shp.seqlen_q), dtype=q_ref.dtype, buffer=nl.shared_hbm)
     lse_ref = nl.ndarray((shp.bs, shp.nheads, PMAX, cfg.n_qt), dtype=nl.float32, buffer=nl.shared_hbm)
-    hbm = Hbm(q_ref, k_ref, v_ref, o=o_ref, lse=lse_ref)
+    hbm = Hbm(q_ref, k_ref, v_ref, o=o_ref, lse=lse_ref, logit_scale=logit_scale)
     start, stop = spmd_items(shp.bs * shp.nheads_kv)
 
     seed_sb = None
@@ -993,19 +1487,7 @@ def attention_fwd(q_ref, k_ref, v_ref, sinks_ref=None, bound_min=None, bound_max
     slabs = []
     for t0 in range(0, cfg.n_qt, cfg.slab_tiles):
         slabs.append((t0, min(t0 + cfg.slab_tiles, cfg.n_qt)))
-    for w in range(start, stop):
-        b = w // shp.nheads_kv
-        kvh = w % shp.nheads_kv
-        sink_stats = None
-        if shp.num_sinks > 0:
-            sink_stats = _sink_stats(cfg, sinks_ref, b, kvh)
-        slopes = None
-        alibi_st = None
-        if cfg.alibi:
-            slopes, alibi_st = _alibi_coefs(cfg, load_slopes(alibi_slopes, shp.nheads, cfg.group, b, kvh))
-        item = Item(b, kvh, slopes=slopes, seed=seed_sb, bounds=bounds, alibi_st=alibi_st, pos_tab=pos_tab,
-                    sinks=sink_stats, bias=attn_bias)
-        for i in range(len(slabs)):
-            t0, t1 = slabs[i]
-            _attend_slab(cfg, hbm, item, steps, t0, t1)
+    launch = Item(0, 0, seed=seed_sb, bounds=bounds, pos_tab=pos_tab, bias=attn_bias)
+    units = _plan_units(cfg, start, stop, slabs)
+    _attend_all(cfg, hbm, sinks_ref, alibi_slopes, launch, steps, units)
     return o_ref, lse_ref

@@ -11,8 +11,8 @@ position and band classification, fixed at trace time), ``item`` the ``Item`` of
 kernel picks its steps ONCE per launch from its config into a ``Steps`` object; the drivers run the lists in
 order and never test a variant. The stages, in the order a tile goes through them:
 
-    score         S -> S           before the exponent: soft-capping (``softcap_scores``), ALiBi, the additive
-                                   bias (``bias_scores``)
+    score         S -> S           before the exponent: the logit scale (``logit_scale_scores``), soft-capping
+                                   (``softcap_scores``), ALiBi, the additive bias (``bias_scores``)
     mask_full     S -> S           masking of a FULL tile (forward: the eviction with the row max; backward: none)
     mask_partial  S -> S           masking of a PARTIAL tile (packing bounds; forward: also the band and the
                                    block mask's bitmap, ``block_mask_scores``)
@@ -22,12 +22,14 @@ order and never test a variant. The stages, in the order a tile goes through the
     grad          P -> P           backward: the P operand of dS (soft-capping's chain rule)
     ds            dP -> dS         backward: ``dS = (dP - D) * P`` (dropout multiplies dP first; with the bias's
                                    gradient it also writes dS of the logits to HBM)
+    ds_post       dS -> dS         backward: the dS operand of dK / dQ (the logit scale's ``dS * scale[h]``)
 
 and the backward's ``item`` steps ``f(cfg, item)``, once per work item (the bias gradient's zero fill).
 
 A step that needs what an earlier one made for the same tile reads it from ``tile.saved`` (a dict: soft-capping's
-tanh for its gradient, dropout's keep multiplier for dS). A per-head logit scale, for example, is one more score
-step ``S -> S * scale[h]`` reading a column of ``item``: no driver changes.
+tanh for its gradient, dropout's keep multiplier for dS). The per-head logit scale is the worked example: one
+score step ``S -> S * scale[h]`` (``logit_scale_scores``, the same function in both kernels) reading a column of
+``item``, and in the backward one ``ds_post`` step for its gradient and the scale of dS (``attention_bwd``).
 
 **The scale convention** (both kernels, no switch): ``softmax_scale`` is applied in float32, never to an
 input-dtype operand. The score matmul gives the unscaled S = Q^T K in float32 PSUM; the forward takes its row max
@@ -81,10 +83,13 @@ class Item(nl.NKIObject):
     ``[128, n_qt]``; ``seed`` the dropout seed tile; ``sinks`` the forward's starting statistics ``(m0, l0)``
     from the sinks; the backward's row statistics ``neg_lse`` / ``dsum`` ``[128, group, nq]`` (-LSE and D of
     every member), its D matmul's ``ones`` column and its dQ reload's ``ident`` identity (launch-wide); ``bias``
-    the additive bias in HBM and ``dbias`` the backward's float32 HBM output of its gradient (``bias_scores``)."""
+    the additive bias in HBM and ``dbias`` the backward's float32 HBM output of its gradient (``bias_scores``);
+    ``logit_scale`` the per-head logit scale ``[128, group]`` (``load_slopes``' broadcast) and ``dlogit`` the
+    backward's per-row partial sums of its gradient ``[128, group, nq]``."""
 
     def __init__(self, b, kvh, slopes=None, slopes_pos=None, seed=None, bounds=None, alibi_st=None, pos_tab=None,
-                 sinks=None, neg_lse=None, dsum=None, ones=None, ident=None, bias=None, dbias=None):
+                 sinks=None, neg_lse=None, dsum=None, ones=None, ident=None, bias=None, dbias=None, logit_scale=None,
+                 dlogit=None):
         self.b = b
         self.kvh = kvh
         self.slopes = slopes
@@ -100,6 +105,8 @@ class Item(nl.NKIObject):
         self.ident = ident
         self.bias = bias
         self.dbias = dbias
+        self.logit_scale = logit_scale
+        self.dlogit = dlogit
 
 
 class Hbm(nl.NKIObject):
@@ -108,10 +115,11 @@ class Hbm(nl.NKIObject):
     dy ``[bs, nheads, d_v, seqlen_q]``, lse ``[bs, nheads, 128, seqlen_q // 128]``, sinks; the backward's
     gradients dq, dk, dv, dsinks shaped like their inputs and its fp32 dQ scratch; alibi_slopes ``[bs,
     nheads]``; attn_bias ``[bb, hb, sqb, skb]`` (each 1 or the full size) and the backward's dbias float32
-    ``[bs, nheads, seqlen_q, seqlen_k]``."""
+    ``[bs, nheads, seqlen_q, seqlen_k]``; logit_scale ``[bs, nheads]`` float32 and the backward's dlogit_scale (same
+    shape)."""
 
     def __init__(self, q, k, v, o=None, dy=None, lse=None, sinks=None, dq=None, dk=None, dv=None, dsinks=None,
-                 dq_scratch=None, alibi_slopes=None, attn_bias=None, dbias=None):
+                 dq_scratch=None, alibi_slopes=None, attn_bias=None, dbias=None, logit_scale=None, dlogit_scale=None):
         self.q = q
         self.k = k
         self.v = v
@@ -127,16 +135,20 @@ class Hbm(nl.NKIObject):
         self.alibi_slopes = alibi_slopes
         self.attn_bias = attn_bias
         self.dbias = dbias
+        self.logit_scale = logit_scale
+        self.dlogit_scale = dlogit_scale
 
 
 class Steps(nl.NKIObject):
     """The steps of one launch, chosen once from the config (module docstring): lists run in order, or one
     function per tile kind. ``key_block`` / ``lse`` / ``rows`` are the forward's once-per-key-block, LSE and
     per-slab row-state steps (``_alibi_positions``, ``_alibi_lse``, ``_dropout_slab``); ``item``: the
-    backward's once-per-work-item steps ``f(cfg, item)`` (the bias gradient's zero fill)."""
+    backward's once-per-work-item steps ``f(cfg, item)`` (the bias gradient's zero fill). ``ds_post``: the
+    backward's dS steps; ``item_start`` / ``item_end``: functions ``f(cfg, hbm, item)`` run when a work item starts
+    (loading its per-head operands into ``item``) and ends (writing per-head results)."""
 
     def __init__(self, score, mask_full, mask_partial, p_mask, prob, grad=None, ds=None, key_block=None, lse=None,
-                 rows=None, item=None):
+                 rows=None, item=None, ds_post=None, item_start=None, item_end=None):
         self.score = score
         self.mask_full = mask_full
         self.mask_partial = mask_partial
@@ -150,6 +162,9 @@ class Steps(nl.NKIObject):
         self.item = item
         if item is None:
             self.item = []
+        self.ds_post = ds_post
+        self.item_start = item_start
+        self.item_end = item_end
 
 
 def run_steps(cfg, fns, tile, item, x):
@@ -181,6 +196,24 @@ def softcap_scores(cfg, tile, item, s):
     nisa.activation(dst=t, op=nl.tanh, data=s, scale=cfg.cap_scale)
     tile.saved["tanh"] = t
     return t
+
+
+def logit_scale_scores(cfg, tile, item, s):
+    """Score step, the per-head logit scale: ``z = S * scale[h]`` (ONE ScalarE copy, PSUM -> float32 SBUF, the
+    head's scale a per-partition column of ``item.logit_scale`` as the activation's ``scale``; on ScalarE rather
+    than VectorE, as the modeled schedule prefers in both kernels, docs/semantics.md "Per-head logit scale").
+    First of the score steps: the soft-cap's tanh and the ALiBi bias read z, and the exponent's float32 ``exp_scale`` (softmax_scale) stays the
+    kernel-wide factor, so the logit is ``softmax_scale * scale[h] * q.k`` with every factor applied in float32
+    (module docstring, "The scale convention"). (The backward wraps it to keep the unscaled S for the gradient.)"""
+    z = nl.ndarray((PMAX, tile.kw), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.activation(dst=z, op=nl.copy, data=s, scale=item.logit_scale[:, tile.h:tile.h + 1])
+    return z
+
+
+def load_logit_scale(cfg, hbm, item):
+    """Work-item start step of the logit scale: the kv head's query heads' scales broadcast to the partitions,
+    ``item.logit_scale`` ``[128, group]`` float32 (``load_slopes``: the same ``[bs, nheads]`` HBM layout)."""
+    item.logit_scale = load_slopes(hbm.logit_scale, hbm.logit_scale.shape[1], cfg.group, item.b, item.kvh)
 
 
 def bias_scores(cfg, tile, item, s):

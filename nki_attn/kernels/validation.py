@@ -35,11 +35,12 @@ class AttentionShape(nl.NKIObject):
     causal, window (sliding window, 0 when none), window_size (``(left, right)``, -1 = unbounded, or None),
     packing (bounds given). off = seqlen_k - seqlen_q; band ``(lo_rel, hi_rel)``: key j is visible to query i
     iff ``i + lo_rel <= j <= i + hi_rel`` (``band.attention_band``, before packing bounds); banded: the band
-    masks something. softcap (0.0 = off), alibi (slopes given), dropout_p (0.0 = off), dropout (p > 0).
+    masks something. softcap (0.0 = off), alibi (slopes given), dropout_p (0.0 = off), dropout (p > 0),
+    logit_scale (a per-head logit scale given).
     """
 
     def __init__(self, bs, nheads, nheads_kv, d_head, seqlen_q, seqlen_k, num_sinks, sinks_3d, scale,
-                 causal, window, packing, d_v, window_size, softcap, alibi, dropout_p):
+                 causal, window, packing, d_v, window_size, softcap, alibi, dropout_p, logit_scale=False):
         self.bs = bs
         self.nheads = nheads
         self.nheads_kv = nheads_kv
@@ -68,6 +69,7 @@ class AttentionShape(nl.NKIObject):
         self.alibi = alibi
         self.dropout_p = dropout_p
         self.dropout = dropout_p > 0.0
+        self.logit_scale = logit_scale
 
 
 def _shape(t):
@@ -227,6 +229,21 @@ def _variant_problem(bs, nheads, softcap, alibi_slopes, dropout_p, dropout_seed)
     return None
 
 
+def _logit_scale_problem(bs, nheads, logit_scale):
+    """The per-head logit scale: None or a float32 tensor ``[bs, nheads]`` (first problem or None; its values
+    are the host's to check, docs/semantics.md "Per-head logit scale")."""
+    if logit_scale is None:
+        return None
+    if not _is_array(logit_scale):
+        return f"logit_scale={logit_scale!r} must be None or a float32 tensor [bs, nheads]"
+    if _shape(logit_scale) != (bs, nheads):
+        return (f"logit_scale shape {_shape(logit_scale)} must be [bs, nheads] = {(bs, nheads)} (the torch API "
+                f"broadcasts [nheads])")
+    if str(logit_scale.dtype) != str(nl.float32):
+        return f"logit_scale dtype {logit_scale.dtype} must be float32"
+    return None
+
+
 def bias_problem(attn_bias, bs, nheads, seqlen_q, seqlen_k, bias_grad=False):
     """The additive bias ``attn_bias`` (None = none) and the backward's ``bias_grad`` (first problem or None): a
     float32 / bfloat16 / float16 tensor ``[bb, hb, sqb, skb]`` with each dim 1 (broadcast) or the call's size
@@ -257,7 +274,7 @@ def bias_problem(attn_bias, bs, nheads, seqlen_q, seqlen_k, bias_grad=False):
 def attention_problem(q, k, v, o=None, dy=None, lse=None, sinks=None, bound_min=None, bound_max=None,
                       use_causal_mask=False, softmax_scale=None, sliding_window=None, softcap=0.0,
                       alibi_slopes=None, window_size=None, dropout_p=0.0, dropout_seed=None, supports=None,
-                      kernel="this kernel"):
+                      kernel="this kernel", logit_scale=None):
     """Check the arguments of attention_fwd / attention_bwd: ``None`` when they are valid, else the first
     problem as a message naming the argument, its value and the rule. The kernels ``assert`` on it (kernel
     code cannot raise); the host-side entry points (``nki_attn.kernel_api``, the torch API) raise it as
@@ -266,7 +283,7 @@ def attention_problem(q, k, v, o=None, dy=None, lse=None, sinks=None, bound_min=
     Layouts: q ``[bs, nheads, d_qk, seqlen_q]``; k ``[bs, nheads_kv, d_qk, seqlen_k]``; v ``[bs, nheads_kv, d_v,
     seqlen_k]``; o, dy ``[bs, nheads, d_v, seqlen_q]``; lse float32 ``[bs, nheads, 128, seqlen_q // 128]``;
     sinks ``[bs, nheads]`` or ``[bs, nheads, num_sinks]``; bound_min, bound_max float32 ``[seqlen_q]``;
-    alibi_slopes float32 ``[bs, nheads]``; dropout_seed an int32 / uint32 tensor ``[2]`` = (seed, offset) (or ``[1]``, offset 0)
+    alibi_slopes and logit_scale float32 ``[bs, nheads]``; dropout_seed an int32 / uint32 tensor ``[2]`` = (seed, offset) (or ``[1]``, offset 0)
     (docs/semantics.md, "Dropout").
     Scalars: softcap >= 0 (0 = off); window_size None or ``(left, right)`` ints >= -1 (-1 = unbounded), not
     with sliding_window; dropout_p in [0, 1) with dropout_seed given iff dropout_p > 0.
@@ -293,11 +310,15 @@ def attention_problem(q, k, v, o=None, dy=None, lse=None, sinks=None, bound_min=
     if softmax_scale is not None:
         if not _is_number(softmax_scale) or not softmax_scale > 0:
             return f"softmax_scale={softmax_scale!r} must be None or a positive number"
-    return _variant_problem(bs, nheads, softcap, alibi_slopes, dropout_p, dropout_seed)
+    problem = _variant_problem(bs, nheads, softcap, alibi_slopes, dropout_p, dropout_seed)
+    if problem is not None:
+        return problem
+    return _logit_scale_problem(bs, nheads, logit_scale)
 
 
 def attention_shape(q, k, sinks=None, bound_min=None, use_causal_mask=False, softmax_scale=None,
-                    sliding_window=None, v=None, softcap=0.0, alibi_slopes=None, window_size=None, dropout_p=0.0):
+                    sliding_window=None, v=None, softcap=0.0, alibi_slopes=None, window_size=None, dropout_p=0.0,
+                    logit_scale=None):
     """The ``AttentionShape`` of arguments that ``attention_problem`` accepted (``v`` gives d_v; without it
     d_v = d_qk)."""
     bs, nheads, d_head, seqlen_q = _shape(q)
@@ -318,4 +339,4 @@ def attention_shape(q, k, sinks=None, bound_min=None, use_causal_mask=False, sof
         pair = (window_size[0], window_size[1])
     return AttentionShape(bs, nheads, nheads_kv, d_head, seqlen_q, seqlen_k, num_sinks, sinks_3d, scale,
                           bool(use_causal_mask), window, bound_min is not None, d_v, pair, float(softcap),
-                          alibi_slopes is not None, float(dropout_p))
+                          alibi_slopes is not None, float(dropout_p), logit_scale is not None)

@@ -412,6 +412,8 @@ FEATURES = {
     "alibi": (True, None, "ALiBi with BLOOM's geometric slopes per head"),
     "window_size": (None, _pair, "two-sided local window L,R (-1: that side unbounded)"),
     "dropout": (0.1, float, "dropout on the probabilities at rate P = 0.1 unless given (seed from the inputs)"),
+    "logit_scale": (True, None, "a per-head logit scale (learned temperature; the backward also returns its "
+                                "gradient)"),
     "d_qk": (None, int, "head dim of q and k instead of --head-dim"),
     "d_v": (None, int, "head dim of v, o and dO instead of --head-dim"),
     "seqlen_q": (None, int, "query length instead of --seqlen"),
@@ -425,7 +427,7 @@ FEATURES = {
 # kernel parameters that are inputs or that the options above set: everything else with a default is a knob
 _NOT_KNOBS = {"sinks_ref", "bound_min", "bound_max", "alibi_slopes", "dropout_seed", "use_causal_mask",
               "sliding_window", "softcap", "window_size", "dropout_p", "mixed_precision", "softmax_scale",
-              "attn_bias"}
+              "attn_bias", "logit_scale"}
 
 
 def add_variant_arguments(p):
@@ -522,7 +524,8 @@ def _variant_case(args):
                 d_v=f.get("d_v", args.head_dim), dtype=DTYPES[args.dtype], causal=bool(args.causal),
                 window=args.window or 0, num_sinks=args.sinks, softcap=f.get("softcap", 0.0),
                 alibi="bloom" if f.get("alibi") else "", window_size=tuple(f.get("window_size", ())),
-                dropout=f.get("dropout", 0.0), bias=f.get("bias", ""), mask=f.get("mask", ""))
+                dropout=f.get("dropout", 0.0), bias=f.get("bias", ""), mask=f.get("mask", ""),
+                logit_scale=bool(f.get("logit_scale")))
 
 
 def _block_mask(case):
@@ -560,6 +563,8 @@ def run_variant_kernel(args):
         kw.update(dropout_p=case.dropout, dropout_seed=x["dropout_seed"])
     if case.bias:
         kw["attn_bias"] = x["attn_bias"]
+    if case.logit_scale:
+        kw["logit_scale"] = x["logit_scale"]
     if args.mixed_precision is not None:
         kw["mixed_precision"] = args.mixed_precision
     if case.mask:

@@ -40,7 +40,7 @@ def test_signature_matches_flash_attention(name):
     assert positional == FLASH_ATTN_SIGNATURES[name]
     extras = [p for p in params if p.kind != p.POSITIONAL_OR_KEYWORD]
     assert all(p.kind == p.KEYWORD_ONLY for p in extras), "our additions must be keyword-only"
-    extra_names = {"sinks", "return_lse", "dropout_seed", "generator"}
+    extra_names = {"sinks", "return_lse", "dropout_seed", "generator", "logit_scale"}
     if "varlen" not in name:  # the additive bias has [batch, heads, seqlen_q, seqlen_k] coordinates
         extra_names.add("attn_bias")
     assert {p.name for p in extras} == extra_names

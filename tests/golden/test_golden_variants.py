@@ -59,19 +59,22 @@ def alibi_reference(slopes, sq, sk):
 
 
 def reference(q, k, v, dy, *, causal=False, sliding_window=None, window_size=None, softcap=0.0, slopes=None,
-              keep=None, p=0.0, sinks=None, bound_min=None, bound_max=None, scale=None):
+              keep=None, p=0.0, sinks=None, bound_min=None, bound_max=None, scale=None, lscale=None):
     """float64 forward + autograd backward on kernel-layout inputs ([b, h, d, s]).
 
-    Returns dict(o, lse [b, h, sq], dq, dk, dv, dsinks) in kernel layout.
+    Returns dict(o, lse [b, h, sq], dq, dk, dv, dsinks, dlscale) in kernel layout.
     """
     Q, K, V = (x.detach().to(torch.float64).transpose(-1, -2).clone().requires_grad_(True) for x in (q, k, v))
     S = None if sinks is None else sinks.detach().to(torch.float64).clone().requires_grad_(True)
+    L = None if lscale is None else lscale.detach().to(torch.float64).clone().requires_grad_(True)
     b, h, sq, d = Q.shape
     sk = K.shape[2]
     group = h // K.shape[1]
     Kr, Vr = K.repeat_interleave(group, 1), V.repeat_interleave(group, 1)
     scale = 1 / math.sqrt(d) if scale is None else scale
     scores = torch.einsum("bhqd,bhkd->bhqk", Q, Kr) * scale
+    if L is not None:
+        scores = scores * L[:, :, None, None]
     if softcap:
         scores = softcap * torch.tanh(scores / softcap)
     if slopes is not None:
@@ -98,7 +101,8 @@ def reference(q, k, v, dy, *, causal=False, sliding_window=None, window_size=Non
     pd = probs.detach()
     weighted = torch.where(pd > 0, pd * scores.detach().abs(), torch.zeros_like(pd)).sum(-1)
     return dict(o=t(o), lse=lse.detach(), dq=t(Q.grad), dk=t(K.grad), dv=t(V.grad),
-                dsinks=None if S is None else S.grad.detach(), s_eff=float(weighted.max()))
+                dsinks=None if S is None else S.grad.detach(), dlscale=None if L is None else L.grad.detach(),
+                s_eff=float(weighted.max()))
 
 
 def lse_rows(lse):
@@ -116,9 +120,10 @@ def inputs(bs, h, hk, d_qk, sq, sk, d_v=None, seed=0, q_mult=1.0):
 # ---------------------------------------------------------------------------------------------- cases
 # Fields: bs, h, hk, d (d_qk), dv, sq, sk, causal, sw (sliding_window), ws (window_size), cap (softcap),
 # alibi (True = random slopes in [0, 0.3), as FlashAttention's tests), drop (p; a random keep mask),
-# sinks (num sinks), cu (packing cu_seqlens for q = k), q_mult (scale q to push logits into the cap).
+# sinks (num sinks), cu (packing cu_seqlens for q = k), q_mult (scale q to push logits into the cap), lscale
+# (True = a random per-head logit scale in [0.5, 2)).
 BASE = dict(bs=1, h=2, hk=2, d=64, dv=None, sq=128, sk=128, causal=False, sw=None, ws=None, cap=0.0,
-            alibi=False, drop=0.0, sinks=0, cu=None, q_mult=1.0, scale=None)
+            alibi=False, drop=0.0, sinks=0, cu=None, q_mult=1.0, scale=None, lscale=False)
 
 CASES = {
     # soft-capping, including saturated logits (q * 50 as FlashAttention's tests: qk / sqrt(d) ~ 50)
@@ -159,6 +164,11 @@ CASES = {
     "dropout_0.1": dict(drop=0.1),
     "dropout_0.5_causal_sinks": dict(drop=0.5, causal=True, sinks=2, h=4, hk=1),
     "dropout_window_sq_gt_sk": dict(drop=0.17, ws=(10, 3), sq=256, sk=128),
+    # the per-head logit scale, alone and before soft-capping and ALiBi
+    "logit_scale": dict(lscale=True, bs=2, h=4, hk=2),
+    "logit_scale_cap_alibi_sinks": dict(lscale=True, cap=3.0, alibi=True, sinks=1, causal=True, sq=256, sk=384,
+                                        q_mult=2.0),
+    "logit_scale_dropout_packing": dict(lscale=True, drop=0.2, cu=[0, 60, 61, 230], sq=256, sk=256),
     # everything at once
     "everything": dict(bs=2, h=4, hk=2, d=96, dv=40, sq=256, sk=384, causal=True, ws=(100, 7), cap=20.0,
                        alibi=True, drop=0.2, sinks=2, scale=0.3, q_mult=4.0),
@@ -188,6 +198,10 @@ def build(name, seed=0, spec=None):
     sinks = None
     if c["sinks"]:
         sinks = torch.randn(c["bs"], c["h"], c["sinks"], generator=g, dtype=torch.float64)
+    if c["lscale"]:
+        lam = 0.5 + 1.5 * torch.rand(c["bs"], c["h"], generator=g, dtype=torch.float32)
+        gkw["logit_scale"] = lam
+        rkw["lscale"] = lam
     if c["cu"] is not None:
         bmin, bmax = golden.packing_bounds(torch.tensor(c["cu"]), seqlen_q=c["sq"])
         gkw.update(bound_min=bmin, bound_max=bmax)
@@ -211,6 +225,9 @@ def test_variant_forward_and_backward_match_autograd(name):
     torch.testing.assert_close(got["out_dv_ref"], want["dv"], **F64)
     if sinks is not None:
         torch.testing.assert_close(got["out_dsinks_ref"], want["dsinks"], **F64)
+    assert ("out_dlogit_scale_ref" in got) == (want["dlscale"] is not None)
+    if want["dlscale"] is not None:
+        torch.testing.assert_close(got["out_dlogit_scale_ref"], want["dlscale"], **F64)
     for t in (o, *got.values()):
         assert torch.isfinite(t).all()
     assert not torch.isnan(lse).any()

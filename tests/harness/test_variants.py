@@ -86,7 +86,7 @@ def test_reduction_lengths_follow_the_band():
 
 # ------------------------------------------------------------------- the formulas the tolerances are derived from
 @pytest.mark.parametrize("feature", ["softcap", "alibi", "alibi_causal", "local", "local_causal", "causal_sq_gt_sk",
-                                     "dqk_dv", "dropout_causal"])
+                                     "dqk_dv", "dropout_causal", "logit_scale"])
 def test_inputs_baseline_is_the_variant_backward(feature):
     """The backward formula evaluated from the handed O and LSE (one term of every bound) implements the variant:
     in float32 it lands on the float64 reference up to float32 rounding. A formula missing the variant would be
@@ -95,7 +95,8 @@ def test_inputs_baseline_is_the_variant_backward(feature):
     ins = runner.make_inputs(case)
     ref = runner.reference(ins, case, torch.float64)
     got = runner.inputs_baseline(ins, ref, case)
-    for name in ("dq", "dk", "dv"):
+    assert ("dlogit_scale" in got) == ("dlogit_scale" in ref) == (feature == "logit_scale")
+    for name in ("dq", "dk", "dv") + (("dlogit_scale",) if feature == "logit_scale" else ()):
         scale = ref[name].abs().max().item()
         err = (got[name].double() - ref[name]).abs().max().item()
         assert err <= 1e-5 * scale, (name, err, scale)
@@ -146,6 +147,18 @@ def test_swapped_window_sides_fail():
 
     r = runner.run_case(row("local"), Bent(fwd_kw=swap, bwd_kw=swap))
     assert not r["pass"] and not r["outputs"]["o"]["ok"], r.get("error")
+
+
+def test_logit_scale_off_by_2_percent_in_the_backward_fails():
+    """A backward that scales dS by another lam than the forward's logits used: the outputs of the forward pass,
+    the gradients (the scale's own among them) fail."""
+    def bend(kw):
+        kw["logit_scale"] = kw["logit_scale"] * 1.02
+        return kw
+
+    r = runner.run_case(row("logit_scale"), Bent(bwd_kw=bend))
+    out = r["outputs"]
+    assert not r["pass"] and out["o"]["ok"] and not out["dq"]["ok"] and not out["dlogit_scale"]["ok"], r.get("error")
 
 
 def test_dropout_with_another_mask_fails():

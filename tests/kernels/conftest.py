@@ -40,7 +40,7 @@ K_FACTOR = 2.0
 UNIT_ROUNDOFF = {"float32": 2.0 ** -24, "bfloat16": 2.0 ** -8, "float16": 2.0 ** -11, "float64": 2.0 ** -53}
 # Secondary absolute bands, max|kernel - ref| <= atol + rtol * max|ref| (see docs/validation.md).
 ABS_BANDS = {"float32": (1e-4, 1e-5), "bfloat16": (0.0, 2e-2), "float16": (0.0, 2.5e-3)}
-GRAD_NAMES = ("dq", "dk", "dv", "dsinks")
+GRAD_NAMES = ("dq", "dk", "dv", "dsinks", "dbias", "dlogit_scale")
 
 
 # ----------------------------------------------------------------------------------------------- arrays
@@ -120,8 +120,9 @@ def bwd_from_stats(q, k, v, o, dy, lse, opts, sinks=None, drop=None, compute_dty
     given inputs (kernel layouts; O in the input dtype and LSE in float32 make it the ``err_inputs`` baseline):
     logits = cap * tanh(scale S / cap) + ALiBi, masked by the band and packing bounds; P = exp(logits - LSE);
     D = rowsum(O * dO); dS = P (dP - D) (1 - tanh^2); dV = P^T dO; dK = scale dS^T Q; dQ = scale dS K (dropout:
-    dP and the dV operand times M / (1 - p)); dsinks = -sum_rows exp(sink - LSE) D. ``opts``: the golden's
-    keywords. Returns numpy float64 arrays by output name."""
+    dP and the dV operand times M / (1 - p)); dsinks = -sum_rows exp(sink - LSE) D; with a logit scale lam the
+    logits start from lam scale S, dS is lam dS on its way to dK and dQ, and dlogit_scale = sum dS * scale S.
+    ``opts``: the golden's keywords. Returns numpy float64 arrays by output name."""
     f = lambda x: as_t64(x).to(compute_dtype)  # noqa: E731
     q, k, v, o, dy, lse = (f(x) for x in (q, k, v, o, dy, lse))
     bs, h, d, sq = q.shape
@@ -132,7 +133,11 @@ def bwd_from_stats(q, k, v, o, dy, lse, opts, sinks=None, drop=None, compute_dty
     kt = k.transpose(-1, -2).repeat_interleave(g, dim=1)
     vt = v.transpose(-1, -2).repeat_interleave(g, dim=1)
     rows = lse.transpose(-1, -2).reshape(bs, h, sq)                                 # row t*128+p
-    s = torch.matmul(qt, kt.transpose(-1, -2)) * scale
+    s0 = s = torch.matmul(qt, kt.transpose(-1, -2)) * scale
+    lam = opts.get("logit_scale")
+    if lam is not None:
+        lam = lam.to(compute_dtype)[..., None, None]
+        s = s * lam
     cap = opts.get("softcap", 0.0)
     th = None
     if cap > 0.0:
@@ -159,6 +164,10 @@ def bwd_from_stats(q, k, v, o, dy, lse, opts, sinks=None, drop=None, compute_dty
         dbias = sum_to(ds, tuple(bias.shape))
     if th is not None:
         ds = ds * (1.0 - th * th)
+    dlogit = None
+    if lam is not None:
+        dlogit = (ds * s0).sum((2, 3))
+        ds = ds * lam
     dq = torch.matmul(ds, kt) * scale
     dk = (torch.matmul(ds.transpose(-1, -2), qt) * scale).reshape(bs, hk, g, sk, -1).sum(2)
     dv = torch.matmul(pv.transpose(-1, -2), dot).reshape(bs, hk, g, sk, -1).sum(2)
@@ -169,6 +178,8 @@ def bwd_from_stats(q, k, v, o, dy, lse, opts, sinks=None, drop=None, compute_dty
         out["dsinks"] = (-(psink * dd[..., None]).sum(2)).reshape(tuple(np.shape(sinks)))
     if dbias is not None:
         out["dbias"] = dbias
+    if dlogit is not None:
+        out["dlogit_scale"] = dlogit
     return {n: as_f64(x) for n, x in out.items()}
 
 
@@ -206,6 +217,13 @@ def alibi_slopes(bs, h):
     return torch.stack([base * (1.0 + 0.25 * b) for b in range(bs)])
 
 
+def logit_scales(bs, h, mul=1.0):
+    """Per-head logit scales (learned temperatures) around 1, none a power of two, different per head and batch
+    row, times ``mul``: float32 [bs, h]."""
+    return torch.tensor([[mul * (0.55 + 0.37 * i + 0.11 * b) for i in range(h)] for b in range(bs)],
+                        dtype=torch.float32)
+
+
 class Case:
     """One attention problem: inputs, kernel arguments, and the references both kernels are judged against.
 
@@ -214,7 +232,8 @@ class Case:
     q ``[bs, h, d, sq]``, k ``[bs, hk, d, sk]``, v ``[bs, hk, dv, sk]``, dy like o ``[bs, h, dv, sq]``, sinks
     ``[bs, h]`` (one) or ``[bs, h, sinks]``. ``cu``: packed sequence boundaries (``golden.packing_bounds``, rows
     past the last are padding that sees nothing). ``dropout_seed``: the ``(seed, offset)`` pair of
-    ``golden.dropout.make_seed``.
+    ``golden.dropout.make_seed``. ``logit``: a per-head logit scale (``logit_scales`` times ``logit``; 0: none),
+    whose gradient the backward returns last.
 
     ``fwd()`` / ``check_fwd(o, lse)``: the forward kernel on these inputs and its check against the golden on the
     float64 inputs (``ref``) and in the dtype (``golden``). ``bwd()`` / ``check_bwd(grads)``: the backward kernel
@@ -225,7 +244,7 @@ class Case:
     def __init__(self, bs=1, h=1, hk=1, d=64, dv=None, sq=256, sk=None, dtype="float32", mixed=False,
                  causal=False, window=None, window_size=None, softcap=0.0, alibi=False, sinks=0, sink_mul=1.0,
                  cu=None, scale=None, dropout_p=0.0, dropout_seed=(1234, 7), q_mul=1.0, sink_value=None,
-                 seed=0, bias=None):
+                 seed=0, bias=None, logit=0.0):
         sk = sq if sk is None else sk
         dv = d if dv is None else dv
         self.dtype, self.mixed, self.tdt = dtype, mixed, DTYPES[dtype]
@@ -246,7 +265,7 @@ class Case:
             bmin, bmax = packing_bounds(cu, seqlen_q=sq)
         self.opts = dict(use_causal_mask=causal, softmax_scale=scale, sliding_window=window, bound_min=bmin,
                          bound_max=bmax, softcap=softcap, alibi_slopes=alibi_slopes(bs, h) if alibi else None,
-                         window_size=window_size)
+                         window_size=window_size, logit_scale=logit_scales(bs, h, logit) if logit else None)
         if dropout_p > 0.0:
             self.opts.update(dropout_p=dropout_p, dropout_seed=golden_dropout.make_seed(*dropout_seed))
         self.bias = None
@@ -310,6 +329,13 @@ class Case:
                                   inputs=inputs, lse=lse, drop=drop)
         return self._bwd_refs
 
+    def grad_names(self):
+        """The names of the backward kernel's outputs, in order: dq, dk, dv, then dsinks, dbias, dlogit_scale
+        if given."""
+        return [n for n in GRAD_NAMES if n in ("dq", "dk", "dv") or (n == "dsinks" and self.sinks is not None)
+                or (n == "dbias" and self.bias is not None)
+                or (n == "dlogit_scale" and self.opts["logit_scale"] is not None)]
+
     def bwd_kwargs(self):
         """The backward kernel's keywords (numpy arrays)."""
         return {key: (to_np(val) if isinstance(val, torch.Tensor) else val) for key, val in self.kwargs.items()}
@@ -329,17 +355,19 @@ class Case:
         (the kernel's formula from other O and LSE). Returns the measured numbers by name."""
         r = self.bwd_refs()
         inputs = r["inputs"] if inputs is None else inputs
-        names = list(GRAD_NAMES[:3]) + (["dsinks"] if self.sinks is not None else []) + \
-            (["dbias"] if self.bias is not None else [])
+        names = self.grad_names()
         assert len(out) == len(names)
         for name, got in zip(names, out):
-            want = "float32" if name in ("dsinks", "dbias") else self.dtype
+            want = "float32" if name in ("dsinks", "dbias", "dlogit_scale") else self.dtype
             assert dtype_name(got.dtype) == want, f"{name}: dtype {got.dtype}, expected {want}"
         if self.sinks is not None:
             assert tuple(np.shape(out[3])) == tuple(self.sinks.shape)
+        if self.opts["logit_scale"] is not None:
+            assert tuple(np.shape(out[-1])) == tuple(self.opts["logit_scale"].shape)
         if self.bias is not None:  # float32 [bs, h, sq, sk]: summed over the bias's broadcast dims here
-            assert tuple(np.shape(out[-1])) == (*self.q.shape[:2], self.q.shape[3], self.k.shape[3])
-            out = list(out[:-1]) + [sum_to(out[-1], tuple(self.bias.shape))]
+            i = names.index("dbias")
+            assert tuple(np.shape(out[i])) == (*self.q.shape[:2], self.q.shape[3], self.k.shape[3])
+            out = list(out[:i]) + [sum_to(out[i], tuple(self.bias.shape))] + list(out[i + 1:])
         # a query row that sees no key has dq exactly 0; a key no query sees has dk, dv exactly 0
         b = self.opts
         vis = visibility_mask(self.q.shape[3], self.k.shape[3], b["use_causal_mask"], b["sliding_window"],
@@ -401,7 +429,7 @@ VARIANT_TOKENS = {
     "alibi": r"alibi", "sinks": r"sinks(\d+)", "sinkmul": r"sinkmul([\d.]+)", "sinkval": r"sinkval([\d.]+)",
     "cu": r"cu([\d-]+)",
     "scale": r"scale([\d.]+)", "drop": r"drop([\d.]+)", "qmul": r"qmul([\d.]+)", "sec": r"sec(\d+)",
-    "seed": r"seed(\d+)", "bias": r"bias(h|b|1|full|keys)",
+    "seed": r"seed(\d+)", "bias": r"bias(h|b|1|full|keys)", "lscale": r"lscale([\d.]+)",
 }
 # the additive bias's shape by token suffix, for [bs, h, sq, sk]: per head (shared by the batch), per batch entry
 # (shared by the heads), one for all, full, and a key-padding bias [bs, 1, 1, sk]
@@ -454,6 +482,8 @@ def case_kwargs(dtype, variant, shape, heads):
             kw["seed"] = int(g[0])
         elif name == "bias":
             kw["bias"] = g[0]
+        elif name == "lscale":
+            kw["logit"] = float(g[0])
     return kw, sec
 
 

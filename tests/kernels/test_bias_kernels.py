@@ -106,7 +106,8 @@ def test_dbias_is_zero_outside_the_band_and_finite_everywhere():
 
 
 def _cfg(**over):
-    a = dict(softcap=0.0, alibi=False, packing=False, banded=False, dropout=False, trn1=False, block_mask=None)
+    a = dict(softcap=0.0, alibi=False, packing=False, banded=False, dropout=False, trn1=False, block_mask=None,
+             logit_scale=False)
     a.update(over)
     return types.SimpleNamespace(**a)
 
@@ -121,5 +122,6 @@ def test_step_lists_are_chosen_once_and_hold_no_bias_gradient_work_without_bias_
     none = kb._select_steps(_cfg())
     assert bias_scores not in none.score and none.item == []
     fwd = kf._select_steps(types.SimpleNamespace(mask="bounds", alibi_mm=False, softcap=1.0, alibi=True,
-                                                 dropout_p=0.0, block_mask=None), bias)
+                                                 dropout_p=0.0, block_mask=None,
+                                                 logit_scale=False), bias)
     assert fwd.score[-1] is bias_scores  # after soft-capping and ALiBi, as the semantics order them

@@ -110,9 +110,9 @@ def test_key_block_plan_matches_brute_force(sk, causal, window, tiles):
     seen = {}
     for kb in plan:
         kt0, kt_n, c_lo, c_hi, gaps = kb.kt0, kb.kt_n, kb.c_lo, kb.c_hi, kb.gaps
-        assert kt0 % fwd.KB_TILES == 0 and kt_n == min(fwd.KB_TILES, cfg.n_kt - kt0)
+        assert kt0 % cfg.kb_tiles == 0 and kt_n == min(cfg.kb_tiles, cfg.n_kt - kt0)
         union = []
-        want_gaps = kt_n < fwd.KB_TILES
+        want_gaps = kt_n < cfg.kb_tiles
         for u, t in enumerate(tiles):
             for i in range(kt_n):
                 k0 = (kt0 + i) * 512
@@ -152,42 +152,46 @@ def test_slabs_are_balanced_and_sized_by_the_budget(monkeypatch, target, dtype, 
     assert cfg.slab_tiles == math.ceil(cfg.n_qt / n_sec)  # balanced: no short last slab
     e = 4 if dtype == "float32" else 2
     staging = cfg.slab_tiles * group * (2 * len(cfg.qk_tiles) * 128 * e + 4)  # Q, O, LSE of one slab
-    scores = cfg.members * KB_KEYS * 4  # the largest item of the block's working set beside the staging
-    assert staging + scores <= fwd.sbuf_bytes_per_partition()
-    if group * s <= 16384 and dtype == "bfloat16" and target != "trn1":
-        assert n_sec == 1  # a whole head fits: Q, O and LSE move once per head
+    # the pipeline holds three slabs (finishing, current, next) beside two units' scores (float32)
+    scores = 2 * cfg.members * cfg.kb_tiles * fwd.K_TILE * 4
+    assert 3 * staging + scores <= fwd.sbuf_bytes_per_partition()
+    assert 1 <= cfg.kb_tiles <= fwd.KB_TILES
+    if cfg.kb_tiles > 1:  # the key block shrinks before a slab gets shorter than two blocks' query tiles
+        assert cfg.slab_tiles >= min(cfg.n_qt, 2 * max(1, cfg.members // group))
 
 
 # ----------------------------------------------------------------------------------------------- traces (structure)
 def test_transfers_once_per_head_and_slab():
-    # 4 query heads / 1 kv head, 1024 queries, d 256 (two partition tiles), bf16, causal, sinks: one slab
+    # 4 query heads / 1 kv head, 1024 queries, d 256 (two partition tiles), bf16, causal, sinks: balanced slabs
     q, k, v = make_qkv(nheads=4, nheads_kv=1, d=256, sq=1024, dtype=torch.bfloat16, seed=30)
     cfg = config(nheads=4, d=256, sq=1024, causal=True, sinks=1)
-    assert cfg.slab_tiles == cfg.n_qt
+    n_sec = cfg.n_qt // cfg.slab_tiles
+    assert n_sec * cfg.slab_tiles == cfg.n_qt
     _, rec = traced(q, k, v, sinks_ref=torch.zeros(1, 4), use_causal_mask=True)
-    assert len(dmas(rec, src="arg0")) == 4 * 2  # Q: one DMA per (head, d tile), all 1024 queries
-    assert len(dmas(rec, dst_hbm_dtype="bfloat16")) == 4 * 2  # O: one per (head, d tile)
+    assert len(dmas(rec, src="arg0")) == 4 * 2 * n_sec  # Q: one DMA per (head, d tile, slab)
+    assert len(dmas(rec, dst_hbm_dtype="bfloat16")) == 4 * 2 * n_sec  # O: one per (head, d tile, slab)
     lse = dmas(rec, dst_hbm_dtype="float32")
-    assert len(lse) == 4 and all(r.dst.shape == (128, 8) for r in lse)  # LSE: once per head, every tile
+    assert len(lse) == 4 * n_sec and all(r.dst.shape == (128, cfg.slab_tiles) for r in lse)  # LSE: per head, slab
     assert len(dmas(rec, src="arg3")) == 1  # the sinks: once per kv head
     # K and V: one DMA per (block, key block, d tile); blocks of 2 query tiles x 4 heads, one key block each
-    n_blocks = len(n_members_blocks(cfg))
-    assert n_blocks == 4
-    assert len(dmas(rec, src="arg1")) == len(dmas(rec, src="arg2")) == n_blocks * 2
+    blocks = n_members_blocks(cfg)
+    assert len(blocks) == 4
+    n_kb = sum(len(fwd._key_blocks(cfg, [t0 + j // 4 for j in range(j0, j1)])) for t0, j0, j1 in blocks)
+    assert len(dmas(rec, src="arg1")) == len(dmas(rec, src="arg2")) == n_kb * 2
 
 
 def test_transfers_with_several_slabs(monkeypatch):
-    # trn1, float32, d 256, 8 query heads per kv head: the budget leaves room for 2 query tiles per slab
+    # trn1, float32, d 256, 8 query heads per kv head: the budget leaves room for less than a head per slab
     monkeypatch.setenv("NEURON_PLATFORM_TARGET_OVERRIDE", "trn1")
     cfg = config(nheads=8, d=256, sq=1024, dtype=nl.float32, causal=True, packing=True, sinks=2,
                  range_select=False)
-    assert cfg.slab_tiles == 2
+    assert cfg.slab_tiles < cfg.n_qt and cfg.n_qt % cfg.slab_tiles == 0
     q, k, v = make_qkv(nheads=8, d=256, sq=1024, seed=31)
     bmin, bmax = packing_bounds([0, 300, 700, 1024])
     sinks = torch.randn(1, 8, 2, generator=torch.Generator().manual_seed(32))
     with recording() as rec:
         run_and_check(q, k, v, sinks=sinks, bound_min=bmin, bound_max=bmax, causal=True)
-    n_sec = 4
+    n_sec = cfg.n_qt // cfg.slab_tiles
     stats = sim.last_launch_stats()
     assert stats.peak_sbuf_bytes <= stats.sbuf_capacity_bytes  # (capacity checking raises anyway)
     assert len(dmas(rec.records, src="arg0")) == 8 * 2 * n_sec
@@ -212,7 +216,7 @@ def test_statistics_batched_per_block():
     assert sum(1 for r in rec if r.instr == "select_reduce") == 2 * len(blocks)
     reduces = [r for r in rec if r.instr == "tensor_reduce"]
     assert len(reduces) == 2 * n_kb
-    assert all(r.srcs[0].shape[2] == fwd.KB_TILES + 1 for r in reduces)  # tile maxima / sums + running value
+    assert all(r.srcs[0].shape[2] == cfg.kb_tiles + 1 for r in reduces)  # tile maxima / sums + running value
     # one online-softmax rescale of O per member and key block after its first; PV accumulated over a key block
     o_updates = sum(1 for r in rec if r.instr == "scalar_tensor_tensor")
     want = 0
@@ -290,7 +294,8 @@ def test_scale_in_exponent_across_blocks(scale):
                                                    ("trn2", torch.float32, False), ("trn1", torch.bfloat16, False)])
 def test_p_transposes_split_between_tensor_engine_and_dma(monkeypatch, target, dtype, want_dma):
     # 2 heads x 8 query tiles, 1024 keys non-causal: every (member, key tile) is a full 512-key tile; on trn2+
-    # with 16-bit P every other one is transposed by dma_transpose, the rest by 4 TensorE transposes
+    # with 16-bit P every P_DMA_PERIOD-th member has its full tiles of a key block transposed by ONE dma_transpose,
+    # the rest by 4 TensorE transposes per tile
     monkeypatch.setenv("NEURON_PLATFORM_TARGET_OVERRIDE", target)
     q, k, v = make_qkv(nheads=2, nheads_kv=1, d=64, sq=1024, dtype=dtype, seed=50)
     _, rec = traced(q, k, v)
@@ -298,12 +303,15 @@ def test_p_transposes_split_between_tensor_engine_and_dma(monkeypatch, target, d
     by_dma = [r for r in rec if r.instr == "dma_transpose"]
     p_transposes = [r for r in rec if r.instr == "nc_transpose" and r.dst.shape == (128, 128) and
                     r.srcs[0].shape == (128, 128) and r.dst.dtype == str(dtype).split(".")[1]]
+    cfg = config(nheads=2, d=64, sq=1024, dtype=nl.bfloat16)
+    per_member = math.ceil(2 / cfg.kb_tiles)  # key blocks per member: 1024 keys are 2 key tiles
     if want_dma:
-        assert len(by_dma) == n_tiles // 2
-        assert all(r.srcs[0].buffer == "sbuf" and r.dst.shape == (128, 4, 128) for r in by_dma)
+        assert len(by_dma) == 16 * per_member // fwd.P_DMA_PERIOD
+        assert all(r.srcs[0].buffer == "sbuf" and r.dst.shape == (128, 4 * cfg.kb_tiles, 128) for r in by_dma)
     else:
         assert not by_dma
-    assert len(p_transposes) == 4 * (n_tiles - len(by_dma))
+    n_by_dma = sum(r.dst.shape[1] // 4 for r in by_dma)
+    assert len(p_transposes) == 4 * (n_tiles - n_by_dma)
 
 
 # ----------------------------------------------------------------------------------------------- tuning keywords
@@ -313,7 +321,8 @@ def test_tuning_keywords_change_the_plan_not_the_result():
     rescales at other key-block boundaries); invalid values fail the kernel's assert naming the keyword."""
     q, k, v = make_qkv(nheads=4, nheads_kv=1, d=64, sq=1024, seed=60)
     (o0, l0), rec0 = traced(q, k, v, use_causal_mask=True)
-    for kw in (dict(kb_tiles=1), dict(block_members_max=2), dict(slab_tiles=3)):
+    kb0 = config(nheads=4, d=64, sq=1024, causal=True, dtype=nl.float32).kb_tiles
+    for kw in (dict(kb_tiles=2 if kb0 == 1 else 1), dict(block_members_max=2), dict(slab_tiles=3)):
         (o1, l1), rec1 = traced(q, k, v, use_causal_mask=True, **kw)
         assert len(rec1) != len(rec0), kw
         np.testing.assert_allclose(np.asarray(o1), np.asarray(o0), rtol=0, atol=1e-6)

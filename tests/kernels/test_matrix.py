@@ -176,6 +176,13 @@ ROWS = [
     ("b", "fp32", "drop0.1", "d64-s256", "h2k1"),
     ("b", "fp32", "causal+drop0.3+sinks1", "d64-s384x512", "h2k2"),
     ("b", "bf16", "alibi+cap2+win100:30+drop0.2", "d64-s256", "h1k1"),
+    # ---- per-head logit scale (lscale: ``conftest.logit_scales``, different per head and batch row; the backward
+    # returns its gradient last); with ALiBi in bf16 causal the forward leaves the ALiBi matmul for the exact step
+    ("fb", "fp32", "lscale1", "d64-s256", "b2h2k1"),
+    ("f", "bf16", "causal+alibi+lscale1", "d64-s256", "h2k1"),
+    ("b", "bf16", "causal+cap2+alibi+sinks1+lscale1.5", "d64-s256", "h4k2"),
+    ("b", "fp32", "causal+drop0.2+lscale1+sec128", "d64-s384", "h2k1", S),
+    ("fb", "bf16", "causal+cap2+biash+lscale1", "d64-s256", "b2h2k1"),       # with the bias and its gradient
     # ---- additive bias (attn_bias; backward with its gradient, summed over the broadcast dims)
     ("fb", "fp32", "causal+biash", "d64-s256x384", "b2h4k2"),
     ("fb", "bf16", "win100:40+cap3+biasb", "d64-s384", "b2h2k1"),
@@ -187,7 +194,7 @@ ROWS = [
 # The cross product of the core axes (slow): every variant on every dtype, shape and head layout, both kernels.
 PRODUCT_DTYPES = ["fp32", "bf16", "fp16-nomix"]
 PRODUCT_VARIANTS = ["plain", "causal", "causal+swa100", "win64:32", "cap2+qmul2", "alibi", "causal+sinks2",
-                    "cu0-100-250", "drop0.2", "causal+alibi+cap2+sinks1+drop0.1"]
+                    "cu0-100-250", "drop0.2", "causal+alibi+cap2+sinks1+drop0.1", "causal+lscale1"]
 PRODUCT_SHAPES = ["d64-s256", "d128v96-s384x256"]
 PRODUCT_HEADS = ["h2k2", "b2h4k1"]
 PRODUCT = [(k, dt, var, shape, heads, S) for k, dt, var, shape, heads in itertools.product(
@@ -276,7 +283,7 @@ def test_chain(dtype, variant, shape, heads, exact):
         assert np.all(dq.transpose(0, 1, 3, 2)[empty.numpy()] == 0.0)
 
 
-VARIANTS = {"causal", "swa", "win", "cap", "alibi", "sinks", "cu", "scale", "drop"}
+VARIANTS = {"causal", "swa", "win", "cap", "alibi", "sinks", "cu", "scale", "drop", "lscale"}
 
 
 def test_default_rows_cover_every_variant_and_dtype_in_both_kernels():

@@ -46,12 +46,15 @@ SEED = _t(2, dtype=torch.int32)
     dict(dropout_p=0.1, dropout_seed=SEED),
     dict(dropout_p=0.5, dropout_seed=_t(2, dtype=torch.uint32)),
     dict(dropout_p=0.5, dropout_seed=_t(1, dtype=torch.int32)),
+    dict(logit_scale="lscale"),
 ], ids=str)
 def test_spec_arguments_accepted(change, kw):
     a = _args(**change)
     kw = dict(kw)
     if kw.get("alibi_slopes") == "alibi":
         kw["alibi_slopes"] = _t(1, 2)
+    if kw.get("logit_scale") == "lscale":
+        kw["logit_scale"] = _t(1, 2)
     assert kernel_api.variant_problem(**a, **kw) is None
 
 
@@ -72,6 +75,9 @@ def _problem(**kw):
     (dict(alibi_slopes=_t(2)), r"alibi_slopes shape \(2,\) must be \[bs, nheads\] = \(1, 2\)"),
     (dict(alibi_slopes=_t(1, 2, dtype=torch.float16)), r"alibi_slopes dtype float16 must be float32"),
     (dict(alibi_slopes=0.5), r"alibi_slopes=0.5 must be None or a float32 tensor"),
+    (dict(logit_scale=_t(2)), r"logit_scale shape \(2,\) must be \[bs, nheads\] = \(1, 2\)"),
+    (dict(logit_scale=_t(1, 2, dtype=torch.bfloat16)), r"logit_scale dtype bfloat16 must be float32"),
+    (dict(logit_scale=2.0), r"logit_scale=2.0 must be None or a float32 tensor \[bs, nheads\]"),
     (dict(window_size=(64,)), r"window_size=\(64,\) must be None or a pair"),
     (dict(window_size=(1.5, 2)), r"window_size=\(1.5, 2\) must be None or a pair"),
     (dict(window_size=(-2, 3)), r"window_size=\(-2, 3\): each side must be >= 0, or -1"),
@@ -147,7 +153,7 @@ def test_kernel_api_drops_variant_keywords_at_default_and_refuses_others():
     k = _t(1, 1, 64, 256)
     valid = {"softcap": dict(softcap=0.5), "alibi_slopes": dict(alibi_slopes=_t(1, 2)),
              "window_size": dict(window_size=(2, 2)), "dropout_p": dict(dropout_p=0.5, dropout_seed=SEED),
-             "dropout_seed": dict(dropout_p=0.5, dropout_seed=SEED)}
+             "dropout_seed": dict(dropout_p=0.5, dropout_seed=SEED), "logit_scale": dict(logit_scale=_t(1, 2))}
     for item in kernel_api.VARIANT_KEYWORDS:
         name, default = item
         if fwd.accepts(name):
