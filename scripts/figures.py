@@ -245,16 +245,16 @@ def bwd_figures():
               *d_rows, ""]
 
     lines += ["**4. SBUF bytes per partition and PSUM banks** (section length chosen by the kernel; per-row "
-              "statistics for 8 query heads per kv head at seqlen_q 16384; working set counted twice for "
-              "double buffering):", "",
-              "| d_head | dtype | section keys | section | per-row stats | working set x2 | total | trn1 180224 | "
+              "statistics for 8 query heads per kv head at seqlen_q 16384; working set of the software pipeline: 3 "
+              "blocks, 2 groups, the visit buffers in flight between its stages):", "",
+              "| d_head | dtype | section keys | section | per-row stats | working set | total | trn1 180224 | "
               "trn2 212984 | PSUM banks |", "|---|---|---|---|---|---|---|---|---|---|"]
     for d in (64, 128, 256):
         tiles = -(-d // 128)
         for name, isz in (("bfloat16", 2), ("float32", 4)):
             sec = kb.default_section_len(d, tiles, isz, 1 << 20)
             u = kb.sbuf_usage(d, tiles, isz, sec, 8, 16384, mixed_precision=(isz == 2))
-            work = 2 * (u["per_block"] + u["per_group"] + u["per_visit"])
+            work = u["total"] - u["section"] - u["persistent"]
             lines.append(f"| {d} | {name}{' (mixed)' if isz == 2 else ''} | {sec} | {u['section']} | "
                          f"{u['persistent']} | {work} | {u['total']} | "
                          f"{'fits' if u['total'] <= SBUF_BYTES_PER_PARTITION[2] else 'NO'} | "
@@ -266,7 +266,7 @@ def bwd_figures():
               "partition and PSUM banks, Python lifetime as the liveness proxy; 1 head, seqlen = one full "
               "section, causal, target trn1 with its capacity check on):", "",
               "| d_head | dtype | section keys | measured SBUF peak | estimate, one copy of each tile | "
-              "estimate with working set x2 | measured PSUM peak |", "|---|---|---|---|---|---|---|"]
+              "estimate with the pipeline's working set | measured PSUM peak |", "|---|---|---|---|---|---|---|"]
     old_target = os.environ.get("NEURON_PLATFORM_TARGET_OVERRIDE")
     os.environ["NEURON_PLATFORM_TARGET_OVERRIDE"] = "trn1"
     try:

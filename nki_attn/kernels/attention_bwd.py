@@ -3,8 +3,11 @@
 ``attention_bwd(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref=None, bound_min=None, bound_max=None,
 use_causal_mask=False, mixed_precision=False, softmax_scale=None, sliding_window=None, softcap=0.0,
 alibi_slopes=None, window_size=None, dropout_p=0.0, dropout_seed=None, k_section_len=None, group_max=None,
-block_members_max=None, p_cast_on_gpsimd=None, ds_dma_transpose=None, logit_scale=None)`` returns ``(dq, dk,
-dv)``, then ``dsinks`` with sinks, then ``dlogit_scale`` (float32 ``[bs, nheads]``) with a logit scale: the layouts and semantics of ``golden.attention_bwd_torch.attention_bwd_torch_ref`` (see docs/semantics.md). docs/kernel-bwd.md explains the
+block_members_max=None, p_cast_on_gpsimd=None, ds_dma_transpose=None, attn_bias=None, bias_grad=False,
+block_mask=None, block_bits=None, logit_scale=None, ds_dma_every=None, pipe_lead=None, pipe_lag_b=None,
+pipe_lag_d=None)`` returns ``(dq, dk, dv)``, then ``dsinks`` with sinks, then ``dlogit_scale`` (float32
+``[bs, nheads]``) with a logit scale: the layouts and semantics of
+``golden.attention_bwd_torch.attention_bwd_torch_ref`` (see docs/semantics.md). docs/kernel-bwd.md explains the
 design; each step below is named there after the function that implements it. Kernel code stays in NKI's
 compile-time subset (checked by the simulator's frontend check): invalid arguments fail an ``assert`` on
 ``bwd_problem``'s message; ``nki_attn.kernel_api.attention_bwd`` raises it as ``ValueError`` before launching.
@@ -38,6 +41,12 @@ dV, dK and dQ partial sums stay in PSUM:
             store the block's dQ (one DMA)
         write dK, dV of the section
     with sinks: dsinks = -sum_rows exp(sink - LSE) * D, all heads at once       _dsinks
+
+The loops above are the plan (``BwdConfig``: sections, blocks, groups, key tiles, visits, flattened into
+``streams``). ``_pipeline`` emits them as ONE software pipeline over every (work item, section): a visit's
+dV/dK matmuls and dS transposes come ``pipe_lag_b`` visits, its dQ matmuls ``pipe_lag_d`` visits after its S,
+dP and dS, and the loads ``pipe_lead`` visits before, so every engine (which runs its own instructions in
+program order) always has independent work queued.
 """
 
 from ..backend import nisa, nki, nl
@@ -69,7 +78,15 @@ BLOCK_BUDGET_BYTES = 16 * 1024
 # ``_use_dma_transpose`` finds it pays. Both are the design; False gives the alternative (the cast on ScalarE,
 # every dS transpose on TensorE) for measurement.
 P_CAST_ON_GPSIMD = True
-DS_DMA_TRANSPOSE = True
+DS_DMA_TRANSPOSE = False
+# The software pipeline of a section's visits (``_pipeline``): a block's loads are issued PIPE_LEAD visits before
+# its first visit computes; a visit's dV / dK matmuls and dS transposes PIPE_LAG_B visits after its S / dP / dS,
+# and its dQ matmuls PIPE_LAG_D visits after.
+PIPE_LEAD = 4
+# With dS transposes by DMA allowed, every DS_DMA_EVERY-th whole 512-key tile takes the DMA path (1: all).
+DS_DMA_EVERY = 1
+PIPE_LAG_B = 2
+PIPE_LAG_D = 4
 
 
 # ----------------------------------------------------------------------------------------------- planning
@@ -125,10 +142,12 @@ def block_members(d_tiles, itemsize, dq_fp32, v_tiles=None, group_max=None, bloc
 def sbuf_usage(d_head, d_tiles, itemsize, section_len, group, seqlen_q, mixed_precision=False, packing=False,
                num_sinks=0, trn1_packing=False, dq_fp32=False, d_v=None, v_tiles=None, softcap=False,
                alibi=False, dropout=False, group_max=None, block_members_max=None, bias_bytes=0,
-               logit_scale=False):
-    """SBUF bytes per partition of the kernel's live tensors, by category. The block, group and visit working
-    sets are counted twice in ``total`` (room for the compiler to double-buffer tiles allocated inside loops).
-    ``bias_bytes``: the additive bias's bytes per key of a visit (``_bias_visit_bytes``).
+               logit_scale=False, pipe=(PIPE_LEAD, PIPE_LAG_B, PIPE_LAG_D)):
+    """SBUF bytes per partition of the kernel's live tensors, by category. ``pipe``: ``(pipe_lead, pipe_lag_b,
+    pipe_lag_d)`` of the software pipeline. ``total`` counts the blocks the pipeline holds at once (3 with a
+    lead: loading, in stage A, in stage D), two groups, two visits' stage-A tiles and the visit buffers in flight
+    between stages A, B and D (``in_flight``). ``bias_bytes``: the additive bias's bytes per key of a visit
+    (``_bias_visit_bytes``).
     ``d_head``/``d_tiles``: d_qk and its partition tiles; ``d_v``/``v_tiles`` default to them. Used by the
     trace-time budget check and docs/kernel-bwd.md."""
     e = itemsize
@@ -154,19 +173,26 @@ def sbuf_usage(d_head, d_tiles, itemsize, section_len, group, seqlen_q, mixed_pr
     per_block = (block_members(d_tiles, e, dq_fp32, v_tiles, group_max, block_members_max)
                  * block_member_bytes(d_tiles, e, dq_fp32, v_tiles))
     per_group = g * (d_head + d_v) * e                     # Q^T and dO^T of the members (128 partitions)
-    per_visit = (K_TILE * pe                               # P
-                 + (K_TILE * e if pe != e else 0)          # P cast for the dV matmul (mixed precision)
-                 + 2 * K_TILE * e                          # dS, dS^T
-                 + (K_TILE * 4 if packing else 0)          # masked S (fp32)
-                 + (K_TILE * 5 if trn1_packing else 0)     # key index (fp32) and visibility (uint8)
-                 + (2 * K_TILE * 4 if softcap else 0)      # tanh(S/c), P * (1 - tanh^2) (fp32)
-                 + (3 * K_TILE * 4 if alibi else 0)        # distances, bias, biased logits (fp32)
-                 + (K_TILE * (8 + e) if dropout else 0)    # keep-scale tile, dP * scale (fp32), dropped P
-                 + K_TILE * bias_bytes                     # the bias tile, biased scores, dL (fp32)
-                 + (3 * K_TILE * 4 if logit_scale else 0))  # scaled S, fp32 dS, dS * S (fp32)
-    total = section + persistent + 2 * (per_block + per_group + per_visit)
+    # the visit buffers of the software pipeline (``_pipeline``): P and the steps' tiles live in stage A only;
+    # the P cast and dS until stage B, pipe_lag_b visits later; dS^T until stage D, pipe_lag_d visits later
+    lead, lag_b, lag_d = pipe
+    p_cast = K_TILE * e if pe != e else 0
+    stage_a = (K_TILE * pe                                 # P
+               + (K_TILE * 4 if packing else 0)            # masked S (fp32)
+               + (K_TILE * 5 if trn1_packing else 0)       # key index (fp32) and visibility (uint8)
+               + (2 * K_TILE * 4 if softcap else 0)        # tanh(S/c), P * (1 - tanh^2) (fp32)
+               + (3 * K_TILE * 4 if alibi else 0)          # distances, bias, biased logits (fp32)
+               + (K_TILE * (8 + e) if dropout else 0)      # keep-scale tile, dP * scale (fp32), dropped P
+               + K_TILE * bias_bytes                       # the bias tile, biased scores, dL (fp32)
+               + (3 * K_TILE * 4 if logit_scale else 0))   # scaled S, fp32 dS, dS * S (fp32)
+    per_visit = stage_a + p_cast + 2 * K_TILE * e
+    in_flight = 2 * stage_a + (lag_b + 1) * (p_cast + K_TILE * e) + (max(lag_b, lag_d) - lag_b + 1) * K_TILE * e
+    # blocks: the one in stage D, the one in stage A and, with a lead, the one whose loads are in flight
+    n_blocks = 3 if lead > 0 else 2
+    total = section + persistent + n_blocks * per_block + 2 * per_group + in_flight
     return {"section": section, "persistent": persistent, "per_block": per_block, "per_group": per_group,
-            "per_visit": per_visit, "total": total, "d_tile": min(d_head, PMAX)}
+            "per_visit": per_visit, "in_flight": in_flight, "n_blocks": n_blocks, "total": total,
+            "d_tile": min(d_head, PMAX)}
 
 
 def psum_banks(d_tiles, v_tiles=None):
@@ -296,7 +322,11 @@ def _group_plan(c, s, members):
                     off = tile.k0 - u0
                     kw = tile.k1 - tile.k0
                     segs = _segments(covered, off // PMAX, (off + kw) // PMAX)
-                    dma = c.dsT_dma and kw == K_TILE
+                    dma = False
+                    if c.dsT_dma and kw == K_TILE:
+                        # every ds_dma_every-th whole tile of the launch goes to DMA (a mix by tile)
+                        c.whole_visits += 1
+                        dma = c.whole_visits % c.ds_dma_every == 0
                     visits.append(BwdVisit(mi, tile, off, segs, not started[mi], dma))
                     started[mi] = True
         ktiles.append(BwdKeyTile(u0, u1 - u0, visits))
@@ -346,15 +376,54 @@ def _section_blocks(c, s):
     return blocks
 
 
+class BwdStep(nl.NKIObject):
+    """One visit of a section's flat plan (``BwdConfig.streams``), in program order: block ``bi`` of the section,
+    its group ``gi`` (``gf``: the group's index in the whole section), key tile ``ki`` of the group, visit ``vi``
+    of the key tile; the flags mark the first / last visit of its block, group and key tile."""
+
+    def __init__(self, bi, gi, gf, ki, vi, blk_first, blk_last, grp_first, grp_last, kt_first, kt_last):
+        self.bi = bi
+        self.gi = gi
+        self.gf = gf
+        self.ki = ki
+        self.vi = vi
+        self.blk_first = blk_first
+        self.blk_last = blk_last
+        self.grp_first = grp_first
+        self.grp_last = grp_last
+        self.kt_first = kt_first
+        self.kt_last = kt_last
+
+
+def _section_stream(blocks):
+    """The flat visit plan of one section's ``blocks``: ``([BwdStep], number of groups)``."""
+    out = []
+    gf = 0
+    for bi in range(len(blocks)):
+        groups = blocks[bi].groups
+        for gi in range(len(groups)):
+            ktiles = groups[gi].ktiles
+            for ki in range(len(ktiles)):
+                nv = len(ktiles[ki].visits)
+                for vi in range(nv):
+                    last_kt = ki == len(ktiles) - 1 and vi == nv - 1
+                    out.append(BwdStep(bi, gi, gf, ki, vi, gi == 0 and ki == 0 and vi == 0,
+                                       gi == len(groups) - 1 and last_kt, ki == 0 and vi == 0, last_kt, vi == 0,
+                                       vi == nv - 1))
+            gf += 1
+    return out, gf
+
+
 class BwdConfig(nl.NKIObject):
     """Trace-time plan of one attention_bwd call (shapes, dtypes, engines, sections, blocks, groups, visits).
 
     ``a``: the call's ``validation.AttentionShape``; ``group_max``, ``block_members_max``, ``p_cast_on_gpsimd``,
-    ``ds_dma_transpose``: the kernel's tuning keywords (None: the module defaults); ``block_mask``: a
-    ``band.BlockRows`` or None."""
+    ``ds_dma_transpose``, ``pipe_lead``, ``pipe_lag_b``, ``pipe_lag_d``: the kernel's tuning keywords (None: the
+    module defaults); ``block_mask``: a ``band.BlockRows`` or None."""
 
     def __init__(self, a, dtype, mixed, section_len, trn1, group_max=None, block_members_max=None,
-                 p_cast_on_gpsimd=None, ds_dma_transpose=None, block_mask=None):
+                 p_cast_on_gpsimd=None, ds_dma_transpose=None, block_mask=None, ds_dma_every=None, pipe_lead=None,
+                 pipe_lag_b=None, pipe_lag_d=None):
         # (NKI binds one target per attribute assignment: no tuple unpacking into attributes)
         self.bs = a.bs
         self.nheads = a.nheads
@@ -454,10 +523,24 @@ class BwdConfig(nl.NKIObject):
         self.group_size = group_size(self.d_tiles, group_max)
         self.block_members = block_members(self.d_tiles, self.itemsize, self.dq_scratch, self.v_tiles, group_max,
                                            block_members_max)
+        if ds_dma_every is None:
+            ds_dma_every = DS_DMA_EVERY
+        self.ds_dma_every = ds_dma_every
         self.dsT_dma = _use_dma_transpose(self, trn1)
+        self.whole_visits = 0
         self.blocks = []
+        self.streams = []
+        self.stream_groups = []
         for s in range(self.n_sections):
             self.blocks.append(_section_blocks(self, s))
+            stream, n_groups = _section_stream(self.blocks[s])
+            self.streams.append(stream)
+            self.stream_groups.append(n_groups)
+        # the software pipeline of ``_pipeline`` (stage B never after stage D)
+        pipe = _pipe_of(pipe_lead, pipe_lag_b, pipe_lag_d)
+        self.pipe_lead = pipe[0]
+        self.pipe_lag_b = pipe[1]
+        self.pipe_lag_d = pipe[2]
 
 
 def _use_dma_transpose(c, trn1):
@@ -484,6 +567,17 @@ def _use_dma_transpose(c, trn1):
     return full > 0 and tensor_ns > dma_ns
 
 
+def _pipe_of(pipe_lead, pipe_lag_b, pipe_lag_d):
+    """``(lead, lag_b, lag_d)`` of the software pipeline from the keywords (None: the module defaults)."""
+    if pipe_lead is None:
+        pipe_lead = PIPE_LEAD
+    if pipe_lag_b is None:
+        pipe_lag_b = PIPE_LAG_B
+    if pipe_lag_d is None:
+        pipe_lag_d = PIPE_LAG_D
+    return pipe_lead, pipe_lag_b, max(pipe_lag_b, pipe_lag_d)
+
+
 def _section_len(a, itemsize, k_section_len):
     if k_section_len is None:
         return default_section_len(a.d_qk, len(a.qk_tiles), itemsize, a.seqlen_k, K_SECTION_MAX, len(a.v_tiles))
@@ -495,13 +589,17 @@ def _is_trn1():
 
 
 def _knob_problem(name, value, allowed):
-    """The problem with a tuning keyword: None (the default) or a value of the ``allowed`` kind ("int >= 1" or
-    "bool"); None when it is fine."""
+    """The problem with a tuning keyword: None (the default) or a value of the ``allowed`` kind ("int": an int
+    >= 1, "count": an int >= 0, or "bool"); None when it is fine."""
     if value is None:
         return None
     if allowed == "bool":
         if not isinstance(value, bool):
             return f"{name}={value!r} must be None (the default), True or False"
+        return None
+    if allowed == "count":
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            return f"{name}={value!r} must be None (the default) or an int >= 0"
         return None
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         return f"{name}={value!r} must be None (the default) or an int >= 1"
@@ -513,7 +611,7 @@ def bwd_problem(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref=None, bou
                 softcap=0.0, alibi_slopes=None, window_size=None, dropout_p=0.0, dropout_seed=None,
                 k_section_len=None, group_max=None, block_members_max=None, p_cast_on_gpsimd=None,
                 ds_dma_transpose=None, attn_bias=None, bias_grad=False, block_mask=None, block_bits=None,
-                logit_scale=None):
+                logit_scale=None, ds_dma_every=None, pipe_lead=None, pipe_lag_b=None, pipe_lag_d=None):
     """``None`` when ``attention_bwd`` accepts these arguments on the current target, else the first problem as
     a message (argument, value, rule). The kernel asserts on it; ``nki_attn.kernel_api.attention_bwd`` raises it
     as ``ValueError`` before launching."""
@@ -533,7 +631,10 @@ def bwd_problem(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref=None, bou
                 or k_section_len % PMAX != 0:
             return f"k_section_len={k_section_len!r} must be a positive multiple of {PMAX}"
     knobs = (("group_max", group_max, "int"), ("block_members_max", block_members_max, "int"),
-             ("p_cast_on_gpsimd", p_cast_on_gpsimd, "bool"), ("ds_dma_transpose", ds_dma_transpose, "bool"))
+             ("p_cast_on_gpsimd", p_cast_on_gpsimd, "bool"), ("ds_dma_transpose", ds_dma_transpose, "bool"),
+             ("ds_dma_every", ds_dma_every, "int"), ("pipe_lead", pipe_lead, "count"),
+             ("pipe_lag_b", pipe_lag_b, "count"),
+             ("pipe_lag_d", pipe_lag_d, "count"))
     for knob in knobs:
         name, value, allowed = knob
         problem = _knob_problem(name, value, allowed)
@@ -559,7 +660,8 @@ def bwd_problem(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref=None, bou
     bias_bytes = _bias_visit_bytes(attn_bias, bias_grad)
     use = sbuf_usage(a.d_qk, len(a.qk_tiles), isz, sec, a.group, a.seqlen_q, mixed_precision, a.packing,
                      a.num_sinks, trn1 and a.packing, dq_fp32, a.d_v, len(a.v_tiles), a.softcap > 0.0, a.alibi,
-                     a.dropout, group_max, block_members_max, bias_bytes, a.logit_scale)
+                     a.dropout, group_max, block_members_max, bias_bytes, a.logit_scale,
+                     _pipe_of(pipe_lead, pipe_lag_b, pipe_lag_d))
     cap = sbuf_bytes_per_partition()
     if use["total"] > cap:
         return (f"attention_bwd needs {use['total']} SBUF bytes per partition (section {use['section']}, per-row "
@@ -590,7 +692,8 @@ def _shape_of(q_ref, k_ref, v_ref, sinks_ref, bound_min, use_causal_mask, softma
 def _configure(q_ref, k_ref, sinks_ref, bound_min, use_causal_mask, mixed_precision, softmax_scale,
                sliding_window, k_section_len, v_ref=None, softcap=0.0, alibi_slopes=None, window_size=None,
                dropout_p=0.0, group_max=None, block_members_max=None, p_cast_on_gpsimd=None,
-               ds_dma_transpose=None, block_mask=None, logit_scale=None):
+               ds_dma_transpose=None, block_mask=None, logit_scale=None, ds_dma_every=None, pipe_lead=None,
+               pipe_lag_b=None, pipe_lag_d=None):
     """The launch's ``BwdConfig``, built once from arguments ``bwd_problem`` accepted (``v_ref`` None: d_v =
     d_qk; ``block_mask`` the kernel's trace-time ``(n_b, n_h, rows)`` or None)."""
     a = _shape_of(q_ref, k_ref, v_ref, sinks_ref, bound_min, use_causal_mask, softmax_scale, sliding_window,
@@ -600,7 +703,7 @@ def _configure(q_ref, k_ref, sinks_ref, bound_min, use_causal_mask, mixed_precis
     if block_mask is not None:
         rows = BlockRows(block_mask[0], block_mask[1], block_mask[2], a.seqlen_k // PMAX)
     return BwdConfig(a, q_ref.dtype, mixed_precision, sec, _is_trn1(), group_max, block_members_max,
-                     p_cast_on_gpsimd, ds_dma_transpose, rows)
+                     p_cast_on_gpsimd, ds_dma_transpose, rows, ds_dma_every, pipe_lead, pipe_lag_b, pipe_lag_d)
 
 
 # ----------------------------------------------------------------------------------------------- engines
@@ -704,13 +807,13 @@ def _load_bounds(c, bound_min, bound_max):
 
 
 # ----------------------------------------------------------------------------------------------- steps
-def _rowsum_o_dy(c, o_ref, b, blk, h_abs0, dy_b, ones, dsum):
+def _rowsum_o_dy(c, blk, o_b, dy_b, ones, dsum):
     """Step 1: D = rowsum(O * dO) of the block's members into ``dsum[:, g, i]`` (fp32). Equals
     sum_j P_ij dP_ij (O = P V), so the softmax Jacobian needs no key-axis reduction. O and dO are multiplied in
     their HBM layout (head dim on the partitions: no transpose), one fp32 ``tensor_tensor`` per head-dim tile for
     the whole block; a ones-vector matmul per member sums the head dim over the partitions into one PSUM column.
-    Run in each member's first section only; D stays in SBUF for the later sections."""
-    o_b = _load_block(c, o_ref, b, blk, h_abs0, c.v_rows)
+    Run in each member's first section only; D stays in SBUF for the later sections. ``o_b``, ``dy_b``: the
+    block's O and dO tiles (``_block_load``)."""
     n = blk.nh * blk.nt
     d_ps = nl.ndarray((PMAX, n), dtype=nl.float32, buffer=nl.psum)
     prods = []
@@ -1137,11 +1240,10 @@ def _transpose_ds(c, v, ds):
     return dsT
 
 
-def _dq(c, v, ds, kts, kk, dq_ps, dq_fresh):
-    """Step 5.1: dQ += dS K, contracting keys on the partitions (dS^T against the section's K^T), into the
-    member's columns of the group's dQ PSUM tile, accumulated over all the key tiles of the section (onto the
-    earlier sections' partial sum, which ``_reload_dq`` put there, unless ``dq_fresh``)."""
-    dsT = _transpose_ds(c, v, ds)
+def _dq(c, v, dsT, kts, kk, dq_ps, dq_fresh):
+    """Step 5.1: dQ += dS K, contracting keys on the partitions (dS^T, ``_transpose_ds``, against the section's
+    K^T), into the member's columns of the group's dQ PSUM tile, accumulated over all the key tiles of the
+    section (onto the earlier sections' partial sum, which ``_reload_dq`` put there, unless ``dq_fresh``)."""
     n_ch = v.kw // PMAX
     ch0 = kk // PMAX
     for dt in range(len(c.qk_rows)):
@@ -1152,9 +1254,9 @@ def _dq(c, v, ds, kts, kk, dq_ps, dq_fresh):
                            moving=dsT[:, 0, ch, :], accumulate=not (dq_fresh and v.dq_first and ch == 0))
 
 
-def _visit(c, item, steps, sec, grp, blk, mem, v, gps):
-    """One member's visit of one key tile: the seed's steps 2-5 on a [128 queries x <= 512 keys] tile. ``mem``:
-    the member's ``_MemberData``, ``v`` the visit (``BwdVisit``), ``gps`` the group's PSUM tiles."""
+def _visit_a(c, item, steps, sec, grp, mem, v):
+    """Stage A of one member's visit of one key tile (the seed's steps 2-4 on a [128 queries x <= 512 keys]
+    tile): S, P and its masks, the P cast, dP and dS. Returns ``(p_mm, ds)``, the operands of stage B."""
     g, i, col = grp.members[v.m]
     tile = Tile(item.b, item.kvh * c.group + g, g, i, v.k0, v.kw, v.kt.needs_lo, v.kt.needs_hi, v.kt.kind,
                 rows=mem.rows, d_col=item.dsum[:, g, i:i + 1])
@@ -1164,24 +1266,37 @@ def _visit(c, item, steps, sec, grp, blk, mem, v, gps):
     tile.saved["p_ds"] = run_steps(c, steps.grad, tile, item, p)
     p_mm = _cast_p(c, run_steps(c, steps.prob, tile, item, p))
     ds = _softmax_bwd(c, item, steps, tile, mem.dy, sec.vs, kk)
-    _dv_dk(c, v, mem.dyT, mem.qT, p_mm, ds, gps.dv, gps.dk)
-    _dq(c, v, ds, sec.kts, kk, gps.dq, blk.first)
+    return p_mm, ds
 
 
-def _evict_dv_dk(c, kt, k_lo, dv_ps, dk_ps, dv_acc, dk_acc):
+def _evict_dv_dk(c, kt, sec, dv_ps, dk_ps):
     """Add the group's dV and softmax_scale times its dK of one key tile into the section's fp32 SBUF
     accumulators: one VectorE instruction per head-dim tile and group, not per member (the PSUM adds of the
-    group's matmuls are free; the scale rides on the dK add, in float32)."""
-    a = kt.u0 - k_lo
-    e = a + kt.uw
-    for dt in range(len(c.v_rows)):
-        nisa.tensor_tensor(dst=dv_acc[dt][:, a:e], data1=dv_acc[dt][:, a:e], data2=dv_ps[dt], op=nl.add)
-    for dt in range(len(c.qk_rows)):
-        if c.dk_scale == 1.0:
-            nisa.tensor_tensor(dst=dk_acc[dt][:, a:e], data1=dk_acc[dt][:, a:e], data2=dk_ps[dt], op=nl.add)
-        else:
-            nisa.scalar_tensor_tensor(dst=dk_acc[dt][:, a:e], data=dk_ps[dt], op0=nl.multiply,
-                                      operand0=c.dk_scale, op1=nl.add, operand1=dk_acc[dt][:, a:e])
+    group's matmuls are free; the scale rides on the dK add, in float32). Columns no earlier eviction of the
+    section wrote (``sec.written``, trace time) are overwritten instead (a copy, or the scale alone): the
+    accumulators are never zeroed, and the result is bit-identical to adding into zeros."""
+    a0 = kt.u0 - sec.k_lo
+    runs = _segments(sec.written, a0 // PMAX, (a0 + kt.uw) // PMAX)
+    for run in runs:
+        x, y, acc = run
+        src = slice(x - a0, y - a0)
+        for dt in range(len(c.v_rows)):
+            dst = sec.dv_acc[dt][:, x:y]
+            if acc:
+                nisa.tensor_tensor(dst=dst, data1=dst, data2=dv_ps[dt][:, src], op=nl.add)
+            else:
+                nisa.tensor_copy(dst=dst, src=dv_ps[dt][:, src])
+        for dt in range(len(c.qk_rows)):
+            dst = sec.dk_acc[dt][:, x:y]
+            if acc and c.dk_scale == 1.0:
+                nisa.tensor_tensor(dst=dst, data1=dst, data2=dk_ps[dt][:, src], op=nl.add)
+            elif acc:
+                nisa.scalar_tensor_tensor(dst=dst, data=dk_ps[dt][:, src], op0=nl.multiply, operand0=c.dk_scale,
+                                          op1=nl.add, operand1=dst)
+            elif c.dk_scale == 1.0:
+                nisa.tensor_copy(dst=dst, src=dk_ps[dt][:, src])
+            else:
+                nisa.tensor_scalar(dst=dst, data=dk_ps[dt][:, src], op0=nl.multiply, operand0=c.dk_scale)
 
 
 def _reload_dq(c, grp, dq_ps, dq_prev, ident):
@@ -1225,19 +1340,11 @@ class _MemberData(nl.NKIObject):
         self.rows = rows
 
 
-class _GroupPsum(nl.NKIObject):
-    """The PSUM tiles a group accumulates in: ``dv`` / ``dk`` of the current key tile (one per V / Q-K head-dim
-    tile) and ``dq`` of the whole group."""
-
-    def __init__(self, dv, dk, dq):
-        self.dv = dv
-        self.dk = dk
-        self.dq = dq
-
-
 class _SectionBufs(nl.NKIObject):
     """The buffers of one K/V section ``s`` (keys ``[k_lo, k_lo + k_len)``): ``ks`` / ``vs`` / ``kts`` K, V and
-    K^T per head-dim tile (``_load_kv_section``), ``dk_acc`` / ``dv_acc`` the fp32 accumulators."""
+    K^T per head-dim tile (``_load_kv_section``), ``dk_acc`` / ``dv_acc`` the fp32 accumulators; ``written``: per
+    128-key chunk, whether an eviction has written its accumulator columns yet (the first one overwrites, so the
+    accumulators need no zeroing)."""
 
     def __init__(self, s, k_lo, k_len, ks, vs, kts, dk_acc, dv_acc):
         self.s = s
@@ -1248,25 +1355,106 @@ class _SectionBufs(nl.NKIObject):
         self.kts = kts
         self.dk_acc = dk_acc
         self.dv_acc = dv_acc
+        self.written = []
+        for j in range(k_len // PMAX):
+            self.written.append(False)
 
 
 class _BlockBufs(nl.NKIObject):
-    """The buffers of one block: ``q`` / ``dy`` its Q (scaled) and dO tiles, ``dq_stage`` the dQ staging,
-    ``dq_prev`` the earlier sections' dQ partial sums (None in the members' first section)."""
+    """The buffers of one block: ``q`` / ``dy`` its Q and dO tiles, ``dq_stage`` the dQ staging, ``dq_prev`` the
+    earlier sections' dQ partial sums (None in the members' first section), ``o`` its O tiles (the members' first
+    section only, for D; else None)."""
 
-    def __init__(self, q, dy, dq_stage, dq_prev):
+    def __init__(self, q, dy, dq_stage, dq_prev, o=None):
         self.q = q
         self.dy = dy
         self.dq_stage = dq_stage
         self.dq_prev = dq_prev
+        self.o = o
 
 
-def _group(c, item, steps, sec, blk, bb, grp):
-    """All visits of one group: dV/dK of each key tile and the members' dQ accumulate in PSUM."""
+def _block_load(c, hbm, item, blk):
+    """Pipeline stage L of a block (its first visit, ``c.pipe_lead`` visits before stage A reaches it): the DMAs of
+    dO, Q (and O in the members' first section, for D), the earlier sections' dQ partial sums, and the dQ
+    staging tiles. Returns the block's ``_BlockBufs``."""
+    b = item.b
+    h_abs0 = item.kvh * c.group + blk.h0
+    ncols = blk.nt * PMAX
+    dy_b = _load_block(c, hbm.dy, b, blk, h_abs0, c.v_rows)
+    q_b = _load_block(c, hbm.q, b, blk, h_abs0, c.qk_rows)
+    o_b = None
+    if blk.first:
+        o_b = _load_block(c, hbm.o, b, blk, h_abs0, c.v_rows)
+    to_scratch = c.dq_scratch and not blk.last
+    dq_stage = []
+    for rt in c.qk_rows:
+        if to_scratch:
+            dq_stage.append(nl.ndarray((rt[1], blk.nh * ncols), dtype=nl.float32, buffer=nl.sbuf))
+        else:
+            dq_stage.append(nl.ndarray((rt[1], blk.nh * ncols), dtype=c.mm_dtype, buffer=nl.sbuf))
+    return _BlockBufs(q_b, dy_b, dq_stage, None, o_b)
+
+
+def _load_dq_prev(c, hbm, item, blk):
+    """The block's dQ partial sums from its members' earlier sections (unscaled): fp32 scratch (mixed precision)
+    or out_dq itself, one DMA per head-dim tile."""
+    b = item.b
+    h_abs0 = item.kvh * c.group + blk.h0
+    ncols = blk.nt * PMAX
+    dq_prev = []
+    for rt in c.qk_rows:
+        r0, rn = rt
+        if c.dq_scratch:
+            t = nl.ndarray((rn, blk.nh * ncols), dtype=nl.float32, buffer=nl.sbuf)
+            nisa.dma_copy(dst=t, src=_hbm_block(hbm.dq_scratch, 0, blk.h0, blk.nh, r0, rn, blk.i0 * PMAX, ncols))
+        else:
+            t = nl.ndarray((rn, blk.nh * ncols), dtype=c.mm_dtype, buffer=nl.sbuf)
+            nisa.dma_copy(dst=t, src=_hbm_block(hbm.dq, b, h_abs0, blk.nh, r0, rn, blk.i0 * PMAX, ncols))
+        dq_prev.append(t)
+    return dq_prev
+
+
+def _parked(c, parked, blk, s):
+    """True when the store of every member of ``blk`` (a block of section ``s``) from the member's previous
+    section with a visible key has been emitted (``parked``: per member ``g * nq + i`` of the work item, the
+    section of its last emitted dQ partial store, kept by ``_pipeline``)."""
+    for i in range(blk.i0, blk.i0 + blk.nt):
+        prev = -1
+        for t in range(s):
+            if c.tiles[t][i]:
+                prev = t
+        for h in range(blk.h0, blk.h0 + blk.nh):
+            if parked[h * c.nq + i] != prev:
+                return False
+    return True
+
+
+def _set_parked(c, parked, blk, s):
+    for h in range(blk.h0, blk.h0 + blk.nh):
+        for i in range(blk.i0, blk.i0 + blk.nt):
+            parked[h * c.nq + i] = s
+
+
+def _block_store(c, hbm, item, blk, bb):
+    """After the block's last dQ eviction: one dQ store per head-dim tile (to out_dq in the members' last
+    section, else unscaled to the fp32 scratch or out_dq)."""
+    b = item.b
+    h_abs0 = item.kvh * c.group + blk.h0
+    ncols = blk.nt * PMAX
+    to_scratch = c.dq_scratch and not blk.last
+    for dt in range(len(c.qk_rows)):
+        r0, rn = c.qk_rows[dt]
+        if to_scratch:
+            dst = _hbm_block(hbm.dq_scratch, 0, blk.h0, blk.nh, r0, rn, blk.i0 * PMAX, ncols)
+        else:
+            dst = _hbm_block(hbm.dq, b, h_abs0, blk.nh, r0, rn, blk.i0 * PMAX, ncols)
+        nisa.dma_copy(dst=dst, src=bb.dq_stage[dt])
+
+
+def _group_start(c, item, grp, bb):
+    """Stage A of a group's first visit: Q^T, dO^T of its members (``_transpose_members``) and each member's
+    views (``_MemberData``)."""
     tr = _transpose_members(c, grp, bb.q, bb.dy)
-    dq_ps = nl.ndarray((PMAX, len(c.qk_rows) * c.group_size * PMAX), dtype=nl.float32, buffer=nl.psum)
-    if not blk.first:
-        _reload_dq(c, grp, dq_ps, bb.dq_prev, item.ident)
     mems = []
     for mi in range(len(grp.members)):
         g, i, col = grp.members[mi]
@@ -1282,66 +1470,18 @@ def _group(c, item, steps, sec, blk, bb, grp):
             dy_m.append(t[:, col:col + PMAX])
         qT, dyT = tr[mi]
         mems.append(_MemberData(q_m, dy_m, qT, dyT, rows))
-    for kt in grp.ktiles:
-        dv_ps = []
-        for rt in c.v_rows:
-            dv_ps.append(nl.ndarray((rt[1], kt.uw), dtype=nl.float32, buffer=nl.psum))
-        dk_ps = []
-        for rt in c.qk_rows:
-            dk_ps.append(nl.ndarray((rt[1], kt.uw), dtype=nl.float32, buffer=nl.psum))
-        gps = _GroupPsum(dv_ps, dk_ps, dq_ps)
-        for v in kt.visits:
-            _visit(c, item, steps, sec, grp, blk, mems[v.m], v, gps)
-        _evict_dv_dk(c, kt, sec.k_lo, dv_ps, dk_ps, sec.dv_acc, sec.dk_acc)
-        # release this key tile's dV / dK banks before the next one allocates its own: with two head-dim tiles
-        # (d_head > 128) two generations of them would not fit the 8 PSUM banks next to S, dP and dQ
-        gps = None
-        dv_ps = None
-        dk_ps = None
-    _evict_dq(c, grp, blk, dq_ps, bb.dq_stage)
+    return mems
 
 
-def _block(c, hbm, item, steps, sec, blk):
-    """One block of members in section ``sec``: batched loads, D (first section), the groups, one dQ store per
-    head-dim tile."""
-    b = item.b
-    h_abs0 = item.kvh * c.group + blk.h0
-    ncols = blk.nt * PMAX
-    dy_b = _load_block(c, hbm.dy, b, blk, h_abs0, c.v_rows)
-    q_b = _load_block(c, hbm.q, b, blk, h_abs0, c.qk_rows)
-    if blk.first:
-        _rowsum_o_dy(c, hbm.o, b, blk, h_abs0, dy_b, item.ones, item.dsum)
-    to_scratch = c.dq_scratch and not blk.last
-    dq_prev = None
-    if not blk.first:
-        # the earlier sections' unscaled partial sums: fp32 scratch (mixed precision) or out_dq itself
-        dq_prev = []
-        for rt in c.qk_rows:
-            r0, rn = rt
-            if c.dq_scratch:
-                t = nl.ndarray((rn, blk.nh * ncols), dtype=nl.float32, buffer=nl.sbuf)
-                nisa.dma_copy(dst=t, src=_hbm_block(hbm.dq_scratch, 0, blk.h0, blk.nh, r0, rn, blk.i0 * PMAX,
-                                                    ncols))
-            else:
-                t = nl.ndarray((rn, blk.nh * ncols), dtype=c.mm_dtype, buffer=nl.sbuf)
-                nisa.dma_copy(dst=t, src=_hbm_block(hbm.dq, b, h_abs0, blk.nh, r0, rn, blk.i0 * PMAX, ncols))
-            dq_prev.append(t)
-    dq_stage = []
+def _key_tile_psum(c, kt):
+    """The group's dV / dK PSUM tiles of one key tile (one bank per head-dim tile each)."""
+    dv_ps = []
+    for rt in c.v_rows:
+        dv_ps.append(nl.ndarray((rt[1], kt.uw), dtype=nl.float32, buffer=nl.psum))
+    dk_ps = []
     for rt in c.qk_rows:
-        if to_scratch:
-            dq_stage.append(nl.ndarray((rt[1], blk.nh * ncols), dtype=nl.float32, buffer=nl.sbuf))
-        else:
-            dq_stage.append(nl.ndarray((rt[1], blk.nh * ncols), dtype=c.mm_dtype, buffer=nl.sbuf))
-    bb = _BlockBufs(q_b, dy_b, dq_stage, dq_prev)
-    for grp in blk.groups:
-        _group(c, item, steps, sec, blk, bb, grp)
-    for dt in range(len(c.qk_rows)):
-        r0, rn = c.qk_rows[dt]
-        if to_scratch:
-            dst = _hbm_block(hbm.dq_scratch, 0, blk.h0, blk.nh, r0, rn, blk.i0 * PMAX, ncols)
-        else:
-            dst = _hbm_block(hbm.dq, b, h_abs0, blk.nh, r0, rn, blk.i0 * PMAX, ncols)
-        nisa.dma_copy(dst=dst, src=dq_stage[dt])
+        dk_ps.append(nl.ndarray((rt[1], kt.uw), dtype=nl.float32, buffer=nl.psum))
+    return dv_ps, dk_ps
 
 
 def _dsinks(c, sinks_ref, out_dsinks, b, hk, neg_lse, dsum):
@@ -1386,32 +1526,228 @@ def _identity(c):
     return ident
 
 
-def _section(c, hbm, item, steps, s):
-    """One K/V section ``s`` of a work item: load K, V, K^T, zero the fp32 dK, dV accumulators, run the section's
-    blocks, write dK, dV. The section's tiles live in this function only, so one section's buffers are released
-    before the next section's are allocated."""
-    b = item.b
-    hk = item.kvh
+def _section_start(c, hbm, item, s):
+    """A K/V section ``s`` of a work item: load K, V and K^T (only when a query tile sees a key of it), allocate
+    the fp32 dK, dV accumulators (written by the evictions, ``_evict_dv_dk``). Returns its ``_SectionBufs``."""
     k_lo, k_len = c.sections[s]
-    ks, vs, kts = _load_kv_section(c, hbm.k, hbm.v, b, hk, k_lo, k_len)
+    ks, vs, kts = None, None, None
+    if c.streams[s]:
+        ks, vs, kts = _load_kv_section(c, hbm.k, hbm.v, item.b, item.kvh, k_lo, k_len)
     dk_acc, dv_acc = [], []
     for rt in c.qk_rows:
-        a_k = nl.ndarray((rt[1], k_len), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.memset(dst=a_k, value=0.0, engine=nisa.engine.gpsimd)
-        dk_acc.append(a_k)
+        dk_acc.append(nl.ndarray((rt[1], k_len), dtype=nl.float32, buffer=nl.sbuf))
     for rt in c.v_rows:
-        a_v = nl.ndarray((rt[1], k_len), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.memset(dst=a_v, value=0.0, engine=nisa.engine.gpsimd)
-        dv_acc.append(a_v)
-    sec = _SectionBufs(s, k_lo, k_len, ks, vs, kts, dk_acc, dv_acc)
-    for blk in c.blocks[s]:
-        _block(c, hbm, item, steps, sec, blk)
+        dv_acc.append(nl.ndarray((rt[1], k_len), dtype=nl.float32, buffer=nl.sbuf))
+    return _SectionBufs(s, k_lo, k_len, ks, vs, kts, dk_acc, dv_acc)
+
+
+def _section_end(c, hbm, item, sec):
+    """Write dK, dV of a section (cast on the DMA), zeroing first the key chunks no visit reached."""
+    b = item.b
+    hk = item.kvh
+    j = 0
+    n = len(sec.written)
+    while j < n:
+        e = j
+        while e < n and not sec.written[e]:
+            e += 1
+        if e > j:
+            for t in sec.dk_acc:
+                nisa.memset(dst=t[:, j * PMAX:e * PMAX], value=0.0, engine=nisa.engine.gpsimd)
+            for t in sec.dv_acc:
+                nisa.memset(dst=t[:, j * PMAX:e * PMAX], value=0.0, engine=nisa.engine.gpsimd)
+            j = e
+        else:
+            j += 1
     for dt in range(len(c.qk_rows)):
         r0, rn = c.qk_rows[dt]
-        nisa.dma_copy(dst=hbm.dk[b, hk, r0:r0 + rn, k_lo:k_lo + k_len], src=dk_acc[dt])
+        nisa.dma_copy(dst=hbm.dk[b, hk, r0:r0 + rn, sec.k_lo:sec.k_lo + sec.k_len], src=sec.dk_acc[dt])
     for dt in range(len(c.v_rows)):
         r0, rn = c.v_rows[dt]
-        nisa.dma_copy(dst=hbm.dv[b, hk, r0:r0 + rn, k_lo:k_lo + k_len], src=dv_acc[dt])
+        nisa.dma_copy(dst=hbm.dv[b, hk, r0:r0 + rn, sec.k_lo:sec.k_lo + sec.k_len], src=sec.dv_acc[dt])
+
+
+class _Segment(nl.NKIObject):
+    """Pipeline state of one (work item, section) with visits: ``item`` (``steps.Item``), ``sec``
+    (``_SectionBufs``), and per block / group / visit what flows between the stages."""
+
+    def __init__(self, c, item, s):
+        self.item = item
+        self.s = s
+        self.sec = None
+        self.bbs = []
+        for blk in c.blocks[s]:
+            self.bbs.append(None)
+        self.mems = []
+        self.dqs = []
+        for gf in range(c.stream_groups[s]):
+            self.mems.append(None)
+            self.dqs.append(None)
+        self.p_mm = []
+        self.ds = []
+        self.dsT = []
+        for j in range(len(c.streams[s])):
+            self.p_mm.append(None)
+            self.ds.append(None)
+            self.dsT.append(None)
+
+
+def _pipeline(c, hbm, steps, start, end, bounds, seed, ones, ident):
+    """Every visit of the work items ``[start, end)``, their sections in order, as ONE software pipeline over the
+    flat plans (``c.streams``: blocks, groups, key tiles, members). Each engine runs its instructions in program
+    order, so a visit's chain across engines (S on TensorE, the exp on ScalarE, the cast, dS on VectorE, back to
+    TensorE for dV, dK and the dS transposes, ScalarE for the dS^T copy, TensorE for dQ) would leave TensorE
+    waiting at every hop. Iteration u emits, in this order:
+
+    - stage L of visit u: a work item's first visit starts the item (``_item_start``), a section's first visit
+      loads K, V, K^T (``_section_start``), a block's first visit issues the block's loads (``_block_load``):
+      ``c.pipe_lead`` visits before their stage A, so DMA latency and the K^T transposes are hidden, also across
+      sections and work items (the next one fills while the last one drains). A block of a later section loads
+      its dQ partial sums (``_load_dq_prev``) at the first of its stages L, A, D at which the earlier section's
+      store of every member has been emitted (``parked``, ``_parked``: the kernel reads them back from HBM);
+    - stage A of visit u - lead: a block's first visit computes D (``_rowsum_o_dy``), a group's first visit its
+      Q^T, dO^T (``_group_start``); then S, P, the cast, dP and dS (``_visit_a``);
+    - stage B of visit u - lead - ``c.pipe_lag_b``: a key tile's first visit allocates its dV / dK PSUM tiles;
+      the dV, dK matmuls (``_dv_dk``) and the dS transpose (``_transpose_ds``); a key tile's last visit adds dV,
+      dK into the section accumulators (``_evict_dv_dk``); a section's last visit writes them (``_section_end``);
+    - stage D of visit u - lead - ``c.pipe_lag_d``: a group's first visit allocates its dQ PSUM tile (and reloads
+      the earlier sections' partial sums, ``_reload_dq``); the dQ matmuls (``_dq``); a group's last visit evicts
+      dQ (``_evict_dq``); a block's last visit stores it (``_block_store``); a work item's last visit computes
+      its dsinks (``_dsinks``).
+
+    So TensorE's stream is S, dP of one visit, dV, dK, dS^T of a visit ``pipe_lag_b`` earlier, dQ of one
+    ``pipe_lag_d`` earlier: the other engines' work for a visit has that many visits of TensorE work to finish
+    in. With all three at 0 the order is the plain visit-by-visit one. The buffers of a visit live from its stage
+    A to its stage D (``sbuf_usage`` counts them)."""
+    secs_used = []
+    for s in range(c.n_sections):
+        if c.streams[s]:
+            secs_used.append(s)
+    if not secs_used:
+        # no query tile sees any key: zero gradients (and dsinks from D = 0)
+        for w in range(start, end):
+            item = _item_start(c, hbm, steps, w, bounds, seed, ones, ident)
+            if c.num_sinks:
+                _dsinks(c, hbm.sinks, hbm.dsinks, item.b, item.kvh, item.neg_lse, item.dsum)
+            for f in steps.item_end:
+                f(c, hbm, item)
+        return
+    segs = []
+    order = []
+    for w in range(start, end):
+        for s in secs_used:
+            si = len(segs)
+            segs.append(_Segment(c, None, s))
+            for j in range(len(c.streams[s])):
+                order.append((si, j, w, s == secs_used[0] and j == 0,
+                              s == secs_used[len(secs_used) - 1] and j == len(c.streams[s]) - 1))
+    n = len(order)
+    parked = []
+    for w in range(start, end):
+        row = []
+        for m in range(c.group * c.nq):
+            row.append(-1)
+        parked.append(row)
+    lead = c.pipe_lead
+    lag_b = c.pipe_lag_b
+    lag_d = c.pipe_lag_d
+    item = None
+    dv_ps = None
+    dk_ps = None
+    for u in range(n + lead + lag_d):
+        j = u
+        if j < n:
+            si, jj, w, item_first, item_last = order[j]
+            seg = segs[si]
+            st = c.streams[seg.s][jj]
+            if item_first:
+                item = _item_start(c, hbm, steps, w, bounds, seed, ones, ident)
+            if jj == 0:
+                seg.item = item
+                seg.sec = _section_start(c, hbm, item, seg.s)
+            if st.blk_first:
+                blk = c.blocks[seg.s][st.bi]
+                seg.bbs[st.bi] = _block_load(c, hbm, item, blk)
+                if not blk.first and _parked(c, parked[w - start], blk, seg.s):
+                    seg.bbs[st.bi].dq_prev = _load_dq_prev(c, hbm, item, blk)
+        j = u - lead
+        if j >= 0 and j < n:
+            si, jj, w, item_first, item_last = order[j]
+            seg = segs[si]
+            st = c.streams[seg.s][jj]
+            blk = c.blocks[seg.s][st.bi]
+            grp = blk.groups[st.gi]
+            bb = seg.bbs[st.bi]
+            if st.blk_first and blk.first:
+                _rowsum_o_dy(c, blk, bb.o, bb.dy, seg.item.ones, seg.item.dsum)
+                bb.o = None
+            if st.blk_first and not blk.first and bb.dq_prev is None and \
+                    _parked(c, parked[w - start], blk, seg.s):
+                bb.dq_prev = _load_dq_prev(c, hbm, seg.item, blk)
+            if st.grp_first:
+                seg.mems[st.gf] = _group_start(c, seg.item, grp, bb)
+            v = grp.ktiles[st.ki].visits[st.vi]
+            p_mm, ds = _visit_a(c, seg.item, steps, seg.sec, grp, seg.mems[st.gf][v.m], v)
+            seg.p_mm[jj] = p_mm
+            seg.ds[jj] = ds
+        j = u - lead - lag_b
+        if j >= 0 and j < n:
+            si, jj, w, item_first, item_last = order[j]
+            seg = segs[si]
+            st = c.streams[seg.s][jj]
+            grp = c.blocks[seg.s][st.bi].groups[st.gi]
+            kt = grp.ktiles[st.ki]
+            v = kt.visits[st.vi]
+            mem = seg.mems[st.gf][v.m]
+            if st.kt_first:
+                dv_ps, dk_ps = _key_tile_psum(c, kt)
+            _dv_dk(c, v, mem.dyT, mem.qT, seg.p_mm[jj], seg.ds[jj], dv_ps, dk_ps)
+            seg.dsT[jj] = _transpose_ds(c, v, seg.ds[jj])
+            seg.p_mm[jj] = None
+            seg.ds[jj] = None
+            if st.kt_last:
+                _evict_dv_dk(c, kt, seg.sec, dv_ps, dk_ps)
+                # release this key tile's dV / dK banks before the next one allocates its own: with two head-dim
+                # tiles (d_head > 128) two generations of them would not fit the 8 PSUM banks next to S, dP, dQ
+                dv_ps = None
+                dk_ps = None
+            if jj == len(c.streams[seg.s]) - 1:
+                _section_end(c, hbm, seg.item, seg.sec)
+        j = u - lead - lag_d
+        if j >= 0 and j < n:
+            si, jj, w, item_first, item_last = order[j]
+            seg = segs[si]
+            st = c.streams[seg.s][jj]
+            blk = c.blocks[seg.s][st.bi]
+            grp = blk.groups[st.gi]
+            v = grp.ktiles[st.ki].visits[st.vi]
+            bb = seg.bbs[st.bi]
+            if st.grp_first and not blk.first and bb.dq_prev is None:
+                # (the earlier sections' stores precede this one in stage D's order)
+                bb.dq_prev = _load_dq_prev(c, hbm, seg.item, blk)
+            if st.grp_first:
+                seg.dqs[st.gf] = nl.ndarray((PMAX, len(c.qk_rows) * c.group_size * PMAX), dtype=nl.float32,
+                                            buffer=nl.psum)
+                if not blk.first:
+                    _reload_dq(c, grp, seg.dqs[st.gf], bb.dq_prev, seg.item.ident)
+            _dq(c, v, seg.dsT[jj], seg.sec.kts, v.k0 - seg.sec.k_lo, seg.dqs[st.gf], blk.first)
+            seg.dsT[jj] = None
+            if st.grp_last:
+                _evict_dq(c, grp, blk, seg.dqs[st.gf], bb.dq_stage)
+                seg.dqs[st.gf] = None
+                seg.mems[st.gf] = None
+            if st.blk_last:
+                _block_store(c, hbm, seg.item, blk, bb)
+                if not blk.last:
+                    _set_parked(c, parked[w - start], blk, seg.s)
+                seg.bbs[st.bi] = None
+            if jj == len(c.streams[seg.s]) - 1:
+                seg.sec = None
+            if item_last:
+                if c.num_sinks:
+                    _dsinks(c, hbm.sinks, hbm.dsinks, seg.item.b, seg.item.kvh, seg.item.neg_lse, seg.item.dsum)
+                for f in steps.item_end:
+                    f(c, hbm, seg.item)
 
 
 def _alibi_coefs(c, sl):
@@ -1425,8 +1761,12 @@ def _alibi_coefs(c, sl):
     return neg, pos
 
 
-def _work_item(c, hbm, steps, b, hk, bounds, seed, ones, ident):
-    """All gradients of one (batch, kv head): KV sections outer, blocks and groups of members inner."""
+def _item_start(c, hbm, steps, w, bounds, seed, ones, ident):
+    """Start work item ``w`` (batch ``w // nheads_kv``, kv head ``w % nheads_kv``): ALiBi coefficients, -LSE of
+    every member, the D tile, the work-item steps (``steps.item``: the bias gradient's zeros), zero dQ for query
+    tiles that see no key, and zero dK / dV for the sections no query tile reaches. Returns its ``steps.Item``."""
+    b = w // c.nheads_kv
+    hk = w % c.nheads_kv
     neg = None
     pos = None
     if c.alibi:
@@ -1451,11 +1791,9 @@ def _work_item(c, hbm, steps, b, hk, bounds, seed, ones, ident):
                     nisa.dma_copy(dst=hbm.dq[b, hk * c.group + g, r0:r0 + rn, i * PMAX:(i + 1) * PMAX],
                                   src=zero[0:rn, :])
     for s in range(c.n_sections):
-        _section(c, hbm, item, steps, s)
-    if c.num_sinks:
-        _dsinks(c, hbm.sinks, hbm.dsinks, b, hk, neg_lse, dsum)
-    for f in steps.item_end:
-        f(c, hbm, item)
+        if not c.streams[s]:
+            _section_end(c, hbm, item, _section_start(c, hbm, item, s))
+    return item
 
 
 @nki.jit
@@ -1464,7 +1802,7 @@ def attention_bwd(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref=None, b
                   softcap=0.0, alibi_slopes=None, window_size=None, dropout_p=0.0, dropout_seed=None,
                   k_section_len=None, group_max=None, block_members_max=None, p_cast_on_gpsimd=None,
                   ds_dma_transpose=None, attn_bias=None, bias_grad=False, block_mask=None, block_bits=None,
-                  logit_scale=None):
+                  logit_scale=None, ds_dma_every=None, pipe_lead=None, pipe_lag_b=None, pipe_lag_d=None):
     """Flash-attention backward: ``(dq, dk, dv)`` or ``(dq, dk, dv, dsinks)``, then ``dbias`` when
     ``bias_grad``, then ``dlogit_scale`` (float32 ``[bs, nheads]``, per batch row) with a logit scale (float32
     ``[bs, nheads]``, as in ``attention_fwd``). See the module docstring.
@@ -1485,7 +1823,14 @@ def attention_bwd(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref=None, b
     - ``block_members_max``: members per block at most (``BLOCK_MEMBERS_MAX``, 8), loaded with one DMA per tensor;
     - ``p_cast_on_gpsimd``: the fp32 -> matmul-dtype cast of P on GpSimdE (True, ``P_CAST_ON_GPSIMD``) or ScalarE,
       from trn2 on;
-    - ``ds_dma_transpose``: allow dS transposes by DMA where the plan finds they pay (True, ``DS_DMA_TRANSPOSE``).
+    - ``ds_dma_transpose``: allow dS transposes by DMA where the plan finds they pay (``DS_DMA_TRANSPOSE``, False:
+      every dS transpose on TensorE);
+    - ``ds_dma_every``: with DMA transposes allowed, every n-th whole 512-key tile takes the DMA path
+      (``DS_DMA_EVERY``, 1: all of them);
+    - ``pipe_lead``, ``pipe_lag_b``, ``pipe_lag_d``: the software pipeline of the visits (``_pipeline``): block
+      loads ``pipe_lead`` visits ahead (``PIPE_LEAD``, 4), dV/dK matmuls and dS transposes ``pipe_lag_b`` visits
+      (``PIPE_LAG_B``, 2) and dQ matmuls ``pipe_lag_d`` visits (``PIPE_LAG_D``, 4) behind S / dP / dS; all 0: the
+      visit-by-visit order.
 
     ``block_mask`` / ``block_bits``: a block mask, as in ``attention_fwd`` (sections end on 512-key tiles).
 
@@ -1495,11 +1840,12 @@ def attention_bwd(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref=None, b
                           use_causal_mask, mixed_precision, softmax_scale, sliding_window, softcap, alibi_slopes,
                           window_size, dropout_p, dropout_seed, k_section_len, group_max, block_members_max,
                           p_cast_on_gpsimd, ds_dma_transpose, attn_bias, bias_grad, block_mask, block_bits,
-                          logit_scale)
+                          logit_scale, ds_dma_every, pipe_lead, pipe_lag_b, pipe_lag_d)
     assert problem is None, problem
     c = _configure(q_ref, k_ref, sinks_ref, bound_min, use_causal_mask, mixed_precision, softmax_scale,
                    sliding_window, k_section_len, v_ref, softcap, alibi_slopes, window_size, dropout_p, group_max,
-                   block_members_max, p_cast_on_gpsimd, ds_dma_transpose, block_mask, logit_scale)
+                   block_members_max, p_cast_on_gpsimd, ds_dma_transpose, block_mask, logit_scale, ds_dma_every,
+                   pipe_lead, pipe_lag_b, pipe_lag_d)
     if c.block_mask is not None and c.block_mask.n_slots > 0:
         c.block_mask.bits = block_bits
         c.block_mask.bitsel = block_bitsel()
@@ -1536,8 +1882,7 @@ def attention_bwd(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref=None, b
     ident = None
     if c.n_sections > 1:
         ident = _identity(c)
-    for w in range(start, end):
-        _work_item(c, hbm, steps, w // c.nheads_kv, w % c.nheads_kv, bounds, seed, ones, ident)
+    _pipeline(c, hbm, steps, start, end, bounds, seed, ones, ident)
     if c.logit_scale:
         if c.num_sinks and bias_grad:
             return out_dq, out_dk, out_dv, out_dsinks, out_dbias, out_dlogit

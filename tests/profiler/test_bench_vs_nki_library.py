@@ -68,3 +68,42 @@ def test_inputs_are_identical_bf16_for_both_kernels(bench):
     assert x["q"].shape == (1, 8, 64, 2048) and x["k"].shape == (1, 1, 64, 2048)
     assert str(x["q"].dtype) == "bfloat16" and x["sinks"].shape == (1, 8)
     assert all(np.array_equal(np.asarray(x[n], np.float32), np.asarray(y[n], np.float32)) for n in x)
+
+
+def test_worst_case_and_model_shape_limits(bench):
+    # with --sensitivity the ratio limit applies to the worst case as well as the plain ratio
+    sens = {"combined": 0.72}
+    results = {"a": {"bwd": {"ours_fig": _fig(60), "lib_fig": _fig(100), "mismatch": {"dq": 1e-3}, "sens": sens}}}
+    args = SimpleNamespace(max_bwd_ratio=0.70, max_fwd_ratio=None, max_bwd_floor_ratio=None, max_mismatch=0.05,
+                           max_model_bwd_floor_ratio=1.5, max_model_fwd_floor_ratio=None, sensitivity=True)
+    fails = bench.check_limits(results, args)
+    assert fails == ["(a) bwd: worst-case ratio 0.72 > --max-bwd-ratio 0.7"]
+    sens["combined"] = 0.69
+    assert bench.check_limits(results, args) == []
+
+    # the model-shape FLOP-bound limit: d128 / d256 shapes at >= 4096 tokens only
+    def figs(bwd_floor):
+        return {"bwd": {"floor_ratio": bwd_floor, "worst_ratio": None, "ratio": None},
+                "fwd": {"floor_ratio": 9.0, "worst_ratio": None, "ratio": None}}
+    rows = [("llama3-8b", 4096, figs(1.6)), ("llama3-8b", 2048, figs(1.6)), ("gpt-oss-20b", 4096, figs(9.0)),
+            ("gemma2-9b", 8192, figs(1.4))]
+    fails = bench.check_limits({}, args, rows)
+    assert fails == ["llama3-8b S=4096 bwd: 1.60x the useful-FLOP bound > --max-model-bwd-floor-ratio 1.5"]
+
+
+def test_model_shapes_and_their_arguments(bench, tmp_path, capsys):
+    ms = bench.MODEL_SHAPES["deepseek-mla"]
+    x = bench.model_inputs(ms, 512, seed=1)
+    assert x["q"].shape == (1, 1, 192, 512) and x["v"].shape == (1, 1, 128, 512) and x["sinks"] is None
+    assert bench.lib_unsupported(ms) == "d_qk != d_v"
+    assert bench.lib_unsupported(bench.MODEL_SHAPES["llama3-8b"]) is None
+    # d_qk = d_v: the FlashAttention convention (forward 4 d pairs, backward 2.5x)
+    ll = bench.MODEL_SHAPES["llama3-70b-tp8"]
+    fwd = bench.useful_attention_flops(1, 8, 4096, 4096, 128, causal=True)
+    assert bench.model_flops(ll, 4096, False) == fwd
+    assert bench.model_flops(ll, 4096, True) == fwd * 5 // 2
+    for bad in (["--models", "llama3-8b,nope"], ["--model-seqlens", "1000"], ["--model-seqlens", "x"]):
+        with pytest.raises(SystemExit) as e:
+            bench.parse_args(["--nkilib", str(tmp_path), *bad])
+        assert e.value.code == 2
+    capsys.readouterr()
