@@ -273,11 +273,12 @@ def _bwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor
             key_lo: Optional[torch.Tensor], key_hi: Optional[torch.Tensor], alibi: Optional[torch.Tensor],
             dropout_seed: Optional[torch.Tensor], left: int, right: int, shift: int, scale: float, softcap: float,
             dropout_p: float, bias: Optional[torch.Tensor] = None, bias_grad: bool = False,
-            logit_scale: Optional[torch.Tensor] = None
+            logit_scale: Optional[torch.Tensor] = None, d_from_o: bool = False
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of ``attention_fwd``: (dq, dk, dv like q, k, v; dsinks like sinks, or an empty [0] tensor; dbias
     like bias when ``bias_grad``, else an empty [0] tensor: no dbias work in the kernel; dlogit_scale like
-    logit_scale, or an empty [0] tensor)."""
+    logit_scale, or an empty [0] tensor). ``d_from_o``: out / lse come from a larger problem than these keys
+    (the kernel's keyword of that name)."""
     if dlse is not None and bool((dlse != 0).any()):
         raise NotImplementedError("nki_attn attention: a gradient flows into the log-sum-exp output (lse), which "
                                   "the backward kernel does not propagate; use lse only outside the graph "
@@ -291,6 +292,8 @@ def _bwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor
     lse_k = torch.nn.functional.pad(lse, (pl.front, pl.sq_k - sq - pl.front), value=math.inf)
     lse_k = lse_k.reshape(b, hq, pl.sq_k // PMAX, PMAX).transpose(-1, -2).clone(memory_format=_CONTIG)
     kw = kernel_keywords(spec, pl)
+    if d_from_o:
+        kw["d_from_o"] = True
     bias_grad = bool(bias_grad) and bias is not None
     if bias is not None:
         kw["attn_bias"] = _kernel_bias(bias, pl, sq, sk)
@@ -311,7 +314,7 @@ def _bwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor
 
 @_bwd_op.register_fake
 def _bwd_fake(q, k, v, out, dout, lse, dlse, sinks, key_lo, key_hi, alibi, dropout_seed, left, right, shift, scale,
-              softcap, dropout_p, bias=None, bias_grad=False, logit_scale=None):
+              softcap, dropout_p, bias=None, bias_grad=False, logit_scale=None, d_from_o=False):
     dsinks = torch.empty_like(sinks, memory_format=_CONTIG) if sinks is not None else \
         q.new_empty((0,), dtype=torch.float32)
     dbias = torch.empty_like(bias, memory_format=_CONTIG) if bias is not None and bias_grad else \
@@ -384,12 +387,15 @@ def attention(spec, q, k, v):
     return _fwd_op(q, k, v, *_op_args(spec), spec.logit_scale)
 
 
-def attention_backward(spec, q, k, v, out, dout, lse):
+def attention_backward(spec, q, k, v, out, dout, lse, d_from_o=False):
     """The backward of ``attention`` for given ``out`` / ``lse`` (``[batch, seqlen_q, heads, d_v]`` /
     float32 ``[batch, heads, seqlen_q]``) and ``dout`` (like out): ``(dq, dk, dv, dsinks)``; dsinks float32
     ``[0]`` without sinks; with ``spec.logit_scale`` a fifth, dlogit_scale float32 ``[batch, heads]``. Not
-    differentiable; ``spec.bias`` is added to the scores, its gradient not computed."""
-    grads = _bwd_op(q, k, v, out, dout, lse, None, *_op_args(spec), False, spec.logit_scale)
+    differentiable; ``spec.bias`` is added to the scores, its gradient not computed. ``d_from_o=True`` when
+    ``out`` / ``lse`` come from a larger problem than these keys (ring attention hands each block the global
+    ones): the kernel then takes D = rowsum(out * dout) for every row (its keyword of that name); False gives
+    exactly the gradients autograd through ``attention`` gives."""
+    grads = _bwd_op(q, k, v, out, dout, lse, None, *_op_args(spec), False, spec.logit_scale, bool(d_from_o))
     return grads[:4] + (grads[5],) if spec.logit_scale is not None else grads[:4]
 
 

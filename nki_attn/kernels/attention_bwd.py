@@ -5,7 +5,7 @@ use_causal_mask=False, mixed_precision=False, softmax_scale=None, sliding_window
 alibi_slopes=None, window_size=None, dropout_p=0.0, dropout_seed=None, k_section_len=None, group_max=None,
 block_members_max=None, p_cast_on_gpsimd=None, ds_dma_transpose=None, attn_bias=None, bias_grad=False,
 block_mask=None, block_bits=None, logit_scale=None, ds_dma_every=None, pipe_lead=None, pipe_lag_b=None,
-pipe_lag_d=None)`` returns ``(dq, dk, dv)``, then ``dsinks`` with sinks, then ``dlogit_scale`` (float32
+pipe_lag_d=None, d_from_o=False)`` returns ``(dq, dk, dv)``, then ``dsinks`` with sinks, then ``dlogit_scale`` (float32
 ``[bs, nheads]``) with a logit scale: the layouts and semantics of
 ``golden.attention_bwd_torch.attention_bwd_torch_ref`` (see docs/semantics.md). docs/kernel-bwd.md explains the
 design; each step below is named there after the function that implements it. Kernel code stays in NKI's
@@ -526,6 +526,7 @@ class BwdConfig(nl.NKIObject):
         if ds_dma_every is None:
             ds_dma_every = DS_DMA_EVERY
         self.ds_dma_every = ds_dma_every
+        self.d_from_o = False  # the kernel's d_from_o keyword, set after configuration
         self.dsT_dma = _use_dma_transpose(self, trn1)
         self.whole_visits = 0
         self.blocks = []
@@ -611,7 +612,8 @@ def bwd_problem(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref=None, bou
                 softcap=0.0, alibi_slopes=None, window_size=None, dropout_p=0.0, dropout_seed=None,
                 k_section_len=None, group_max=None, block_members_max=None, p_cast_on_gpsimd=None,
                 ds_dma_transpose=None, attn_bias=None, bias_grad=False, block_mask=None, block_bits=None,
-                logit_scale=None, ds_dma_every=None, pipe_lead=None, pipe_lag_b=None, pipe_lag_d=None):
+                logit_scale=None, ds_dma_every=None, pipe_lead=None, pipe_lag_b=None, pipe_lag_d=None,
+                d_from_o=False):
     """``None`` when ``attention_bwd`` accepts these arguments on the current target, else the first problem as
     a message (argument, value, rule). The kernel asserts on it; ``nki_attn.kernel_api.attention_bwd`` raises it
     as ``ValueError`` before launching."""
@@ -626,6 +628,8 @@ def bwd_problem(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref=None, bou
         return problem
     if not isinstance(mixed_precision, bool):
         return f"mixed_precision={mixed_precision!r} must be a bool"
+    if not isinstance(d_from_o, bool):
+        return f"d_from_o={d_from_o!r} must be a bool"
     if k_section_len is not None:
         if isinstance(k_section_len, bool) or not isinstance(k_section_len, int) or k_section_len < PMAX \
                 or k_section_len % PMAX != 0:
@@ -1185,9 +1189,10 @@ def _whole_row(c, i):
     first 128 rows; without one: seqlen_k 128), so that visit has all of the row's P and dP. Rows with more keys
     keep D = rowsum(O * dO): the error D's rounding puts into a row's dq falls as 1 / (its keys) while the dq
     falls as 1 / sqrt(its keys), so the first chunk's rows carry nearly all of it, at a tenth of the VectorE
-    time the first 512 rows would take. Not with dropout, whose D is summed over the dropped P."""
+    time the first 512 rows would take. Not with dropout, whose D is summed over the dropped P, nor with
+    ``d_from_o`` (o and lse from a larger problem than this call's keys: the visit does not hold the row)."""
     s = c.first_sec[i]
-    if c.dropout or c.last_sec[i] != s or len(c.tiles[s][i]) != 1:
+    if c.dropout or c.d_from_o or c.last_sec[i] != s or len(c.tiles[s][i]) != 1:
         return False
     return c.tiles[s][i][0].k1 - c.tiles[s][i][0].k0 == PMAX
 
@@ -1802,7 +1807,8 @@ def attention_bwd(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref=None, b
                   softcap=0.0, alibi_slopes=None, window_size=None, dropout_p=0.0, dropout_seed=None,
                   k_section_len=None, group_max=None, block_members_max=None, p_cast_on_gpsimd=None,
                   ds_dma_transpose=None, attn_bias=None, bias_grad=False, block_mask=None, block_bits=None,
-                  logit_scale=None, ds_dma_every=None, pipe_lead=None, pipe_lag_b=None, pipe_lag_d=None):
+                  logit_scale=None, ds_dma_every=None, pipe_lead=None, pipe_lag_b=None, pipe_lag_d=None,
+                  d_from_o=False):
     """Flash-attention backward: ``(dq, dk, dv)`` or ``(dq, dk, dv, dsinks)``, then ``dbias`` when
     ``bias_grad``, then ``dlogit_scale`` (float32 ``[bs, nheads]``, per batch row) with a logit scale (float32
     ``[bs, nheads]``, as in ``attention_fwd``). See the module docstring.
@@ -1834,18 +1840,25 @@ def attention_bwd(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref=None, b
 
     ``block_mask`` / ``block_bits``: a block mask, as in ``attention_fwd`` (sections end on 512-key tiles).
 
+    ``d_from_o`` (trace-time bool): False (the default) when ``o_ref`` / ``lse_ref`` are the forward's over
+    exactly this call's keys; then rows whose keys all fit one 128-key chunk take D = sum_j P dP from their own
+    visit, which is exact where rowsum(o * dO) carries o's rounding (``_row_dsum``). True when they come from a
+    larger problem (a block of ring attention: the global o and LSE, part of the keys): D is rowsum(o * dO) for
+    every row, the only D such a call can know.
+
     Invalid arguments fail the kernel's assert with the message of ``bwd_problem``;
     ``nki_attn.kernel_api.attention_bwd`` raises it as ``ValueError`` instead."""
     problem = bwd_problem(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref, bound_min, bound_max,
                           use_causal_mask, mixed_precision, softmax_scale, sliding_window, softcap, alibi_slopes,
                           window_size, dropout_p, dropout_seed, k_section_len, group_max, block_members_max,
                           p_cast_on_gpsimd, ds_dma_transpose, attn_bias, bias_grad, block_mask, block_bits,
-                          logit_scale, ds_dma_every, pipe_lead, pipe_lag_b, pipe_lag_d)
+                          logit_scale, ds_dma_every, pipe_lead, pipe_lag_b, pipe_lag_d, d_from_o)
     assert problem is None, problem
     c = _configure(q_ref, k_ref, sinks_ref, bound_min, use_causal_mask, mixed_precision, softmax_scale,
                    sliding_window, k_section_len, v_ref, softcap, alibi_slopes, window_size, dropout_p, group_max,
                    block_members_max, p_cast_on_gpsimd, ds_dma_transpose, block_mask, logit_scale, ds_dma_every,
                    pipe_lead, pipe_lag_b, pipe_lag_d)
+    c.d_from_o = d_from_o
     if c.block_mask is not None and c.block_mask.n_slots > 0:
         c.block_mask.bits = block_bits
         c.block_mask.bitsel = block_bitsel()

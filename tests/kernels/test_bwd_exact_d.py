@@ -54,3 +54,31 @@ def test_d_of_single_chunk_rows_is_the_sum_of_p_dp():
     dq_o = SCALE * (torch.softmax(logits, dim=-1) * (c - d_o)[..., None]) @ kt
     broken = dq_o.abs().amax(dim=3) > bound
     assert float(broken.double().mean()) > 0.5, float(broken.double().mean())
+
+
+def test_d_from_o_for_a_block_of_a_larger_problem():
+    # A block of ring attention: the forward ran over all 256 keys, the block's backward sees the first 128 with
+    # the GLOBAL o and lse. Its rows' keys fit one chunk, but the visit holds only part of each row, so D must be
+    # rowsum(o * dO) (``d_from_o=True``). The reference is the same formula in float64 on the same o and lse:
+    # dS = P (dP - D) with P = exp(scale S - lse) over the block's keys. Everything is float32 here, so the
+    # kernel matches it to float32 rounding (bound 1e-4 relative to the largest dq, as tests/api/test_ops.py);
+    # D summed over the block's own keys instead (the default) misses the other block's sum P dP, an O(1) change.
+    g = torch.Generator().manual_seed(3)
+    h, s = 2, 256
+    q, k, v, dy = (torch.randn(1, h, D, s, generator=g) for _ in range(4))
+    o, lse = attention_fwd(q, k, v, softmax_scale=SCALE, mixed_precision=True)
+    o, lse = torch.as_tensor(o), torch.as_tensor(lse)
+    kb, vb = k[..., :128].contiguous(), v[..., :128].contiguous()
+    lse_rows = lse.transpose(-1, -2).reshape(1, h, s).double()  # kernel layout [.., 128, s // 128] -> [.., s]
+    qt, kt, vt = (t.double().transpose(-1, -2) for t in (q, kb, vb))  # [1, h, rows, D]
+    p = torch.exp(SCALE * qt @ kt.transpose(-1, -2) - lse_rows[..., None])
+    dp = dy.double().transpose(-1, -2) @ vt.transpose(-1, -2)
+    d_glob = (o.double() * dy.double()).sum(dim=2)[..., None]
+    ref = SCALE * (p * (dp - d_glob)) @ kt  # dq [1, h, s, D]
+    dq_o = torch.as_tensor(attention_bwd(q, kb, vb, o, dy, lse, softmax_scale=SCALE, mixed_precision=True,
+                                         d_from_o=True)[0]).double().transpose(-1, -2)
+    dq_own = torch.as_tensor(attention_bwd(q, kb, vb, o, dy, lse, softmax_scale=SCALE,
+                                           mixed_precision=True)[0]).double().transpose(-1, -2)
+    scale_ref = float(ref.abs().max())
+    assert float((dq_o - ref).abs().max()) <= 1e-4 * scale_ref
+    assert float((dq_own - ref).abs().max()) > 1e-2 * scale_ref
