@@ -92,10 +92,10 @@ MUTATIONS = [
       "missed-bug audit, bug 4: band_tile_visible's window-side comparison off by one (a tile with one visible key "
       "skipped)",
       T_TILING + T_BWD + T_FWD),
-    M("i19_5_d_in_last_section", BWD, "    if blk.first:\n        _rowsum_o_dy",
-      "    if blk.last:\n        _rowsum_o_dy",
-      "missed-bug audit, bug 5 (retargeted): D = rowsum(O*dO) in a tile's last visible section, read before written by "
-      "the earlier sections and dsinks", T_BWD),
+    M("i19_5_d_in_last_section", BWD, "            if st.blk_first and blk.first:\n                _rowsum_o_dy",
+      "            if st.blk_first and blk.first and blk.last:\n                _rowsum_o_dy",
+      "missed-bug audit, bug 5 (retargeted to the pipelined backward): D = rowsum(O*dO) only for tiles with one "
+      "visible section, so the sections of the others and dsinks read D before anything wrote it", T_BWD),
     # ---- backward: sections, blocks, dQ partial sums
     M("b_first_section_is_0", BWD, "first = c.first_sec[i] == s", "first = s == 0",
       "a query tile's first section taken as section 0, not its first visible one (D unset, dQ reloads garbage)",
@@ -103,8 +103,8 @@ MUTATIONS = [
     M("b_last_section_is_final", BWD, "last = c.last_sec[i] == s", "last = s == c.n_sections - 1",
       "a query tile's last section taken as the final section (dQ never scaled/written when a window ends "
       "earlier)", T_BWD),
-    M("b_dq_reload_from_out_dq", BWD, "            if c.dq_scratch:\n                t = nl.ndarray(",
-      "            if to_scratch:\n                t = nl.ndarray(",
+    M("b_dq_reload_from_out_dq", BWD, "        if c.dq_scratch:\n            t = nl.ndarray((rn,",
+      "        if c.dq_scratch and False:\n            t = nl.ndarray((rn,",
       "wrong dQ scratch reload: the last section reloads out_dq instead of the fp32 scratch", T_BWD),
     M("b_dq_matmul_overwrites_reload", BWD, "accumulate=not (dq_fresh and v.dq_first and ch == 0))",
       "accumulate=not (v.dq_first and ch == 0))",
@@ -115,13 +115,14 @@ MUTATIONS = [
     M("b_dvdk_segments_overwrite", BWD, "segs.append((j * PMAX, e * PMAX, acc))",
       "segs.append((j * PMAX, e * PMAX, False))",
       "wrong accumulation start flag: every member's dV/dK matmul overwrites the group's PSUM", T_BWD),
-    M("b_dvdk_section_offset", BWD, "a = kt.u0 - k_lo", "a = kt.u0",
+    M("b_dvdk_section_offset", BWD, "a0 = kt.u0 - sec.k_lo", "a0 = kt.u0",
       "dV/dK eviction at the absolute key offset instead of the section-relative one", T_BWD),
     M("k_classify_drops_last_chunk", BAND, "for c0 in range(t0, t1, PMAX):",
       "for c0 in range(t0, t1 - PMAX, PMAX):",
       "off-by-one tile bound: the band planner never looks at a key tile's last 128-key chunk (visits trimmed "
       "by it, one-chunk tiles skipped)", T_TILING + T_BWD + T_FWD),
-    M("b_block_head_offset", BWD, "h_abs0 = item.kvh * c.group + blk.h0", "h_abs0 = item.kvh * c.group",
+    M("b_block_head_offset", BWD, "h_abs0 = item.kvh * c.group + blk.h0\n    ncols = blk.nt * PMAX\n    dy_b",
+      "h_abs0 = item.kvh * c.group\n    ncols = blk.nt * PMAX\n    dy_b",
       "wrong block index: a block of a split GQA group loads the group's first heads", T_BWD),
     # ---- backward: masks
     M("b_causal_mask_off_by_one", BWD, "offset=q0 + c.hi_rel - k0 - a)", "offset=q0 + c.hi_rel - k0 - a + 1)",
