@@ -273,7 +273,8 @@ def _bwd_block(ring, rec, q_kl, buf, o_kl, do_kl, lse, src, plan, dq):
 
     def run():
         return attention_backward(spec, _fa(q_kl[..., r0:r1]), _fa(buf[0][..., k0:k1]), _fa(buf[1][..., k0:k1]),
-                                  _fa(o_kl[..., r0:r1]), _fa(do_kl[..., r0:r1]), lse[..., r0:r1], d_from_o=True)
+                                  _fa(o_kl[..., r0:r1]), _fa(do_kl[..., r0:r1]), lse[..., r0:r1],
+                                  d_from_o=ring.comm.size > 1)  # one rank: the block holds every key of its rows
     dq_b, dk_b, dv_b, _ = rec.kernel(src, plan, run)
     dq[..., r0:r1] += _kl(dq_b).float()
     return k0, k1, _kl(dk_b), _kl(dv_b)
