@@ -101,8 +101,13 @@ def section_bytes_per_key(d_head, d_tiles, itemsize, v_tiles=None):
 
 def default_section_len(d_head, d_tiles, itemsize, seqlen_k, cap=K_SECTION_MAX, v_tiles=None):
     """Keys per K/V section: the largest multiple of K_TILE within SECTION_BUDGET_BYTES, at most ``cap``
-    (default K_SECTION_MAX) and seqlen_k, rounded down to a multiple of 128."""
-    fit = int(SECTION_BUDGET_BYTES // section_bytes_per_key(d_head, d_tiles, itemsize, v_tiles)) // K_TILE * K_TILE
+    (default K_SECTION_MAX) and seqlen_k, rounded down to a multiple of 128. When the keys need more than one
+    section, the software pipeline (``_pipeline``) loads the next section while the last one drains, so two
+    sections' buffers are live at once: each then gets half the budget."""
+    per_key = section_bytes_per_key(d_head, d_tiles, itemsize, v_tiles)
+    fit = int(SECTION_BUDGET_BYTES // per_key) // K_TILE * K_TILE
+    if min(cap, fit) < seqlen_k:
+        fit = int(SECTION_BUDGET_BYTES // 2 // per_key) // K_TILE * K_TILE
     n = min(min(cap, fit), seqlen_k) // PMAX * PMAX  # (NKI's min takes two values)
     return max(n, PMAX)
 
