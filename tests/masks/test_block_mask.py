@@ -91,12 +91,29 @@ def test_kernel_operands_store_holds_every_tile():
             if tile.kind == band.FULL:
                 assert bool((cls[:, :, t, tile.k0 // 128:tile.k1 // 128] == FULL).all())
                 continue
+            run = range(tile.k0 // 128, tile.k1 // 128)
+            part = [c for c in run if rows[t][c] == PARTIAL]
+            # the run's union-FULL / union-SKIP chunks are that for every (b, h): the kernels need no bits there
+            for c in run:
+                if rows[t][c] != PARTIAL:
+                    assert bool((cls[:, :, t, c] == rows[t][c]).all())
+            if not part:
+                assert plan.slot0[t][kt] == -1
+                continue
+            # one slot per PARTIAL chunk, consecutive in key order
             for b in range(nb):
                 for h in range(nh):
-                    col = band.block_slot(plan, b, h, t, tile.k0) * 16
-                    got = unpack_bits(store[:, col:col + (tile.k1 - tile.k0) // 8].reshape(128, -1, 16))
-                    got = got.reshape(128, -1)
-                    assert torch.equal(got, dense[b, h, t * 128:(t + 1) * 128, tile.k0:tile.k1])
+                    first = band.block_slot(plan, b, h, t, tile.k0)
+                    for n, c in enumerate(part):
+                        col = band.block_slot(plan, b, h, t, tile.k0, c) * 16
+                        assert col == (first + n) * 16
+                        got = unpack_bits(store[:, col:col + 16])
+                        assert torch.equal(got, dense[b, h, t * 128:(t + 1) * 128, c * 128:(c + 1) * 128])
+    assert store.shape[1] == nb * nh * plan.n_slots * 16
+    assert plan.n_slots == sum(1 for t in range(len(rows)) for kt in range(len(plan.slot0[t]))
+                               for c in range(band.block_key_tile(rows[t], kt * 512, min(kt * 512 + 512, 1408)).k0 // 128,
+                                              band.block_key_tile(rows[t], kt * 512, min(kt * 512 + 512, 1408)).k1 // 128)
+                               if rows[t][c] == PARTIAL)
 
 
 def test_picture_and_counts():
