@@ -207,9 +207,9 @@ def block_key_tile(row, t0, t1):
 class BlockRows(nl.NKIObject):
     """The trace-time half of a block mask in a kernel: ``n_b`` / ``n_h`` the batch and query-head extents of
     the mask (1: broadcast), ``rows[t][c]`` the union class of query tile t and key chunk c, ``n_kc`` the key
-    chunks, ``slot0[t][kt]`` the first store slot of key tile kt of query tile t (-1 unless some chunk of its run
-    is PARTIAL: one slot per PARTIAL chunk, in key order), ``n_slots`` the slots per (batch, head) pair. ``bits`` (the HBM store) and ``bitsel`` (the on-chip
-    bit-select constant) are set by the kernel at launch."""
+    chunks, ``slot0[t][kt]`` the first store slot of key tile kt of query tile t (-1 unless some chunk of its
+    run is PARTIAL: one slot per PARTIAL chunk, in key order), ``n_slots`` the slots per (batch, head) pair.
+    ``bits`` (the HBM store) and ``bitsel`` (the on-chip bit-select constant) are set by the kernel at launch."""
 
     def __init__(self, n_b, n_h, rows, n_kc):
         self.n_b = n_b
