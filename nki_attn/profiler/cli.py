@@ -15,6 +15,7 @@ import time
 
 from ..harness.cli import HelpFormatter, non_negative_int, positive_int, writable_file_problem
 from ..sim.trace import ENGINES
+from ..spec import GRAD_MODS, SCORE_MODS
 from .model import RESOURCES
 from .params import MODEL
 
@@ -425,9 +426,8 @@ FEATURES = {
                         "nki_attn.masks.interval_example at --seqlen): the kernels skip its SKIP tiles"),
 }
 # kernel parameters that are inputs or that the options above set: everything else with a default is a knob
-_NOT_KNOBS = {"sinks_ref", "bound_min", "bound_max", "alibi_slopes", "dropout_seed", "use_causal_mask",
-              "sliding_window", "softcap", "window_size", "dropout_p", "mixed_precision", "softmax_scale",
-              "attn_bias", "logit_scale"}
+_NOT_KNOBS = {"sinks_ref", "bound_min", "bound_max", "dropout_seed", "use_causal_mask", "sliding_window",
+              "window_size", "dropout_p", "mixed_precision", "softmax_scale"} | {m.kernel for m in SCORE_MODS}
 
 
 def add_variant_arguments(p):
@@ -547,24 +547,13 @@ def run_variant_kernel(args):
     layout, torch), the kernel called with the variant keywords and the knobs; (records, sim_wall_seconds)."""
     from golden.attention_fwd_torch import attention_fwd_torch_ref
 
-    from ..harness.runner import make_inputs
+    from ..harness.runner import make_inputs, variant_kwargs
     from ..sim import trace
 
     case = _variant_case(args)
     x = make_inputs(case, seed=args.seed)
     kw = dict(sinks_ref=x["sinks"], use_causal_mask=case.causal, sliding_window=case.window or None)
-    if case.softcap:
-        kw["softcap"] = case.softcap
-    if case.alibi:
-        kw["alibi_slopes"] = x["alibi_slopes"]
-    if case.window_size:
-        kw["window_size"] = case.window_size
-    if case.dropout:
-        kw.update(dropout_p=case.dropout, dropout_seed=x["dropout_seed"])
-    if case.bias:
-        kw["attn_bias"] = x["attn_bias"]
-    if case.logit_scale:
-        kw["logit_scale"] = x["logit_scale"]
+    kw.update(variant_kwargs(case, x))
     if args.mixed_precision is not None:
         kw["mixed_precision"] = args.mixed_precision
     if case.mask:
@@ -577,8 +566,9 @@ def run_variant_kernel(args):
     else:  # o and lse from the golden forward with the same variant, outside the recording
         o, lse = attention_fwd_torch_ref(x["q"], x["k"], x["v"], **kw)
         knobs = dict(args.knobs)
-        if case.bias:
-            knobs.setdefault("bias_grad", True)
+        for m in GRAD_MODS:  # a gradient computed on request (the bias's) is costed unless --set turns it off
+            if m.grad_flag and m.kernel in kw:
+                knobs.setdefault(m.grad_flag, True)
 
         def call():
             return kernel(x["q"], x["k"], x["v"], o, x["dy"], lse.float(), **kw, **knobs)
