@@ -248,7 +248,8 @@ def format_report(prof, title, wall=None):
               f"peak {g.peak_tflops:.1f} per core",
               f"TensorE utilisation, useful FLOPs: {prof.useful_tensor_utilisation(True):.1%} (overlap) / "
               f"{prof.useful_tensor_utilisation(False):.1%} (no overlap); useful-FLOP bound "
-              f"{prof.tensor_floor_ns / 1e3:.2f} us ({prof.floor_ratio(True):.2f}x)",
+              f"{prof.tensor_floor_ns / 1e3:.2f} us (scheduled {prof.floor_ratio('scheduled'):.2f}x, perfect overlap "
+              f"{prof.floor_ratio(True):.2f}x)",
               f"TensorE utilisation, executed FLOPs: {prof.tensor_utilisation(True):.1%} (overlap) / "
               f"{prof.tensor_utilisation(False):.1%} (no overlap); efficiency while busy "
               f"{prof.tensor_efficiency():.1%}",
@@ -612,17 +613,23 @@ def compare_with_default(args, prof):
         else:
             os.environ["NEURON_PLATFORM_TARGET_OVERRIDE"] = prev
     bprof = profile(records, generation(args.target), useful_flops(base), n_cores=args.lnc)
-    t, tb = prof.time_overlap_ns / 1e3, bprof.time_overlap_ns / 1e3
+    # the scheduled time is the headline (as in the profile above); the perfect-overlap time rides along because
+    # older figures of the docs quote it
+    t, tb = prof.time_ns / 1e3, bprof.time_ns / 1e3
+    to, tbo = prof.time_overlap_ns / 1e3, bprof.time_overlap_ns / 1e3
     out = {"default": describe(base), "time_us": t, "default_time_us": tb, "ratio": t / tb,
            "ratio_per_useful_flop": (t / prof.useful_flops) / (tb / bprof.useful_flops),
+           "overlap_us": to, "default_overlap_us": tbo, "overlap_ratio": to / tbo,
            "bottleneck": prof.bottleneck, "default_bottleneck": bprof.bottleneck,
            "busy_us": {e: prof.engine_busy(e) / 1e3 for e in ENGINES},
            "default_busy_us": {e: bprof.engine_busy(e) / 1e3 for e in ENGINES}}
-    print(f"\nvs the default path ({out['default']}), MODELED (perfect overlap):")
-    print(f"{'':<14}{'this run':>12}{'default':>12}")
-    print(f"{'time (us)':<14}{t:>12.1f}{tb:>12.1f}")
+    print(f"\nvs the default path ({out['default']}), MODELED by {MODEL}:")
+    print(f"{'':<24}{'this run':>12}{'default':>12}")
+    print(f"{'scheduled time (us)':<24}{t:>12.1f}{tb:>12.1f}")
+    print(f"{'perfect overlap (us)':<24}{to:>12.1f}{tbo:>12.1f}")
     for e in ENGINES:
-        print(f"{e + ' busy':<14}{out['busy_us'][e]:>12.1f}{out['default_busy_us'][e]:>12.1f}")
-    print(f"{'bottleneck':<14}{prof.bottleneck:>12}{bprof.bottleneck:>12}")
-    print(f"ratio {out['ratio']:.3f}; per useful FLOP {out['ratio_per_useful_flop']:.3f}")
+        print(f"{e + ' busy (us)':<24}{out['busy_us'][e]:>12.1f}{out['default_busy_us'][e]:>12.1f}")
+    print(f"{'bottleneck':<24}{prof.bottleneck:>12}{bprof.bottleneck:>12}")
+    print(f"ratio (scheduled) {out['ratio']:.3f}; per useful FLOP {out['ratio_per_useful_flop']:.3f}; "
+          f"perfect overlap {out['overlap_ratio']:.3f}")
     return out
