@@ -557,10 +557,13 @@ def run_api(ins, case):
         # one batch row holds every sequence: varlen's [b, h] would mean per sequence), [b, h] otherwise
         common["alibi_slopes"] = ins["alibi_slopes"][0].contiguous() if case.alibi == "random_h" \
             or case.cu_seqlens else ins["alibi_slopes"]
-    lam = None
-    if case.logit_scale:  # varlen takes one scale per head ([h]), flash_attn_func a scale per (batch, head)
-        lam = (ins["logit_scale"][0] if case.cu_seqlens else ins["logit_scale"]).clone().requires_grad_()
-        common["logit_scale"] = lam
+    leaves = {}
+    for m in GRAD_MODS:
+        # a keyword-only [b, h] input with a gradient (the logit scale): varlen takes one per head ([h]),
+        # flash_attn_func one per (batch, head)
+        if m.extra and m.varlen and getattr(case, m.name):
+            t = ins[m.kernel][0] if case.cu_seqlens else ins[m.kernel]
+            leaves[m.name] = common[m.keyword] = t.clone().requires_grad_()
     if case.cu_seqlens:
         if case.batch != 1 or case.seqlen_q != case.seqlen_k:
             raise ValueError(f"row {case.name}: packed rows need batch 1 and seqlen_q == seqlen_k")
@@ -583,9 +586,9 @@ def run_api(ins, case):
         # no grad at all when no query row sees a key (every packed sequence empty: the API's output does not
         # depend on the sinks there): the gradient is zero
         out["dsinks"] = sinks.grad if sinks.grad is not None else torch.zeros_like(sinks)
-    if lam is not None:
-        grad = lam.grad if lam.grad is not None else torch.zeros_like(lam)
-        out["dlogit_scale"] = grad.reshape(-1, case.heads)
+    for name, t in leaves.items():
+        grad = t.grad if t.grad is not None else torch.zeros_like(t)
+        out["d" + name] = grad.reshape(-1, case.heads)
     return out
 
 
