@@ -93,7 +93,7 @@ def _check_alibi(fn, alibi_slopes, batch, hq, device):
 
 def _check_logit_scale(fn, logit_scale, batch, hq, device, batched=True):
     """The per-head logit scale: float32 ``[nheads]`` or (``batched``) ``[batch, nheads]`` (None: none). Its values
-    (finite) are checked where the tensors are real, in the op's body (``nki_attn.ops.check_logit_scale``)."""
+    (finite) are checked where the tensors are real, in the op's body (its row's ``ScoreMod.values``)."""
     if logit_scale is None:
         return None
     if not isinstance(logit_scale, torch.Tensor):
