@@ -204,6 +204,8 @@ _FWD_IN = (("Tensor q", None), ("Tensor k", None), ("Tensor v", None)) + _CORE +
 _BWD_IN = tuple((f"Tensor {n}", None) for n in ("q", "k", "v", "out", "dout", "lse")) + (("Tensor? dlse", None),) \
     + _CORE + _MODS + _BLOCK + _WANT + (("bool d_from_o", False),)
 _N_GRADS = 4 + len(GRAD_MODS)  # dq, dk, dv, dsinks, then one per score modification with a gradient
+_FWD_NAMES = [d.split()[-1] for d, _ in _FWD_IN]
+_FWD_TENSORS = [n for n, (d, _) in zip(_FWD_NAMES, _FWD_IN) if d.startswith("Tensor")]
 
 
 def _schema(inputs, n_required, n_out):
@@ -325,10 +327,6 @@ _bwd_op = torch.library.custom_op("nki_attn::attention_bwd", _bwd_impl, mutates_
                                   schema=_schema(_BWD_IN, 7 + len(_CORE), _N_GRADS))
 _fwd_op.register_fake(_fwd_fake)
 _bwd_op.register_fake(_bwd_fake)
-_FWD_NAMES = [d.split()[-1] for d, _ in _FWD_IN]
-
-
-_FWD_TENSORS = [n for n, (d, _) in zip(_FWD_NAMES, _FWD_IN) if d.startswith("Tensor")]
 
 
 def _fwd_setup_context(ctx, inputs, output):
