@@ -409,9 +409,19 @@ def _mask_name(text):
     return text
 
 
+def _alibi_kind(text):
+    from ..harness.cases import ALIBI_KINDS
+    if not text or text not in ALIBI_KINDS:
+        raise ValueError(text)
+    return text
+
+
+# A score modification's feature (a row of nki_attn.spec.SCORE_MODS) has the row's name and gives the harness
+# Case field of that name its value.
 FEATURES = {
     "softcap": (50.0, float, "logit soft-capping c * tanh(S / c), c = 50 (Gemma-2's) unless given"),
-    "alibi": (True, None, "ALiBi with BLOOM's geometric slopes per head"),
+    "alibi": ("bloom", _alibi_kind, "ALiBi slopes of KIND = bloom (BLOOM's geometric slopes per head) unless given "
+                                    "(random, random_h, signed: the harness's random slopes)"),
     "window_size": (None, _pair, "two-sided local window L,R (-1: that side unbounded)"),
     "dropout": (0.1, float, "dropout on the probabilities at rate P = 0.1 unless given (seed from the inputs)"),
     "logit_scale": (True, None, "a per-head logit scale (learned temperature; the backward also returns its "
@@ -523,10 +533,9 @@ def _variant_case(args):
                 kv_heads=args.kv_heads or args.heads, seqlen_q=f.get("seqlen_q", args.seqlen),
                 seqlen_k=f.get("seqlen_k", args.seqlen), d_head=f.get("d_qk", args.head_dim),
                 d_v=f.get("d_v", args.head_dim), dtype=DTYPES[args.dtype], causal=bool(args.causal),
-                window=args.window or 0, num_sinks=args.sinks, softcap=f.get("softcap", 0.0),
-                alibi="bloom" if f.get("alibi") else "", window_size=tuple(f.get("window_size", ())),
-                dropout=f.get("dropout", 0.0), bias=f.get("bias", ""), mask=f.get("mask", ""),
-                logit_scale=bool(f.get("logit_scale")))
+                window=args.window or 0, num_sinks=args.sinks, window_size=tuple(f.get("window_size", ())),
+                dropout=f.get("dropout", 0.0), mask=f.get("mask", ""),
+                **{m.name: f[m.name] for m in SCORE_MODS if m.name in f})
 
 
 def _block_mask(case):
