@@ -36,7 +36,18 @@ __all__ = ["RingComm", "XlaRingComm", "ring_comm", "ring_pairs", "match_transfer
 TAG_KV_FWD, TAG_KV_BWD, TAG_DKV_FWD, TAG_DKV_BWD = 11, 12, 13, 14
 
 
-class RingComm:
+class _Comm:
+    """What both communicators share: completing the works ``start`` returned (XLA's are already complete, an
+    empty list)."""
+
+    @staticmethod
+    def wait(works):
+        """Block until every work handle of ``works`` (from :meth:`start`) has completed."""
+        for w in works:
+            w.wait()
+
+
+class RingComm(_Comm):
     """Rank arithmetic and P2P exchanges within ``group`` (None: the default group)."""
 
     def __init__(self, group=None):
@@ -69,11 +80,6 @@ class RingComm:
         for t, off, tag in recvs:
             ops.append(dist.P2POp(dist.irecv, t, self.peer(off), self.group, tag))
         return dist.batch_isend_irecv(ops) if ops else []
-
-    @staticmethod
-    def wait(works):
-        for w in works:
-            w.wait()
 
     def all_lengths(self, n, device):
         """Every member's local sequence length (list of ints, in group rank order): one small all_gather."""
@@ -117,7 +123,7 @@ def match_transfers(sends, recvs):
     return out
 
 
-class XlaRingComm:
+class XlaRingComm(_Comm):
     """The ring's transfers as XLA collectives over every device of the torch-xla world (``group`` must be None:
     ``collective_permute`` pairs are global ordinals).
 
@@ -151,11 +157,6 @@ class XlaRingComm:
             self.bytes_sent += t.numel() * t.element_size()
             self.permutes += 1
         return []
-
-    @staticmethod
-    def wait(works):
-        for w in works:
-            w.wait()
 
     def all_lengths(self, n, device):
         """Every device's local sequence length (list of ints, in ordinal order): one ``xm.all_gather``."""

@@ -245,13 +245,16 @@ class BwdVisit(nl.NKIObject):
 
 
 class BwdKeyTile(nl.NKIObject):
-    """The keys [u0, u0+uw) a group visits in one 512-key tile (the union of its members' visible keys) and the
-    visits, in member order."""
+    """The keys [u0, u0+uw) a group visits in one 512-key tile (the span of its members' visible keys), the
+    visits, in member order, and ``wrote``: per 128-key chunk of the span, whether any visit's dV/dK matmul
+    writes it. With a block mask (or packing) the members' runs can leave a chunk of the span that no matmul
+    writes; its PSUM columns hold stale data and must not be evicted (``_evict_dv_dk``)."""
 
-    def __init__(self, u0, uw, visits):
+    def __init__(self, u0, uw, visits, wrote):
         self.u0 = u0
         self.uw = uw
         self.visits = visits
+        self.wrote = wrote
 
 
 class BwdGroup(nl.NKIObject):
@@ -334,7 +337,7 @@ def _group_plan(c, s, members):
                         dma = c.whole_visits % c.ds_dma_every == 0
                     visits.append(BwdVisit(mi, tile, off, segs, not started[mi], dma))
                     started[mi] = True
-        ktiles.append(BwdKeyTile(u0, u1 - u0, visits))
+        ktiles.append(BwdKeyTile(u0, u1 - u0, visits, covered))
     return BwdGroup(members, ktiles)
 
 
@@ -428,7 +431,7 @@ class BwdConfig(nl.NKIObject):
 
     def __init__(self, a, dtype, mixed, section_len, trn1, group_max=None, block_members_max=None,
                  p_cast_on_gpsimd=None, ds_dma_transpose=None, block_mask=None, ds_dma_every=None, pipe_lead=None,
-                 pipe_lag_b=None, pipe_lag_d=None):
+                 pipe_lag_b=None, pipe_lag_d=None, d_from_o=False):
         # (NKI binds one target per attribute assignment: no tuple unpacking into attributes)
         self.bs = a.bs
         self.nheads = a.nheads
@@ -531,7 +534,7 @@ class BwdConfig(nl.NKIObject):
         if ds_dma_every is None:
             ds_dma_every = DS_DMA_EVERY
         self.ds_dma_every = ds_dma_every
-        self.d_from_o = False  # the kernel's d_from_o keyword, set after configuration
+        self.d_from_o = d_from_o
         self.dsT_dma = _use_dma_transpose(self, trn1)
         self.whole_visits = 0
         self.blocks = []
@@ -702,7 +705,7 @@ def _configure(q_ref, k_ref, sinks_ref, bound_min, use_causal_mask, mixed_precis
                sliding_window, k_section_len, v_ref=None, softcap=0.0, alibi_slopes=None, window_size=None,
                dropout_p=0.0, group_max=None, block_members_max=None, p_cast_on_gpsimd=None,
                ds_dma_transpose=None, block_mask=None, logit_scale=None, ds_dma_every=None, pipe_lead=None,
-               pipe_lag_b=None, pipe_lag_d=None):
+               pipe_lag_b=None, pipe_lag_d=None, d_from_o=False):
     """The launch's ``BwdConfig``, built once from arguments ``bwd_problem`` accepted (``v_ref`` None: d_v =
     d_qk; ``block_mask`` the kernel's trace-time ``(n_b, n_h, rows)`` or None)."""
     a = _shape_of(q_ref, k_ref, v_ref, sinks_ref, bound_min, use_causal_mask, softmax_scale, sliding_window,
@@ -712,7 +715,8 @@ def _configure(q_ref, k_ref, sinks_ref, bound_min, use_causal_mask, mixed_precis
     if block_mask is not None:
         rows = BlockRows(block_mask[0], block_mask[1], block_mask[2], a.seqlen_k // PMAX)
     return BwdConfig(a, q_ref.dtype, mixed_precision, sec, _is_trn1(), group_max, block_members_max,
-                     p_cast_on_gpsimd, ds_dma_transpose, rows, ds_dma_every, pipe_lead, pipe_lag_b, pipe_lag_d)
+                     p_cast_on_gpsimd, ds_dma_transpose, rows, ds_dma_every, pipe_lead, pipe_lag_b, pipe_lag_d,
+                     d_from_o)
 
 
 # ----------------------------------------------------------------------------------------------- engines
@@ -1286,7 +1290,21 @@ def _evict_dv_dk(c, kt, sec, dv_ps, dk_ps):
     section wrote (``sec.written``, trace time) are overwritten instead (a copy, or the scale alone): the
     accumulators are never zeroed, and the result is bit-identical to adding into zeros."""
     a0 = kt.u0 - sec.k_lo
-    runs = _segments(sec.written, a0 // PMAX, (a0 + kt.uw) // PMAX)
+    runs = []
+    j = 0
+    n = len(kt.wrote)
+    while j < n:
+        e = j
+        while e < n and kt.wrote[e]:
+            e += 1
+        if e > j:
+            # only the chunks some matmul of the group wrote: a chunk between two members' runs stays unwritten
+            # in the section (zeroed at its end unless another key tile's group writes it)
+            for run in _segments(sec.written, a0 // PMAX + j, a0 // PMAX + e):
+                runs.append(run)
+            j = e
+        else:
+            j += 1
     for run in runs:
         x, y, acc = run
         src = slice(x - a0, y - a0)
@@ -1602,6 +1620,26 @@ class _Segment(nl.NKIObject):
             self.dsT.append(None)
 
 
+class _VisitAt(nl.NKIObject):
+    """Visit ``j`` of ``_pipeline``'s flat order, looked up once for whichever stage (L, A, B, D) handles it: its
+    segment (``seg``), position in the section's stream (``jj``), work item (``w``), whether it is the item's
+    first / last visit, and its plan entries (``st``: ``BwdStep``; ``blk``, ``grp``, ``kt``: the block, group and
+    key tile; ``v``: the ``BwdVisit``)."""
+
+    def __init__(self, c, segs, order, j):
+        si, jj, w, item_first, item_last = order[j]
+        self.seg = segs[si]
+        self.jj = jj
+        self.w = w
+        self.item_first = item_first
+        self.item_last = item_last
+        self.st = c.streams[self.seg.s][jj]
+        self.blk = c.blocks[self.seg.s][self.st.bi]
+        self.grp = self.blk.groups[self.st.gi]
+        self.kt = self.grp.ktiles[self.st.ki]
+        self.v = self.kt.visits[self.st.vi]
+
+
 def _pipeline(c, hbm, steps, start, end, bounds, seed, ones, ident):
     """Every visit of the work items ``[start, end)``, their sections in order, as ONE software pipeline over the
     flat plans (``c.streams``: blocks, groups, key tiles, members). Each engine runs its instructions in program
@@ -1665,49 +1703,47 @@ def _pipeline(c, hbm, steps, start, end, bounds, seed, ones, ident):
     dv_ps = None
     dk_ps = None
     for u in range(n + lead + lag_d):
-        j = u
-        if j < n:
-            si, jj, w, item_first, item_last = order[j]
-            seg = segs[si]
-            st = c.streams[seg.s][jj]
-            if item_first:
-                item = _item_start(c, hbm, steps, w, bounds, seed, ones, ident)
-            if jj == 0:
+        if u < n:
+            at = _VisitAt(c, segs, order, u)
+            seg = at.seg
+            st = at.st
+            if at.item_first:
+                item = _item_start(c, hbm, steps, at.w, bounds, seed, ones, ident)
+            if at.jj == 0:
                 seg.item = item
                 seg.sec = _section_start(c, hbm, item, seg.s)
             if st.blk_first:
-                blk = c.blocks[seg.s][st.bi]
-                seg.bbs[st.bi] = _block_load(c, hbm, item, blk)
-                if not blk.first and _parked(c, parked[w - start], blk, seg.s):
-                    seg.bbs[st.bi].dq_prev = _load_dq_prev(c, hbm, item, blk)
+                seg.bbs[st.bi] = _block_load(c, hbm, item, at.blk)
+                if not at.blk.first and _parked(c, parked[at.w - start], at.blk, seg.s):
+                    seg.bbs[st.bi].dq_prev = _load_dq_prev(c, hbm, item, at.blk)
         j = u - lead
         if j >= 0 and j < n:
-            si, jj, w, item_first, item_last = order[j]
-            seg = segs[si]
-            st = c.streams[seg.s][jj]
-            blk = c.blocks[seg.s][st.bi]
-            grp = blk.groups[st.gi]
+            at = _VisitAt(c, segs, order, j)
+            seg = at.seg
+            st = at.st
+            blk = at.blk
+            jj = at.jj
             bb = seg.bbs[st.bi]
             if st.blk_first and blk.first:
                 _rowsum_o_dy(c, blk, bb.o, bb.dy, seg.item.ones, seg.item.dsum)
                 bb.o = None
             if st.blk_first and not blk.first and bb.dq_prev is None and \
-                    _parked(c, parked[w - start], blk, seg.s):
+                    _parked(c, parked[at.w - start], blk, seg.s):
                 bb.dq_prev = _load_dq_prev(c, hbm, seg.item, blk)
             if st.grp_first:
-                seg.mems[st.gf] = _group_start(c, seg.item, grp, bb)
-            v = grp.ktiles[st.ki].visits[st.vi]
-            p_mm, ds = _visit_a(c, seg.item, steps, seg.sec, grp, seg.mems[st.gf][v.m], v)
+                seg.mems[st.gf] = _group_start(c, seg.item, at.grp, bb)
+            v = at.v
+            p_mm, ds = _visit_a(c, seg.item, steps, seg.sec, at.grp, seg.mems[st.gf][v.m], v)
             seg.p_mm[jj] = p_mm
             seg.ds[jj] = ds
         j = u - lead - lag_b
         if j >= 0 and j < n:
-            si, jj, w, item_first, item_last = order[j]
-            seg = segs[si]
-            st = c.streams[seg.s][jj]
-            grp = c.blocks[seg.s][st.bi].groups[st.gi]
-            kt = grp.ktiles[st.ki]
-            v = kt.visits[st.vi]
+            at = _VisitAt(c, segs, order, j)
+            seg = at.seg
+            st = at.st
+            jj = at.jj
+            kt = at.kt
+            v = at.v
             mem = seg.mems[st.gf][v.m]
             if st.kt_first:
                 dv_ps, dk_ps = _key_tile_psum(c, kt)
@@ -1725,12 +1761,13 @@ def _pipeline(c, hbm, steps, start, end, bounds, seed, ones, ident):
                 _section_end(c, hbm, seg.item, seg.sec)
         j = u - lead - lag_d
         if j >= 0 and j < n:
-            si, jj, w, item_first, item_last = order[j]
-            seg = segs[si]
-            st = c.streams[seg.s][jj]
-            blk = c.blocks[seg.s][st.bi]
-            grp = blk.groups[st.gi]
-            v = grp.ktiles[st.ki].visits[st.vi]
+            at = _VisitAt(c, segs, order, j)
+            seg = at.seg
+            st = at.st
+            jj = at.jj
+            blk = at.blk
+            grp = at.grp
+            v = at.v
             bb = seg.bbs[st.bi]
             if st.grp_first and not blk.first and bb.dq_prev is None:
                 # (the earlier sections' stores precede this one in stage D's order)
@@ -1749,11 +1786,11 @@ def _pipeline(c, hbm, steps, start, end, bounds, seed, ones, ident):
             if st.blk_last:
                 _block_store(c, hbm, seg.item, blk, bb)
                 if not blk.last:
-                    _set_parked(c, parked[w - start], blk, seg.s)
+                    _set_parked(c, parked[at.w - start], blk, seg.s)
                 seg.bbs[st.bi] = None
             if jj == len(c.streams[seg.s]) - 1:
                 seg.sec = None
-            if item_last:
+            if at.item_last:
                 if c.num_sinks:
                     _dsinks(c, hbm.sinks, hbm.dsinks, seg.item.b, seg.item.kvh, seg.item.neg_lse, seg.item.dsum)
                 for f in steps.item_end:
@@ -1862,8 +1899,7 @@ def attention_bwd(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref=None, b
     c = _configure(q_ref, k_ref, sinks_ref, bound_min, use_causal_mask, mixed_precision, softmax_scale,
                    sliding_window, k_section_len, v_ref, softcap, alibi_slopes, window_size, dropout_p, group_max,
                    block_members_max, p_cast_on_gpsimd, ds_dma_transpose, block_mask, logit_scale, ds_dma_every,
-                   pipe_lead, pipe_lag_b, pipe_lag_d)
-    c.d_from_o = d_from_o
+                   pipe_lead, pipe_lag_b, pipe_lag_d, d_from_o)
     if c.block_mask is not None and c.block_mask.n_slots > 0:
         c.block_mask.bits = block_bits
         c.block_mask.bitsel = block_bitsel()
