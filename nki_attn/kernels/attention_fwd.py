@@ -67,6 +67,7 @@ SCORE_DEN = 16
 PT_VECTOR_PERIOD = 2
 FIRST_O_SCALAR = True  # a member's O = PV at its first key block by a ScalarE copy (deferred like those evictions)
 PT_SCALAR_LAG = 3  # a ScalarE eviction is emitted this many phase-3 steps after its transposes
+FIN_DELAY_MIN = 2  # ... where the SBUF has no room for the finishing blocks' O accumulators FIN_DELAY keeps
 FIN_DELAY = 12  # phase-3 steps between a block's last PV and its finishing (and between its members' O^T)
 # A row's running max stays at FP32_MIN while every score it saw was masked; any real score is many orders of
 # magnitude larger, so "max below -1e38" means "the row saw no key".
@@ -172,6 +173,11 @@ class _FwdConfig(nl.NKIObject):
         self.exp_lead = EXP_LEAD
         self.score_num = SCORE_NUM
         self.score_den = SCORE_DEN
+        if itemsize(io_dtype) == 4:
+            # float32: the next unit's float32 scores all at once ran past trn1's SBUF at d 256 (the working set
+            # does not count them); 2/3 of the segment, as before, is within it
+            self.score_num = 2
+            self.score_den = 3
         self.pt_vector_period = PT_VECTOR_PERIOD
         if shp.softcap > 0:
             self.pt_vector_period = 1  # the tanh keeps ScalarE as busy as TensorE already
@@ -179,6 +185,14 @@ class _FwdConfig(nl.NKIObject):
         self.first_o_scalar = FIRST_O_SCALAR and self.pt_vector_period > 1
         if kb_tiles is None:
             self.kb_tiles = _kb_tiles(self, itemsize(io_dtype), itemsize(acc_dtype))
+            if self.fin_delay > FIN_DELAY_MIN:
+                # the long finishing only where it costs no key-block size and fits (tight SBUF: float32, d 256)
+                kb_long = self.kb_tiles
+                fits = _kb_fits(self, kb_long, itemsize(io_dtype), itemsize(acc_dtype))
+                self.fin_delay = FIN_DELAY_MIN
+                self.kb_tiles = _kb_tiles(self, itemsize(io_dtype), itemsize(acc_dtype))
+                if fits and self.kb_tiles <= kb_long:
+                    self.fin_delay = FIN_DELAY
         if slab_tiles is None:
             self.slab_tiles = _slab_tiles(self, itemsize(io_dtype), itemsize(acc_dtype))
         else:
@@ -197,7 +211,10 @@ def _working_set(cfg, kb_tiles, e, acc_e):
     fixed = 2 * u * kk * 4  # scores of every member of two units (float32): the next one's, this one's
     fixed += 3 * (n_qk + n_v) * kk * e  # K and V of three units
     fixed += 2 * (kk // PMAX) * cfg.d_v * e  # V^T of two units
-    fixed += 3 * u * cfg.d_v * acc_e  # O accumulators of three blocks (one accumulating, two finishing)
+    # O accumulators of three blocks (one accumulating, two finishing), and of the blocks a finishing longer than
+    # FIN_DELAY_MIN steps keeps (it lasts about 2 fin_delay + u steps, a block at least u of them)
+    n_acc = 3 + (2 * (cfg.fin_delay - FIN_DELAY_MIN) + u - 1) // u
+    fixed += n_acc * u * cfg.d_v * acc_e
     fixed += (cfg.exp_lead + cfg.pv_lag + 2) * K_TILE * e + u * cfg.d_v * e  # P, P^T in flight, normalised O
     fixed += 2 * kk * e  # P of the members transposed by DMA (one being written, one waiting for its DMA)
     fixed += 3 * 4 * u * (kb_tiles + 1) * 4 + 2 * 12 * u * 4  # statistics
@@ -218,11 +235,17 @@ def _kb_tiles(cfg, e, acc_e):
     finishing one, the current one and the next one, which opens two units ahead) of two blocks' query tiles
     each."""
     kb = KB_TILES
-    tiles = min(cfg.n_qt, 2 * max(1, cfg.members // cfg.group))
-    while kb > 1 and _working_set(cfg, kb, e, acc_e) + 3 * tiles * _per_tile(cfg, e) + SBUF_MARGIN > \
-            sbuf_bytes_per_partition():
+    while kb > 1 and not _kb_fits(cfg, kb, e, acc_e):
         kb = kb // 2
     return kb
+
+
+def _kb_fits(cfg, kb, e, acc_e):
+    """True when the working set with ``kb`` key tiles per key block leaves room for three slabs of two blocks'
+    query tiles."""
+    tiles = min(cfg.n_qt, 2 * max(1, cfg.members // cfg.group))
+    return _working_set(cfg, kb, e, acc_e) + 3 * tiles * _per_tile(cfg, e) + SBUF_MARGIN <= \
+        sbuf_bytes_per_partition()
 
 
 def _slab_tiles(cfg, e, acc_e):
@@ -1278,6 +1301,8 @@ def _run_later(cfg, hbm, steps, pipe, flush):
             if flush or job[0] <= pipe.step:
                 blk = job[2]
                 if job[1] == "stats":
+                    if len(pipe.evict) > 0:
+                        _evict_pt(cfg, pipe, True)  # a first O copy may still wait (FIN_DELAY_MIN < its lag)
                     o_ns = _finish_stats(cfg, steps, blk)
                     pipe.later.append([pipe.step + cfg.fin_delay, "lse", blk, 0, None])
                     for u in range(len(o_ns)):
