@@ -116,8 +116,6 @@ class _FwdConfig(nl.NKIObject):
         # exponent applies c, so exp(c t + bias) is still the ONE exponent of the softmax
         self.softcap = shp.softcap
         self.cap_scale = shp.scale / shp.softcap if shp.softcap > 0 else 1.0
-        # the tanh makes ScalarE the busiest engine: the O finishing moves to VectorE (same arithmetic), unless a
-        # VectorE-heavy variant (exact ALiBi, dropout) comes with it
         # the block finishing (O * 1/l, the O^T evictions) runs on VectorE: on ScalarE it waited for VectorE's
         # 1/l and TensorE's O^T between the exponents (semaphores on the critical path); back on ScalarE when a
         # VectorE-heavy variant (exact ALiBi, dropout) comes
@@ -815,7 +813,8 @@ def _rescale_o(o_acc, u, alpha, o_ps, first):
 
 def _transpose_p(cfg, p_sb, n_ch, dma_turn, on_scalar=False):
     """P^T ``[128 keys, n_ch, 128 queries]`` (SBUF) for the PV matmul. TensorE transposes (PSUM) and one eviction
-    (VectorE, or ScalarE when ``on_scalar``: the same copy) by default; on trn2+ with 16-bit P, a full key tile
+    (VectorE; with ``on_scalar`` none: it returns ``[P^T, its PSUM tile]`` for the caller's deferred ScalarE copy,
+    ``_evict_pt``) by default; on trn2+ with 16-bit P, a full key tile
     whose ``dma_turn`` it is goes by one SBUF -> SBUF dma_transpose instead (bit-exact too; docs/kernel-fwd.md,
     "Engine balance", says which share)."""
     pt_sb = nl.ndarray((PMAX, n_ch, PMAX), dtype=cfg.io_dtype, buffer=nl.sbuf)
