@@ -184,7 +184,8 @@ MUTATIONS = [
     M("s_block_slot_from_tile", STEPS, "block_partial_count(bl.rows[tile.t], kt0, c0 + a // PMAX)",
       "block_partial_count(bl.rows[tile.t], c0, c0 + a // PMAX)",
       "wrong bitmap slot: a tile that starts inside its key tile (the backward splits key tiles at SKIP chunks) "
-      "reads the slots of the key tile's first PARTIAL chunks", ["tests/masks/test_flex.py"]),
+      "reads the slots of the key tile's first PARTIAL chunks",
+      ["tests/masks/test_flex.py::test_fwd_bwd_tile_split_at_a_skip_chunk_reads_its_own_bits"]),
     M("b_one_section_per_item", BWD, "    if min(cap, fit) < seqlen_k or items > 1:\n",
       "    if min(cap, fit) < seqlen_k:\n",
       "SBUF overflow: several work items keep the whole-length section although the pipeline holds two at once",

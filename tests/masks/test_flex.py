@@ -40,6 +40,10 @@ def _mask_cases(sq, sk):
         # broadcast random blocks: the union classes are the blocks' own, so key tiles hold FULL, SKIP and
         # element-level PARTIAL chunks side by side (the mask steps' segments; SKIP chunks inside a tile's run)
         "random_mixed": (_broadcast(_random_blocks(11, 0.6, sq, sk)), None, None),
+        # every 512-key tile: PARTIAL (one pattern), SKIP, PARTIAL (another pattern), FULL chunks; the backward
+        # splits the tile at the SKIP chunk, so its second visit starts inside the tile and must read the second
+        # PARTIAL chunk's bitmap slot, not the first's
+        "partial_gap_partial": (_partial_gap_partial, None, None),
         # FlexAttention's benchmark pattern: 50 % of the blocks FULL, the rest SKIP, no bitmap anywhere
         "random_full_skip": (_full_skip_blocks(7, 0.5, sq, sk), None, None),
         "sliding_window_two_sided": (masks.sliding_window(150, causal=False), None, None),
@@ -48,6 +52,15 @@ def _mask_cases(sq, sk):
         # Llama 4's chunked local attention (causal within chunks) with per-batch documents on top
         "chunked_local_documents": (masks.and_masks(masks.chunked_local(256), masks.document(ids2)), 2, None),
     }
+
+
+def _partial_gap_partial(b, h, q, kv):
+    """Chunk classes PARTIAL, SKIP, PARTIAL, FULL in every 512-key tile, the two PARTIAL chunks with different
+    element patterns."""
+    c = (kv // 128) % 4
+    first = (q + kv) % 3 != 0
+    third = (q * 7 + kv) % 5 < 2
+    return ((c == 0) & first) | ((c == 2) & third) | (c == 3)
 
 
 def _broadcast(mm):
@@ -149,6 +162,16 @@ def test_fwd_bwd_mixed_chunk_classes_inside_key_tiles():
     their 512-key tile between them that none of its matmuls writes (chunk 2 of this layout) evicts only the
     chunks it wrote."""
     check_fwd_bwd("random_mixed", torch.float32, sq=384, sk=1024)
+
+
+def test_fwd_bwd_tile_split_at_a_skip_chunk_reads_its_own_bits():
+    """A key tile whose chunks are PARTIAL, SKIP, PARTIAL, FULL: the backward visits it as two runs, and the
+    second run's PARTIAL chunk is masked by its own bits (its slot counted from the key tile's first chunk)."""
+    from nki_attn.kernels import band
+    mm, nb, nh = _mask_cases(256, 512)["partial_gap_partial"]
+    (_, _, rows), _ = create_block_mask(mm, nb, nh, 256, 512).kernel_operands()
+    assert [list(r) for r in rows] == [[band.BLOCK_PARTIAL, band.BLOCK_SKIP, band.BLOCK_PARTIAL, band.BLOCK_FULL]] * 2
+    check_fwd_bwd("partial_gap_partial", torch.float32, sq=256, sk=512)
 
 
 @pytest.mark.slow
