@@ -36,7 +36,7 @@ def compare():
     ("bench", ["compile", "frontend-overhead", "sim-overhead", "modeled-util", "dropout-cost", "dropout-stats",
                "blas-orders", "planted-bugs", "sim-speed", "block-mask-cost"]),
     ("figures", ["fwd", "bwd", "bwd-tolerances", "ring", "validation-note", "readme", "accuracy",
-                 "accuracy-steps", "masks"]),
+                 "accuracy-steps", "masks", "variants"]),
     ("compare", ["flash-attention"]),
 ])
 def test_every_subcommand_is_listed_and_parses(script, commands, capsys):
@@ -122,3 +122,34 @@ def test_reports_live_in_reports(tmp_path):
     for name in ("full", "models", "nki_library", "nki_library_cte"):
         assert (ROOT / "reports" / f"harness_report_{name}.json").is_file()
     assert "reports/harness_report_full.json" in (ROOT / "docs" / "validation.md").read_text()
+
+
+def test_modeled_figures_lead_with_the_scheduled_time(monkeypatch):
+    """modeled-util and variants report cost model v2's scheduled time first and keep the perfect-overlap bound
+    beside it; the schedule never beats that bound, and a variant's ratio is against its own default. A small
+    shape (256 tokens, d 64) keeps the runs to seconds; the figures of the docs come from the full commands."""
+    bench = _load("bench")
+    r = bench._util_row("fwd", (1, 1, 1, 256, 64, True, None, 0), "trn2")
+    assert r["time_us"] >= r["time_overlap_us"] > 0 and r["time_serial_us"] >= r["time_overlap_us"]
+    # utilisation and the bound multiple are taken on the scheduled time, not on the bound
+    assert r["floor_ratio"] == pytest.approx(r["floor_ratio_overlap"] * r["time_us"] / r["time_overlap_us"])
+    assert r["useful_util"] == pytest.approx(1 / r["floor_ratio"])
+    line = bench._util_table([("tiny", r)]).splitlines()[-1]
+    assert f"**{r['time_us']:.0f}** ({r['time_overlap_us']:.0f} / {r['time_serial_us']:.0f})" in line
+
+    figures = _load("figures")
+    monkeypatch.setattr(figures, "VARIANT_BASE", ["--heads", "2", "--kv-heads", "1", "--seqlen", "256",
+                                                  "--head-dim", "64", "--mixed-precision", "true"])
+    monkeypatch.setitem(figures.VARIANT_ROWS, "fwd", [("default (causal)", [], True),
+                                                      ("softcap 50", ["--features", "softcap=50"], True),
+                                                      ("default (non-causal)", [], False)])
+    rows = figures.variant_rows("fwd")
+    causal, softcap, full = rows
+    assert all(x["time_us"] >= x["overlap_us"] > 0 for x in rows)
+    assert causal["rel"] == 1.0 and softcap["rel"] == pytest.approx(softcap["time_us"] / causal["time_us"])
+    assert full["rel"] == pytest.approx(full["time_us"] / causal["time_us"])
+    # soft-capping adds a tanh per score tile: more instructions than the default path, the same useful FLOPs
+    assert softcap["instructions"] > causal["instructions"]
+    assert softcap["rel_per_flop"] == pytest.approx(softcap["rel"])
+    table = figures.variant_table(rows)
+    assert f"| softcap 50 | **{softcap['time_us']:.1f}** |" in table and "`--causal --features softcap=50`" in table
