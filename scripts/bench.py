@@ -395,6 +395,12 @@ def args_modeled_util(p):
                    help="which kernels to run (default both)")
     p.add_argument("--json", metavar="F", help="write all rows as JSON")
     p.add_argument("--plot", metavar="F", help="bar chart of TensorE utilisation per model shape (matplotlib)")
+    p.add_argument("--write", action="store_true",
+                   help="put the table and the ratios between the modeled-util markers of docs/performance.md "
+                        "(a full run only: every case, both kernels)")
+    p.add_argument("--reuse", metavar="F",
+                   help="take the rows of the kernels not in --kernels from F (an earlier --json of the same "
+                        "target), refused unless F was made from the same kernel source and model")
 
 
 def _critical_lead(p):
@@ -508,28 +514,47 @@ def run_modeled_util(a):
     and the no-overlap sum beside it. Head counts are scaled down so that the run fits minutes of simulation;
     every row says what it ran."""
     from nki_attn.profiler.params import MODEL
-    rows, masks = [], {}
-    for name, (model, *shape) in UTIL_SHAPES.items():
-        for kernel in a.kernels:
-            if a.only and name not in a.only:
-                continue
-            r = dict(_util_row(kernel, shape, a.target), model=model)
-            rows.append((name, r))
-            print(f"{name} {kernel}: {r['time_us']:.0f} us scheduled, useful util {r['useful_util']:.1%} "
-                  f"({r['sim_wall_s']:.1f} s sim)", flush=True)
-    for name, shape in UTIL_MASKS.items():
-        for kernel in a.kernels:
-            if a.only and name not in a.only:
-                continue
-            r = masks[(name, kernel)] = _util_row(kernel, shape, a.target)
-            rows.append((name, r))
-            print(f"{name} {kernel}: {r['time_us']:.0f} us scheduled ({r['sim_wall_s']:.1f} s sim)", flush=True)
     versions = kernel_versions()
+    reused = {}
+    if a.reuse:
+        with open(a.reuse) as f:
+            old = json.load(f)
+        for kernel in {"fwd", "bwd"} - set(a.kernels):
+            src = f"attention_{kernel}.py"
+            # a row is only as current as the kernel source and the model it was made with
+            if old.get("model") != MODEL or old.get("target") != a.target or \
+                    old.get("kernel_sha256_12", {}).get(src) != versions.get(src):
+                raise SystemExit(f"--reuse {a.reuse}: its {kernel} rows were made from {src} "
+                                 f"{old.get('kernel_sha256_12', {}).get(src)} ({old.get('model')}, "
+                                 f"{old.get('target')}), not the current {versions.get(src)}; run them again")
+            reused.update({(r["case"], kernel): {k: v for k, v in r.items() if k != "case"}
+                           for r in old["rows"] if r["kernel"] == kernel})
+    kernels = [k for k in ("fwd", "bwd") if k in a.kernels or any(kk == k for _, kk in reused)]
+    rows, masks = [], {}
+
+    def row(name, kernel, shape, model=None):
+        if (name, kernel) in reused:
+            return reused[(name, kernel)]
+        r = _util_row(kernel, shape, a.target)
+        print(f"{name} {kernel}: {r['time_us']:.0f} us scheduled, useful util {r['useful_util']:.1%} "
+              f"({r['sim_wall_s']:.1f} s sim)", flush=True)
+        return dict(r, model=model) if model else r
+    for name, (model, *shape) in UTIL_SHAPES.items():
+        for kernel in kernels:
+            if a.only and name not in a.only:
+                continue
+            rows.append((name, row(name, kernel, shape, model)))
+    for name, shape in UTIL_MASKS.items():
+        for kernel in kernels:
+            if a.only and name not in a.only:
+                continue
+            r = masks[(name, kernel)] = row(name, kernel, shape)
+            rows.append((name, r))
     print(f"\nTarget {a.target}; device times MODELED by {MODEL}, not measured. Kernel sources (sha256[:12]): "
           + ", ".join(f"{k} {v}" for k, v in versions.items()) + "\n")
     print(_util_table(rows))
     ratios = []
-    for kernel in a.kernels:
+    for kernel in kernels:
         def t(name, key="time_us"):
             return masks[(name, kernel)][key] if (name, kernel) in masks else None
         if t("causal-2048") and t("full-2048"):
@@ -544,6 +569,18 @@ def run_modeled_util(a):
                           f"(perfect overlap); ideal ~2 (linear in S)")
     if ratios:
         print("\n" + "\n".join(ratios))
+    if a.write:
+        if a.only or set(kernels) != {"fwd", "bwd"}:
+            print("--write: only a full run (no --only, both kernels) rewrites the docs' table; not written")
+        else:
+            from nki_attn.harness.report import replace_marked_section
+            text = (f"Target {a.target}, MODELED by cost model v2 (scheduled), not measured; kernels "
+                    + ", ".join(f"`{k}` `{v}`" for k, v in versions.items()) + ".\n\n" + _util_table(rows)
+                    + "\n\nCausal and window scaling (same run, one d128 head):\n\n"
+                    + "\n".join(f"- {r}" for r in ratios))
+            name = "modeled-util" if a.target == "trn2" else f"modeled-util-{a.target}"
+            replace_marked_section(os.path.join(ROOT, "docs", "performance.md"), name, text)
+            print(f"wrote the {name} section of docs/performance.md")
     if a.plot:
         _util_plot([(n, r) for n, r in rows if n in UTIL_SHAPES], a.plot, a.target)
     _write_json(a.json, {"target": a.target, "modeled": True, "model": MODEL, "kernel_sha256_12": versions,

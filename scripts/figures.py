@@ -628,6 +628,8 @@ def cmd_steps(a):
     title = (f"{a.layout} ring, {a.world_size} ranks x {a.seqlen_local} tokens, batch {a.batch}, heads {a.heads}/"
              f"{a.kv_heads}, d {a.head_dim} {a.dtype}, causal={a.causal}, window={a.window}; modeled on "
              f"{a.target} (cost model v2, scheduled), NOT measured")
+    from bench import kernel_versions
+    title += "; kernels " + ", ".join(f"{k} {v}" for k, v in kernel_versions().items())
     print(title)
     print(f"{'phase':<6}{'step':>5}{'MiB sent/rank':>15}{'calls/rank':>16}{'modeled us max':>16}"
           f"{'modeled us min':>16}{'sim wall s':>12}{'wait s':>9}")
@@ -688,10 +690,12 @@ def cmd_threshold(a):
     d, dt = a.head_dim, DTYPES[a.dtype]
     item = torch.empty(0, dtype=dt).element_size()
     args = {k: v for k, v in vars(a).items() if k not in ("run", "command", "ring_command")}
-    out = {"args": args, "scenarios": SCENARIOS, "configs": []}
+    from bench import kernel_versions
+    versions = kernel_versions()
+    out = {"args": args, "scenarios": SCENARIOS, "configs": [], "kernel_sha256_12": versions}
     print(f"Kernel times MODELED on {a.target} (nki_attn.profiler, cost model v2: scheduled time), one NeuronCore per "
           f"rank; d {d} {a.dtype}; per step the ring computes a full s x s block, zigzag an s/2 x s or s x s/2 "
-          f"block")
+          f"block; kernels " + ", ".join(f"{k} {v}" for k, v in versions.items()))
     for kv in a.kv_heads:
         group = a.heads // kv
         pts = []

@@ -124,7 +124,7 @@ def test_reports_live_in_reports(tmp_path):
     assert "reports/harness_report_full.json" in (ROOT / "docs" / "validation.md").read_text()
 
 
-def test_modeled_figures_lead_with_the_scheduled_time(monkeypatch):
+def test_modeled_figures_lead_with_the_scheduled_time(monkeypatch, tmp_path, capsys):
     """modeled-util and variants report cost model v2's scheduled time first and keep the perfect-overlap bound
     beside it; the schedule never beats that bound, and a variant's ratio is against its own default. A small
     shape (256 tokens, d 64) keeps the runs to seconds; the figures of the docs come from the full commands."""
@@ -136,6 +136,24 @@ def test_modeled_figures_lead_with_the_scheduled_time(monkeypatch):
     assert r["useful_util"] == pytest.approx(1 / r["floor_ratio"])
     line = bench._util_table([("tiny", r)]).splitlines()[-1]
     assert f"**{r['time_us']:.0f}** ({r['time_overlap_us']:.0f} / {r['time_serial_us']:.0f})" in line
+
+    # --reuse takes earlier rows only when they were made from the same kernel source and model
+    import argparse
+    import json
+    from nki_attn.profiler.params import MODEL
+    path = tmp_path / "util.json"
+    rows = [dict(r, case="causal-2048", kernel=k) for k in ("fwd", "bwd")]
+    run = argparse.Namespace(target="trn2", only=["causal-2048"], kernels=[], json=None, plot=None, write=False,
+                             reuse=str(path))
+    for sha, model in ((bench.kernel_versions(), MODEL), ({"attention_fwd.py": "0" * 12}, MODEL),
+                       (bench.kernel_versions(), "cost model v1")):
+        path.write_text(json.dumps({"target": "trn2", "model": model, "kernel_sha256_12": sha, "rows": rows}))
+        if model == MODEL and sha == bench.kernel_versions():
+            assert bench.run_modeled_util(run) == 0
+            assert capsys.readouterr().out.count(f"| causal-2048 | ") == 2
+        else:
+            with pytest.raises(SystemExit, match="run them again"):
+                bench.run_modeled_util(run)
 
     figures = _load("figures")
     monkeypatch.setattr(figures, "VARIANT_BASE", ["--heads", "2", "--kv-heads", "1", "--seqlen", "256",
