@@ -245,13 +245,16 @@ class BwdVisit(nl.NKIObject):
 
 
 class BwdKeyTile(nl.NKIObject):
-    """The keys [u0, u0+uw) a group visits in one 512-key tile (the union of its members' visible keys) and the
-    visits, in member order."""
+    """The keys [u0, u0+uw) a group visits in one 512-key tile (the span of its members' visible keys), the
+    visits, in member order, and ``wrote``: per 128-key chunk of the span, whether any visit's dV/dK matmul
+    writes it. With a block mask (or packing) the members' runs can leave a chunk of the span that no matmul
+    writes; its PSUM columns hold stale data and must not be evicted (``_evict_dv_dk``)."""
 
-    def __init__(self, u0, uw, visits):
+    def __init__(self, u0, uw, visits, wrote):
         self.u0 = u0
         self.uw = uw
         self.visits = visits
+        self.wrote = wrote
 
 
 class BwdGroup(nl.NKIObject):
@@ -334,7 +337,7 @@ def _group_plan(c, s, members):
                         dma = c.whole_visits % c.ds_dma_every == 0
                     visits.append(BwdVisit(mi, tile, off, segs, not started[mi], dma))
                     started[mi] = True
-        ktiles.append(BwdKeyTile(u0, u1 - u0, visits))
+        ktiles.append(BwdKeyTile(u0, u1 - u0, visits, covered))
     return BwdGroup(members, ktiles)
 
 
@@ -1287,7 +1290,21 @@ def _evict_dv_dk(c, kt, sec, dv_ps, dk_ps):
     section wrote (``sec.written``, trace time) are overwritten instead (a copy, or the scale alone): the
     accumulators are never zeroed, and the result is bit-identical to adding into zeros."""
     a0 = kt.u0 - sec.k_lo
-    runs = _segments(sec.written, a0 // PMAX, (a0 + kt.uw) // PMAX)
+    runs = []
+    j = 0
+    n = len(kt.wrote)
+    while j < n:
+        e = j
+        while e < n and kt.wrote[e]:
+            e += 1
+        if e > j:
+            # only the chunks some matmul of the group wrote: a chunk between two members' runs stays unwritten
+            # in the section (zeroed at its end unless another key tile's group writes it)
+            for run in _segments(sec.written, a0 // PMAX + j, a0 // PMAX + e):
+                runs.append(run)
+            j = e
+        else:
+            j += 1
     for run in runs:
         x, y, acc = run
         src = slice(x - a0, y - a0)
