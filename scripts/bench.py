@@ -498,6 +498,7 @@ def _util_plot(rows, path, tgt):
     ax.set_xticks(range(len(names)))
     ax.set_xticklabels(names, fontsize=8)
     ax.set_ylabel("TensorE utilisation, useful FLOPs (%)")
+    ax.set_ylim(0, 105)  # room for the legend above the tallest bars
     ax.set_title(f"TensorE utilisation on {tgt}, MODELED by cost model v2 (scheduled), not measured; "
                  "scaled-down head counts", fontsize=9)
     ax.legend(fontsize=7, ncol=2)
