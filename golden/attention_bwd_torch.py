@@ -199,8 +199,8 @@ def attention_bwd_torch_ref(q_ref: torch.Tensor, k_ref: torch.Tensor, v_ref: tor
     sdt = stats_dtype(dt, a["mixed"])
 
     drop = dropout_multiplier(a, dropout_seed, dropout_mask, sdt)
-    f = _forward(q_ref, k_ref, v_ref, a, attn_bias, drop, sinks_ref, bound_min, bound_max, alibi_slopes,
-                 logit_scale)
+    mods = dict(logit_scale=logit_scale, softcap=a["softcap"], alibi_slopes=alibi_slopes, attn_bias=attn_bias)
+    f = _forward(q_ref, k_ref, v_ref, a, mods, drop, sinks_ref, bound_min, bound_max)
     probs = f["probs"]
 
     qt = q_ref.transpose(-1, -2)                                   # [b, h, sq, d_qk]
@@ -216,14 +216,13 @@ def attention_bwd_torch_ref(q_ref: torch.Tensor, k_ref: torch.Tensor, v_ref: tor
     ds = softmax_dx(dp, probs, dim=-1, mixed_precision=a["mixed"])
 
     ds_keys = ds[..., :seqlen_k]                                   # dL/d(logit) of the keys
-    dbias = None
-    if attn_bias is not None:                                      # the bias is added to the logit
-        dbias = _sum_to(ds_keys.to(acc_dtype(dt)), tuple(attn_bias.shape))
-    if f["cap_grad"] is not None:
-        ds_keys = ds_keys * f["cap_grad"]                          # through c * tanh(S / c)
-    if logit_scale is not None:                                    # through lam * S0
-        dlogit = (ds_keys * f["s0"]).sum(dim=(2, 3))
-        ds_keys = ds_keys * logit_scale.to(device=ds_keys.device, dtype=ds_keys.dtype)[..., None, None]
+    mod_grads = {}
+    ctx = dict(a, adt=acc_dtype(dt))
+    for row, value, kept in reversed(f["steps"]):                  # back through the score modifications
+        if row[2] is not None:
+            ds_keys, g = row[2](ds_keys, value, kept, ctx)
+            if row[3] is not None:
+                mod_grads[row[3]] = g
     ds_keys = (ds_keys * a["scale"]).to(dt)                        # scale * dS, [b, h, sq, sk]
     p_keys = probs[..., :seqlen_k]
     if drop is not None:
@@ -248,21 +247,6 @@ def attention_bwd_torch_ref(q_ref: torch.Tensor, k_ref: torch.Tensor, v_ref: tor
     if sinks_ref is not None:
         dsinks = ds[..., seqlen_k:].sum(dim=2)                      # over query rows, in sdt
         out["out_dsinks_ref"] = dsinks.to(acc_dtype(dt)).reshape(sinks_ref.shape)
-    if dbias is not None:
-        out["out_dbias_ref"] = dbias
-    if logit_scale is not None:
-        out["out_dlogit_scale_ref"] = dlogit.to(acc_dtype(dt))
+    for key, g in mod_grads.items():
+        out[key] = g.to(acc_dtype(dt))
     return out
-
-
-def _sum_to(x: torch.Tensor, shape: tuple) -> torch.Tensor:
-    """``x`` ``[bs, nheads, seqlen_q, seqlen_k]`` summed over the dims a tensor of
-    ``shape`` (broadcastable to it) broadcasts, viewed as ``shape``."""
-    lead = x.dim() - len(shape)
-    dims = list(range(lead))
-    for i, n in enumerate(shape):
-        if n == 1 and x.shape[lead + i] != 1:
-            dims.append(lead + i)
-    if dims:
-        x = x.sum(dim=dims, keepdim=True)
-    return x.reshape(shape)

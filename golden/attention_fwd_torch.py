@@ -288,21 +288,76 @@ def compute_o_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       softmax_scale=softmax_scale, sliding_window=sliding_window,
                       logit_bias=logit_bias, dropout_mask=dropout_mask, softcap=softcap,
                       alibi_slopes=alibi_slopes, window_size=window_size, logit_scale=logit_scale)
-    f = _forward(q, k, v, a, logit_bias, dropout_mask, sinks, bound_min, bound_max, alibi_slopes, logit_scale)
+    mods = dict(logit_scale=logit_scale, softcap=a["softcap"], alibi_slopes=alibi_slopes, attn_bias=logit_bias)
+    f = _forward(q, k, v, a, mods, dropout_mask, sinks, bound_min, bound_max)
     return f["o"], f["lse"], f["probs"]
 
 
-def _forward(q, k, v, a, logit_bias, dropout_mask, sinks, bound_min, bound_max,
-             alibi_slopes=None, logit_scale=None) -> dict:
+def _sum_to(x: torch.Tensor, shape: tuple) -> torch.Tensor:
+    """``x`` ``[bs, nheads, seqlen_q, seqlen_k]`` summed over the dims a tensor of
+    ``shape`` (broadcastable to it) broadcasts, viewed as ``shape``."""
+    lead = x.dim() - len(shape)
+    dims = list(range(lead))
+    for i, n in enumerate(shape):
+        if n == 1 and x.shape[lead + i] != 1:
+            dims.append(lead + i)
+    if dims:
+        x = x.sum(dim=dims, keepdim=True)
+    return x.reshape(shape)
+
+
+# The score modifications, one row each, in the order they apply to the scaled
+# scores S (``[bs, nheads, seqlen_q, seqlen_k]`` in the statistics dtype):
+# ``(keyword, forward, backward, gradient key)``.  ``forward(s, value, a)``
+# returns the modified scores and what its backward keeps; ``backward(ds,
+# value, kept, a)`` takes dL/d(its output) and returns dL/d(its input) and the
+# gradient of ``value`` (None: none), reported by ``attention_bwd_torch_ref``
+# under the key.  ``a`` is the validated arguments plus ``adt`` (acc_dtype).
+# The backward runs the rows in reverse order.  A keyword's value is None
+# (softcap: 0.0) when the modification is off.
+def _logit_scale_fwd(s, lam, a):
+    return s * lam.to(device=s.device, dtype=s.dtype)[..., None, None], s
+
+
+def _logit_scale_bwd(ds, lam, s0, a):
+    return ds * lam.to(device=ds.device, dtype=ds.dtype)[..., None, None], (ds * s0).sum(dim=(2, 3))
+
+
+def _softcap_fwd(s, c, a):
+    th = torch.tanh(s / c)
+    return c * th, 1.0 - th * th     # d(c tanh(x / c)) / dx
+
+
+def _alibi_fwd(s, slopes, a):
+    return s + alibi_bias(slopes, a["seqlen_q"], a["seqlen_k"], a["adt"]).to(device=s.device, dtype=s.dtype), None
+
+
+def _bias_fwd(s, bias, a):
+    return s + bias.to(device=s.device, dtype=s.dtype), None
+
+
+SCORE_STEPS = (
+    ("logit_scale", _logit_scale_fwd, _logit_scale_bwd, "out_dlogit_scale_ref"),
+    ("softcap", _softcap_fwd, lambda ds, c, cap_grad, a: (ds * cap_grad, None), None),
+    ("alibi_slopes", _alibi_fwd, None, None),
+    ("attn_bias", _bias_fwd, lambda ds, bias, kept, a: (ds, _sum_to(ds.to(a["adt"]), tuple(bias.shape))),
+     "out_dbias_ref"),
+)
+
+
+def _is_on(value) -> bool:
+    return value is not None and not (isinstance(value, float) and value == 0.0)
+
+
+def _forward(q, k, v, a, mods, dropout_mask, sinks, bound_min, bound_max) -> dict:
     """Forward on validated arguments ``a`` (the dict from ``_validate_fwd``).
 
+    ``mods``: ``{keyword: value}`` of the score modifications (``SCORE_STEPS``).
     ``dropout_mask`` here is the multiplier of the probabilities as given
     (bool, or floating values already holding any ``1/(1-p)``).  Returns a dict:
     ``o``, ``lse``, ``probs`` (as :func:`compute_o_lse`) and, for the backward,
-    ``cap_grad`` (``1 - tanh^2(S / c)`` in ``sdt``, ``[bs, nheads, seqlen_q,
-    seqlen_k]``, or None without soft-capping), ``drop`` (the dropout
-    multiplier in ``sdt``, or None) and ``s0`` (the scaled scores before the
-    logit scale, the factor of its gradient).
+    ``steps`` (the modifications applied, in order, as ``(row, value, kept)``)
+    and ``drop`` (the dropout multiplier in ``sdt``, or None).
     """
     bs, nheads, seqlen_q, seqlen_k = a["bs"], a["nheads"], a["seqlen_q"], a["seqlen_k"]
     dt = q.dtype
@@ -315,17 +370,14 @@ def _forward(q, k, v, a, logit_bias, dropout_mask, sinks, bound_min, bound_max,
     vt = v.transpose(-1, -2).repeat_interleave(a["group"], dim=1)
 
     # Matmul rounded to dt, everything softmax-related in sdt.
-    s0 = s = torch.matmul(qt, kt.transpose(-1, -2)).to(sdt) * a["scale"]
-    s = s if logit_scale is None else s * logit_scale.to(device=s.device, dtype=sdt)[..., None, None]
-    cap_grad = None
-    if a["softcap"] > 0.0:
-        th = torch.tanh(s / a["softcap"])
-        s = a["softcap"] * th
-        cap_grad = 1.0 - th * th     # d(c tanh(x / c)) / dx
-    if alibi_slopes is not None:
-        s = s + alibi_bias(alibi_slopes, seqlen_q, seqlen_k, adt).to(device=s.device, dtype=sdt)
-    if logit_bias is not None:
-        s = s + logit_bias.to(device=s.device, dtype=sdt)
+    s = torch.matmul(qt, kt.transpose(-1, -2)).to(sdt) * a["scale"]
+    ctx = dict(a, adt=adt)
+    steps = []
+    for row in SCORE_STEPS:
+        value = mods.get(row[0])
+        if _is_on(value):
+            s, kept = row[1](s, value, ctx)
+            steps.append((row, value, kept))
     vis = visibility_mask(seqlen_q, seqlen_k, a["causal"], a["window"], bound_min, bound_max,
                           a["window_size"])
     s = s.masked_fill(~vis.to(s.device), float("-inf"))
@@ -357,7 +409,7 @@ def _forward(q, k, v, a, logit_bias, dropout_mask, sinks, bound_min, bound_max,
     lse = (lse_rows.to(adt)
            .reshape(bs, nheads, seqlen_q // _v.PARTITIONS, _v.PARTITIONS)
            .transpose(-1, -2).contiguous())
-    return dict(o=o, lse=lse, probs=probs, cap_grad=cap_grad, drop=drop, s0=s0)
+    return dict(o=o, lse=lse, probs=probs, steps=steps, drop=drop)
 
 
 def dropout_multiplier(a: dict, dropout_seed, dropout_mask, dtype: torch.dtype):
@@ -421,7 +473,8 @@ def attention_fwd_torch_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       dropout_p=dropout_p, dropout_seed=dropout_seed, dropout_mask=dropout_mask,
                       logit_bias=attn_bias, bias_name="attn_bias", logit_scale=logit_scale)
     drop = dropout_multiplier(a, dropout_seed, dropout_mask, stats_dtype(q.dtype, a["mixed"]))
-    f = _forward(q, k, v, a, attn_bias, drop, sinks_ref, bound_min, bound_max, alibi_slopes, logit_scale)
+    mods = dict(logit_scale=logit_scale, softcap=a["softcap"], alibi_slopes=alibi_slopes, attn_bias=attn_bias)
+    f = _forward(q, k, v, a, mods, drop, sinks_ref, bound_min, bound_max)
     return f["o"], f["lse"]
 
 

@@ -13,15 +13,17 @@ PARTIAL tiles with their bitmaps (docs/masks.md). A row that sees no key gives 0
 FlexAttention returns lse ``-inf`` there; both give a zero output).
 
 ``score_mod``: the kernels are fixed NKI code, so an arbitrary Python ``score_mod`` cannot run in them. The
-built-in modifications are accepted as markers (one, or a list applied in the kernels' order: soft-cap, ALiBi,
-bias): ``softcap(c)`` (``score = c * tanh(score / c)``), ``alibi(slopes)`` (``score -= slopes[h] *
+built-in modifications, the rows of ``nki_attn.spec.SCORE_MODS``, are accepted as markers (one, or a list
+applied in the kernels' order: logit scale, soft-cap, ALiBi, bias), each checked by its row as the same keyword
+of ``flash_attn_func`` is: ``logit_scale(t)`` (``score *= t[h]`` or ``t[b, h]``, differentiable), ``softcap(c)`` (``score = c * tanh(score / c)``), ``alibi(slopes)`` (``score -= slopes[h] *
 |q_idx + Sk - Sq - kv_idx|``, FlashAttention's bottom-right distance, which is ``|q_idx - kv_idx|`` when Sq ==
 Sk) and ``bias(t)`` (``score += t[b, h, q_idx, kv_idx]``, differentiable: a block-sparse learned bias). Anything
 else raises TypeError naming these.
 
-It runs on the block-mask op pair ``torch.ops.nki_attn.flex_fwd`` / ``flex_bwd``
-(``nki_attn.ops.block_mask_attention``), registered like the attention pair: compile with ``fullgraph=True``
-keeps one opaque node per direction, FakeTensor / ``meta`` inputs get shapes only.
+It is a thin function over the one op pair ``torch.ops.nki_attn.attention_fwd`` / ``attention_bwd``
+(``nki_attn.ops.attention``): it builds an ``AttentionSpec`` whose ``block_mask`` holds the mask's kernel
+operands, so compile with ``fullgraph=True`` keeps one opaque node per direction and FakeTensor / ``meta`` inputs
+get shapes only.
 """
 import math
 import numbers
@@ -29,10 +31,10 @@ import numbers
 import torch
 
 from .block_mask import BLOCK, BlockMask, create_block_mask
-from .ops import block_mask_attention
-from .spec import DTYPES, MAX_D_HEAD, check_device, resolve_scale
+from .ops import attention
+from .spec import DTYPES, MAX_D_HEAD, MODS, SCORE_MODS, AttentionSpec, Dims, check_device, check_mods, resolve_scale
 
-__all__ = ["flex_attention", "softcap", "alibi", "bias", "SoftCap", "ALiBi", "Bias", "full_block_mask"]
+__all__ = ["flex_attention", "softcap", "alibi", "bias", "SoftCap", "ALiBi", "Bias", "Marker", "full_block_mask"]
 
 _CONTIG = torch.contiguous_format
 FN = "flex_attention"
@@ -99,37 +101,56 @@ def alibi(slopes):
     return ALiBi(slopes)
 
 
-_SUPPORTED = ("score_mod must be None, nki_attn.flex.softcap(cap), nki_attn.flex.alibi(slopes), "
-              "nki_attn.flex.bias(tensor) or a list of them: the NKI kernels are fixed code and cannot run an arbitrary Python score_mod (express a mask "
-              "as a mask_mod in nki_attn.create_block_mask instead)")
+class Marker:
+    """Score-mod marker of any row of ``nki_attn.spec.SCORE_MODS`` without a class of its own (e.g.
+    ``logit_scale(t)``: ``score *= t[b, h]`` before the other modifications, with its gradient); its value is
+    checked by the row, as the same keyword of ``flash_attn_func`` is."""
+
+    def __init__(self, name, value):
+        self.name = name
+        self.value = value
+
+    def __repr__(self):
+        v = self.value
+        return f"{self.name}({tuple(v.shape) if isinstance(v, torch.Tensor) else v})"
 
 
-def _score_mods(score_mod, b, hq, sq, sk, device):
-    """``(softcap, alibi [b, hq] float32 or None, bias or None)`` from the markers."""
+SoftCap.name, ALiBi.name, Bias.name = "softcap", "alibi", "bias"
+SoftCap.value = property(lambda self: self.cap)
+ALiBi.value = property(lambda self: self.slopes)
+Bias.value = property(lambda self: self.bias)
+
+
+def _marker_fn(name):
+    def make(value):
+        return Marker(name, value)
+    make.__name__ = make.__qualname__ = name
+    make.__doc__ = f"The ``{name}`` score mod (a marker the kernels run natively; ``nki_attn.spec.SCORE_MODS``)."
+    return make
+
+
+# every other row of the table gets its marker function here, under the row's name
+for _m in SCORE_MODS:
+    if _m.name not in globals():
+        globals()[_m.name] = _marker_fn(_m.name)
+        __all__.append(_m.name)
+
+_SUPPORTED = ("score_mod must be None, " + ", ".join(f"nki_attn.flex.{m.name}(...)" for m in SCORE_MODS) +
+              " or a list of them: the NKI kernels are fixed code and cannot run an arbitrary Python score_mod "
+              "(express a mask as a mask_mod in nki_attn.create_block_mask instead)")
+
+
+def _score_mods(score_mod, dims):
+    """``{spec field: value}`` of the markers, each checked by its ``SCORE_MODS`` row."""
     mods = [] if score_mod is None else list(score_mod) if isinstance(score_mod, (list, tuple)) else [score_mod]
-    cap, slopes, add = 0.0, None, None
+    given = {}
     for m in mods:
-        if isinstance(m, SoftCap) and cap == 0.0:
-            cap = m.cap
-        elif isinstance(m, ALiBi) and slopes is None:
-            s = m.slopes
-            if tuple(s.shape) not in ((hq,), (b, hq)):
-                _fail("alibi slopes.shape", tuple(s.shape), f"must be [Hq] = [{hq}] or [B, Hq] = [{b}, {hq}]")
-            if s.device != device:
-                _fail("alibi slopes.device", s.device, f"must equal query.device {device}")
-            slopes = s.expand(b, hq).clone(memory_format=_CONTIG)
-        elif isinstance(m, Bias) and add is None:
-            t = m.bias
-            if any(n not in (1, full) for n, full in zip(t.shape, (b, hq, sq, sk))):
-                _fail("bias.shape", tuple(t.shape), f"each dim must be 1 or the call's [B, Hq, Sq, Sk] = "
-                      f"{[b, hq, sq, sk]}")
-            if t.device != device:
-                _fail("bias.device", t.device, f"must equal query.device {device}")
-            add = t
-        else:
+        row = MODS.get(getattr(m, "name", None)) if isinstance(m, (Marker, SoftCap, ALiBi, Bias)) else None
+        if row is None or row.keyword in given:
             name = getattr(m, "__name__", type(m).__name__)
             _fail("score_mod", name, _SUPPORTED + " (each marker at most once)", TypeError)
-    return cap, slopes, add
+        given[row.keyword] = m.value
+    return check_mods(FN, given, dims)
 
 
 # ----------------------------------------------------------------------------------------------------- masks
@@ -196,8 +217,8 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
     if hq % hk != 0:
         _fail("key.shape[1]", hk, f"the {hk} key/value heads must divide the {hq} query heads")
     scale = resolve_scale(FN, scale, d, "scale")
-    cap, slopes, add = _score_mods(score_mod, b, hq, sq, sk, query.device)
-    if slopes is not None and (sk - sq) % BLOCK != 0:
+    mods = _score_mods(score_mod, Dims(b, hq, sq, sk, query.device))
+    if mods.get("alibi") is not None and (sk - sq) % BLOCK != 0:
         _fail("score_mod", "alibi", f"needs Sk - Sq a multiple of {BLOCK} (got Sq={sq}, Sk={sk}): the kernels "
               f"measure the bottom-right distance on tile-padded lengths", NotImplementedError)
     if block_mask is None:
@@ -214,8 +235,8 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
         _fail("block_mask", f"a mask of shape {block_mask.shape}", f"its B and H must be 1 (broadcast) or the "
               f"call's B = {b} and Hq = {hq}")
     (n_b, n_h, _), store = block_mask.kernel_operands()
-    rows = block_mask.union_rows()
-    out, lse = block_mask_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), rows, store,
-                                    slopes, n_b, n_h, scale, cap, add)
+    spec = AttentionSpec(FN, b, sq, sk, hq, hk, d, dv, query.dtype, scale, block_mask=(block_mask.union_rows(),
+                         store, n_b, n_h), **mods)
+    out, lse = attention(spec, query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2))
     out = out.transpose(1, 2)
     return (out, lse) if return_lse else out

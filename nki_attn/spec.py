@@ -6,11 +6,16 @@ below (``nki_attn.ops``: the custom-op pair, the padding, the kernel keywords) t
 argument raises ``TypeError`` / ``ValueError`` (``NotImplementedError`` for what the kernels cannot express) with
 the message ``"<entry point>: <argument>=<value>: <rule>"``.
 
-Public: ``AttentionSpec``, ``flash_spec`` (the checks of ``flash_attn_func``, for callers that bring their own
+Score modifications (soft-capping, ALiBi, the additive bias, the per-head logit scale) are declared once, in
+``SCORE_MODS`` (one ``ScoreMod`` row each: names, check, formula, gradient, kernel padding); the spec's fields,
+the op pair's inputs, the entry points' keyword-only arguments and ``nki_attn.flex``'s markers come from it.
+
+Public: ``AttentionSpec``, ``ScoreMod`` / ``SCORE_MODS`` / ``Dims`` / ``check_mods``, ``flash_spec`` (the checks of ``flash_attn_func``, for callers that bring their own
 entry point), ``check_bias`` (an additive bias as the spec's 4-D view), ``window_pair``, ``window_intervals``, ``resolve_scale``, ``check_device``, ``dropout_seed_tensor``,
 ``fail``, ``PMAX``, ``MAX_D_HEAD``, ``MAX_EXACT_KEY``, ``DTYPES``.
 """
 import dataclasses
+import inspect
 import math
 import numbers
 from typing import Optional
@@ -26,78 +31,8 @@ MAX_EXACT_KEY = 1 << 24  # key bounds are float32 in the kernels: key indices up
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 SEED_MAX = (1 << 32) - 1
 
-__all__ = ["AttentionSpec", "flash_spec", "check_bias", "window_pair", "window_intervals", "resolve_scale",
+__all__ = ["AttentionSpec", "ScoreMod", "SCORE_MODS", "Dims", "check_mods", "flash_spec", "check_bias", "window_pair", "window_intervals", "resolve_scale",
            "check_device", "dropout_seed_tensor", "fail", "PMAX", "MAX_D_HEAD", "MAX_EXACT_KEY", "DTYPES"]
-
-
-@dataclasses.dataclass(frozen=True)
-class AttentionSpec:
-    """Everything about one attention call except q, k and v themselves; checked when built, trusted after.
-
-    Shapes (FlashAttention's layout, the one the op pair takes): q ``[batch, seqlen_q, heads, d_qk]``, k
-    ``[batch, seqlen_k, heads_kv, d_qk]``, v ``[batch, seqlen_k, heads_kv, d_v]``.
-
-    Fields:
-        fn: str, the entry point that built the spec (prefixes every message).
-        batch, seqlen_q, seqlen_k, heads, heads_kv, d_qk, d_v: int sizes (``heads % heads_kv == 0``; d_qk, d_v
-            0..256; any size may be 0: the result is then torch's, without a kernel launch).
-        dtype: torch.dtype of q, k, v (float32 / bfloat16 / float16).
-        scale: float > 0, the softmax scale of q·k (resolved: ``1/sqrt(d_qk)`` when not given).
-        left, right, shift: int, the mask as a window: query i sees keys ``i + shift - left .. i + shift +
-            right`` within ``[0, seqlen_k)``, a side of -1 unbounded (causal: right = 0; FlashAttention's
-            bottom-right alignment: shift = seqlen_k - seqlen_q). Ignored when ``key_lo`` is given.
-        key_lo, key_hi: int64 ``[seqlen_q]`` or None: explicit per-query key intervals ``[lo, hi)`` (packing:
-            varlen sequences, boolean masks); they replace the window.
-        softcap: float >= 0; the scaled scores become ``softcap * tanh(S / softcap)`` (0.0: off).
-        alibi: float32 ``[batch, heads]`` or None: adds ``-slope * |i + shift - j|`` to the scores.
-        dropout_p: float in [0, 1); dropout_seed: int32 / uint32 ``[2]`` = (seed, offset) (or ``[1]``), given
-            iff dropout_p > 0 (``nki_attn.dropout``).
-        sinks: ``[heads]`` or ``[heads, num_sinks]`` logits joining the softmax denominator, or None.
-        bias: the additive bias ``[batch or 1, heads or 1, seqlen_q or 1, seqlen_k or 1]`` (float32 / bfloat16 /
-            float16, q's device) added to the scaled and capped scores after ALiBi, or None (``check_bias``).
-        logit_scale: float32 ``[batch, heads]`` or None: the per-head logit scale, the logits are ``scale *
-            logit_scale[b, h] * q·k`` before soft-capping and ALiBi (docs/semantics.md, "Per-head logit scale").
-
-    Derived specs (``dataclasses.replace``, ``with_mask``) are not re-checked: the caller keeps them consistent.
-    """
-    fn: str
-    batch: int
-    seqlen_q: int
-    seqlen_k: int
-    heads: int
-    heads_kv: int
-    d_qk: int
-    d_v: int
-    dtype: torch.dtype
-    scale: float
-    left: int = -1
-    right: int = -1
-    shift: int = 0
-    key_lo: Optional[torch.Tensor] = None
-    key_hi: Optional[torch.Tensor] = None
-    softcap: float = 0.0
-    alibi: Optional[torch.Tensor] = None
-    dropout_p: float = 0.0
-    dropout_seed: Optional[torch.Tensor] = None
-    sinks: Optional[torch.Tensor] = None
-    bias: Optional[torch.Tensor] = None
-    logit_scale: Optional[torch.Tensor] = None
-
-    @property
-    def causal(self):
-        """True when no query sees a key after its own (bottom-right) position."""
-        return self.key_lo is None and self.right == 0
-
-    @property
-    def packed(self):
-        """True when the mask is explicit per-query intervals (``key_lo`` / ``key_hi``)."""
-        return self.key_lo is not None
-
-    def with_mask(self, seqlen_q, seqlen_k, left=-1, right=-1, shift=0, key_lo=None, key_hi=None, **changes):
-        """This spec for another block of the same call: new lengths and mask (and any other ``changes``,
-        e.g. ``sinks=None``), not re-checked."""
-        return dataclasses.replace(self, seqlen_q=seqlen_q, seqlen_k=seqlen_k, left=left, right=right, shift=shift,
-                                   key_lo=key_lo, key_hi=key_hi, **changes)
 
 
 # ----------------------------------------------------------------------------------------------------- checks
@@ -158,7 +93,7 @@ def _check_alibi(fn, alibi_slopes, batch, hq, device):
 
 def _check_logit_scale(fn, logit_scale, batch, hq, device, batched=True):
     """The per-head logit scale: float32 ``[nheads]`` or (``batched``) ``[batch, nheads]`` (None: none). Its values
-    (finite) are checked where the tensors are real, in the op's body (``nki_attn.ops.check_logit_scale``)."""
+    (finite) are checked where the tensors are real, in the op's body (its row's ``ScoreMod.values``)."""
     if logit_scale is None:
         return None
     if not isinstance(logit_scale, torch.Tensor):
@@ -373,18 +308,259 @@ def _sizes(q, k, v):
         int(q.shape[3]), int(v.shape[3])
 
 
+# ----------------------------------------------------------------------------------------------------- score mods
+def _kernel_bias(bias, pl, spec):
+    """The spec's bias ``[bb, hb, sqb, skb]`` (each dim 1 or the call's size) in the kernels' lengths: a full
+    query dim gets ``pl.front`` zero rows before and zeros after (to ``pl.sq_k``), a full key dim zeros after
+    (to ``pl.sk_k``; padded keys are masked), a broadcast dim stays 1. Contiguous, in the bias's dtype."""
+    sq, sk = spec.seqlen_q, spec.seqlen_k
+    rows = (pl.front, pl.sq_k - sq - pl.front) if bias.shape[2] > 1 else (0, 0)
+    cols = (0, pl.sk_k - sk) if bias.shape[3] > 1 else (0, 0)
+    if rows != (0, 0) or cols != (0, 0):
+        bias = torch.nn.functional.pad(bias, (*cols, *rows))
+    return bias.contiguous()
+
+
+def _bias_grad(dbias, bias, pl, spec):
+    """The kernel's float32 dbias ``[b, h, sq_k, sk_k]`` -> the gradient of the spec's bias: the call's rows and
+    keys, summed over the bias's broadcast dims (on the host: see docs/kernel-bwd.md, "The additive bias"), in
+    the bias's dtype."""
+    g = dbias[:, :, pl.front:pl.front + spec.seqlen_q, :spec.seqlen_k]
+    dims = [i for i in range(4) if bias.shape[i] == 1 and g.shape[i] != 1]
+    if dims:
+        g = g.sum(dim=dims, keepdim=True)
+    return g.to(bias.dtype).clone(memory_format=torch.contiguous_format)
+
+
+def _finite(name, what, rule):
+    """A value check (``ScoreMod.values``): every element of the tensor finite, else ValueError."""
+    def check(fn, t):
+        if not bool(torch.isfinite(t).all()):
+            bad = t[~torch.isfinite(t)]
+            raise ValueError(f"{fn}: {name}=a {what}with {bad.numel()} non-finite value(s), e.g. {float(bad[0])}: "
+                             f"{rule}")
+    return check
+
+
+@dataclasses.dataclass(frozen=True)
+class Dims:
+    """What a score modification's host check needs of the call: ``batch`` (a varlen call: its number of
+    sequences, ``packed`` True, all in one kernel batch row), ``heads``, the lengths and q's device."""
+    batch: int
+    heads: int
+    seqlen_q: int
+    seqlen_k: int
+    device: object
+    packed: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class ScoreMod:
+    """One score modification, declared once; every layer reads it from ``SCORE_MODS``.
+
+    Fields:
+        name: the ``AttentionSpec`` field, the op pair's input and the ``nki_attn.flex`` score-mod marker name.
+        keyword: the argument of ``flash_attn_*`` (and ``interval_attention``); FlashAttention's own name where
+            it has one.
+        kernel: the kernels' keyword (``attention_fwd`` / ``attention_bwd``).
+        off: the value meaning "not applied" (the spec's default).
+        check: ``(fn, value, dims) -> spec value``: the host check (type, shape rule, dtype, device; messages
+            ``"<fn>: <keyword>...: <rule>"``) and the spec's layout (a tensor broadcast to ``[batch, heads]``).
+        scores: ``(s, value, at) -> s``: the formula on float scores ``[b, h, sq, sk]`` (the golden's line;
+            ``at.distance()`` gives ``|i + shift - j|`` float32 ``[sq, sk]``); used for ``return_attn_probs``.
+        rank: where it applies in the score pipeline (the kernels' step order: smaller first).
+        grad: "none"; "always" (a given tensor gets its gradient: the kernel returns it); "requested" (only when
+            autograd asks: the kernel keyword ``grad_flag`` turns its gradient work on).
+        values: ``(fn, tensor)`` raising ValueError for bad values, run in the op's body where tensors are real
+            (also under ``torch.compile``), or None.
+        to_kernel: ``(value, plan, spec) -> kernel argument`` (padding to the kernels' lengths), default as is.
+        from_kernel: ``(g, value, plan, spec) -> gradient`` shaped like the spec's value, default a copy.
+        extra: True for a keyword-only addition to FlashAttention's signatures (its own arguments stay where
+            FlashAttention has them); varlen: the varlen entry points take it.
+    """
+    name: str
+    keyword: str
+    kernel: str
+    off: object
+    check: object
+    scores: object
+    rank: int
+    grad: str = "none"
+    grad_flag: Optional[str] = None
+    values: object = None
+    to_kernel: object = None
+    from_kernel: object = None
+    extra: bool = True
+    varlen: bool = True
+
+    @property
+    def is_tensor(self):
+        return self.off is None
+
+
+def _softcap_mod(fn, value, dims):
+    return _check_softcap(fn, value)
+
+
+def _alibi_mod(fn, value, dims):
+    slopes = _check_alibi(fn, value, dims.batch, dims.heads, dims.device)
+    # a varlen call places each sequence's slopes itself (flash_attn_varlen_func)
+    return slopes if dims.packed else _alibi_rows(slopes, dims.batch, dims.heads)
+
+
+def _bias_mod(fn, value, dims):
+    return check_bias(fn, value, dims.batch, dims.heads, dims.seqlen_q, dims.seqlen_k, dims.device)
+
+
+def _logit_scale_mod(fn, value, dims):
+    lscale = _check_logit_scale(fn, value, dims.batch, dims.heads, dims.device, batched=not dims.packed)
+    return _logit_rows(lscale, 1 if dims.packed else dims.batch, dims.heads)
+
+
+# The table: declaration order is the op pair's input order and the order of the kernels' gradient outputs.
+SCORE_MODS = (
+    ScoreMod("softcap", "softcap", "softcap", 0.0, _softcap_mod, rank=1,
+             scores=lambda s, c, at: c * torch.tanh(s / c), extra=False),
+    ScoreMod("alibi", "alibi_slopes", "alibi_slopes", None, _alibi_mod, rank=2,
+             scores=lambda s, slopes, at: s - slopes[:, :, None, None] * at.distance(), extra=False,
+             values=_finite("alibi_slopes", "tensor ", "every slope must be finite (any sign: a negative slope "
+                                                         "favours distant keys)")),
+    ScoreMod("bias", "attn_bias", "attn_bias", None, _bias_mod, rank=3,
+             scores=lambda s, bias, at: s + bias.detach().float(), grad="requested", grad_flag="bias_grad",
+             to_kernel=_kernel_bias, from_kernel=_bias_grad, varlen=False),
+    ScoreMod("logit_scale", "logit_scale", "logit_scale", None, _logit_scale_mod, rank=0,
+             scores=lambda s, lam, at: s * lam.detach()[:, :, None, None], grad="always",
+             values=_finite("logit_scale", "[batch, heads] tensor ", "every scale must be finite")),
+)
+MODS = {m.name: m for m in SCORE_MODS}
+GRAD_MODS = tuple(m for m in SCORE_MODS if m.grad != "none")
+
+
+def check_mods(fn, given, dims, mods=SCORE_MODS):
+    """``{name: spec value}`` of the score modifications in ``given`` (``{keyword: argument}``), each checked by
+    its row (``ScoreMod.check``)."""
+    return {m.name: m.check(fn, given[m.keyword], dims) for m in mods if m.keyword in given}
+
+
+def extra_keywords(fn, given, varlen=False):
+    """The keyword-only score modifications an entry point received in ``**given``: TypeError for any other
+    keyword, as Python raises for an unknown one."""
+    names = {m.keyword for m in SCORE_MODS if m.extra and (m.varlen or not varlen)}
+    for k in given:
+        if k not in names:
+            raise TypeError(f"{fn}() got an unexpected keyword argument {k!r}")
+    return given
+
+
+def with_extra_keywords(varlen=False):
+    """Decorator: the function's ``**kwargs`` are the table's keyword-only score modifications; its signature
+    (``inspect.signature``, help) lists them by name, each defaulting to its "off" value."""
+    def wrap(f):
+        sig = inspect.signature(f)
+        params = [p for p in sig.parameters.values() if p.kind != p.VAR_KEYWORD]
+        params += [inspect.Parameter(m.keyword, inspect.Parameter.KEYWORD_ONLY, default=m.off)
+                   for m in SCORE_MODS if m.extra and (m.varlen or not varlen)]
+        f.__signature__ = sig.replace(parameters=params)
+        return f
+    return wrap
+
+
+def _with_score_mods(cls):
+    """Add one ``AttentionSpec`` field per row of ``SCORE_MODS`` (default: its "off" value)."""
+    for m in SCORE_MODS:
+        cls.__annotations__[m.name] = Optional[torch.Tensor] if m.is_tensor else float
+        setattr(cls, m.name, m.off)
+    return cls
+
+
+@dataclasses.dataclass(frozen=True)
+@_with_score_mods
+class AttentionSpec:
+    """Everything about one attention call except q, k and v themselves; checked when built, trusted after.
+
+    Shapes (FlashAttention's layout, the one the op pair takes): q ``[batch, seqlen_q, heads, d_qk]``, k
+    ``[batch, seqlen_k, heads_kv, d_qk]``, v ``[batch, seqlen_k, heads_kv, d_v]``.
+
+    Fields:
+        fn: str, the entry point that built the spec (prefixes every message).
+        batch, seqlen_q, seqlen_k, heads, heads_kv, d_qk, d_v: int sizes (``heads % heads_kv == 0``; d_qk, d_v
+            0..256; any size may be 0: the result is then torch's, without a kernel launch).
+        dtype: torch.dtype of q, k, v (float32 / bfloat16 / float16).
+        scale: float > 0, the softmax scale of q·k (resolved: ``1/sqrt(d_qk)`` when not given).
+        left, right, shift: int, the mask as a window: query i sees keys ``i + shift - left .. i + shift +
+            right`` within ``[0, seqlen_k)``, a side of -1 unbounded (causal: right = 0; FlashAttention's
+            bottom-right alignment: shift = seqlen_k - seqlen_q). Ignored when ``key_lo`` is given.
+        key_lo, key_hi: int64 ``[seqlen_q]`` or None: explicit per-query key intervals ``[lo, hi)`` (packing:
+            varlen sequences, boolean masks); they replace the window.
+        dropout_p: float in [0, 1); dropout_seed: int32 / uint32 ``[2]`` = (seed, offset) (or ``[1]``), given
+            iff dropout_p > 0 (``nki_attn.dropout``).
+        sinks: ``[heads]`` or ``[heads, num_sinks]`` logits joining the softmax denominator, or None.
+        block_mask: None, or a block mask's kernel operands ``(rows, bits, n_b, n_h)`` (``nki_attn.BlockMask``:
+            ``union_rows()`` uint8 ``[ceil(seqlen_q / 128), ceil(seqlen_k / 128)]``, ``kernel_operands()``' bit
+            store uint8 ``[128, n]`` or None, its batch / head extents); it replaces the window and intervals.
+        Then one field per row of ``SCORE_MODS``, named ``ScoreMod.name``, in the layout its check returns:
+        softcap: float >= 0; the scaled scores become ``softcap * tanh(S / softcap)`` (0.0: off).
+        alibi: float32 ``[batch, heads]`` or None: adds ``-slope * |i + shift - j|`` to the scores.
+        bias: the additive bias ``[batch or 1, heads or 1, seqlen_q or 1, seqlen_k or 1]`` (float32 / bfloat16 /
+            float16, q's device) added to the scaled and capped scores after ALiBi, or None (``check_bias``).
+        logit_scale: float32 ``[batch, heads]`` or None: the per-head logit scale, the logits are ``scale *
+            logit_scale[b, h] * q·k`` before soft-capping and ALiBi (docs/semantics.md, "Per-head logit scale").
+
+    Derived specs (``dataclasses.replace``, ``with_mask``) are not re-checked: the caller keeps them consistent.
+    """
+    fn: str
+    batch: int
+    seqlen_q: int
+    seqlen_k: int
+    heads: int
+    heads_kv: int
+    d_qk: int
+    d_v: int
+    dtype: torch.dtype
+    scale: float
+    left: int = -1
+    right: int = -1
+    shift: int = 0
+    key_lo: Optional[torch.Tensor] = None
+    key_hi: Optional[torch.Tensor] = None
+    dropout_p: float = 0.0
+    dropout_seed: Optional[torch.Tensor] = None
+    sinks: Optional[torch.Tensor] = None
+    block_mask: Optional[tuple] = None
+    # then one field per score modification of SCORE_MODS (softcap, alibi, bias, logit_scale), added by
+    # ``_with_score_mods`` from the table
+
+    @property
+    def causal(self):
+        """True when no query sees a key after its own (bottom-right) position."""
+        return self.key_lo is None and self.right == 0
+
+    @property
+    def packed(self):
+        """True when the mask is explicit per-query intervals (``key_lo`` / ``key_hi``)."""
+        return self.key_lo is not None
+
+    def with_mask(self, seqlen_q, seqlen_k, left=-1, right=-1, shift=0, key_lo=None, key_hi=None, **changes):
+        """This spec for another block of the same call: new lengths and mask (and any other ``changes``,
+        e.g. ``sinks=None``), not re-checked."""
+        return dataclasses.replace(self, seqlen_q=seqlen_q, seqlen_k=seqlen_k, left=left, right=right, shift=shift,
+                                   key_lo=key_lo, key_hi=key_hi, **changes)
+
+
 # ----------------------------------------------------------------------------------------------------- builders
 def flash_spec(fn, q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                alibi_slopes=None, deterministic=False, return_attn_probs=False, *, sinks=None, return_lse=False,
-               dropout_seed=None, generator=None, attn_bias=None, logit_scale=None):
+               dropout_seed=None, generator=None, **mods):
     """Check ``flash_attn_func``'s arguments (same names, shapes and rules; ``fn`` names the caller in the
     messages) and return their ``AttentionSpec``: q ``[batch, seqlen_q, nheads, head_dim]``, k ``[batch,
     seqlen_k, nheads_k, head_dim]``, v ``[batch, seqlen_k, nheads_k, head_dim_v]``, the mask bottom-right
     aligned (shift = seqlen_k - seqlen_q). Draws the dropout seed when dropout_p > 0 and none is given.
-    ``attn_bias``: an additive bias broadcastable to ``[batch, nheads, seqlen_q, seqlen_k]`` (``check_bias``).
-    ``logit_scale``: float32 ``[nheads]`` or ``[batch, nheads]`` (``AttentionSpec.logit_scale``)."""
+    ``mods``: the keyword-only score modifications of ``SCORE_MODS`` (``attn_bias``: an additive bias
+    broadcastable to ``[batch, nheads, seqlen_q, seqlen_k]``; ``logit_scale``: float32 ``[nheads]`` or
+    ``[batch, nheads]``), each checked by its row."""
+    extra_keywords(fn, mods)
     p = _check_dropout(fn, dropout_p)
-    cap = _check_softcap(fn, softcap)
+    _check_softcap(fn, softcap)
     _check_flags(fn, deterministic, return_attn_probs, return_lse)
     causal = _check_bool(fn, "causal", causal)
     _check_qkv(fn, q, k, v, 4)
@@ -397,15 +573,13 @@ def flash_spec(fn, q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, win
     _check_head_dim(fn, d, "q.shape[3]")
     _check_head_dim(fn, dv, "v.shape[3]")
     _check_sinks(fn, sinks, hq, q.device)
-    alibi = _check_alibi(fn, alibi_slopes, b, hq, q.device)
-    lscale = _check_logit_scale(fn, logit_scale, b, hq, q.device)
     left, right = window_pair(fn, window_size, causal)
     seed = _dropout_seed(fn, p, dropout_seed, generator, q.device)
     scale = resolve_scale(fn, softmax_scale, max(d, 1))
     _check_key_range(fn, sq, sk, sk - sq)
-    bias = check_bias(fn, attn_bias, b, hq, sq, sk, q.device)
-    return AttentionSpec(fn, b, sq, sk, hq, hk, d, dv, q.dtype, scale, left, right, sk - sq, None, None, cap,
-                         _alibi_rows(alibi, b, hq), p, seed, sinks, bias, _logit_rows(lscale, b, hq))
+    checked = check_mods(fn, dict(mods, softcap=softcap, alibi_slopes=alibi_slopes), Dims(b, hq, sq, sk, q.device))
+    return AttentionSpec(fn, b, sq, sk, hq, hk, d, dv, q.dtype, scale, left, right, sk - sq, dropout_p=p,
+                         dropout_seed=seed, sinks=sinks, **checked)
 
 
 def window_intervals(sq, sk, left, right, shift, device=None):

@@ -22,6 +22,7 @@ import torch
 
 import golden
 
+from ..spec import GRAD_MODS, SCORE_MODS
 from . import tolerance
 from .errors import CandidateError, Unsupported
 
@@ -161,23 +162,27 @@ def _kwargs(case):
     return dict(use_causal_mask=case.causal, softmax_scale=case.scale or None, sliding_window=case.window or None)
 
 
-def _variant_kwargs(case, ins):
-    """The variant keywords of a row, only those it uses (so candidates without them still run other rows)."""
+def variant_kwargs(case, ins):
+    """The variant keywords of a row, only those it uses (so candidates without them still run other rows): the
+    window and dropout, then every score modification of ``nki_attn.spec.SCORE_MODS`` the row sets (its
+    ``Case`` field has the row's name; a tensor's input is ``ins[<kernel keyword>]``, a number is the field's
+    value)."""
     kw = {}
-    if case.softcap:
-        kw["softcap"] = case.softcap
-    if case.alibi:
-        kw["alibi_slopes"] = ins["alibi_slopes"]
+    for m in SCORE_MODS:
+        if getattr(case, m.name):
+            kw[m.kernel] = ins[m.kernel] if m.is_tensor else getattr(case, m.name)
     if case.window_size:
         kw["window_size"] = tuple(case.window_size)
     if case.dropout:
         kw["dropout_p"] = case.dropout
         kw["dropout_seed"] = ins["dropout_seed"]
-    if case.bias:
-        kw["attn_bias"] = ins["attn_bias"]
-    if case.logit_scale:
-        kw["logit_scale"] = ins["logit_scale"]
     return kw
+
+
+def _group_slice(t, hq, cv):
+    """A score modification's input for the query heads ``hq`` of one kv group: ``[b, h]`` -> ``[b, hq]``;
+    a 4-D additive bias -> its heads' slice (``_bias_head_slice``), converted by ``cv`` like q, k, v."""
+    return t[:, hq].contiguous() if t.dim() == 2 else cv(_bias_head_slice(t, hq))
 
 
 def _bias_head_slice(bias, hq):
@@ -187,8 +192,9 @@ def _bias_head_slice(bias, hq):
 
 
 def _sum_to(x, shape):
-    """``x`` ``[b, h, sq, sk]`` summed over the dims a bias of ``shape`` broadcasts (the gradient of that bias)."""
-    dims = [i for i in range(4) if shape[i] == 1 and x.shape[i] != 1]
+    """``x`` ``[b, h, sq, sk]`` summed over the dims a bias of ``shape`` broadcasts (the gradient of that bias);
+    any other gradient (its input's own shape) as it is."""
+    dims = [i for i in range(len(shape)) if shape[i] == 1 and x.shape[i] != 1]
     return x.sum(dim=dims, keepdim=True) if dims else x
 
 
@@ -390,14 +396,11 @@ def _golden(ins, case, as_dtype):
         hq, hk = slice(g * group, (g + 1) * group), slice(g, g + 1)
         s_g = None if sinks is None else sinks[:, hq]
         kw = dict(_kwargs(case), softcap=case.softcap, window_size=tuple(case.window_size) or None)
-        if case.alibi:
-            kw["alibi_slopes"] = ins["alibi_slopes"][:, hq].contiguous()
+        for m in SCORE_MODS:
+            if m.is_tensor and getattr(case, m.name):
+                kw[m.kernel] = _group_slice(ins[m.kernel], hq, cv)
         if keep is not None:
             kw.update(dropout_p=case.dropout, dropout_mask=keep[:, hq].contiguous())
-        if case.bias:
-            kw["attn_bias"] = cv(_bias_head_slice(ins["attn_bias"], hq))
-        if case.logit_scale:
-            kw["logit_scale"] = ins["logit_scale"][:, hq].contiguous()
         o, lse = golden.attention_fwd_torch_ref(q[:, hq], k[:, hk], v[:, hk], s_g, ins["bound_min"],
                                                 ins["bound_max"], mixed_precision=True, **kw)
         gr = golden.attention_bwd_torch_ref(q[:, hq], k[:, hk], v[:, hk], o, dy[:, hq], lse, s_g, ins["bound_min"],
@@ -405,14 +408,14 @@ def _golden(ins, case, as_dtype):
         part = {"o": o, "lse": lse, "dq": gr["out_dq_ref"], "dk": gr["out_dk_ref"], "dv": gr["out_dv_ref"]}
         if sinks is not None:
             part["dsinks"] = gr["out_dsinks_ref"]
-        if case.bias:
-            part["dbias"] = gr["out_dbias_ref"]
-        if case.logit_scale:
-            part["dlogit_scale"] = gr["out_dlogit_scale_ref"]
+        for m in GRAD_MODS:
+            if getattr(case, m.name):
+                part["d" + m.name] = gr[f"out_d{m.name}_ref"]
         parts.append(part)
     out = {name: torch.cat([p[name] for p in parts], dim=1) for name in parts[0]}
-    if case.bias and case.bias_shape[1] == 1:  # a bias shared by the heads: every kv group adds to its gradient
-        out["dbias"] = sum(p["dbias"] for p in parts)
+    for m in GRAD_MODS:  # an input shared by the heads (a bias [., 1, ., .]): every kv group adds to its gradient
+        if getattr(case, m.name) and ins[m.kernel].shape[1] == 1:
+            out["d" + m.name] = sum(p["d" + m.name] for p in parts)
     return out
 
 
@@ -433,7 +436,7 @@ def run_candidate(candidate, ins, case):
 
 def _run_kernels(candidate, ins, case):
     """Forward then backward in the kernels' layout (lengths multiples of 128); dict of outputs."""
-    extra = _variant_kwargs(case, ins)
+    extra = variant_kwargs(case, ins)
     bmin, bmax = ins["bound_min"], ins["bound_max"]
     if case.mask and isinstance(candidate, KernelCandidate):
         # our kernels take the row's mask as a block mask (a candidate of yours gets the same mask as bounds)
@@ -446,17 +449,20 @@ def _run_kernels(candidate, ins, case):
         extra.update(block_mask=blk, block_bits=store)
     o, lse = candidate.fwd(ins["q"], ins["k"], ins["v"], ins["sinks"], bmin, bmax,
                            mixed_precision=True, **_kwargs(case), **extra)
-    if case.bias:  # the backward also returns the bias's gradient, float32 [b, h, sq, sk], last
-        extra = dict(extra, bias_grad=True)
+    for m in GRAD_MODS:  # a gradient computed on request (the bias's) is requested
+        if m.grad_flag and m.kernel in extra:
+            extra = dict(extra, **{m.grad_flag: True})
     res = candidate.bwd(ins["q"], ins["k"], ins["v"], o, ins["dy"], lse, ins["sinks"], bmin,
                         bmax, mixed_precision=True, **_kwargs(case), **extra)
     out = {"o": o, "lse": lse, "dq": res[0], "dk": res[1], "dv": res[2]}
     if ins["sinks"] is not None:
         out["dsinks"] = res[3]
-    if case.bias:  # the kernel's outputs after dsinks: [dbias], [dlogit_scale]
-        out["dbias"] = _sum_to(res[-2] if case.logit_scale else res[-1], case.bias_shape)
-    if case.logit_scale:
-        out["dlogit_scale"] = res[-1]  # the backward returns it last
+    # the kernel's outputs after dsinks: one gradient per score modification given, in SCORE_MODS order (a
+    # broadcast bias's summed over its broadcast dims)
+    rest = list(res[3 + (ins["sinks"] is not None):])
+    for m in GRAD_MODS:
+        if m.kernel in extra:
+            out["d" + m.name] = _sum_to(rest.pop(0), tuple(ins[m.kernel].shape))
     return out
 
 
@@ -551,10 +557,13 @@ def run_api(ins, case):
         # one batch row holds every sequence: varlen's [b, h] would mean per sequence), [b, h] otherwise
         common["alibi_slopes"] = ins["alibi_slopes"][0].contiguous() if case.alibi == "random_h" \
             or case.cu_seqlens else ins["alibi_slopes"]
-    lam = None
-    if case.logit_scale:  # varlen takes one scale per head ([h]), flash_attn_func a scale per (batch, head)
-        lam = (ins["logit_scale"][0] if case.cu_seqlens else ins["logit_scale"]).clone().requires_grad_()
-        common["logit_scale"] = lam
+    leaves = {}
+    for m in GRAD_MODS:
+        # a keyword-only [b, h] input with a gradient (the logit scale): varlen takes one per head ([h]),
+        # flash_attn_func one per (batch, head)
+        if m.extra and m.varlen and getattr(case, m.name):
+            t = ins[m.kernel][0] if case.cu_seqlens else ins[m.kernel]
+            leaves[m.name] = common[m.keyword] = t.clone().requires_grad_()
     if case.cu_seqlens:
         if case.batch != 1 or case.seqlen_q != case.seqlen_k:
             raise ValueError(f"row {case.name}: packed rows need batch 1 and seqlen_q == seqlen_k")
@@ -577,9 +586,9 @@ def run_api(ins, case):
         # no grad at all when no query row sees a key (every packed sequence empty: the API's output does not
         # depend on the sinks there): the gradient is zero
         out["dsinks"] = sinks.grad if sinks.grad is not None else torch.zeros_like(sinks)
-    if lam is not None:
-        grad = lam.grad if lam.grad is not None else torch.zeros_like(lam)
-        out["dlogit_scale"] = grad.reshape(-1, case.heads)
+    for name, t in leaves.items():
+        grad = t.grad if t.grad is not None else torch.zeros_like(t)
+        out["d" + name] = grad.reshape(-1, case.heads)
     return out
 
 

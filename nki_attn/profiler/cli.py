@@ -15,6 +15,7 @@ import time
 
 from ..harness.cli import HelpFormatter, non_negative_int, positive_int, writable_file_problem
 from ..sim.trace import ENGINES
+from ..spec import GRAD_MODS, SCORE_MODS
 from .model import RESOURCES
 from .params import MODEL
 
@@ -415,9 +416,19 @@ def _mask_name(text):
     return text
 
 
+def _alibi_kind(text):
+    from ..harness.cases import ALIBI_KINDS
+    if not text or text not in ALIBI_KINDS:
+        raise ValueError(text)
+    return text
+
+
+# A score modification's feature (a row of nki_attn.spec.SCORE_MODS) has the row's name and gives the harness
+# Case field of that name its value.
 FEATURES = {
     "softcap": (50.0, float, "logit soft-capping c * tanh(S / c), c = 50 (Gemma-2's) unless given"),
-    "alibi": (True, None, "ALiBi with BLOOM's geometric slopes per head"),
+    "alibi": ("bloom", _alibi_kind, "ALiBi slopes of KIND = bloom (BLOOM's geometric slopes per head) unless given "
+                                    "(random, random_h, signed: the harness's random slopes)"),
     "window_size": (None, _pair, "two-sided local window L,R (-1: that side unbounded)"),
     "dropout": (0.1, float, "dropout on the probabilities at rate P = 0.1 unless given (seed from the inputs)"),
     "logit_scale": (True, None, "a per-head logit scale (learned temperature; the backward also returns its "
@@ -433,9 +444,8 @@ FEATURES = {
                         "nki_attn.masks.interval_example at --seqlen): the kernels skip its SKIP tiles"),
 }
 # kernel parameters that are inputs or that the options above set: everything else with a default is a knob
-_NOT_KNOBS = {"sinks_ref", "bound_min", "bound_max", "alibi_slopes", "dropout_seed", "use_causal_mask",
-              "sliding_window", "softcap", "window_size", "dropout_p", "mixed_precision", "softmax_scale",
-              "attn_bias", "logit_scale"}
+_NOT_KNOBS = {"sinks_ref", "bound_min", "bound_max", "dropout_seed", "use_causal_mask", "sliding_window",
+              "window_size", "dropout_p", "mixed_precision", "softmax_scale"} | {m.kernel for m in SCORE_MODS}
 
 
 def add_variant_arguments(p):
@@ -530,10 +540,9 @@ def _variant_case(args):
                 kv_heads=args.kv_heads or args.heads, seqlen_q=f.get("seqlen_q", args.seqlen),
                 seqlen_k=f.get("seqlen_k", args.seqlen), d_head=f.get("d_qk", args.head_dim),
                 d_v=f.get("d_v", args.head_dim), dtype=DTYPES[args.dtype], causal=bool(args.causal),
-                window=args.window or 0, num_sinks=args.sinks, softcap=f.get("softcap", 0.0),
-                alibi="bloom" if f.get("alibi") else "", window_size=tuple(f.get("window_size", ())),
-                dropout=f.get("dropout", 0.0), bias=f.get("bias", ""), mask=f.get("mask", ""),
-                logit_scale=bool(f.get("logit_scale")))
+                window=args.window or 0, num_sinks=args.sinks, window_size=tuple(f.get("window_size", ())),
+                dropout=f.get("dropout", 0.0), mask=f.get("mask", ""),
+                **{m.name: f[m.name] for m in SCORE_MODS if m.name in f})
 
 
 def _block_mask(case):
@@ -555,24 +564,13 @@ def run_variant_kernel(args):
     layout, torch), the kernel called with the variant keywords and the knobs; (records, sim_wall_seconds)."""
     from golden.attention_fwd_torch import attention_fwd_torch_ref
 
-    from ..harness.runner import make_inputs
+    from ..harness.runner import make_inputs, variant_kwargs
     from ..sim import trace
 
     case = _variant_case(args)
     x = make_inputs(case, seed=args.seed)
     kw = dict(sinks_ref=x["sinks"], use_causal_mask=case.causal, sliding_window=case.window or None)
-    if case.softcap:
-        kw["softcap"] = case.softcap
-    if case.alibi:
-        kw["alibi_slopes"] = x["alibi_slopes"]
-    if case.window_size:
-        kw["window_size"] = case.window_size
-    if case.dropout:
-        kw.update(dropout_p=case.dropout, dropout_seed=x["dropout_seed"])
-    if case.bias:
-        kw["attn_bias"] = x["attn_bias"]
-    if case.logit_scale:
-        kw["logit_scale"] = x["logit_scale"]
+    kw.update(variant_kwargs(case, x))
     if args.mixed_precision is not None:
         kw["mixed_precision"] = args.mixed_precision
     if case.mask:
@@ -585,8 +583,9 @@ def run_variant_kernel(args):
     else:  # o and lse from the golden forward with the same variant, outside the recording
         o, lse = attention_fwd_torch_ref(x["q"], x["k"], x["v"], **kw)
         knobs = dict(args.knobs)
-        if case.bias:
-            knobs.setdefault("bias_grad", True)
+        for m in GRAD_MODS:  # a gradient computed on request (the bias's) is costed unless --set turns it off
+            if m.grad_flag and m.kernel in kw:
+                knobs.setdefault(m.grad_flag, True)
 
         def call():
             return kernel(x["q"], x["k"], x["v"], o, x["dy"], lse.float(), **kw, **knobs)

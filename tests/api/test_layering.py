@@ -51,3 +51,29 @@ def test_op_outputs_are_fresh_contiguous_tensors():
     grads = ops.attention_backward(spec, q, k, v, out, torch.ones_like(out), lse)
     for t in (out, lse) + tuple(grads):
         assert t.is_contiguous() and t._base is None
+
+
+def test_one_custom_op_pair_serves_flex_attention_too():
+    """flex_attention runs on the same op pair as flash_attn_func (its block mask as optional inputs): ops.py
+    registers exactly two ops, no block-mask pair exists, and a compiled flex_attention graph holds
+    ``nki_attn.attention_fwd`` (one node, no graph break)."""
+    from nki_attn import flex, masks
+    from nki_attn.block_mask import create_block_mask
+    assert (PKG / "ops.py").read_text().count("torch.library.custom_op(") == 2
+    for name in ("flex_fwd", "flex_bwd"):
+        with pytest.raises((AttributeError, RuntimeError)):
+            getattr(torch.ops.nki_attn, name)
+    bm = create_block_mask(masks.causal_mask, None, None, 256, 256)
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 2, 256, 16, generator=g) for _ in range(3))
+    seen = []
+
+    def backend(gm, example_inputs):
+        seen.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm.forward
+
+    torch._dynamo.reset()
+    out = torch.compile(lambda q, k, v: flex.flex_attention(q, k, v, block_mask=bm), fullgraph=True,
+                        backend=backend)(q, k, v)
+    assert seen.count("nki_attn.attention_fwd.default") == 1, seen
+    assert torch.equal(out, flex.flex_attention(q, k, v, block_mask=bm))

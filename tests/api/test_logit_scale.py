@@ -104,6 +104,28 @@ def test_flash_attn_func_logit_scale_and_its_gradient(case):
     check(ours, ref, [*_qkv(b, sq, sk, h, hk, d), lam], dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_flex_attention_logit_scale_marker_under_a_block_mask(dtype):
+    """``nki_attn.flex.logit_scale(t)``: the table's row reaches flex_attention's markers with no code of its own;
+    under a causal block mask (Sq = Sk, so top-left = bottom-right) and with soft-capping, the output and the
+    gradients of q, k, v and the scale match the definition like flash_attn_func's."""
+    from nki_attn import flex, masks
+    from nki_attn.block_mask import create_block_mask
+    b, s, h, hk, d = 2, 200, 4, 2, 32
+    bm = create_block_mask(masks.causal_mask, None, None, s, s)
+
+    def ours(q, k, v, lam):
+        out = flex.flex_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                  score_mod=[flex.logit_scale(lam), flex.softcap(3.0)], block_mask=bm,
+                                  enable_gqa=True)
+        return out.transpose(1, 2)
+
+    def ref(q, k, v, lam):
+        return reference(q, k, v, lam, causal=True, softcap=3.0)
+
+    check(ours, ref, [*_qkv(b, s, s, h, hk, d, seed=5), _lam(b, h)], dtype)
+
+
 def test_logit_scale_one_is_no_logit_scale():
     """lam = 1 everywhere: the same output and gradients as without it, bit for bit (the step multiplies by 1.0,
     exactly), and a gradient for lam."""

@@ -180,11 +180,11 @@ def test_opcheck():
     sk = rand(2, seed=18)
     spec = flash_spec("t", q, k, v, causal=True, window_size=(31, 0), sinks=sk)
     out, lse = ops.attention(spec, q, k, v)
-    flags = (31, 0, 0, 0.25, 0.0, 0.0)
-    torch.library.opcheck(torch.ops.nki_attn.attention_fwd.default, (q, k, v, sk, None, None, None, None) + flags,
+    flags = (31, 0, 0, 0.25, 0.0)  # left, right, shift, scale, dropout_p (the score modifications: their defaults)
+    torch.library.opcheck(torch.ops.nki_attn.attention_fwd.default, (q, k, v, sk, None, None, None) + flags,
                           test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static"))
     torch.library.opcheck(torch.ops.nki_attn.attention_bwd.default,
-                          (q, k, v, out, rand(1, 128, 2, 32, seed=19), lse, None, sk, None, None, None, None) + flags,
+                          (q, k, v, out, rand(1, 128, 2, 32, seed=19), lse, None, sk, None, None, None) + flags,
                           test_utils=("test_schema", "test_faketensor"))
 
 
