@@ -157,8 +157,9 @@ class BlockMask:
         """What the kernels take (``band`` "Block masks"), built once and cached: ``(block_mask, store)`` with
         ``block_mask = (B, H, rows)`` (``rows[t][c]``: the class of query tile t and key chunk c over every
         (b, h), the trace-time plan) and ``store`` uint8 ``[128, B * H * n_slots * 16]`` (the bits of every
-        chunk of every PARTIAL key tile, per (b, h): FULL chunks all ones, SKIP chunks zeros), or None when no
-        key tile is PARTIAL."""
+        chunk whose class over every (b, h) is PARTIAL, in key order within each key tile's run, per (b, h): all
+        ones where that (b, h) sees the whole chunk, zeros where it sees none), or None when no chunk needs
+        bits."""
         if self._operands is not None:
             return self._operands
         c = self.classes
@@ -178,8 +179,9 @@ class BlockMask:
                     if plan.slot0[t][kt] >= 0:
                         tile = _band.block_key_tile(rows[t], kt * 512, min((kt + 1) * 512, nk * BLOCK))
                         for cc in range(tile.k0 // BLOCK, tile.k1 // BLOCK):
-                            qt.append(t)
-                            ch.append(cc)
+                            if rows[t][cc] == PARTIAL:  # the run's FULL and SKIP chunks need no bits
+                                qt.append(t)
+                                ch.append(cc)
             qt = torch.tensor(qt)
             ch = torch.tensor(ch)
             cls = c[:, :, qt, ch]  # [nb, nh, n_slots]

@@ -12,7 +12,8 @@
                                       [--torch-threads N] [--profile-llama F] [--replay-loop N]
                                       the simulator vs torch, wall clock and CPU
     python scripts/bench.py block-mask-cost [--seqlen 16384] [--docs 8] [--density 0.5]   modeled time of block
-                                      masks (document, random block-sparse) against the unmasked kernels
+                                      masks (document, causal document, random block-sparse) against the
+                                      unmasked kernels
 
 Every device time printed is MODELED by nki_attn.profiler (the cost model over the simulator's instruction
 trace, docs/performance.md), never measured; wall-clock times are this machine's CPU running the simulator.
@@ -1267,7 +1268,7 @@ def args_block_mask_cost(p):
     p.add_argument("--density", type=float, default=0.5, help="fraction of FULL blocks of the random block masks")
     p.add_argument("--target", default="trn2", choices=("trn1", "trn2", "trn3"))
     p.add_argument("--kernels", default="fwd,bwd", help="comma-separated: fwd, bwd")
-    p.add_argument("--masks", default="unmasked,document,random-128x128,random-128x512",
+    p.add_argument("--masks", default="unmasked,document,document-causal,random-128x128,random-128x512",
                    help="comma-separated mask names (unmasked first: the baseline)")
     p.add_argument("--json", metavar="F")
 
@@ -1292,6 +1293,8 @@ def _block_mask_masks(s, docs, density):
     return {
         "unmasked": (None, "no mask"),
         "document": (masks.document(ids), f"{docs} equal documents"),
+        "document-causal": (masks.and_masks(masks.causal_mask, masks.document(ids)),
+                            f"{docs} equal documents, causal (packed causal sequences)"),
         "random-128x128": (random128, f"random {density:.0%}-dense FULL/SKIP blocks of 128x128"),
         "random-128x512": (random512, f"random {density:.0%}-dense FULL/SKIP blocks of 128 queries x 512 keys"),
     }

@@ -32,7 +32,7 @@ tiles are runtime data (a bitmap store in HBM), as the packing bounds are.
 """
 
 from ..backend import nl
-from .steps import K_TILE, PMAX
+from .steps import BLOCK_FULL, BLOCK_PARTIAL, BLOCK_SKIP, CHUNK_BYTES, K_TILE, PMAX, block_partial_count
 
 SKIP = "skip"
 FULL = "full"
@@ -177,16 +177,13 @@ def band_plan(seqlen_q, seqlen_k, lo_rel, hi_rel, packing=False, q_tile=128, k_t
 # chunk, already reduced over the (batch, head) pairs of the call ("union" classes: SKIP when every pair skips
 # the chunk, FULL when every pair sees all of it, PARTIAL otherwise). A kernel key tile (512 keys from a
 # multiple of 512) is trimmed to the run of its non-SKIP chunks; it is FULL when every chunk of the run is FULL,
-# else PARTIAL. The chunks of a PARTIAL key tile get consecutive *slots* of the store (one per chunk of the
-# run, in order), so one DMA loads the tile's bits: the store is uint8 ``[128, pairs * n_slots * 16]``, slot s
-# of pair (b, h) at columns ``((b * n_h + h) * n_slots + s) * 16`` (16 bytes = 128 keys of one query row, bit
-# ``c % 8`` of byte ``c // 8`` for key column c, set = visible).
-BLOCK_SKIP = 0
-BLOCK_PARTIAL = 1
-BLOCK_FULL = 2
-CHUNK_BYTES = PMAX // 8  # bytes of one query row of one 128-key chunk's bitmap
-
-
+# else PARTIAL. Inside a PARTIAL key tile the mask steps treat each chunk by its own class
+# (``steps.block_segments``): FULL chunks are evicted unmasked, SKIP chunks filled with the mask value, and only
+# the PARTIAL chunks read bits. So only those have *slots* in the store, consecutive within a tile (one DMA per
+# run of adjacent PARTIAL chunks): the store is uint8 ``[128, pairs * n_slots * 16]``, slot s of pair (b, h) at
+# columns ``((b * n_h + h) * n_slots + s) * 16`` (16 bytes = 128 keys of one query row, bit ``c % 8`` of byte
+# ``c // 8`` for key column c, set = visible). The constants and the slot arithmetic live in ``steps`` (the mask
+# steps use them; band imports steps, not the reverse).
 def block_key_tile(row, t0, t1):
     """Classify the key tile ``[t0, t1)`` (whole 128-key chunks) of one query tile from its row of chunk
     classes ``row`` (``BLOCK_*`` ints): a ``KeyTile`` trimmed to the run of non-SKIP chunks, FULL when every
@@ -210,9 +207,9 @@ def block_key_tile(row, t0, t1):
 class BlockRows(nl.NKIObject):
     """The trace-time half of a block mask in a kernel: ``n_b`` / ``n_h`` the batch and query-head extents of
     the mask (1: broadcast), ``rows[t][c]`` the union class of query tile t and key chunk c, ``n_kc`` the key
-    chunks, ``slot0[t][kt]`` the first store slot of key tile kt of query tile t (-1 unless PARTIAL),
-    ``n_slots`` the slots per (batch, head) pair. ``bits`` (the HBM store) and ``bitsel`` (the on-chip
-    bit-select constant) are set by the kernel at launch."""
+    chunks, ``slot0[t][kt]`` the first store slot of key tile kt of query tile t (-1 unless some chunk of its
+    run is PARTIAL: one slot per PARTIAL chunk, in key order), ``n_slots`` the slots per (batch, head) pair.
+    ``bits`` (the HBM store) and ``bitsel`` (the on-chip bit-select constant) are set by the kernel at launch."""
 
     def __init__(self, n_b, n_h, rows, n_kc):
         self.n_b = n_b
@@ -225,9 +222,12 @@ class BlockRows(nl.NKIObject):
             r = []
             for t0 in range(0, n_kc * PMAX, K_TILE):
                 kt = block_key_tile(rows[t], t0, min(t0 + K_TILE, n_kc * PMAX))
+                n_part = 0
                 if kt.kind == PARTIAL:
+                    n_part = block_partial_count(rows[t], kt.k0 // PMAX, kt.k1 // PMAX)
+                if n_part > 0:
                     r.append(n)
-                    n += (kt.k1 - kt.k0) // PMAX
+                    n += n_part
                 else:
                     r.append(-1)
             table.append(r)
@@ -237,16 +237,20 @@ class BlockRows(nl.NKIObject):
         self.bitsel = None
 
 
-def block_slot(bl, b, hq, t, k0):
+def block_slot(bl, b, hq, t, k0, c=None):
     """Store slot (global, all pairs) of the PARTIAL key tile starting at key ``k0`` of query tile ``t`` for
-    batch ``b`` and query head ``hq``."""
+    batch ``b`` and query head ``hq``: its first PARTIAL chunk's, or with ``c`` (a PARTIAL chunk index of the
+    tile's run) that chunk's."""
     bb = 0
     if bl.n_b > 1:
         bb = b
     hh = 0
     if bl.n_h > 1:
         hh = hq
-    return (bb * bl.n_h + hh) * bl.n_slots + bl.slot0[t][k0 // K_TILE]
+    s = bl.slot0[t][k0 // K_TILE]
+    if c is not None:
+        s = s + block_partial_count(bl.rows[t], k0 // PMAX, c)
+    return (bb * bl.n_h + hh) * bl.n_slots + s
 
 
 def block_mask_problem(block_mask, block_bits, seqlen_q, seqlen_k, bs, nheads, masked):

@@ -310,9 +310,43 @@ def load_packing_bounds(bound_min, bound_max, n_qt):
 
 
 # ----------------------------------------------------------------------------------------------- block masks
-# The element mask of a PARTIAL tile of a block mask (``band`` "Block masks"): its bits come from the HBM store
-# (one DMA of ``kw / 8`` bytes per query row), are turned into a uint8 keep predicate by ONE bitwise AND with
-# the launch's bit-select constant, and the tile is masked by one select. FULL tiles never reach these steps.
+# The element mask of a PARTIAL key tile of a block mask (``band`` "Block masks"). The tile's run of 128-key
+# chunks is cut into *segments* of one union class (``block_segments``): a FULL segment needs no mask, a SKIP
+# segment (hidden for every pair) is filled with the mask value by one memset, and only a PARTIAL segment reads
+# its bits from the HBM store (one DMA of ``width / 8`` bytes per query row), turns them into a uint8 keep
+# predicate by ONE VectorE bitwise AND with the launch's bit-select constant and is masked by one select. A random mask
+# of FULL and SKIP blocks thus never touches a bitmap, and a diagonal block costs its own 128 columns, not the
+# tile's 512. FULL tiles never reach these steps.
+BLOCK_SKIP = 0
+BLOCK_PARTIAL = 1
+BLOCK_FULL = 2
+CHUNK_BYTES = PMAX // 8  # bytes of one query row of one 128-key chunk's bitmap
+
+
+def block_partial_count(row, c0, c1):
+    """The PARTIAL chunks among chunks ``[c0, c1)`` of a row of union classes (their store slots)."""
+    n = 0
+    for c in range(c0, c1):
+        if row[c] == BLOCK_PARTIAL:
+            n = n + 1
+    return n
+
+
+def block_segments(cfg, tile):
+    """The segments of ``tile``'s run: ``[[class, first column, end column], ...]`` in key order, columns
+    counted from the tile's first key, each a maximal run of chunks of one union class."""
+    row = cfg.block_mask.rows[tile.t]
+    c0 = tile.k0 // PMAX
+    segs = []
+    for c in range(c0, c0 + tile.kw // PMAX):
+        a = (c - c0) * PMAX
+        if len(segs) > 0 and segs[len(segs) - 1][0] == row[c]:
+            segs[len(segs) - 1][2] = a + PMAX
+        else:
+            segs.append([row[c], a, a + PMAX])
+    return segs
+
+
 def block_bitsel():
     """The bit-select constant of a launch: uint8 ``[128, 512]``, column c holds ``1 << (c % 8)`` (eight
     memsets, once per launch); ANDed with a row's bytes read 8 times over (a stride-0 view) it is non-zero
@@ -323,10 +357,12 @@ def block_bitsel():
     return sel.reshape((PMAX, K_TILE))
 
 
-def block_keep(cfg, tile):
-    """The keep predicate of a PARTIAL block-mask tile: uint8 ``[128, kw]``, non-zero where the key is visible
-    to the query row. Its bytes are one DMA from the store, the bits one GpSimdE AND
-    (VectorE carries the masking select and the rest of the tile)."""
+def block_keep(cfg, tile, a, b):
+    """The keep predicate of the PARTIAL segment ``[a, b)`` (tile columns) of a block-mask tile: uint8 ``[128,
+    b - a]``, non-zero where the key is visible to the query row. Its bytes are one DMA from the store (the
+    segment's chunks have consecutive slots), the bits one VectorE AND. (On GpSimdE, the choice while a PARTIAL
+    tile ANDed all its 512 columns, the modeled schedule of cost model v2 is slower for every mask measured at
+    4096 tokens now that only the PARTIAL chunks are: causal documents, windows within documents, dilated.)"""
     bl = cfg.block_mask
     bb = 0
     if bl.n_b > 1:
@@ -334,33 +370,72 @@ def block_keep(cfg, tile):
     hh = 0
     if bl.n_h > 1:
         hh = tile.hq
-    # the slot of this tile for its (batch, head) pair (``band.block_slot``; not imported: band imports steps)
-    col = ((bb * bl.n_h + hh) * bl.n_slots + bl.slot0[tile.t][tile.k0 // K_TILE]) * (PMAX // 8)
-    nb = tile.kw // 8
+    c0 = tile.k0 // PMAX
+    # the slot of the segment's first chunk for this (batch, head) pair (``band.block_slot``; not imported:
+    # band imports steps)
+    slot = bl.slot0[tile.t][tile.k0 // K_TILE] + block_partial_count(bl.rows[tile.t], c0, c0 + a // PMAX)
+    col = ((bb * bl.n_h + hh) * bl.n_slots + slot) * CHUNK_BYTES
+    w = b - a
+    nb = w // 8
     raw = nl.ndarray((PMAX, nb), dtype=nl.uint8, buffer=nl.sbuf)
     nisa.dma_copy(dst=raw, src=bl.bits[:, col:col + nb])
-    keep = nl.ndarray((PMAX, tile.kw), dtype=nl.uint8, buffer=nl.sbuf)
+    keep = nl.ndarray((PMAX, w), dtype=nl.uint8, buffer=nl.sbuf)
     nisa.tensor_tensor(dst=keep, data1=raw.ap(pattern=[[nb, PMAX], [1, nb], [0, 8]], offset=0),
-                       data2=bl.bitsel[:, 0:tile.kw], op=nl.bitwise_and, engine=nisa.engine.gpsimd)
+                       data2=bl.bitsel[:, 0:w], op=nl.bitwise_and, engine=nisa.engine.vector)
     return keep
 
 
 def block_mask_scores(cfg, tile, item, s):
-    """Forward mask step of a PARTIAL block-mask tile: ONE select copies S (PSUM, or a score step's SBUF output)
-    into float32 SBUF, FP32_MIN where the bitmap hides the key, and takes the row max into ``tile.row_max``."""
-    keep = block_keep(cfg, tile)
+    """Forward mask step of a PARTIAL block-mask tile: S (PSUM, or a score step's SBUF output) -> float32 SBUF
+    with FP32_MIN where the mask hides the key, and the row max into ``tile.row_max``. Per segment
+    (``block_segments``): FULL one eviction (``tensor_scalar_reduce``), PARTIAL one select against its keep
+    predicate (``block_keep``, made before the chain), SKIP one GpSimdE memset of FP32_MIN. The VectorE
+    instructions chain the row max through the engine's accumulator (the first resets it, the last writes it
+    out); nothing else runs on VectorE between them (the memsets are GpSimdE's)."""
+    segs = block_segments(cfg, tile)
+    keeps = []
+    last = -1
+    for i in range(len(segs)):
+        keeps.append(None)
+        if segs[i][0] == BLOCK_PARTIAL:
+            keeps[i] = block_keep(cfg, tile, segs[i][1], segs[i][2])
+        if segs[i][0] != BLOCK_SKIP:
+            last = i
     dst = nl.ndarray((PMAX, tile.kw), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.select_reduce(dst=dst, predicate=keep, on_true=s, on_false=FP32_MIN, reduce_res=tile.row_max,
-                       reduce_cmd=nisa.reduce_cmd.reset_reduce, reduce_op=nl.maximum)
+    cmd = nisa.reduce_cmd.reset_reduce
+    for i in range(len(segs)):
+        a = segs[i][1]
+        b = segs[i][2]
+        res = None
+        if i == last:
+            res = tile.row_max
+        if segs[i][0] == BLOCK_SKIP:
+            nisa.memset(dst=dst[:, a:b], value=FP32_MIN, engine=nisa.engine.gpsimd)
+        elif segs[i][0] == BLOCK_FULL:
+            nisa.tensor_scalar_reduce(dst=dst[:, a:b], data=s[:, a:b], op0=nl.multiply, operand0=1.0,
+                                      reduce_op=nl.maximum, reduce_res=res, reduce_cmd=cmd)
+            cmd = nisa.reduce_cmd.reduce
+        else:
+            nisa.select_reduce(dst=dst[:, a:b], predicate=keeps[i], on_true=s[:, a:b], on_false=FP32_MIN,
+                               reduce_res=res, reduce_cmd=cmd, reduce_op=nl.maximum)
+            cmd = nisa.reduce_cmd.reduce
     return dst
 
 
 def block_mask_probs(cfg, tile, item, p):
-    """Backward P step of a block mask: on a PARTIAL tile ONE select zeroes P where the bitmap hides the key (the
-    exponent read S straight from PSUM; a hidden score's exp may overflow, the select replaces it). FULL tiles
-    pass unchanged."""
+    """Backward P step of a block mask: on a PARTIAL tile, per segment (``block_segments``), a SKIP segment is
+    zeroed by one GpSimdE memset and a PARTIAL one by one select against its keep predicate (the exponent read
+    S straight from PSUM; a hidden score's exp may overflow, the memset or select replaces it); FULL segments
+    and FULL tiles pass unchanged."""
     if tile.kind != "partial":
         return p
-    keep = block_keep(cfg, tile)
-    nisa.select_reduce(dst=p, predicate=keep, on_true=p, on_false=0.0)
+    segs = block_segments(cfg, tile)
+    for i in range(len(segs)):
+        a = segs[i][1]
+        b = segs[i][2]
+        if segs[i][0] == BLOCK_SKIP:
+            nisa.memset(dst=p[:, a:b], value=0.0, engine=nisa.engine.gpsimd)
+        elif segs[i][0] == BLOCK_PARTIAL:
+            keep = block_keep(cfg, tile, a, b)
+            nisa.select_reduce(dst=p[:, a:b], predicate=keep, on_true=p[:, a:b], on_false=0.0)
     return p

@@ -37,7 +37,48 @@ def _mask_cases(sq, sk):
         "or_masks": (masks.or_masks(masks.sliding_window(20), masks.document(ids)), None, None),
         "random": (_random_blocks(5, 0.5, sq, sk, 2, 4), 2, 4),
         "empty_rows": (lambda b, h, q, kv: (q >= 140) & (kv <= q - 140), None, None),
+        # broadcast random blocks: the union classes are the blocks' own, so key tiles hold FULL, SKIP and
+        # element-level PARTIAL chunks side by side (the mask steps' segments; SKIP chunks inside a tile's run)
+        "random_mixed": (_broadcast(_random_blocks(11, 0.6, sq, sk)), None, None),
+        # FlexAttention's benchmark pattern: 50 % of the blocks FULL, the rest SKIP, no bitmap anywhere
+        "random_full_skip": (_full_skip_blocks(7, 0.5, sq, sk), None, None),
+        "sliding_window_two_sided": (masks.sliding_window(150, causal=False), None, None),
+        "chunked_local_bidirectional": (masks.chunked_local(200, causal=False), None, None),
+        "dilated_two_sided": (masks.dilated(4, window=60, causal=False), None, None),
+        # Llama 4's chunked local attention (causal within chunks) with per-batch documents on top
+        "chunked_local_documents": (masks.and_masks(masks.chunked_local(256), masks.document(ids2)), 2, None),
     }
+
+
+def _broadcast(mm):
+    """``mm`` (defined for b = h = 0) for every batch element and head: torch's FlexAttention evaluates a
+    broadcast mask_mod at the call's own b and h."""
+    def broadcast_mask(b, h, q, kv):
+        return mm(b * 0, h * 0, q, kv)
+    return broadcast_mask
+
+
+def _full_skip_blocks(seed, density, sq, sk):
+    """A random mask_mod whose 128 x 128 blocks are all visible (probability ``density``) or all hidden."""
+    g = torch.Generator().manual_seed(seed)
+    on = torch.rand(-(-sq // 128), -(-sk // 128), generator=g) < density
+
+    def full_skip_mask(b, h, q, kv):
+        return on[q // 128, kv // 128]
+    return full_skip_mask
+
+
+def _has_segments(bm, kinds):
+    """True when some key tile's run (kernels' 512-key tiles) holds chunks of every union class in ``kinds``."""
+    from nki_attn.kernels import band
+    (_, _, rows), _ = bm.kernel_operands()
+    n = len(rows[0]) * 128
+    for r in rows:
+        for t0 in range(0, n, 512):
+            kt = band.block_key_tile(r, t0, min(t0 + 512, n))
+            if kt.kind == band.PARTIAL and kinds <= {r[c] for c in range(kt.k0 // 128, kt.k1 // 128)}:
+                return True
+    return False
 
 
 def _qkv(b, hq, hk, sq, sk, d, dv, dtype, seed=0):
@@ -84,8 +125,37 @@ def test_fwd_bwd_match_the_dense_golden(name, dtype):
 
 
 @pytest.mark.slow
+def test_fwd_bwd_full_and_skip_chunks_inside_key_tiles():
+    """FlexAttention's benchmark pattern (FULL / SKIP blocks only): key tiles whose runs hold SKIP chunks, masked
+    without any bitmap (the kernels get no store), forward and backward."""
+    sq, sk = 256, 768
+    mm, nb, nh = _mask_cases(sq, sk)["random_full_skip"]
+    bm = create_block_mask(mm, nb, nh, sq, sk)
+    assert _has_segments(bm, {0, 2}) and bm.kernel_operands()[1] is None
+    check_fwd_bwd("random_full_skip", torch.float32, sq=sq, sk=sk)
+
+
+def test_forward_mixed_chunk_classes_inside_key_tiles():
+    """Key tiles whose runs mix FULL, SKIP and PARTIAL chunks (each masked by its own class): the forward
+    against the dense definition and against torch's own flex_attention."""
+    sq, sk = 384, 1024
+    mm, nb, nh = _mask_cases(sq, sk)["random_mixed"]
+    assert _has_segments(create_block_mask(mm, nb, nh, sq, sk), {0, 1, 2})
+    check_vs_torch("random_mixed", sq=sq, sk=sk)
+
+
+def test_fwd_bwd_mixed_chunk_classes_inside_key_tiles():
+    """The same mask forward and backward: a group of the backward whose members' key runs leave a chunk of
+    their 512-key tile between them that none of its matmuls writes (chunk 2 of this layout) evicts only the
+    chunks it wrote."""
+    check_fwd_bwd("random_mixed", torch.float32, sq=384, sk=1024)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("name", ["causal", "sliding_window", "prefix_lm", "chunked_local", "dilated", "or_masks"])
+@pytest.mark.parametrize("name", ["causal", "sliding_window", "prefix_lm", "chunked_local", "dilated", "or_masks",
+                                  "random_full_skip", "sliding_window_two_sided", "chunked_local_bidirectional",
+                                  "dilated_two_sided", "chunked_local_documents"])
 def test_fwd_bwd_every_prebuilt_mask(name, dtype):
     check_fwd_bwd(name, dtype, sq=384, sk=640)
 
@@ -106,18 +176,20 @@ def _torch_flex(mm, nb, nh, q, k, v, enable_gqa):
         return t_flex(q, k, v, block_mask=tb, enable_gqa=enable_gqa, return_lse=True)
 
 
-def check_vs_torch(name, sq=300, sk=300):
+def check_vs_torch(name, sq=300, sk=300, dtype=torch.float32):
+    """Ours against torch's own flex_attention on CPU, same mask_mod and inputs (GQA 4 / 2): judged with
+    torch's result as the baseline of the harness's rule (the float64 dense definition the truth)."""
     mm, nb, nh = _mask_cases(sq, sk)[name]
-    q, k, v = _qkv(2, 4, 2, sq, sk, 32, 32, torch.float32, seed=3)
+    q, k, v = _qkv(2, 4, 2, sq, sk, 32, 32, dtype, seed=3)
     bm = create_block_mask(mm, nb, nh, sq, sk)
     out, lse = flex.flex_attention(q, k, v, block_mask=bm, enable_gqa=True, return_lse=True)
     t_out, t_lse = _torch_flex(mm, nb, nh, q, k, v, True)
     dense = _dense(mm, nb or 1, nh or 1, sq, sk)
     truth, t_lse64 = dense_attention(q.double(), k.double(), v.double(), dense, 1 / math.sqrt(32))
-    judge("out", out, truth, t_out, torch.float32, sk)
+    judge("out", out, truth, t_out, dtype, sk)
     # torch's lse is -inf for a row without keys, ours +inf (both give a zero output)
     t_lse = torch.where(torch.isneginf(t_lse), torch.full_like(t_lse, math.inf), t_lse)
-    judge("lse", lse, t_lse64, t_lse, torch.float32, sk, vec_axis=None)
+    judge("lse", lse, t_lse64, t_lse.float(), dtype, sk, vec_axis=None)
 
 
 @pytest.mark.parametrize("name", ["document", "prefix_lm", "random"])
@@ -126,9 +198,19 @@ def test_forward_matches_torch_flex_attention(name):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["causal", "sliding_window", "chunked_local", "dilated", "or_masks", "empty_rows"])
+@pytest.mark.parametrize("name", ["causal", "sliding_window", "chunked_local", "dilated", "or_masks", "empty_rows",
+                                  "random_full_skip", "sliding_window_two_sided", "chunked_local_bidirectional",
+                                  "dilated_two_sided", "chunked_local_documents"])
 def test_forward_matches_torch_flex_attention_every_mask(name):
     check_vs_torch(name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["causal", "sliding_window", "document", "prefix_lm", "chunked_local", "dilated",
+                                  "or_masks", "random", "random_mixed", "random_full_skip", "empty_rows",
+                                  "chunked_local_documents"])
+def test_forward_matches_torch_flex_attention_bf16(name):
+    check_vs_torch(name, dtype=torch.bfloat16)
 
 
 def test_no_block_mask_and_mqa():
