@@ -93,6 +93,20 @@ def kernel_versions():
     return {f.name: hashlib.sha256(f.read_bytes()).hexdigest()[:12] for f in sorted(root.glob("attention_*.py"))}
 
 
+def kernel_package_sha(exclude=()):
+    """sha256[:12] over every source of nki_attn/kernels but ``exclude`` (file names): a kernel's figures depend on
+    the shared steps, band plans and helpers too, not only on its own file."""
+    import hashlib
+    import pathlib
+
+    import nki_attn.kernels as kpkg
+    h = hashlib.sha256()
+    for f in sorted(pathlib.Path(kpkg.__file__).parent.glob("*.py")):
+        if f.name not in exclude:
+            h.update(f.name.encode() + b"\0" + f.read_bytes())
+    return h.hexdigest()[:12]
+
+
 def _write_json(path, obj):
     if path:
         with open(path, "w") as f:
@@ -523,12 +537,17 @@ def run_modeled_util(a):
             old = json.load(f)
         for kernel in {"fwd", "bwd"} - set(a.kernels):
             src = f"attention_{kernel}.py"
-            # a row is only as current as the kernel source and the model it was made with
+            other = "attention_bwd.py" if kernel == "fwd" else "attention_fwd.py"
+            # a row is only as current as the model and the kernel sources it was made with (the other kernel's
+            # file aside: it does not run)
             if old.get("model") != MODEL or old.get("target") != a.target or \
-                    old.get("kernel_sha256_12", {}).get(src) != versions.get(src):
+                    old.get("kernel_sha256_12", {}).get(src) != versions.get(src) or \
+                    old.get("kernel_package_sha256_12", {}).get(kernel) != kernel_package_sha([other]):
                 raise SystemExit(f"--reuse {a.reuse}: its {kernel} rows were made from {src} "
-                                 f"{old.get('kernel_sha256_12', {}).get(src)} ({old.get('model')}, "
-                                 f"{old.get('target')}), not the current {versions.get(src)}; run them again")
+                                 f"{old.get('kernel_sha256_12', {}).get(src)} and kernel package "
+                                 f"{old.get('kernel_package_sha256_12', {}).get(kernel)} ({old.get('model')}, "
+                                 f"{old.get('target')}), not the current {versions.get(src)} / "
+                                 f"{kernel_package_sha([other])}; run them again")
             reused.update({(r["case"], kernel): {k: v for k, v in r.items() if k != "case"}
                            for r in old["rows"] if r["kernel"] == kernel})
     kernels = [k for k in ("fwd", "bwd") if k in a.kernels or any(kk == k for _, kk in reused)]
@@ -586,6 +605,8 @@ def run_modeled_util(a):
     if a.plot:
         _util_plot([(n, r) for n, r in rows if n in UTIL_SHAPES], a.plot, a.target)
     _write_json(a.json, {"target": a.target, "modeled": True, "model": MODEL, "kernel_sha256_12": versions,
+                         "kernel_package_sha256_12": {"fwd": kernel_package_sha(["attention_bwd.py"]),
+                                                      "bwd": kernel_package_sha(["attention_fwd.py"])},
                          "rows": [dict(r, case=n) for n, r in rows], "ratios": ratios})
     return 0
 

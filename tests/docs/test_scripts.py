@@ -145,10 +145,15 @@ def test_modeled_figures_lead_with_the_scheduled_time(monkeypatch, tmp_path, cap
     rows = [dict(r, case="causal-2048", kernel=k) for k in ("fwd", "bwd")]
     run = argparse.Namespace(target="trn2", only=["causal-2048"], kernels=[], json=None, plot=None, write=False,
                              reuse=str(path))
-    for sha, model in ((bench.kernel_versions(), MODEL), ({"attention_fwd.py": "0" * 12}, MODEL),
-                       (bench.kernel_versions(), "cost model v1")):
-        path.write_text(json.dumps({"target": "trn2", "model": model, "kernel_sha256_12": sha, "rows": rows}))
-        if model == MODEL and sha == bench.kernel_versions():
+    package = {"fwd": bench.kernel_package_sha(["attention_bwd.py"]),
+               "bwd": bench.kernel_package_sha(["attention_fwd.py"])}
+    for sha, model, pkg in ((bench.kernel_versions(), MODEL, package),
+                            ({"attention_fwd.py": "0" * 12}, MODEL, package),
+                            (bench.kernel_versions(), "cost model v1", package),
+                            (bench.kernel_versions(), MODEL, dict(package, bwd="0" * 12))):
+        path.write_text(json.dumps({"target": "trn2", "model": model, "kernel_sha256_12": sha,
+                                    "kernel_package_sha256_12": pkg, "rows": rows}))
+        if model == MODEL and sha == bench.kernel_versions() and pkg == package:
             assert bench.run_modeled_util(run) == 0
             assert capsys.readouterr().out.count(f"| causal-2048 | ") == 2
         else:
