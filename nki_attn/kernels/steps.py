@@ -373,7 +373,10 @@ def block_keep(cfg, tile, a, b):
     c0 = tile.k0 // PMAX
     # the slot of the segment's first chunk for this (batch, head) pair (``band.block_slot``; not imported:
     # band imports steps)
-    slot = bl.slot0[tile.t][tile.k0 // K_TILE] + block_partial_count(bl.rows[tile.t], c0, c0 + a // PMAX)
+    # slot0 numbers the key tile's PARTIAL chunks from its first key; a tile may start inside it (the backward
+    # splits a key tile at its SKIP chunks), so count from the key tile's first chunk
+    kt0 = (tile.k0 // K_TILE) * (K_TILE // PMAX)
+    slot = bl.slot0[tile.t][tile.k0 // K_TILE] + block_partial_count(bl.rows[tile.t], kt0, c0 + a // PMAX)
     col = ((bb * bl.n_h + hh) * bl.n_slots + slot) * CHUNK_BYTES
     w = b - a
     nb = w // 8
