@@ -99,14 +99,15 @@ def section_bytes_per_key(d_head, d_tiles, itemsize, v_tiles=None):
     return (d_tiles + v_tiles) * itemsize + d_head * itemsize / PMAX + (d_tiles + v_tiles) * 4
 
 
-def default_section_len(d_head, d_tiles, itemsize, seqlen_k, cap=K_SECTION_MAX, v_tiles=None):
+def default_section_len(d_head, d_tiles, itemsize, seqlen_k, cap=K_SECTION_MAX, v_tiles=None, items=1):
     """Keys per K/V section: the largest multiple of K_TILE within SECTION_BUDGET_BYTES, at most ``cap``
     (default K_SECTION_MAX) and seqlen_k, rounded down to a multiple of 128. When the keys need more than one
-    section, the software pipeline (``_pipeline``) loads the next section while the last one drains, so two
+    section, or the launch has more than one work item (``items``: batch x kv heads), the software pipeline
+    (``_pipeline``) loads the next section (of this item or the next) while the last one drains, so two
     sections' buffers are live at once: each then gets half the budget."""
     per_key = section_bytes_per_key(d_head, d_tiles, itemsize, v_tiles)
     fit = int(SECTION_BUDGET_BYTES // per_key) // K_TILE * K_TILE
-    if min(cap, fit) < seqlen_k:
+    if min(cap, fit) < seqlen_k or items > 1:
         fit = int(SECTION_BUDGET_BYTES // 2 // per_key) // K_TILE * K_TILE
     n = min(min(cap, fit), seqlen_k) // PMAX * PMAX  # (NKI's min takes two values)
     return max(n, PMAX)
@@ -147,9 +148,11 @@ def block_members(d_tiles, itemsize, dq_fp32, v_tiles=None, group_max=None, bloc
 def sbuf_usage(d_head, d_tiles, itemsize, section_len, group, seqlen_q, mixed_precision=False, packing=False,
                num_sinks=0, trn1_packing=False, dq_fp32=False, d_v=None, v_tiles=None, softcap=False,
                alibi=False, dropout=False, group_max=None, block_members_max=None, bias_bytes=0,
-               logit_scale=False, pipe=(PIPE_LEAD, PIPE_LAG_B, PIPE_LAG_D)):
+               logit_scale=False, pipe=(PIPE_LEAD, PIPE_LAG_B, PIPE_LAG_D), live_sections=1):
     """SBUF bytes per partition of the kernel's live tensors, by category. ``pipe``: ``(pipe_lead, pipe_lag_b,
-    pipe_lag_d)`` of the software pipeline. ``total`` counts the blocks the pipeline holds at once (3 with a
+    pipe_lag_d)`` of the software pipeline; ``live_sections``: K/V sections whose buffers are live at once (2
+    when the pipeline runs more than one section, of one work item or several: the next one loads while the
+    last one drains). ``total`` counts the blocks the pipeline holds at once (3 with a
     lead: loading, in stage A, in stage D), two groups, two visits' stage-A tiles and the visit buffers in flight
     between stages A, B and D (``in_flight``). ``bias_bytes``: the additive bias's bytes per key of a visit
     (``_bias_visit_bytes``).
@@ -194,7 +197,7 @@ def sbuf_usage(d_head, d_tiles, itemsize, section_len, group, seqlen_q, mixed_pr
     in_flight = 2 * stage_a + (lag_b + 1) * (p_cast + K_TILE * e) + (max(lag_b, lag_d) - lag_b + 1) * K_TILE * e
     # blocks: the one in stage D, the one in stage A and, with a lead, the one whose loads are in flight
     n_blocks = 3 if lead > 0 else 2
-    total = section + persistent + n_blocks * per_block + 2 * per_group + in_flight
+    total = live_sections * section + persistent + n_blocks * per_block + 2 * per_group + in_flight
     return {"section": section, "persistent": persistent, "per_block": per_block, "per_group": per_group,
             "per_visit": per_visit, "in_flight": in_flight, "n_blocks": n_blocks, "total": total,
             "d_tile": min(d_head, PMAX)}
@@ -612,8 +615,17 @@ def _pipe_of(pipe_lead, pipe_lag_b, pipe_lag_d):
 
 def _section_len(a, itemsize, k_section_len):
     if k_section_len is None:
-        return default_section_len(a.d_qk, len(a.qk_tiles), itemsize, a.seqlen_k, K_SECTION_MAX, len(a.v_tiles))
+        return default_section_len(a.d_qk, len(a.qk_tiles), itemsize, a.seqlen_k, K_SECTION_MAX, len(a.v_tiles),
+                                   a.bs * a.nheads_kv)
     return min(k_section_len, a.seqlen_k)
+
+
+def _live_sections(a, section_len):
+    """K/V sections whose buffers the software pipeline holds at once: 2 when there is a next section to load
+    while one drains (several sections, or several work items), else 1."""
+    if section_len < a.seqlen_k or a.bs * a.nheads_kv > 1:
+        return 2
+    return 1
 
 
 def _is_trn1():
@@ -696,7 +708,7 @@ def bwd_problem(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref=None, bou
     use = sbuf_usage(a.d_qk, len(a.qk_tiles), isz, sec, a.group, a.seqlen_q, mixed_precision, a.packing,
                      a.num_sinks, trn1 and a.packing, dq_fp32, a.d_v, len(a.v_tiles), a.softcap > 0.0, a.alibi,
                      a.dropout, group_max, block_members_max, bias_bytes, a.logit_scale,
-                     _pipe_of(pipe_lead, pipe_lag_b, pipe_lag_d))
+                     _pipe_of(pipe_lead, pipe_lag_b, pipe_lag_d), _live_sections(a, sec))
     cap = sbuf_bytes_per_partition()
     if use["total"] > cap:
         return (f"attention_bwd needs {use['total']} SBUF bytes per partition (section {use['section']}, per-row "

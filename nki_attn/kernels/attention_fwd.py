@@ -56,8 +56,19 @@ BLOCK_MEMBERS_MAX = 8  # members per block: they share one K/V load and one set 
 P_DMA_PERIOD = 4
 P_DMA_MIN_TILES = 2  # ... when it has at least this many (a DMA's fixed costs are paid per transpose)
 PV_LAG = 16  # P^T tiles waiting for their PV matmul: TensorE never waits for the P^T eviction or DMA
-EXP_LEAD = 3  # exponents emitted ahead of their P^T: ScalarE never waits behind TensorE's finishing work
-FIN_DELAY = 2  # phase-3 steps between a block's last PV and its finishing (and between its members' O^T)
+EXP_LEAD = 5  # exponents emitted ahead of their P^T: ScalarE never waits behind TensorE's finishing work
+# the next unit's scores are all emitted by SCORE_NUM / SCORE_DEN of this unit's phase-3 steps: its phase 2 (the
+# exponent bias) then has the rest of the segment to reach ScalarE before the next unit's exponents
+SCORE_NUM = 1
+SCORE_DEN = 16
+# of the P tiles transposed by TensorE, every PT_VECTOR_PERIOD-th is evicted (PSUM -> SBUF) by VectorE, the others
+# by ScalarE (1: all by VectorE, the rule with soft-capping, whose tanh keeps ScalarE busy); docs/kernel-fwd.md,
+# "Engine balance"
+PT_VECTOR_PERIOD = 2
+FIRST_O_SCALAR = True  # a member's O = PV at its first key block by a ScalarE copy (deferred like those evictions)
+PT_SCALAR_LAG = 3  # a ScalarE eviction is emitted this many phase-3 steps after its transposes
+FIN_DELAY_MIN = 2  # ... where the SBUF has no room for the finishing blocks' O accumulators FIN_DELAY keeps
+FIN_DELAY = 12  # phase-3 steps between a block's last PV and its finishing (and between its members' O^T)
 # A row's running max stays at FP32_MIN while every score it saw was masked; any real score is many orders of
 # magnitude larger, so "max below -1e38" means "the row saw no key".
 EMPTY_MAX = -1.0e38
@@ -80,7 +91,10 @@ class _FwdConfig(nl.NKIObject):
     bounds, select_reduce) or "affine" (trn1 causal / window: affine_select). group: query heads per kv head;
     block_members_max: members per block at most; members: members per block (whole query tiles of the group
     when the group fits); kb_tiles: key tiles per key block; slab_tiles: query tiles per slab; p_dma_transpose:
-    half of the full P tiles are transposed by DMA (``_transpose_p``).
+    full P tiles may be transposed by DMA (``_transpose_p``), every ``p_dma_period``-th member's; pt_vector_period:
+    of the P tiles transposed by TensorE every n-th is evicted by VectorE, the others by ScalarE, ``pt_scalar_lag``
+    steps later (``_evict_pt``); finish_on_vector: the block finishing's O normalisation and O^T evictions run on
+    VectorE; score_num / score_den: the share of a segment by which the next unit's scores are all out.
 
     ``shp`` is the call's ``validation.AttentionShape`` (its softcap, alibi, window_size and dropout_p give the
     variants); ``kb_tiles``, ``block_members_max``, ``slab_tiles``: the kernel's tuning keywords (None: default).
@@ -102,9 +116,10 @@ class _FwdConfig(nl.NKIObject):
         # exponent applies c, so exp(c t + bias) is still the ONE exponent of the softmax
         self.softcap = shp.softcap
         self.cap_scale = shp.scale / shp.softcap if shp.softcap > 0 else 1.0
-        # the tanh makes ScalarE the busiest engine: the O finishing moves to VectorE (same arithmetic), unless a
-        # VectorE-heavy variant (exact ALiBi, dropout) comes with it
-        self.scalar_busy = shp.softcap > 0 and not shp.alibi and shp.dropout_p == 0.0
+        # the block finishing (O * 1/l, the O^T evictions) runs on VectorE: on ScalarE it waited for VectorE's
+        # 1/l and TensorE's O^T between the exponents (semaphores on the critical path); back on ScalarE when a
+        # VectorE-heavy variant (exact ALiBi, dropout) comes
+        self.finish_on_vector = not shp.alibi and shp.dropout_p == 0.0
         self.exp_scale = shp.softcap if shp.softcap > 0 else shp.scale
         self.alibi = shp.alibi
         self.logit_scale = shp.logit_scale
@@ -154,8 +169,28 @@ class _FwdConfig(nl.NKIObject):
         self.pv_lag = PV_LAG if pv_lag is None else pv_lag
         self.fin_delay = FIN_DELAY
         self.exp_lead = EXP_LEAD
+        self.score_num = SCORE_NUM
+        self.score_den = SCORE_DEN
+        if itemsize(io_dtype) == 4:
+            # float32: the next unit's float32 scores all at once ran past trn1's SBUF at d 256 (the working set
+            # does not count them); 2/3 of the segment, as before, is within it
+            self.score_num = 2
+            self.score_den = 3
+        self.pt_vector_period = PT_VECTOR_PERIOD
+        if shp.softcap > 0:
+            self.pt_vector_period = 1  # the tanh keeps ScalarE as busy as TensorE already
+        self.pt_scalar_lag = PT_SCALAR_LAG
+        self.first_o_scalar = FIRST_O_SCALAR and self.pt_vector_period > 1
         if kb_tiles is None:
             self.kb_tiles = _kb_tiles(self, itemsize(io_dtype), itemsize(acc_dtype))
+            if self.fin_delay > FIN_DELAY_MIN:
+                # the long finishing only where it costs no key-block size and fits (tight SBUF: float32, d 256)
+                kb_long = self.kb_tiles
+                fits = _kb_fits(self, kb_long, itemsize(io_dtype), itemsize(acc_dtype))
+                self.fin_delay = FIN_DELAY_MIN
+                self.kb_tiles = _kb_tiles(self, itemsize(io_dtype), itemsize(acc_dtype))
+                if fits and self.kb_tiles <= kb_long:
+                    self.fin_delay = FIN_DELAY
         if slab_tiles is None:
             self.slab_tiles = _slab_tiles(self, itemsize(io_dtype), itemsize(acc_dtype))
         else:
@@ -174,7 +209,10 @@ def _working_set(cfg, kb_tiles, e, acc_e):
     fixed = 2 * u * kk * 4  # scores of every member of two units (float32): the next one's, this one's
     fixed += 3 * (n_qk + n_v) * kk * e  # K and V of three units
     fixed += 2 * (kk // PMAX) * cfg.d_v * e  # V^T of two units
-    fixed += 3 * u * cfg.d_v * acc_e  # O accumulators of three blocks (one accumulating, two finishing)
+    # O accumulators of three blocks (one accumulating, two finishing), and of the blocks a finishing longer than
+    # FIN_DELAY_MIN steps keeps (it lasts about 2 fin_delay + u steps, a block at least u of them)
+    n_acc = 3 + (2 * (cfg.fin_delay - FIN_DELAY_MIN) + u - 1) // u
+    fixed += n_acc * u * cfg.d_v * acc_e
     fixed += (cfg.exp_lead + cfg.pv_lag + 2) * K_TILE * e + u * cfg.d_v * e  # P, P^T in flight, normalised O
     fixed += 2 * kk * e  # P of the members transposed by DMA (one being written, one waiting for its DMA)
     fixed += 3 * 4 * u * (kb_tiles + 1) * 4 + 2 * 12 * u * 4  # statistics
@@ -195,11 +233,17 @@ def _kb_tiles(cfg, e, acc_e):
     finishing one, the current one and the next one, which opens two units ahead) of two blocks' query tiles
     each."""
     kb = KB_TILES
-    tiles = min(cfg.n_qt, 2 * max(1, cfg.members // cfg.group))
-    while kb > 1 and _working_set(cfg, kb, e, acc_e) + 3 * tiles * _per_tile(cfg, e) + SBUF_MARGIN > \
-            sbuf_bytes_per_partition():
+    while kb > 1 and not _kb_fits(cfg, kb, e, acc_e):
         kb = kb // 2
     return kb
+
+
+def _kb_fits(cfg, kb, e, acc_e):
+    """True when the working set with ``kb`` key tiles per key block leaves room for three slabs of two blocks'
+    query tiles."""
+    tiles = min(cfg.n_qt, 2 * max(1, cfg.members // cfg.group))
+    return _working_set(cfg, kb, e, acc_e) + 3 * tiles * _per_tile(cfg, e) + SBUF_MARGIN <= \
+        sbuf_bytes_per_partition()
 
 
 def _slab_tiles(cfg, e, acc_e):
@@ -627,6 +671,8 @@ class _Block(nl.NKIObject):
         self.pm = None
         self.l_sum = None
         self.bias = None
+        self.lse_parts = None
+        self.o_first = None
 
 
 class _Unit(nl.NKIObject):
@@ -679,6 +725,8 @@ class _Pipe(nl.NKIObject):
         self.later = []
         self.step = 0
         self.dma_members = 0
+        self.pt_evictions = 0
+        self.evict = []
         self.live_slabs = 0
 
 
@@ -763,10 +811,12 @@ def _rescale_o(o_acc, u, alpha, o_ps, first):
                                   operand0=alpha[:, u:u + 1], op1=nl.add, operand1=o_ps)
 
 
-def _transpose_p(cfg, p_sb, n_ch, dma_turn):
+def _transpose_p(cfg, p_sb, n_ch, dma_turn, on_scalar=False):
     """P^T ``[128 keys, n_ch, 128 queries]`` (SBUF) for the PV matmul. TensorE transposes (PSUM) and one eviction
-    by default; on trn2+ with 16-bit P, a full key tile whose ``dma_turn`` it is goes by one SBUF -> SBUF
-    dma_transpose instead (bit-exact too; docs/kernel-fwd.md, "Engine balance", says which share)."""
+    (VectorE; with ``on_scalar`` none: it returns ``[P^T, its PSUM tile]`` for the caller's deferred ScalarE copy,
+    ``_evict_pt``) by default; on trn2+ with 16-bit P, a full key tile
+    whose ``dma_turn`` it is goes by one SBUF -> SBUF dma_transpose instead (bit-exact too; docs/kernel-fwd.md,
+    "Engine balance", says which share)."""
     pt_sb = nl.ndarray((PMAX, n_ch, PMAX), dtype=cfg.io_dtype, buffer=nl.sbuf)
     if cfg.p_dma_transpose and dma_turn and n_ch == K_TILE // PMAX:
         nisa.dma_transpose(dst=pt_sb, src=p_sb.ap(pattern=[[n_ch * PMAX, PMAX], [PMAX, n_ch], [1, PMAX]], offset=0))
@@ -774,6 +824,8 @@ def _transpose_p(cfg, p_sb, n_ch, dma_turn):
         pt_ps = nl.ndarray((PMAX, n_ch, PMAX), dtype=cfg.io_dtype, buffer=nl.psum)
         for c in range(n_ch):
             nisa.nc_transpose(dst=pt_ps[:, c, :], data=p_sb[:, c * PMAX:(c + 1) * PMAX])
+        if on_scalar:
+            return [pt_sb, pt_ps]
         nisa.tensor_copy(dst=pt_sb, src=pt_ps)
     return pt_sb
 
@@ -808,9 +860,18 @@ def _pt_tile(cfg, pipe, unit, j):
     i = unit.jobs[j][1]
     n_ch = unit.tl[u][i].kw // PMAX
     if unit.slot[j] < 0:
-        pt_sb = _transpose_p(cfg, unit.p[j], n_ch, False)
+        pipe.pt_evictions = pipe.pt_evictions + 1
+        on_scalar = pipe.pt_evictions % cfg.pt_vector_period != 0
+        pt_sb = _transpose_p(cfg, unit.p[j], n_ch, False, on_scalar)
         unit.p[j] = None
-        pipe.pv.append([unit, u, i, pt_sb])
+        if on_scalar:
+            # its ScalarE eviction waits PT_SCALAR_LAG steps in ``pipe.evict``: emitted at once, ScalarE would
+            # stall on the transpose (two semaphores) with only its EXP_LEAD exponents in between
+            ev = [pipe.step + cfg.pt_scalar_lag, pt_sb[0], pt_sb[1], False]
+            pipe.evict.append(ev)
+            pipe.pv.append([unit, u, i, pt_sb[0], ev])
+        else:
+            pipe.pv.append([unit, u, i, pt_sb, None])
     elif unit.last_full[u] == j:
         nc = unit.n_full[u] * n_ch
         pt_all = nl.ndarray((PMAX, nc, PMAX), dtype=cfg.io_dtype, buffer=nl.sbuf)
@@ -821,7 +882,21 @@ def _pt_tile(cfg, pipe, unit, j):
             k = unit.slot[jj]
             if unit.jobs[jj][0] == u and k >= 0:
                 unit.p[jj] = None
-                pipe.pv.append([unit, u, unit.jobs[jj][1], pt_all[:, k * n_ch:(k + 1) * n_ch, :]])
+                pipe.pv.append([unit, u, unit.jobs[jj][1], pt_all[:, k * n_ch:(k + 1) * n_ch, :], None])
+
+
+def _evict_pt(cfg, pipe, flush):
+    """The ScalarE P^T evictions (PSUM -> SBUF, ``activation(copy)``) that are due (all when ``flush``)."""
+    todo = pipe.evict
+    pipe.evict = []
+    for k in range(len(todo)):
+        if flush or todo[k][0] <= pipe.step:
+            nisa.activation(dst=todo[k][1], op=nl.copy, data=todo[k][2])
+            todo[k][1] = None
+            todo[k][2] = None  # the PSUM bank is free again
+            todo[k][3] = True
+        else:
+            pipe.evict.append(todo[k])
 
 
 def _pv_tile(cfg, pipe):
@@ -829,6 +904,8 @@ def _pv_tile(cfg, pipe):
     tile; after the member's last tile of the key block the O update, after the unit's last tile the block's
     finishing is scheduled (``_later``)."""
     entry = pipe.pv[pipe.pv_at]
+    if entry[4] is not None and not entry[4][3]:
+        _evict_pt(cfg, pipe, True)  # its P^T eviction first (only a short pipeline gets here before it is due)
     pipe.pv[pipe.pv_at] = None
     pipe.pv_at = pipe.pv_at + 1
     unit = entry[0]
@@ -850,7 +927,19 @@ def _pv_tile(cfg, pipe):
     unit.pv_left[u] = unit.pv_left[u] - 1
     unit.pv_total = unit.pv_total - 1
     if unit.pv_left[u] == 0:
-        _rescale_o(blk.o_acc, u, unit.alpha, o_ps, not blk.started[u])
+        if not blk.started[u] and cfg.first_o_scalar:
+            # the member's first key block: O = PV by a ScalarE copy, deferred like the P^T evictions
+            ev = [pipe.step + cfg.pt_scalar_lag, blk.o_acc[:, u, :], o_ps, False]
+            pipe.evict.append(ev)
+            if blk.o_first is None:
+                blk.o_first = []
+                for k in range(len(blk.heads)):
+                    blk.o_first.append(None)
+            blk.o_first[u] = ev
+        else:
+            if blk.o_first is not None and blk.o_first[u] is not None and not blk.o_first[u][3]:
+                _evict_pt(cfg, pipe, True)  # the member's first O copy still waits (short key blocks)
+            _rescale_o(blk.o_acc, u, unit.alpha, o_ps, not blk.started[u])
         if not blk.started[u]:
             blk.started[u] = True
         unit.o_ps[u] = None
@@ -1039,7 +1128,7 @@ def _end_scores(cfg, unit, gaps_next):
 
 
 def _begin_exps(cfg, steps, pipe, unit):
-    """Before a unit's first exponent: alpha, the row-sum tile, the PV accumulators and counters, and which
+    """Before a unit's first exponent: the row-sum tile, the PV accumulators and counters, and which
     members' full P tiles go by one dma_transpose (every ``p_dma_period``-th member with at least
     ``P_DMA_MIN_TILES`` full tiles, on trn2+ with 16-bit P and no probability step): their exponents write one
     ``[128, n * 512]`` P buffer (``pbuf[u]``, job j in column block ``slot[j]``)."""
@@ -1048,7 +1137,6 @@ def _begin_exps(cfg, steps, pipe, unit):
     full = K_TILE // PMAX
     if unit.first:
         unit.blk.o_acc = nl.ndarray((PMAX, n, cfg.d_v), dtype=cfg.acc_dtype, buffer=nl.sbuf)
-    unit.alpha = _alpha(cfg, unit.diff)
     unit.rs = nl.ndarray((PMAX, n, cfg.kb_tiles + 1), dtype=nl.float32, buffer=nl.sbuf)
     if kb.gaps:
         nisa.memset(dst=unit.rs, value=0.0, engine=nisa.engine.gpsimd)
@@ -1098,10 +1186,10 @@ def _begin_exps(cfg, steps, pipe, unit):
 
 # ----------------------------------------------------------------------------------------------------- finishing
 def _finish_stats(cfg, steps, blk):
-    """Finishing of a block, all members at once: ``1 / l`` and ``lse = c m + log(l)`` (= log(l) - bias) into the
-    slab's LSE staging, rows that saw no key (and have no sink) get 0 and +inf; then per member on ScalarE (its
-    exponents leave it the idle engine at the end of a block) ``O * (1/l)`` into o's dtype. Returns the
-    normalised ``o_n`` per member (``_finish_member`` transposes them)."""
+    """Finishing of a block, all members at once: ``1 / l``, the keep flags and ``log(l)`` (``_finish_lse``
+    writes ``lse = c m + log(l)`` = log(l) - bias a few steps later), rows that saw no key (and have no sink) get 0
+    and +inf; then per member ``O * (1/l)`` into o's dtype (VectorE, or ScalarE with ``cfg.finish_on_vector``
+    off). Returns the normalised ``o_n`` per member (``_finish_member`` transposes them)."""
     slab = blk.slab
     item = slab.work.item
     j0 = blk.j0
@@ -1133,19 +1221,31 @@ def _finish_stats(cfg, steps, blk):
     o_ns = []
     for u in range(n):
         o_n = nl.ndarray((PMAX, cfg.d_v), dtype=cfg.io_dtype, buffer=nl.sbuf)
-        if cfg.scalar_busy:
+        if cfg.finish_on_vector:
             nisa.tensor_scalar(dst=o_n, data=o_acc[:, u, :], op0=nl.multiply, operand0=recip[:, u:u + 1])
         else:
             nisa.activation(dst=o_n, op=nl.copy, data=o_acc[:, u, :], scale=recip[:, u:u + 1])
         o_ns.append(o_n)
     log_l = nl.ndarray((PMAX, n), dtype=nl.float32, buffer=nl.sbuf)
     nisa.activation(dst=log_l, op=nl.log, data=l_safe)
+    blk.lse_parts = [log_l, bias, keep]
+    return o_ns
+
+
+def _finish_lse(cfg, steps, blk):
+    """The block's LSE, ``log(l) - bias`` (+inf for rows that saw no key) into the slab's LSE staging: emitted
+    a few steps after ``_finish_stats``, so VectorE does not wait for ScalarE's ``log`` (two semaphores)."""
+    slab = blk.slab
+    n = len(blk.heads)
+    log_l = blk.lse_parts[0]
+    bias = blk.lse_parts[1]
+    keep = blk.lse_parts[2]
+    blk.lse_parts = None
     lse_real = nl.ndarray((PMAX, n), dtype=nl.float32, buffer=nl.sbuf)
     nisa.tensor_tensor(dst=lse_real, data1=log_l, data2=bias, op=nl.subtract)
     for f in steps.lse:
-        f(cfg, slab.t0, j0, lse_real, item)
-    nisa.select_reduce(dst=slab.lse[:, j0:j0 + n], predicate=keep, on_true=lse_real, on_false=POS_INF)
-    return o_ns
+        f(cfg, slab.t0, blk.j0, lse_real, slab.work.item)
+    nisa.select_reduce(dst=slab.lse[:, blk.j0:blk.j0 + n], predicate=keep, on_true=lse_real, on_false=POS_INF)
 
 
 def _finish_member(cfg, blk, u, o_n):
@@ -1157,7 +1257,7 @@ def _finish_member(cfg, blk, u, o_n):
         v0, vsz = cfg.v_tiles[vi]
         ot_ps = nl.ndarray((vsz, PMAX), dtype=cfg.io_dtype, buffer=nl.psum)
         nisa.nc_transpose(dst=ot_ps, data=o_n[:, v0:v0 + vsz])
-        if cfg.scalar_busy:
+        if cfg.finish_on_vector:
             nisa.tensor_copy(dst=slab.o[vi][:, col:col + PMAX], src=ot_ps)
         else:
             nisa.activation(dst=slab.o[vi][:, col:col + PMAX], op=nl.copy, data=ot_ps)
@@ -1188,6 +1288,8 @@ def _store_slab(cfg, hbm, slab):
 def _run_later(cfg, hbm, steps, pipe, flush):
     """Run the deferred finishing work that is due (all of it when ``flush``): a block's statistics and
     normalisation (``stats``), then one member's O^T per phase-3 step (``member``), then the slab's stores."""
+    if len(pipe.evict) > 0:
+        _evict_pt(cfg, pipe, flush)
     again = True
     while again:
         again = False
@@ -1198,10 +1300,15 @@ def _run_later(cfg, hbm, steps, pipe, flush):
             if flush or job[0] <= pipe.step:
                 blk = job[2]
                 if job[1] == "stats":
+                    if len(pipe.evict) > 0:
+                        _evict_pt(cfg, pipe, True)  # a first O copy may still wait (FIN_DELAY_MIN < its lag)
                     o_ns = _finish_stats(cfg, steps, blk)
+                    pipe.later.append([pipe.step + cfg.fin_delay, "lse", blk, 0, None])
                     for u in range(len(o_ns)):
                         pipe.later.append([pipe.step + cfg.fin_delay + u, "member", blk, u, o_ns])
                     again = flush
+                elif job[1] == "lse":
+                    _finish_lse(cfg, steps, blk)
                 else:
                     u = job[3]
                     _finish_member(cfg, blk, u, job[4][u])
@@ -1310,7 +1417,7 @@ def _attend_all(cfg, hbm, sinks_ref, alibi_slopes, launch, steps, units):
         for t in range(n3):
             # the scores of the next unit run ahead of this unit's exponents, done by 2/3 of them: its phase 2
             # then has the last third of the segment to reach the exponent bias
-            want = min(n1, ((t + 1) * n1 * 3 + 2 * n3 - 1) // (2 * n3))
+            want = min(n1, ((t + 1) * n1 * cfg.score_den + cfg.score_num * n3 - 1) // (cfg.score_num * n3))
             while done1 < want:
                 _score_tile(cfg, steps, cur, cur.jobs[done1][0], cur.jobs[done1][1])
                 done1 = done1 + 1
@@ -1319,7 +1426,13 @@ def _attend_all(cfg, hbm, sinks_ref, alibi_slopes, launch, steps, units):
             while done3 < min(n3, t + 1 + cfg.exp_lead):
                 _exp_tile(cfg, steps, prev, done3)
                 done3 = done3 + 1
+            if t == 0:
+                # alpha after the first exponents: it waits for phase 2's last result (m - m'), they only for
+                # the bias; the O rescale and phase 4 need it much later
+                prev.alpha = _alpha(cfg, prev.diff)
             _pt_tile(cfg, pipe, prev, t)
+            if len(pipe.evict) > 0:
+                _evict_pt(cfg, pipe, False)
             if len(pipe.pv) - pipe.pv_at > cfg.pv_lag:
                 _pv_tile(cfg, pipe)
             pipe.step = pipe.step + 1
