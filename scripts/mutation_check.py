@@ -177,6 +177,18 @@ MUTATIONS = [
     M("b_row_d_from_o", BWD, "    return c.tiles[s][i][0].k1 - c.tiles[s][i][0].k0 == PMAX\n", "    return False\n",
       "D of the rows whose keys fit one 128-key chunk taken from the bf16 O (rowsum(O*dO)) instead of summed from "
       "the visit's P and dP", ["tests/kernels/test_bwd_exact_d.py"]),
+    M("b_evict_unwritten_chunks", BWD, "        while e < n and kt.wrote[e]:\n", "        while e < n:\n",
+      "stale PSUM: a group's dV/dK eviction covers chunks of the key tile's span that no member's matmul wrote "
+      "(a block mask leaves such chunks between two members' runs)",
+      ["tests/masks/test_flex.py::test_fwd_bwd_mixed_chunk_classes_inside_key_tiles"]),
+    M("s_block_slot_from_tile", STEPS, "block_partial_count(bl.rows[tile.t], kt0, c0 + a // PMAX)",
+      "block_partial_count(bl.rows[tile.t], c0, c0 + a // PMAX)",
+      "wrong bitmap slot: a tile that starts inside its key tile (the backward splits key tiles at SKIP chunks) "
+      "reads the slots of the key tile's first PARTIAL chunks", ["tests/masks/test_flex.py"]),
+    M("b_one_section_per_item", BWD, "    if min(cap, fit) < seqlen_k or items > 1:\n",
+      "    if min(cap, fit) < seqlen_k:\n",
+      "SBUF overflow: several work items keep the whole-length section although the pipeline holds two at once",
+      ["tests/kernels/test_bwd_plan.py::test_several_work_items_keep_two_sections_within_sbuf"]),
     # ---- forward: masks and tile bounds
     M("k_classify_run_drops_last", BAND, "            k1 = c0 + PMAX\n", "            k1 = c0\n",
       "off-by-one tile bound: a member's visible chunk run loses its last chunk", T_TILING + T_FWD + T_BWD),

@@ -80,3 +80,32 @@ def test_sbuf_budget_refusal(target):
     assert kb.bwd_problem(q8, kv8, kv8, q8, q8, lse8, use_causal_mask=True) is None
     cfg = kb._configure(q8, kv8, None, None, True, False, None, None, None)
     assert cfg.n_sections == -(-16384 // cfg.section_len) >= 2
+
+
+def test_several_work_items_keep_two_sections_within_sbuf(target):
+    """The software pipeline loads the next work item's K/V section while the last one drains, so a launch of
+    several work items (batch x kv heads) holds two sections at once even when one section covers the keys.
+    Gemma-2-like shapes (d 256, 4096 keys, bf16, 2 query heads per kv head): one work item takes all 4096 keys
+    in one section; two work items take half each, and the budget check counts both live sections, so the
+    whole-length section a single item uses would be refused for two (it overflowed trn2's SBUF in the
+    simulator's allocation before the fix, the models preset's Gemma-2 row)."""
+    target("trn2")
+
+    def t(*shape, dt="bfloat16"):
+        return types.SimpleNamespace(shape=shape, dtype=dt)
+
+    def shapes(kvh):
+        q, kv, lse = t(1, 2 * kvh, 256, 4096), t(1, kvh, 256, 4096), t(1, 2 * kvh, 128, 32, dt="float32")
+        return q, kv, kv, q, q, lse
+
+    one = kb._configure(*shapes(1)[:2], None, None, True, True, None, 1024, None, softcap=50.0)
+    two = kb._configure(*shapes(2)[:2], None, None, True, True, None, 1024, None, softcap=50.0)
+    assert one.n_sections == 1 and one.section_len == 4096
+    assert two.n_sections == 2 and two.section_len == 2048
+    for kvh in (1, 2):
+        assert kb.bwd_problem(*shapes(kvh), use_causal_mask=True, mixed_precision=True, sliding_window=1024,
+                              softcap=50.0) is None
+    # forcing the single item's whole-length section on two items is refused before any instruction
+    msg = kb.bwd_problem(*shapes(2), use_causal_mask=True, mixed_precision=True, sliding_window=1024, softcap=50.0,
+                         k_section_len=4096)
+    assert msg is not None and "SBUF bytes per partition" in msg
