@@ -93,6 +93,20 @@ def kernel_versions():
     return {f.name: hashlib.sha256(f.read_bytes()).hexdigest()[:12] for f in sorted(root.glob("attention_*.py"))}
 
 
+def kernel_package_sha(exclude=()):
+    """sha256[:12] over every source of nki_attn/kernels but ``exclude`` (file names): a kernel's figures depend on
+    the shared steps, band plans and helpers too, not only on its own file."""
+    import hashlib
+    import pathlib
+
+    import nki_attn.kernels as kpkg
+    h = hashlib.sha256()
+    for f in sorted(pathlib.Path(kpkg.__file__).parent.glob("*.py")):
+        if f.name not in exclude:
+            h.update(f.name.encode() + b"\0" + f.read_bytes())
+    return h.hexdigest()[:12]
+
+
 def _write_json(path, obj):
     if path:
         with open(path, "w") as f:
@@ -392,62 +406,81 @@ UTIL_MASKS = {
 def args_modeled_util(p):
     p.add_argument("--target", default="trn2", choices=("trn1", "trn2", "trn3"))
     p.add_argument("--only", action="append", help="run only these case names (repeatable)")
+    p.add_argument("--kernels", nargs="+", choices=("fwd", "bwd"), default=["fwd", "bwd"],
+                   help="which kernels to run (default both)")
     p.add_argument("--json", metavar="F", help="write all rows as JSON")
     p.add_argument("--plot", metavar="F", help="bar chart of TensorE utilisation per model shape (matplotlib)")
+    p.add_argument("--write", action="store_true",
+                   help="put the table and the ratios between the modeled-util markers of docs/performance.md "
+                        "(a full run only: every case, both kernels)")
+    p.add_argument("--reuse", metavar="F",
+                   help="take the rows of the kernels not in --kernels from F (an earlier --json of the same "
+                        "target), refused unless F was made from the same kernel source and model")
+
+
+def _critical_lead(p):
+    """The instruction kind holding the largest share of the schedule's critical path, and that share."""
+    path = p.critical_path_by_kind()
+    if not path or not p.time_ns:
+        return "-", 0.0
+    kind = max(path, key=path.get)
+    return kind, path[kind] / p.time_ns
 
 
 def _util_row(kernel, shape, tgt):
-    import dataclasses
-
     from nki_attn.profiler import generation, profile
     from nki_attn.profiler.cli import run_kernel, useful_flops
     from nki_attn.sim.trace import ENGINES
     b, h, hkv, s, d, causal, window, sinks = shape
     args = profile_args(kernel, b, h, hkv, s, d, causal, window, sinks, tgt)
-    gen = generation(tgt)
     with target(tgt):
         t0 = time.perf_counter()
         records, _ = run_kernel(args)
         wall = time.perf_counter() - t0
-    flops = useful_flops(args)
-    p = profile(records, gen, flops)
-    # the same trace without the per-piece DMA floor: the optimistic end for kernels issuing many small DMAs
-    p0 = profile(records, dataclasses.replace(gen, dma_min_piece_ns=0.0), flops)
+    p = profile(records, generation(tgt), useful_flops(args))
+    lead, lead_share = _critical_lead(p)
+    # the scheduled time (cost model v2's headline) leads; the perfect-overlap bound and the serial sum ride along
     return {
         "kernel": kernel, "shape": dict(batch=b, heads=h, kv_heads=hkv, seqlen=s, head_dim=d, causal=causal,
                                         window=window, sinks=sinks),
-        "time_overlap_us": p.time_overlap_ns / 1e3, "time_serial_us": p.time_serial_ns / 1e3,
-        "bottleneck": p.bottleneck,
-        "util_overlap": p.tensor_utilisation(True), "util_serial": p.tensor_utilisation(False),
-        "useful_util_overlap": p.useful_tensor_utilisation(True), "floor_ratio": p.floor_ratio(True),
-        "util_overlap_no_dma_floor": p0.useful_tensor_utilisation(True), "bottleneck_no_dma_floor": p0.bottleneck,
+        "time_us": p.time_ns / 1e3, "time_overlap_us": p.time_overlap_ns / 1e3,
+        "time_serial_us": p.time_serial_ns / 1e3,
+        "busiest": p.bottleneck, "critical_lead": lead, "critical_lead_share": lead_share,
+        "useful_util": p.useful_tensor_utilisation("scheduled"), "floor_ratio": p.floor_ratio("scheduled"),
+        "util": p.tensor_utilisation("scheduled"),
+        "useful_util_overlap": p.useful_tensor_utilisation(True), "floor_ratio_overlap": p.floor_ratio(True),
         "sbuf_port_us": p.engine_busy("VectorE/GpSimdE SBUF port") / 1e3,
-        "tensor_efficiency": p.tensor_efficiency(), "tflops_overlap": p.tflops(True),
+        "tensor_efficiency": p.tensor_efficiency(), "tflops": p.tflops("scheduled"),
         "busy_us": {e: p.engine_busy(e) / 1e3 for e in ENGINES},
         "hbm_mib": p.hbm_bytes / 2**20, "instructions": len(records), "sim_wall_s": wall,
     }
 
 
+def _util_shape(s):
+    return f"{s['heads']}/{s['kv_heads']} S={s['seqlen']} d={s['head_dim']}" + ("" if s["causal"] else " full") \
+        + (f" W={s['window']}" if s["window"] else "") + (f" sinks={s['sinks']}" if s["sinks"] else "")
+
+
 def _util_table(rows):
     from nki_attn.sim.trace import ENGINES
-    out = ["| case | kernel | ran (H/HKV, S, d) | modeled us (overlap / serial) | bottleneck | useful util | "
-           "x useful-FLOP bound | executed util overlap / serial | useful util, no DMA floor | TensorE eff. | "
-           "TFLOPS (overlap) | " + " / ".join(ENGINES) + " busy us | V/G SBUF port us | sim s |", "|" + "---|" * 14]
+    out = ["| case | kernel | ran (H/HKV, S, d) | modeled us: scheduled (perfect overlap / no overlap) | "
+           "x useful-FLOP bound, scheduled (overlap) | useful util, scheduled (overlap) | executed util, scheduled | "
+           "critical path lead (share) | busiest engine | TensorE eff. | TFLOPS, scheduled | "
+           + " / ".join(ENGINES) + " busy us | V/G SBUF port us | sim s |", "|" + "---|" * 14]
     for name, r in rows:
-        s = r["shape"]
-        shape = f"{s['heads']}/{s['kv_heads']} S={s['seqlen']} d={s['head_dim']}" + ("" if s["causal"] else " full") \
-            + (f" W={s['window']}" if s["window"] else "") + (f" sinks={s['sinks']}" if s["sinks"] else "")
         busy = " / ".join(f"{r['busy_us'][e]:.0f}" for e in ENGINES)
-        out.append(f"| {name} | {r['kernel']} | {shape} | {r['time_overlap_us']:.0f} / {r['time_serial_us']:.0f} | "
-                   f"{r['bottleneck']} | {r['useful_util_overlap']:.1%} | {r['floor_ratio']:.2f} | "
-                   f"{r['util_overlap']:.1%} / {r['util_serial']:.1%} | {r['util_overlap_no_dma_floor']:.1%} "
-                   f"({r['bottleneck_no_dma_floor']}) | {r['tensor_efficiency']:.0%} | {r['tflops_overlap']:.1f} | "
-                   f"{busy} | {r['sbuf_port_us']:.0f} | {r['sim_wall_s']:.1f} |")
+        out.append(f"| {name} | {r['kernel']} | {_util_shape(r['shape'])} | **{r['time_us']:.0f}** "
+                   f"({r['time_overlap_us']:.0f} / {r['time_serial_us']:.0f}) | **{r['floor_ratio']:.2f}** "
+                   f"({r['floor_ratio_overlap']:.2f}) | {r['useful_util']:.1%} ({r['useful_util_overlap']:.1%}) | "
+                   f"{r['util']:.1%} | {r['critical_lead']} ({r['critical_lead_share']:.0%}) | {r['busiest']} | "
+                   f"{r['tensor_efficiency']:.0%} | {r['tflops']:.1f} | {busy} | {r['sbuf_port_us']:.0f} | "
+                   f"{r['sim_wall_s']:.1f} |")
     return "\n".join(out)
 
 
 def _util_plot(rows, path, tgt):
-    """Grouped bars: modeled TensorE utilisation of useful FLOPs (perfect overlap; no overlap as a dark inner bar)."""
+    """Grouped bars: modeled TensorE utilisation of useful FLOPs on the scheduled time (cost model v2's headline),
+    with the perfect-overlap bound as a light bar behind and no overlap as a dark inner bar."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -457,22 +490,33 @@ def _util_plot(rows, path, tgt):
         return
     names = list(dict.fromkeys(n for n, _ in rows))
     by = {(n, r["kernel"]): r for n, r in rows}
-    fig, ax = plt.subplots(figsize=(8, 3.6))
+    kernels = [k for k in ("fwd", "bwd") if any((n, k) in by for n in names)]
+    fig, ax = plt.subplots(figsize=(8, 3.8))
     width = 0.38
-    for i, kernel in enumerate(("fwd", "bwd")):
-        xs = [j + (i - 0.5) * width for j in range(len(names))]
-        over = [100 * by[(n, kernel)]["useful_util_overlap"] for n in names]
-        ser = [100 * by[(n, kernel)]["useful_util_overlap"] * by[(n, kernel)]["time_overlap_us"]
-               / by[(n, kernel)]["time_serial_us"] for n in names]
-        ax.bar(xs, over, width, color=("#4c72b0", "#dd8452")[i], label=f"{kernel} (perfect overlap)")
-        ax.bar(xs, ser, width * 0.5, color="black", alpha=0.35, label="no overlap" if i else None)
-        for x, v in zip(xs, over):
+    for i, kernel in enumerate(kernels):
+        xs, sched, over, ser = [], [], [], []
+        for j, n in enumerate(names):
+            r = by.get((n, kernel))
+            if r is None:
+                continue
+            xs.append(j + (i - 0.5) * width)
+            sched.append(100 * r["useful_util"])
+            over.append(100 * r["useful_util_overlap"])
+            # utilisation scales with 1 / time: the same FLOPs over the serial sum
+            ser.append(100 * r["useful_util"] * r["time_us"] / r["time_serial_us"])
+        colour = ("#4c72b0", "#dd8452")[i]
+        ax.bar(xs, over, width, color=colour, alpha=0.3, label=f"{kernel}, perfect-overlap bound")
+        ax.bar(xs, sched, width, color=colour, label=f"{kernel}, scheduled (headline)")
+        ax.bar(xs, ser, width * 0.5, color="black", alpha=0.35, label="no overlap" if i == len(kernels) - 1 else None)
+        for x, v in zip(xs, sched):
             ax.text(x, v, f"{v:.0f}", ha="center", va="bottom", fontsize=7)
     ax.set_xticks(range(len(names)))
     ax.set_xticklabels(names, fontsize=8)
     ax.set_ylabel("TensorE utilisation, useful FLOPs (%)")
-    ax.set_title(f"Modeled TensorE utilisation on {tgt} (modeled, not measured; scaled-down head counts)", fontsize=9)
-    ax.legend(fontsize=7)
+    ax.set_ylim(0, 105)  # room for the legend above the tallest bars
+    ax.set_title(f"TensorE utilisation on {tgt}, MODELED by cost model v2 (scheduled), not measured; "
+                 "scaled-down head counts", fontsize=9)
+    ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -482,46 +526,87 @@ def _util_plot(rows, path, tgt):
 def run_modeled_util(a):
     """Modeled TensorE utilisation of both kernels at model shapes; causal and sliding-window time ratios.
 
-    Head counts are scaled down so that the run fits minutes of simulation; every row says what it ran."""
-    rows, masks = [], {}
-    for name, (model, *shape) in UTIL_SHAPES.items():
-        for kernel in ("fwd", "bwd"):
-            if a.only and name not in a.only:
-                continue
-            r = dict(_util_row(kernel, shape, a.target), model=model)
-            rows.append((name, r))
-            print(f"{name} {kernel}: useful util {r['useful_util_overlap']:.1%} ({r['sim_wall_s']:.1f} s sim)",
-                  flush=True)
-    for name, shape in UTIL_MASKS.items():
-        for kernel in ("fwd", "bwd"):
-            if a.only and name not in a.only:
-                continue
-            r = masks[(name, kernel)] = _util_row(kernel, shape, a.target)
-            rows.append((name, r))
-            print(f"{name} {kernel}: {r['time_overlap_us']:.0f} us ({r['sim_wall_s']:.1f} s sim)", flush=True)
+    Every time is cost model v2's scheduled time (the headline of ``profile()``), with the perfect-overlap bound
+    and the no-overlap sum beside it. Head counts are scaled down so that the run fits minutes of simulation;
+    every row says what it ran."""
+    from nki_attn.profiler.params import MODEL
     versions = kernel_versions()
-    print(f"\nTarget {a.target}; device times MODELED, not measured. Kernel sources (sha256[:12]): "
+    reused = {}
+    if a.reuse:
+        with open(a.reuse) as f:
+            old = json.load(f)
+        for kernel in {"fwd", "bwd"} - set(a.kernels):
+            src = f"attention_{kernel}.py"
+            other = "attention_bwd.py" if kernel == "fwd" else "attention_fwd.py"
+            # a row is only as current as the model and the kernel sources it was made with (the other kernel's
+            # file aside: it does not run)
+            if old.get("model") != MODEL or old.get("target") != a.target or \
+                    old.get("kernel_sha256_12", {}).get(src) != versions.get(src) or \
+                    old.get("kernel_package_sha256_12", {}).get(kernel) != kernel_package_sha([other]):
+                raise SystemExit(f"--reuse {a.reuse}: its {kernel} rows were made from {src} "
+                                 f"{old.get('kernel_sha256_12', {}).get(src)} and kernel package "
+                                 f"{old.get('kernel_package_sha256_12', {}).get(kernel)} ({old.get('model')}, "
+                                 f"{old.get('target')}), not the current {versions.get(src)} / "
+                                 f"{kernel_package_sha([other])}; run them again")
+            reused.update({(r["case"], kernel): {k: v for k, v in r.items() if k != "case"}
+                           for r in old["rows"] if r["kernel"] == kernel})
+    kernels = [k for k in ("fwd", "bwd") if k in a.kernels or any(kk == k for _, kk in reused)]
+    rows, masks = [], {}
+
+    def row(name, kernel, shape, model=None):
+        if (name, kernel) in reused:
+            return reused[(name, kernel)]
+        r = _util_row(kernel, shape, a.target)
+        print(f"{name} {kernel}: {r['time_us']:.0f} us scheduled, useful util {r['useful_util']:.1%} "
+              f"({r['sim_wall_s']:.1f} s sim)", flush=True)
+        return dict(r, model=model) if model else r
+    for name, (model, *shape) in UTIL_SHAPES.items():
+        for kernel in kernels:
+            if a.only and name not in a.only:
+                continue
+            rows.append((name, row(name, kernel, shape, model)))
+    for name, shape in UTIL_MASKS.items():
+        for kernel in kernels:
+            if a.only and name not in a.only:
+                continue
+            r = masks[(name, kernel)] = row(name, kernel, shape)
+            rows.append((name, r))
+    print(f"\nTarget {a.target}; device times MODELED by {MODEL}, not measured. Kernel sources (sha256[:12]): "
           + ", ".join(f"{k} {v}" for k, v in versions.items()) + "\n")
     print(_util_table(rows))
     ratios = []
-    for kernel in ("fwd", "bwd"):
-        def t(name, key="time_overlap_us"):
+    for kernel in kernels:
+        def t(name, key="time_us"):
             return masks[(name, kernel)][key] if (name, kernel) in masks else None
         if t("causal-2048") and t("full-2048"):
             ratios.append(f"{kernel}: causal / non-causal modeled time at S=2048 = "
-                          f"{t('causal-2048') / t('full-2048'):.3f} (overlap), "
-                          f"{t('causal-2048', 'time_serial_us') / t('full-2048', 'time_serial_us'):.3f} (serial); "
-                          f"ideal 0.500 (visible pairs {(2048 * 2049 // 2) / 2048 ** 2:.3f})")
+                          f"{t('causal-2048') / t('full-2048'):.3f} (scheduled), "
+                          f"{t('causal-2048', 'time_overlap_us') / t('full-2048', 'time_overlap_us'):.3f} "
+                          f"(perfect overlap); ideal 0.500 (visible pairs {(2048 * 2049 // 2) / 2048 ** 2:.3f})")
         if t("win512-4096") and t("win512-8192"):
             ratios.append(f"{kernel}: window 512, S=8192 / S=4096 modeled time = "
-                          f"{t('win512-8192') / t('win512-4096'):.3f} (overlap), "
-                          f"{t('win512-8192', 'time_serial_us') / t('win512-4096', 'time_serial_us'):.3f} "
-                          f"(serial); ideal ~2 (linear in S)")
+                          f"{t('win512-8192') / t('win512-4096'):.3f} (scheduled), "
+                          f"{t('win512-8192', 'time_overlap_us') / t('win512-4096', 'time_overlap_us'):.3f} "
+                          f"(perfect overlap); ideal ~2 (linear in S)")
     if ratios:
         print("\n" + "\n".join(ratios))
+    if a.write:
+        if a.only or set(kernels) != {"fwd", "bwd"}:
+            print("--write: only a full run (no --only, both kernels) rewrites the docs' table; not written")
+        else:
+            from nki_attn.harness.report import replace_marked_section
+            text = (f"Target {a.target}, MODELED by cost model v2 (scheduled), not measured; kernels "
+                    + ", ".join(f"`{k}` `{v}`" for k, v in versions.items()) + ".\n\n" + _util_table(rows)
+                    + "\n\nCausal and window scaling (same run, one d128 head):\n\n"
+                    + "\n".join(f"- {r}" for r in ratios))
+            name = "modeled-util" if a.target == "trn2" else f"modeled-util-{a.target}"
+            replace_marked_section(os.path.join(ROOT, "docs", "performance.md"), name, text)
+            print(f"wrote the {name} section of docs/performance.md")
     if a.plot:
         _util_plot([(n, r) for n, r in rows if n in UTIL_SHAPES], a.plot, a.target)
-    _write_json(a.json, {"target": a.target, "modeled": True, "kernel_sha256_12": versions,
+    _write_json(a.json, {"target": a.target, "modeled": True, "model": MODEL, "kernel_sha256_12": versions,
+                         "kernel_package_sha256_12": {"fwd": kernel_package_sha(["attention_bwd.py"]),
+                                                      "bwd": kernel_package_sha(["attention_fwd.py"])},
                          "rows": [dict(r, case=n) for n, r in rows], "ratios": ratios})
     return 0
 

@@ -9,6 +9,7 @@
     python scripts/figures.py accuracy-steps [--write]          where the backward's bf16 error comes from
     python scripts/figures.py readme measure|write|check     README.md's generated times and preset rows
     python scripts/figures.py masks [--seqlen 2048] [--out F.png]   the prebuilt masks as pictures of their blocks
+    python scripts/figures.py variants [--kernels fwd bwd] [--write]   modeled cost of each attention variant
 
 Instruction counts come from the simulator's trace (nki_attn.sim.trace.recording(): one record per executed
 instruction). Device times are MODELED by nki_attn.profiler (cost model over the simulator's instruction trace),
@@ -427,6 +428,160 @@ def _modeled_hook(target):
     return hook
 
 
+# ----------------------------------------------------------------------------------------------------- variants
+# The attention-variant cost tables of docs/performance.md: (label, extra `nki-attn profile` arguments, causal).
+# Every row adds its arguments to VARIANT_BASE; causal rows are compared with the causal default, non-causal
+# rows with the non-causal default (and that default with the causal one).
+VARIANT_BASE = ["--heads", "4", "--kv-heads", "1", "--seqlen", "2048", "--head-dim", "128", "--mixed-precision",
+                "true"]
+VARIANT_ROWS = {
+    "fwd": [
+        ("default (causal)", [], True),
+        ("softcap 50", ["--features", "softcap=50"], True),
+        ("ALiBi, causal", ["--features", "alibi"], True),
+        ("softcap 50 + ALiBi", ["--features", "softcap=50", "alibi"], True),
+        ("window_size (1023, 0) = sliding_window 1024", ["--features", "window_size=1023,0"], True),
+        ("sliding_window 1024 (legacy)", ["--window", "1024"], True),
+        ("window_size (255, 0) = sliding_window 256", ["--features", "window_size=255,0"], True),
+        ("causal, seqlen_k = seqlen_q / 2 (bottom-right)", ["--features", "seqlen_k=1024"], True),
+        ("causal, seqlen_q 1024 < seqlen_k 2048", ["--features", "seqlen_q=1024"], True),
+        ("d_qk 192 / d_v 128", ["--features", "d_qk=192"], True),
+        ("d 199 (128 + 71)", ["--features", "d_qk=199", "d_v=199"], True),
+        ("d 256 (reference for d 199)", ["--head-dim", "256"], True),
+        ("dropout 0.1", ["--features", "dropout=0.1"], True),
+        ("attn_bias [1, 4, 2048, 2048] bf16", ["--features", "bias"], True),
+        ("default (non-causal)", [], False),
+        ("ALiBi (non-causal)", ["--features", "alibi"], False),
+        ("window_size (256, 256) (non-causal)", ["--features", "window_size=256,256"], False),
+        ("window_size (64, 64) (non-causal)", ["--features", "window_size=64,64"], False),
+    ],
+    "bwd": [
+        ("default (causal)", [], True),
+        ("softcap 50", ["--features", "softcap=50"], True),
+        ("ALiBi, causal", ["--features", "alibi"], True),
+        ("window_size (1023, 0), causal", ["--features", "window_size=1023,0"], True),
+        ("window_size (255, 0) = sliding_window 256", ["--features", "window_size=255,0"], True),
+        ("causal, seqlen_q 1024 < seqlen_k 2048", ["--features", "seqlen_q=1024"], True),
+        ("dropout 0.1", ["--features", "dropout=0.1"], True),
+        ("d_qk 192 / d_v 128 (MLA)", ["--features", "d_qk=192"], True),
+        ("d 199 (128 + 71)", ["--features", "d_qk=199", "d_v=199"], True),
+        ("Gemma-2-like: softcap 50 + sliding window 1024", ["--features", "softcap=50", "--window", "1024"], True),
+        ("attn_bias [1, 4, 2048, 2048] bf16, no gradient", ["--features", "bias", "--set", "bias_grad=False"], True),
+        ("attn_bias [1, 4, 2048, 2048] bf16 with its gradient", ["--features", "bias"], True),
+        ("default (non-causal)", [], False),
+        ("ALiBi (non-causal)", ["--features", "alibi"], False),
+        ("window_size (256, 256) (non-causal)", ["--features", "window_size=256,256"], False),
+        ("window_size (64, 64) (non-causal)", ["--features", "window_size=64,64"], False),
+    ],
+}
+
+
+def variant_argv(kernel, extra, causal):
+    """The ``nki-attn profile`` arguments of one variant row."""
+    return ["profile", "--kernel", kernel] + VARIANT_BASE + (["--causal"] if causal else []) + list(extra)
+
+
+def _variant_profile(argv):
+    """Parse ``argv`` as ``nki-attn profile`` does and model the run: the ``Profile`` (cost model v2)."""
+    from nki_attn.cli import build_parser
+    from nki_attn.profiler import generation, profile
+    from nki_attn.profiler.cli import run_kernel, useful_flops, validate
+    args = build_parser().parse_args(argv)
+    if args.kv_heads is None:
+        args.kv_heads = args.heads
+    if args.window:
+        args.causal = True
+    validate(args, args._parser)
+    prev = os.environ.get("NEURON_PLATFORM_TARGET_OVERRIDE")
+    os.environ["NEURON_PLATFORM_TARGET_OVERRIDE"] = args.target
+    try:
+        t0 = time.perf_counter()
+        records, _ = run_kernel(args)
+        wall = time.perf_counter() - t0
+    finally:
+        if prev is None:
+            os.environ.pop("NEURON_PLATFORM_TARGET_OVERRIDE", None)
+        else:
+            os.environ["NEURON_PLATFORM_TARGET_OVERRIDE"] = prev
+    return profile(records, generation(args.target), useful_flops(args), n_cores=args.lnc), len(records), wall
+
+
+def variant_rows(kernel, only=None):
+    """Model every row of ``VARIANT_ROWS[kernel]`` (``only``: labels to keep, the defaults always run); one dict per
+    row with the scheduled time (the headline), the perfect-overlap bound and the ratios to its default."""
+    from nki_attn.sim.trace import ENGINES
+    rows = []
+    for label, extra, causal in VARIANT_ROWS[kernel]:
+        is_default = not extra
+        if only and label not in only and not is_default:
+            continue
+        argv = variant_argv(kernel, extra, causal)
+        p, n, wall = _variant_profile(argv)
+        path = p.critical_path_by_kind()
+        lead = max(path, key=path.get) if path else "-"
+        rows.append({"label": label, "kernel": kernel, "causal": causal, "default": is_default,
+                     "command": "nki-attn " + " ".join(shlex.quote(x) for x in argv),
+                     "time_us": p.time_ns / 1e3, "overlap_us": p.time_overlap_ns / 1e3,
+                     "useful_flops": p.useful_flops, "busiest": p.bottleneck, "critical_lead": lead,
+                     "critical_lead_share": path[lead] / p.time_ns if path and p.time_ns else 0.0,
+                     "busy_us": {e: p.engine_busy(e) / 1e3 for e in ENGINES}, "instructions": n, "sim_wall_s": wall})
+        print(f"{kernel} {label}: {rows[-1]['time_us']:.1f} us scheduled, {rows[-1]['overlap_us']:.1f} us perfect "
+              f"overlap ({wall:.1f} s sim)", file=sys.stderr, flush=True)
+    base = {r["causal"]: r for r in rows if r["default"]}
+    for r in rows:
+        # the non-causal default is set against the causal one; every other row against its own default
+        b = base[True] if r["default"] else base[r["causal"]]
+        r["rel"] = r["time_us"] / b["time_us"]
+        r["rel_overlap"] = r["overlap_us"] / b["overlap_us"]
+        r["rel_per_flop"] = (r["time_us"] / r["useful_flops"]) / (b["time_us"] / b["useful_flops"])
+    return rows
+
+
+def variant_table(rows):
+    """Markdown table of ``variant_rows``."""
+    from nki_attn.sim.trace import ENGINES
+    out = ["| variant | scheduled us | rel | rel/flop | perfect overlap us (rel) | critical path lead (share) | "
+           "busiest engine | " + " | ".join(ENGINES) + " | instructions | `nki-attn profile` arguments |",
+           "|---|---:|---:|---:|---:|---|---|" + "---:|" * len(ENGINES) + "---:|---|"]
+    for r in rows:
+        rel = f"{r['rel']:.2f}" + (" vs causal" if r["default"] and not r["causal"] else "")
+        flop = "-" if r["default"] else f"{r['rel_per_flop']:.2f}"
+        args = r["command"].split(" --mixed-precision true", 1)[1].strip() or "(the default)"
+        out.append(f"| {r['label']} | **{r['time_us']:.1f}** | **{rel}** | {flop} | {r['overlap_us']:.1f} "
+                   f"({r['rel_overlap']:.2f}) | {r['critical_lead']} ({r['critical_lead_share']:.0%}) | "
+                   f"{r['busiest']} | " + " | ".join(f"{r['busy_us'][e]:.1f}" for e in ENGINES)
+                   + f" | {r['instructions']} | `{args}` |")
+    return "\n".join(out)
+
+
+def cmd_variants(a):
+    """Modeled cost of each attention variant against the default path (docs/performance.md), cost model v2.
+
+    One `nki-attn profile` run per row (the row's arguments after the shared ones: batch 1, 4 query heads / 1 kv
+    head, S 2048, d 128, bf16, mixed precision, trn2); the headline is the scheduled time, the perfect-overlap
+    bound is kept beside it. --write puts each kernel's table between the variant-costs-fwd / variant-costs-bwd
+    markers of docs/performance.md."""
+    from nki_attn.profiler.params import MODEL
+    from bench import kernel_versions  # scripts/ is on the path when a script of it runs
+    versions = kernel_versions()
+    out = {"model": MODEL, "modeled": True, "kernel_sha256_12": versions, "kernels": {}}
+    for kernel in a.kernels:
+        rows = variant_rows(kernel, a.only)
+        out["kernels"][kernel] = rows
+        name = {"fwd": "attention_fwd.py", "bwd": "attention_bwd.py"}[kernel]
+        text = (f"**{'Forward' if kernel == 'fwd' else 'Backward'}** (`--kernel {kernel}`; MODELED by cost model v2, "
+                f"scheduled, trn2; `{name}` `{versions.get(name, '?')}`; `python scripts/figures.py variants "
+                f"--kernels {kernel} --write`):\n\n" + variant_table(rows))
+        print(text + "\n")
+        if a.write and not a.only:
+            _write("performance.md", f"variant-costs-{kernel}", text)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(out, f, indent=1)
+        print(f"wrote {a.json}", file=sys.stderr)
+    return 0
+
+
 # ----------------------------------------------------------------------------------------------------- steps
 def _steps_rank(rank, world_size, a):
     from nki_attn.distributed import record_steps, ring_flash_attn_func, zigzag_ring_flash_attn_func
@@ -473,6 +628,8 @@ def cmd_steps(a):
     title = (f"{a.layout} ring, {a.world_size} ranks x {a.seqlen_local} tokens, batch {a.batch}, heads {a.heads}/"
              f"{a.kv_heads}, d {a.head_dim} {a.dtype}, causal={a.causal}, window={a.window}; modeled on "
              f"{a.target} (cost model v2, scheduled), NOT measured")
+    from bench import kernel_versions
+    title += "; kernels " + ", ".join(f"{k} {v}" for k, v in kernel_versions().items())
     print(title)
     print(f"{'phase':<6}{'step':>5}{'MiB sent/rank':>15}{'calls/rank':>16}{'modeled us max':>16}"
           f"{'modeled us min':>16}{'sim wall s':>12}{'wait s':>9}")
@@ -533,10 +690,12 @@ def cmd_threshold(a):
     d, dt = a.head_dim, DTYPES[a.dtype]
     item = torch.empty(0, dtype=dt).element_size()
     args = {k: v for k, v in vars(a).items() if k not in ("run", "command", "ring_command")}
-    out = {"args": args, "scenarios": SCENARIOS, "configs": []}
+    from bench import kernel_versions
+    versions = kernel_versions()
+    out = {"args": args, "scenarios": SCENARIOS, "configs": [], "kernel_sha256_12": versions}
     print(f"Kernel times MODELED on {a.target} (nki_attn.profiler, cost model v2: scheduled time), one NeuronCore per "
           f"rank; d {d} {a.dtype}; per step the ring computes a full s x s block, zigzag an s/2 x s or s x s/2 "
-          f"block")
+          f"block; kernels " + ", ".join(f"{k} {v}" for k, v in versions.items()))
     for kv in a.kv_heads:
         group = a.heads // kv
         pts = []
@@ -1658,6 +1817,13 @@ def main(argv=None):
     p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16", "float16"],
                    choices=["float32", "bfloat16", "float16"])
     p.add_argument("--seeds", type=int, default=3)
+
+    p = add(sub, "variants", cmd_variants)
+    p.add_argument("--kernels", nargs="+", choices=("fwd", "bwd"), default=["fwd", "bwd"])
+    p.add_argument("--only", action="append", metavar="LABEL",
+                   help="run only this row (repeatable; the defaults always run); --write is then ignored")
+    p.add_argument("--json", metavar="F", help="write every row as JSON")
+    p.add_argument("--write", action="store_true", help="write the tables into docs/performance.md")
 
     ring = sub.add_parser("ring", help="ring attention (docs/distributed.md): steps, threshold, balance, tolerances")
     rsub = ring.add_subparsers(dest="ring_command", required=True, metavar="RING_COMMAND")

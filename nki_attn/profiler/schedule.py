@@ -220,8 +220,11 @@ class Schedule:
             gap = ev.start - t
             if gap > 1e-9:
                 out[ev.wait or "idle"] += gap
-            out[f"{ev.engine} {ev.rec.instr}"] += ev.end - ev.start
-            t = ev.end
+            # A DMA's pieces run on several queues and its pred is the first piece's, so its first piece may start
+            # before the pred ends: only the part after the time already accounted for is on the path.
+            if ev.end > max(ev.start, t):
+                out[f"{ev.engine} {ev.rec.instr}"] += ev.end - max(ev.start, t)
+            t = max(t, ev.end)
         tail = self.time_ns - t
         if tail > 1e-9:
             out[ACCESS] += tail

@@ -36,7 +36,7 @@ def compare():
     ("bench", ["compile", "frontend-overhead", "sim-overhead", "modeled-util", "dropout-cost", "dropout-stats",
                "blas-orders", "planted-bugs", "sim-speed", "block-mask-cost"]),
     ("figures", ["fwd", "bwd", "bwd-tolerances", "ring", "validation-note", "readme", "accuracy",
-                 "accuracy-steps", "masks"]),
+                 "accuracy-steps", "masks", "variants"]),
     ("compare", ["flash-attention"]),
 ])
 def test_every_subcommand_is_listed_and_parses(script, commands, capsys):
@@ -122,3 +122,57 @@ def test_reports_live_in_reports(tmp_path):
     for name in ("full", "models", "nki_library", "nki_library_cte"):
         assert (ROOT / "reports" / f"harness_report_{name}.json").is_file()
     assert "reports/harness_report_full.json" in (ROOT / "docs" / "validation.md").read_text()
+
+
+def test_modeled_figures_lead_with_the_scheduled_time(monkeypatch, tmp_path, capsys):
+    """modeled-util and variants report cost model v2's scheduled time first and keep the perfect-overlap bound
+    beside it; the schedule never beats that bound, and a variant's ratio is against its own default. A small
+    shape (256 tokens, d 64) keeps the runs to seconds; the figures of the docs come from the full commands."""
+    bench = _load("bench")
+    r = bench._util_row("fwd", (1, 1, 1, 256, 64, True, None, 0), "trn2")
+    assert r["time_us"] >= r["time_overlap_us"] > 0 and r["time_serial_us"] >= r["time_overlap_us"]
+    # utilisation and the bound multiple are taken on the scheduled time, not on the bound
+    assert r["floor_ratio"] == pytest.approx(r["floor_ratio_overlap"] * r["time_us"] / r["time_overlap_us"])
+    assert r["useful_util"] == pytest.approx(1 / r["floor_ratio"])
+    line = bench._util_table([("tiny", r)]).splitlines()[-1]
+    assert f"**{r['time_us']:.0f}** ({r['time_overlap_us']:.0f} / {r['time_serial_us']:.0f})" in line
+
+    # --reuse takes earlier rows only when they were made from the same kernel source and model
+    import argparse
+    import json
+    from nki_attn.profiler.params import MODEL
+    path = tmp_path / "util.json"
+    rows = [dict(r, case="causal-2048", kernel=k) for k in ("fwd", "bwd")]
+    run = argparse.Namespace(target="trn2", only=["causal-2048"], kernels=[], json=None, plot=None, write=False,
+                             reuse=str(path))
+    package = {"fwd": bench.kernel_package_sha(["attention_bwd.py"]),
+               "bwd": bench.kernel_package_sha(["attention_fwd.py"])}
+    for sha, model, pkg in ((bench.kernel_versions(), MODEL, package),
+                            ({"attention_fwd.py": "0" * 12}, MODEL, package),
+                            (bench.kernel_versions(), "cost model v1", package),
+                            (bench.kernel_versions(), MODEL, dict(package, bwd="0" * 12))):
+        path.write_text(json.dumps({"target": "trn2", "model": model, "kernel_sha256_12": sha,
+                                    "kernel_package_sha256_12": pkg, "rows": rows}))
+        if model == MODEL and sha == bench.kernel_versions() and pkg == package:
+            assert bench.run_modeled_util(run) == 0
+            assert capsys.readouterr().out.count(f"| causal-2048 | ") == 2
+        else:
+            with pytest.raises(SystemExit, match="run them again"):
+                bench.run_modeled_util(run)
+
+    figures = _load("figures")
+    monkeypatch.setattr(figures, "VARIANT_BASE", ["--heads", "2", "--kv-heads", "1", "--seqlen", "256",
+                                                  "--head-dim", "64", "--mixed-precision", "true"])
+    monkeypatch.setitem(figures.VARIANT_ROWS, "fwd", [("default (causal)", [], True),
+                                                      ("softcap 50", ["--features", "softcap=50"], True),
+                                                      ("default (non-causal)", [], False)])
+    rows = figures.variant_rows("fwd")
+    causal, softcap, full = rows
+    assert all(x["time_us"] >= x["overlap_us"] > 0 for x in rows)
+    assert causal["rel"] == 1.0 and softcap["rel"] == pytest.approx(softcap["time_us"] / causal["time_us"])
+    assert full["rel"] == pytest.approx(full["time_us"] / causal["time_us"])
+    # soft-capping adds a tanh per score tile: more instructions than the default path, the same useful FLOPs
+    assert softcap["instructions"] > causal["instructions"]
+    assert softcap["rel_per_flop"] == pytest.approx(softcap["rel"])
+    table = figures.variant_table(rows)
+    assert f"| softcap 50 | **{softcap['time_us']:.1f}** |" in table and "`--causal --features softcap=50`" in table

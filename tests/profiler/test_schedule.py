@@ -166,3 +166,26 @@ def test_scheduled_time_never_below_perfect_overlap_on_a_kernel():
     for gen in (TRN2, replace(TRN2, sem_wait_ns=1300.0, access_overhead_cycles=0, dma_min_piece_ns=0.0)):
         p = profile(rec.records, gen)
         assert p.time_ns >= p.time_overlap_ns > 0
+
+
+def test_the_critical_path_sums_to_the_scheduled_time_when_dma_pieces_start_apart():
+    """A DMA's pieces run on several queues, each when its queue is free. X holds queues 8-15 (partitions
+    64-127) with a long transfer; A (all 16 queues) starts on queues 0-7 at once and on 8-15 after X; B (all 16)
+    follows A's short queue-0 piece, long before A's last piece ends. The critical path runs X -> A -> B with B
+    starting inside A: the breakdown by kind must still add up to the scheduled time, not count the overlap
+    twice."""
+    big = tile((128, 8192), nl.bfloat16, nl.hbm)
+    x_dst = nl.ndarray((128, 8192), nl.bfloat16, buffer=nl.sbuf)
+    src = tile((128, 512), nl.bfloat16, nl.hbm)
+    a_dst, b_dst = (nl.ndarray((128, 512), nl.bfloat16, buffer=nl.sbuf) for _ in range(2))
+
+    def kernel():
+        nisa.dma_copy(dst=x_dst[64:128, :], src=big[64:128, :])
+        nisa.dma_copy(dst=a_dst, src=src)
+        nisa.dma_copy(dst=b_dst, src=src)
+    p = profile(records(kernel), TRN2)
+    path = p.critical_path_by_kind()
+    assert all(v >= 0 for v in path.values())
+    assert sum(path.values()) == pytest.approx(p.time_ns)
+    # the three transfers' queue time on the path is at most their busiest queue's total
+    assert path["DMA dma_copy"] <= p.engine_busy("DMA") + 1e-6
