@@ -177,7 +177,8 @@ MUTATIONS = [
     M("b_row_d_from_o", BWD, "    return c.tiles[s][i][0].k1 - c.tiles[s][i][0].k0 == PMAX\n", "    return False\n",
       "D of the rows whose keys fit one 128-key chunk taken from the bf16 O (rowsum(O*dO)) instead of summed from "
       "the visit's P and dP", ["tests/kernels/test_bwd_exact_d.py"]),
-    M("b_evict_unwritten_chunks", BWD, "        while e < n and kt.wrote[e]:\n", "        while e < n:\n",
+    M("b_evict_unwritten_chunks", BWD, "    for wr in _runs(kt.wrote, 0, len(kt.wrote)):\n",
+      "    for wr in [(0, len(kt.wrote))]:\n",
       "stale PSUM: a group's dV/dK eviction covers chunks of the key tile's span that no member's matmul wrote "
       "(a block mask leaves such chunks between two members' runs)",
       ["tests/masks/test_flex.py::test_fwd_bwd_mixed_chunk_classes_inside_key_tiles"]),

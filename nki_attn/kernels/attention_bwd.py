@@ -235,17 +235,12 @@ def _block_runs(row, t0, t1):
     per run of non-SKIP chunks: the chunks between two runs are hidden from every row of the tile, so no
     visit computes them (a 512-key tile trimmed only at its ends computes 0.59 of the chunks of a random
     half-dense row instead of 0.5). Each run is FULL when all its chunks are, else PARTIAL."""
+    seen = []
+    for c in range(t1 // PMAX):
+        seen.append(row[c] != BLOCK_SKIP)
     out = []
-    c = t0 // PMAX
-    while c < t1 // PMAX:
-        e = c
-        while e < t1 // PMAX and row[e] != BLOCK_SKIP:
-            e += 1
-        if e > c:
-            out.append(block_key_tile(row, c * PMAX, e * PMAX))
-            c = e
-        else:
-            c += 1
+    for run in _runs(seen, t0 // PMAX, t1 // PMAX):
+        out.append(block_key_tile(row, run[0] * PMAX, run[1] * PMAX))
     return out
 
 
@@ -306,6 +301,22 @@ class BwdBlock(nl.NKIObject):
         self.first = first
         self.last = last
         self.groups = groups
+
+
+def _runs(flags, a, b, value=True):
+    """Maximal runs ``[(j, e)]`` of consecutive indices in ``[a, b)`` whose ``flags`` entry equals ``value``."""
+    runs = []
+    j = a
+    while j < b:
+        e = j
+        while e < b and flags[e] == value:
+            e += 1
+        if e > j:
+            runs.append((j, e))
+            j = e
+        else:
+            j += 1
+    return runs
 
 
 def _segments(covered, a, b):
@@ -1326,20 +1337,11 @@ def _evict_dv_dk(c, kt, sec, dv_ps, dk_ps):
     accumulators are never zeroed, and the result is bit-identical to adding into zeros."""
     a0 = kt.u0 - sec.k_lo
     runs = []
-    j = 0
-    n = len(kt.wrote)
-    while j < n:
-        e = j
-        while e < n and kt.wrote[e]:
-            e += 1
-        if e > j:
-            # only the chunks some matmul of the group wrote: a chunk between two members' runs stays unwritten
-            # in the section (zeroed at its end unless another key tile's group writes it)
-            for run in _segments(sec.written, a0 // PMAX + j, a0 // PMAX + e):
-                runs.append(run)
-            j = e
-        else:
-            j += 1
+    # only the chunks some matmul of the group wrote: a chunk between two members' runs stays unwritten in the
+    # section (zeroed at its end unless another key tile's group writes it)
+    for wr in _runs(kt.wrote, 0, len(kt.wrote)):
+        for run in _segments(sec.written, a0 // PMAX + wr[0], a0 // PMAX + wr[1]):
+            runs.append(run)
     for run in runs:
         x, y, acc = run
         src = slice(x - a0, y - a0)
@@ -1608,20 +1610,12 @@ def _section_end(c, hbm, item, sec):
     """Write dK, dV of a section (cast on the DMA), zeroing first the key chunks no visit reached."""
     b = item.b
     hk = item.kvh
-    j = 0
-    n = len(sec.written)
-    while j < n:
-        e = j
-        while e < n and not sec.written[e]:
-            e += 1
-        if e > j:
-            for t in sec.dk_acc:
-                nisa.memset(dst=t[:, j * PMAX:e * PMAX], value=0.0, engine=nisa.engine.gpsimd)
-            for t in sec.dv_acc:
-                nisa.memset(dst=t[:, j * PMAX:e * PMAX], value=0.0, engine=nisa.engine.gpsimd)
-            j = e
-        else:
-            j += 1
+    for run in _runs(sec.written, 0, len(sec.written), False):
+        j, e = run
+        for t in sec.dk_acc:
+            nisa.memset(dst=t[:, j * PMAX:e * PMAX], value=0.0, engine=nisa.engine.gpsimd)
+        for t in sec.dv_acc:
+            nisa.memset(dst=t[:, j * PMAX:e * PMAX], value=0.0, engine=nisa.engine.gpsimd)
     for dt in range(len(c.qk_rows)):
         r0, rn = c.qk_rows[dt]
         nisa.dma_copy(dst=hbm.dk[b, hk, r0:r0 + rn, sec.k_lo:sec.k_lo + sec.k_len], src=sec.dk_acc[dt])
