@@ -50,11 +50,11 @@ def variant_problem(q, k, v, o=None, dy=None, lse=None, sinks=None, bound_min=No
     """The first problem of these arguments under the rules of docs/semantics.md with every variant allowed
     (``validation.attention_problem`` with all ``FEATURES``), or None. Tensors are any host arrays (torch,
     numpy); layouts as in ``validation.attention_problem``."""
+    mods = {"softcap": softcap, "alibi_slopes": _host(alibi_slopes), "logit_scale": _host(logit_scale)}
     return _validation.attention_problem(
         _host(q), _host(k), _host(v), _host(o), _host(dy), _host(lse), _host(sinks), _host(bound_min),
-        _host(bound_max), use_causal_mask, softmax_scale, sliding_window, softcap, _host(alibi_slopes),
-        window_size, dropout_p, _host(dropout_seed), supports=_validation.FEATURES,
-        logit_scale=_host(logit_scale))
+        _host(bound_max), use_causal_mask, softmax_scale, sliding_window, window_size, dropout_p,
+        _host(dropout_seed), mods=mods)
 
 
 class CheckedKernel:
@@ -66,7 +66,10 @@ class CheckedKernel:
         self.problem = problem
         self.lnc = lnc
         self.signature = inspect.signature(getattr(kernel, "fn", kernel))
-        self.problem_params = inspect.signature(problem).parameters
+        params = inspect.signature(problem).parameters
+        self.problem_params = params
+        # a problem function taking ``**mods`` (the score modifications' keywords) gets every argument
+        self.problem_takes_all = any(p.kind == p.VAR_KEYWORD for p in params.values())
 
     def __getitem__(self, lnc):
         return CheckedKernel(self.kernel, self.problem, lnc)
@@ -82,7 +85,7 @@ class CheckedKernel:
         bound.apply_defaults()
         given = {}
         for name, value in bound.arguments.items():
-            if name in self.problem_params:
+            if name in self.problem_params or self.problem_takes_all:
                 given[name] = _host(value)
         return self.problem(**given)
 
