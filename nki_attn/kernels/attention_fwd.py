@@ -111,7 +111,7 @@ class _FwdConfig(nl.NKIObject):
         self.group = shp.group
         # the scale convention (``steps``): the stored scores are the unscaled float32 S = Q^T K; softmax_scale
         # reaches them only as a float32 factor of the exponent (or of the tanh with soft-capping)
-        # soft-capping c > 0: the stored scores are t = tanh(scale * S / c) (``steps.softcap_scores``) and the
+        # soft-capping c > 0: the stored scores are t = tanh(scale * S / c) (``score_mods.softcap_scores``) and the
         # exponent applies c, so exp(c t + bias) is still the ONE exponent of the softmax
         self.softcap = shp.softcap
         self.cap_scale = shp.scale / shp.softcap if shp.softcap > 0 else 1.0
@@ -1436,7 +1436,7 @@ def attention_fwd(q_ref, k_ref, v_ref, sinks_ref=None, bound_min=None, bound_max
             result does not change.
         attn_bias: optional float32 / bfloat16 / float16 ``[bb, hb, sqb, skb]``, each dim 1 (broadcast) or the
             call's ``[bs, nheads, seqlen_q, seqlen_k]``: added to the scaled (and capped) scores, after ALiBi
-            (``steps.bias_scores``; rows are query positions, columns keys, in the kernel's padded lengths).
+            (``score_mods.bias_scores``; rows are query positions, columns keys, in the kernel's padded lengths).
         block_mask, block_bits: a block mask (docs/masks.md): trace-time ``(n_b, n_h, rows)`` (n_b 1 or bs, n_h
             1 or nheads; ``rows[t][c]`` the class ``band.BLOCK_*`` of query tile t and 128-key chunk c over all
             (batch, head) pairs) and the uint8 HBM bitmap store of its PARTIAL key tiles (``band`` "Block

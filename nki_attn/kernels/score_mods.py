@@ -537,7 +537,7 @@ def _bias_alibi(c, tile, item, s):
 
 def _grad_softcap(c, tile, item, p):
     """Soft-capping's chain rule: dS = (dP - D) * P * (1 - tanh^2(S / cap)), so the dS step gets
-    P * (1 - t^2) (fp32; t saved by ``steps.softcap_scores``): t^2 on GpSimdE, (1 - t^2) * P on VectorE. P
+    P * (1 - t^2) (fp32; t saved by ``softcap_scores``): t^2 on GpSimdE, (1 - t^2) * P on VectorE. P
     itself still feeds the dV matmul."""
     t = tile.saved["tanh"]
     u = nl.ndarray((PMAX, tile.kw), dtype=nl.float32, buffer=nl.sbuf)
@@ -560,7 +560,7 @@ def _alibi_coefs_bwd(c, sl):
 
 
 def _logit_scale_keep_s(c, tile, item, s):
-    """The logit scale's score step (``steps.logit_scale_scores``), keeping the unscaled S (PSUM) for the
+    """The logit scale's score step (``logit_scale_scores``), keeping the unscaled S (PSUM) for the
     gradient: ``tile.saved["s_raw"]`` (the visit's S bank stays live until its dS, as ``psum_banks`` counts;
     the forward, which holds many tiles' scores at once, keeps none)."""
     tile.saved["s_raw"] = s
@@ -568,7 +568,7 @@ def _logit_scale_keep_s(c, tile, item, s):
 
 
 def _ds_logit_scale(c, tile, item, ds):
-    """The logit scale's dS step: with z = lam S the exp's input (``steps.logit_scale_scores``; lam = scale[h]),
+    """The logit scale's dS step: with z = lam S the exp's input (``logit_scale_scores``; lam = scale[h]),
     the float32 dS of z gives its gradient, d lam = softmax_scale * sum dS * S (``_logit_scale_keep_s`` kept S),
     and the dS operand of dK and dQ,
     lam dS (rounded ONCE to the matmul dtype: dS reaches this step in float32, ``c.ds_dtype``). Per visit: dS * S

@@ -11,8 +11,8 @@ position and band classification, fixed at trace time), ``item`` the ``Item`` of
 kernel picks its steps ONCE per launch from its config into a ``Steps`` object; the drivers run the lists in
 order and never test a variant. The stages, in the order a tile goes through them:
 
-    score         S -> S           before the exponent: the logit scale (``logit_scale_scores``), soft-capping
-                                   (``softcap_scores``), ALiBi, the additive bias (``bias_scores``)
+    score         S -> S           before the exponent: the score modifications (``score_mods.SCORE_MODS``: the
+                                   logit scale, soft-capping, ALiBi, the additive bias), in rank order
     mask_full     S -> S           masking of a FULL tile (forward: the eviction with the row max; backward: none)
     mask_partial  S -> S           masking of a PARTIAL tile (packing bounds; forward: also the band and the
                                    block mask's bitmap, ``block_mask_scores``)
@@ -24,12 +24,15 @@ order and never test a variant. The stages, in the order a tile goes through the
                                    gradient it also writes dS of the logits to HBM)
     ds_post       dS -> dS         backward: the dS operand of dK / dQ (the logit scale's ``dS * scale[h]``)
 
-and the backward's ``item`` steps ``f(cfg, item)``, once per work item (the bias gradient's zero fill).
+and the hooks ``f(cfg, hbm, item)`` once per launch or work item (``Steps``: ``launch``, ``item_open``,
+``item_start``, ``item_end``).
 
 A step that needs what an earlier one made for the same tile reads it from ``tile.saved`` (a dict: soft-capping's
-tanh for its gradient, dropout's keep multiplier for dS). The per-head logit scale is the worked example: one
-score step ``S -> S * scale[h]`` (``logit_scale_scores``, the same function in both kernels) reading a column of
-``item``, and in the backward one ``ds_post`` step for its gradient and the scale of dS (``attention_bwd``).
+tanh for its gradient, dropout's keep multiplier for dS, P as the exponent left it). Each score modification is
+declared ONCE, as a row of ``score_mods.SCORE_MODS`` naming its steps in both kernels by the stages above, its
+argument check, its backward SBUF bytes and its gradient output; the per-head logit scale is the worked example
+(one score step ``S -> S * scale[h]``, ``score_mods.logit_scale_scores``, the same function in both kernels,
+and in the backward one ``ds_post`` step for its gradient and the scale of dS).
 
 **The scale convention** (both kernels, no switch): ``softmax_scale`` is applied in float32, never to an
 input-dtype operand. The score matmul gives the unscaled S = Q^T K in float32 PSUM; the forward takes its row max
