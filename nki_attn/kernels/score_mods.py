@@ -269,7 +269,7 @@ def _bias_item(cfg, hbm, item):
     item.dbias = hbm.grads.get("bias", None)
 
 
-# ----------------------------------------------------------------------------------------------- the per-head logit scale
+# ------------------------------------------------------------------------------------ the per-head logit scale
 def _logit_scale_rule(mods, bs, nheads, seqlen_q, seqlen_k):
     """The per-head logit scale: None or a float32 tensor ``[bs, nheads]`` (its values are the host's to check,
     docs/semantics.md "Per-head logit scale")."""
@@ -338,21 +338,22 @@ def softcap_scores(cfg, tile, item, s):
 
 def logit_scale_scores(cfg, tile, item, s):
     """Score step, the per-head logit scale: ``z = S * scale[h]`` (ONE ScalarE copy, PSUM -> float32 SBUF, the
-    head's scale a per-partition column of ``item.logit_scale`` as the activation's ``scale``; on ScalarE rather
-    than VectorE, as the modeled schedule prefers in both kernels, docs/semantics.md "Per-head logit scale").
-    First of the score steps: the soft-cap's tanh and the ALiBi bias read z, and the exponent's float32 ``exp_scale`` (softmax_scale) stays the
-    kernel-wide factor, so the logit is ``softmax_scale * scale[h] * q.k`` with every factor applied in float32
-    (module docstring, "The scale convention"). (The backward wraps it to keep the unscaled S for the gradient.)"""
+    head's scale a per-partition column of ``item.state["logit_scale"]`` as the activation's ``scale``; on ScalarE
+    rather than VectorE, as the modeled schedule prefers in both kernels, docs/semantics.md "Per-head logit
+    scale"). First of the score steps: the soft-cap's tanh and the ALiBi bias read z, and the exponent's float32
+    ``exp_scale`` (softmax_scale) stays the kernel-wide factor, so the logit is ``softmax_scale * scale[h] * q.k``
+    with every factor applied in float32 (``steps``, "The scale convention"). (The backward wraps it to keep the
+    unscaled S for the gradient.)"""
     z = nl.ndarray((PMAX, tile.kw), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.activation(dst=z, op=nl.copy, data=s, scale=item.logit_scale[:, tile.h:tile.h + 1])
+    nisa.activation(dst=z, op=nl.copy, data=s, scale=item.state["logit_scale"][:, tile.h:tile.h + 1])
     return z
 
 
 def load_logit_scale(cfg, hbm, item):
     """Work-item start step of the logit scale: the kv head's query heads' scales broadcast to the partitions,
-    ``item.logit_scale`` ``[128, group]`` float32 (``load_slopes``: the same ``[bs, nheads]`` HBM layout)."""
+    ``item.state["logit_scale"]`` ``[128, group]`` float32 (``load_slopes``: the same ``[bs, nheads]`` HBM layout)."""
     ls = hbm.mods["logit_scale"]
-    item.logit_scale = load_slopes(ls, ls.shape[1], cfg.group, item.b, item.kvh)
+    item.state["logit_scale"] = load_slopes(ls, ls.shape[1], cfg.group, item.b, item.kvh)
 
 
 def bias_scores(cfg, tile, item, s):
@@ -573,35 +574,36 @@ def _ds_logit_scale(c, tile, item, ds):
     and the dS operand of dK and dQ,
     lam dS (rounded ONCE to the matmul dtype: dS reaches this step in float32, ``c.ds_dtype``). Per visit: dS * S
     (VectorE, S read from PSUM where it still lies), its row sum added into the member's column of
-    ``item.dlogit`` (the rows' partial sums: reduced over rows, query tiles and keys once per work item,
+    ``item.state["dlogit"]`` (the rows' partial sums: reduced over rows, query tiles and keys once per work item,
     ``_store_dlogit``), and lam dS on ScalarE (a per-partition ``scale``)."""
     h = tile.h
     prod = nl.ndarray((PMAX, tile.kw), dtype=nl.float32, buffer=nl.sbuf)
     nisa.tensor_tensor(dst=prod, data1=ds, data2=tile.saved["s_raw"], op=nl.multiply)
     part = nl.ndarray((PMAX, 1), dtype=nl.float32, buffer=nl.sbuf)
     nisa.tensor_reduce(dst=part, op=nl.add, data=prod, axis=1)
-    acc = item.dlogit[:, h, tile.t:tile.t + 1]
+    acc = item.state["dlogit"][:, h, tile.t:tile.t + 1]
     nisa.tensor_tensor(dst=acc, data1=acc, data2=part, op=nl.add)
     out = nl.ndarray((PMAX, tile.kw), dtype=c.mm_dtype, buffer=nl.sbuf)
-    nisa.activation(dst=out, op=nl.copy, data=ds, scale=item.logit_scale[:, h:h + 1])
+    nisa.activation(dst=out, op=nl.copy, data=ds, scale=item.state["logit_scale"][:, h:h + 1])
     return out
 
 
 def _zero_dlogit(c, hbm, item):
-    """Work-item start step of the logit scale: the per-row partial sums of its gradient, ``item.dlogit``
+    """Work-item start step of the logit scale: the per-row partial sums of its gradient, ``item.state["dlogit"]``
     ``[128, group, nq]`` float32, zeroed."""
     acc = nl.ndarray((PMAX, c.group, c.nq), dtype=nl.float32, buffer=nl.sbuf)
     nisa.memset(dst=acc, value=0.0, engine=nisa.engine.gpsimd)
-    item.dlogit = acc
+    item.state["dlogit"] = acc
 
 
 def _store_dlogit(c, hbm, item):
     """Work-item end step of the logit scale: d lam of the kv head's query heads = softmax_scale * the sum of
-    ``item.dlogit`` over query tiles (VectorE) and partitions (GpSimdE), one DMA into ``dlogit_scale[b, heads]``
-    (``[bs, nheads]``; the host sums over the batch for a ``[nheads]`` scale)."""
+    ``item.state["dlogit"]`` over query tiles (VectorE) and partitions (GpSimdE), one DMA into the gradient output
+    ``dlogit_scale[b, heads]`` (``hbm.grads["logit_scale"]``, ``[bs, nheads]``; the host sums over the batch for a
+    ``[nheads]`` scale)."""
     g = c.group
     red = nl.ndarray((PMAX, g), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.tensor_reduce(dst=red, op=nl.add, data=item.dlogit, axis=2)
+    nisa.tensor_reduce(dst=red, op=nl.add, data=item.state["dlogit"], axis=2)
     tot = nl.ndarray((1, g), dtype=nl.float32, buffer=nl.sbuf)
     nisa.tensor_partition_reduce(dst=tot, op=nl.add, data=red)
     nisa.tensor_scalar(dst=tot, data=tot, op0=nl.multiply, operand0=c.scale)

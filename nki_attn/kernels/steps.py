@@ -86,13 +86,13 @@ class Item(nl.NKIObject):
     ``[128, n_qt]``; ``seed`` the dropout seed tile; ``sinks`` the forward's starting statistics ``(m0, l0)``
     from the sinks; the backward's row statistics ``neg_lse`` / ``dsum`` ``[128, group, nq]`` (-LSE and D of
     every member), its D matmul's ``ones`` column and its dQ reload's ``ident`` identity (launch-wide); ``bias``
-    the additive bias in HBM and ``dbias`` the backward's float32 HBM output of its gradient (``bias_scores``);
-    ``logit_scale`` the per-head logit scale ``[128, group]`` (``load_slopes``' broadcast) and ``dlogit`` the
-    backward's per-row partial sums of its gradient ``[128, group, nq]``."""
+    the additive bias in HBM and ``dbias`` the backward's float32 HBM output of its gradient (``bias_scores``).
+    ``state``: a score modification's own per-item operands by name, set by its ``item_start`` steps (the
+    per-head logit scale's ``state["logit_scale"]`` ``[128, group]`` and the backward's ``state["dlogit"]``
+    ``[128, group, nq]``): a new modification needs no new field here."""
 
     def __init__(self, b, kvh, slopes=None, slopes_pos=None, seed=None, bounds=None, alibi_st=None, pos_tab=None,
-                 sinks=None, neg_lse=None, dsum=None, ones=None, ident=None, bias=None, dbias=None, logit_scale=None,
-                 dlogit=None):
+                 sinks=None, neg_lse=None, dsum=None, ones=None, ident=None, bias=None, dbias=None):
         self.b = b
         self.kvh = kvh
         self.slopes = slopes
@@ -108,8 +108,7 @@ class Item(nl.NKIObject):
         self.ident = ident
         self.bias = bias
         self.dbias = dbias
-        self.logit_scale = logit_scale
-        self.dlogit = dlogit
+        self.state = {}
 
 
 class Hbm(nl.NKIObject):
