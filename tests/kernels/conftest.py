@@ -277,14 +277,14 @@ class ModRow:
 # One row per score modification, in the host table's order (the order of the backward's gradient outputs).
 TEST_MODS = (
     ModRow("softcap", "softcap", "cap", r"cap([\d.]+)", lambda g: float(g[0]),
-            lambda c, bs, h, sq, sk, rnd: float(c)),
+           lambda c, bs, h, sq, sk, rnd: float(c)),
     ModRow("alibi", "alibi", "alibi", r"alibi", lambda g: True,
-            lambda c, bs, h, sq, sk, rnd: alibi_slopes(bs, h)),
+           lambda c, bs, h, sq, sk, rnd: alibi_slopes(bs, h)),
     ModRow("bias", "bias", "bias", r"bias(h|b|1|full|keys)", lambda g: g[0],
-            lambda c, bs, h, sq, sk, rnd: rnd(*BIAS_SHAPES[c](bs, h, sq, sk)), in_dtype=True,
-            grad_shape=lambda bs, h, sq, sk: (bs, h, sq, sk)),
+           lambda c, bs, h, sq, sk, rnd: rnd(*BIAS_SHAPES[c](bs, h, sq, sk)), in_dtype=True,
+           grad_shape=lambda bs, h, sq, sk: (bs, h, sq, sk)),
     ModRow("logit_scale", "logit", "lscale", r"lscale([\d.]+)", lambda g: float(g[0]),
-            lambda c, bs, h, sq, sk, rnd: logit_scales(bs, h, c)),
+           lambda c, bs, h, sq, sk, rnd: logit_scales(bs, h, c)),
 )
 assert [m.name for m in TEST_MODS] == [m.name for m in spec.SCORE_MODS], "one TEST_MODS row per spec.SCORE_MODS row"
 MOD_GRADS = tuple(m.grad for m in TEST_MODS if m.grad)
