@@ -245,14 +245,15 @@ def _block_runs(row, t0, t1):
 
 
 def _narrow_visit_lags(rows):
-    """``(pipe_lag_b, pipe_lag_d)`` for a block mask's launch whose visits are narrower than whole key tiles on
+    """``(pipe_lag_b, pipe_lag_d)`` for a block mask's launch whose visits are at most half a key tile wide on
     average (``rows``: the mask's chunk classes; a visit is one run of non-SKIP chunks of a key tile,
     ``_block_runs``), else None (the defaults). A narrow visit gives the other engines less TensorE work to
     hide their part of it behind, so stages B and D come twice as many visits later (the modeled schedule, cost
-    model v2: a random half-dense mask of 128 x 128 blocks at 4096 tokens 243.1 -> 205.2 us, the causal
-    document mask 77.4 -> 66.9 us; the document and key-tile-aligned masks, whose visits are whole key tiles,
-    keep the defaults, which are better for them). The kernel takes them only when the SBUF budget check passes
-    with them (``attention_bwd``)."""
+    model v2: a random half-dense mask of 128 x 128 blocks, 1.6 chunks per visit, at 4096 tokens 243.1 -> 205.2
+    us). Wider visits keep the defaults, which are better for them: the document and key-tile-aligned masks
+    (whole key tiles) and the causal document mask (3.4 chunks per visit: 484.0 -> 498.7 us at 16384 tokens
+    with the deeper lags, though 77.4 -> 66.9 us at 4096). The kernel takes them only when the SBUF budget
+    check passes with them (``attention_bwd``)."""
     runs = 0
     chunks = 0
     for r in rows:
@@ -260,7 +261,7 @@ def _narrow_visit_lags(rows):
             for run in _block_runs(r, t0, min(t0 + K_TILE, len(r) * PMAX)):
                 runs = runs + 1
                 chunks = chunks + (run.k1 - run.k0) // PMAX
-    if runs == 0 or chunks >= runs * (K_TILE // PMAX):
+    if runs == 0 or 2 * chunks > runs * (K_TILE // PMAX):
         return None
     return 2 * PIPE_LAG_B, 2 * PIPE_LAG_D
 

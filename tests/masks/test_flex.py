@@ -225,7 +225,23 @@ def test_fwd_bwd_split_key_tiles_visit_only_their_runs(dtype):
             for c in range(4):
                 seen.add((c, pats[7 * t + j][c]))
     assert seen == {(c, k) for c in range(4) for k in range(3)}
+    # its visits average at most half a key tile: the backward runs its deeper pipeline (stages B and D later)
+    from nki_attn.kernels import attention_bwd as bwd
+    assert bwd._narrow_visit_lags(rows) == (2 * bwd.PIPE_LAG_B, 2 * bwd.PIPE_LAG_D)
     check_fwd_bwd("split_runs", dtype, sq=sq, sk=sk, hq=2, hk=1)
+
+
+def test_narrow_visit_lags_only_for_narrow_visits():
+    """The backward's deeper pipeline is for masks whose visits average at most two chunks: whole key tiles and
+    3-chunk runs keep the defaults, as does a mask with no visible key."""
+    from nki_attn.kernels import attention_bwd as bwd
+    deep = (2 * bwd.PIPE_LAG_B, 2 * bwd.PIPE_LAG_D)
+    assert bwd._narrow_visit_lags([[2, 2, 2, 2, 0, 0, 0, 0]]) is None
+    assert bwd._narrow_visit_lags([[2, 2, 2, 0, 1, 2, 1, 0]]) is None      # runs of 3 chunks
+    assert bwd._narrow_visit_lags([[2, 2, 0, 0, 0, 1, 2, 0]]) == deep      # runs of 2 chunks
+    assert bwd._narrow_visit_lags([[2, 0, 2, 0, 2, 2, 2, 2]]) == deep      # 6 chunks in 3 visits
+    assert bwd._narrow_visit_lags([[2, 0, 2, 2, 2, 2, 2, 2]]) is None      # 7 chunks in 3 visits
+    assert bwd._narrow_visit_lags([[0, 0, 0, 0]]) is None
 
 
 def test_split_key_tiles_with_score_mods():
