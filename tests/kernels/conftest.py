@@ -385,9 +385,7 @@ class Case:
         float32, numpy), the float64 reference gradients (``ref``), the golden in the dtype (``golden``), the
         inputs baseline (``inputs``) and the float64 forward's ``lse``."""
         if self._bwd_refs is None:
-            no_drop = {key: val for key, val in self.opts.items()
-                       if key not in ("dropout_p", "dropout_seed", "attn_bias")}
-            no_drop["logit_bias"] = self.opts["attn_bias"]  # compute_o_lse's spelling of the bias
+            no_drop = {key: val for key, val in self.opts.items() if key not in ("dropout_p", "dropout_seed")}
             drop = self.drop
             o, lse, _ = compute_o_lse(self.q64, self.k64, self.v64, sinks=self.sinks64, mixed_precision=False,
                                       dropout_mask=drop, **no_drop)
