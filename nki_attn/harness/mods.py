@@ -207,13 +207,19 @@ HMODS = {m.name: m for m in HARNESS_MODS}
 # the order the scores apply them (the kernels' and the golden's: ``ScoreMod.rank``); gradients run backwards
 APPLY_ORDER = tuple(sorted(HARNESS_MODS, key=lambda m: spec.MODS[m.name].rank))
 
-if tuple(m.name for m in HARNESS_MODS) != tuple(m.name for m in spec.SCORE_MODS):
-    raise ImportError(f"nki_attn.harness.mods.HARNESS_MODS names {[m.name for m in HARNESS_MODS]}; it must name "
-                      f"the rows of nki_attn.spec.SCORE_MODS in order: {[m.name for m in spec.SCORE_MODS]}")
-for _m in HARNESS_MODS:
-    if (_m.draw is None) != (not spec.MODS[_m.name].is_tensor):
-        raise ImportError(f"HarnessMod {_m.name!r}: a tensor modification draws its input, a number does not")
 
+def check_table(harness_mods, score_mods):
+    """Raise ImportError unless ``harness_mods`` names the rows of ``score_mods`` (``spec.SCORE_MODS``) in order,
+    each drawing an input exactly when its spec row takes a tensor."""
+    if tuple(m.name for m in harness_mods) != tuple(m.name for m in score_mods):
+        raise ImportError(f"nki_attn.harness.mods.HARNESS_MODS names {[m.name for m in harness_mods]}; it must "
+                          f"name the rows of nki_attn.spec.SCORE_MODS in order: {[m.name for m in score_mods]}")
+    for m, s in zip(harness_mods, score_mods):
+        if (m.draw is None) != (not s.is_tensor):
+            raise ImportError(f"HarnessMod {m.name!r}: a tensor modification draws its input, a number does not")
+
+
+check_table(HARNESS_MODS, spec.SCORE_MODS)
 
 def active(case):
     """The modifications a row sets, in score order, each with its spec row: [(HarnessMod, ScoreMod)]."""
