@@ -73,9 +73,7 @@ class ScoreMod(nl.NKIObject):
 
     def value(self, mods):
         """The modification's kernel input in ``mods`` (``off`` when not given)."""
-        if mods is None:
-            return self.off
-        return mods.get(self.keywords[0], self.off)
+        return _get(mods, self.keywords[0], self.off)
 
     def is_on(self, mods):
         """True when the call applies it: its input is given (a number: > 0)."""
@@ -141,18 +139,24 @@ def _softcap_sbuf(a, mods):
 
 
 # ----------------------------------------------------------------------------------------------- ALiBi
-def _alibi_rule(mods, bs, nheads, seqlen_q, seqlen_k):
-    alibi_slopes = _get(mods, "alibi_slopes", None)
-    if alibi_slopes is None:
+def _per_head_problem(name, x, bs, nheads, broadcast):
+    """The rule of a per-(batch, head) input ``name``: None or a float32 tensor ``[bs, nheads]``; ``broadcast``
+    names what the torch API broadcasts to that shape. The first problem, or None."""
+    if x is None:
         return None
-    if not is_array(alibi_slopes):
-        return f"alibi_slopes={alibi_slopes!r} must be None or a float32 tensor [bs, nheads]"
-    if shape_of(alibi_slopes) != (bs, nheads):
-        return (f"alibi_slopes shape {shape_of(alibi_slopes)} must be [bs, nheads] = {(bs, nheads)} (the torch "
-                f"API broadcasts FlashAttention's [nheads])")
-    if str(alibi_slopes.dtype) != str(nl.float32):
-        return f"alibi_slopes dtype {alibi_slopes.dtype} must be float32"
+    if not is_array(x):
+        return f"{name}={x!r} must be None or a float32 tensor [bs, nheads]"
+    if shape_of(x) != (bs, nheads):
+        return (f"{name} shape {shape_of(x)} must be [bs, nheads] = {(bs, nheads)} (the torch API broadcasts "
+                f"{broadcast})")
+    if str(x.dtype) != str(nl.float32):
+        return f"{name} dtype {x.dtype} must be float32"
     return None
+
+
+def _alibi_rule(mods, bs, nheads, seqlen_q, seqlen_k):
+    return _per_head_problem("alibi_slopes", _get(mods, "alibi_slopes", None), bs, nheads,
+                             "FlashAttention's [nheads]")
 
 
 def _alibi_fwd(cfg, mods):
@@ -273,17 +277,7 @@ def _bias_item(cfg, hbm, item):
 def _logit_scale_rule(mods, bs, nheads, seqlen_q, seqlen_k):
     """The per-head logit scale: None or a float32 tensor ``[bs, nheads]`` (its values are the host's to check,
     docs/semantics.md "Per-head logit scale")."""
-    logit_scale = _get(mods, "logit_scale", None)
-    if logit_scale is None:
-        return None
-    if not is_array(logit_scale):
-        return f"logit_scale={logit_scale!r} must be None or a float32 tensor [bs, nheads]"
-    if shape_of(logit_scale) != (bs, nheads):
-        return (f"logit_scale shape {shape_of(logit_scale)} must be [bs, nheads] = {(bs, nheads)} (the torch API "
-                f"broadcasts [nheads])")
-    if str(logit_scale.dtype) != str(nl.float32):
-        return f"logit_scale dtype {logit_scale.dtype} must be float32"
-    return None
+    return _per_head_problem("logit_scale", _get(mods, "logit_scale", None), bs, nheads, "[nheads]")
 
 
 def _logit_scale_fwd(cfg, mods):
