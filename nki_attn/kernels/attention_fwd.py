@@ -52,10 +52,9 @@ from .validation import attention_problem, attention_shape, bias_problem, sbuf_b
 KB_TILES = 4  # key tiles per key block: the online-softmax statistics are updated once per 2048 keys
 BLOCK_MEMBERS_MAX = 8  # members per block: they share one K/V load and one set of statistics ops
 # every P_DMA_PERIOD-th member's full P tiles of a key block are transposed by DMA when both head dims are <= 128,
-# every P_DMA_PERIOD_WIDE-th with a larger one (P^T is a third, resp. a fifth, of TensorE's work per tile); chosen
-# by the worst case over the sensitivity set: with the hardware-DGE split off (the library's best case) the DMA is
-# cheap and VectorE / ScalarE / TensorE are not; docs/kernel-fwd.md, "Third round"
-P_DMA_PERIOD = 2
+# every P_DMA_PERIOD_WIDE-th with a larger one (P^T is a third, resp. a fifth, of TensorE's work per tile; batched,
+# the DMA's fixed costs no longer outweigh a fifth); docs/kernel-fwd.md, "Third round", has the measured choices
+P_DMA_PERIOD = 4
 P_DMA_PERIOD_WIDE = 2
 P_DMA_MIN_TILES = 2  # ... a member with at least this many full tiles (or its key block's count, if smaller)
 # consecutive such members of a unit share ONE dma_transpose of up to this many full tiles (or a key block's): a
@@ -70,7 +69,7 @@ SCORE_DEN = 16
 # of the P tiles transposed by TensorE, every PT_VECTOR_PERIOD-th is evicted (PSUM -> SBUF) by VectorE, the others
 # by ScalarE (1: all by VectorE, the rule with soft-capping, whose tanh keeps ScalarE busy), except in a segment
 # with no scores to evict (the pipeline's drain), where VectorE takes them all; docs/kernel-fwd.md, "Engine balance"
-PT_VECTOR_PERIOD = 4
+PT_VECTOR_PERIOD = 2
 FIRST_O_SCALAR = True  # a member's O = PV at its first key block by a ScalarE copy (deferred like those evictions)
 PT_SCALAR_LAG = 3  # a ScalarE eviction is emitted this many phase-3 steps after its transposes
 FIN_DELAY_MIN = 2  # ... where the SBUF has no room for the finishing blocks' O accumulators FIN_DELAY keeps
