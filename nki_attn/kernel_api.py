@@ -21,11 +21,13 @@ import inspect
 from .backend import nl
 from .kernels import attention_bwd as _bwd
 from .kernels import attention_fwd as _fwd
+from .kernels import score_mods as _score_mods
 from .kernels import validation as _validation
 
-# the variant keywords of both kernels, with their defaults (the "off" value of each variant)
-VARIANT_KEYWORDS = (("softcap", 0.0), ("alibi_slopes", None), ("window_size", None), ("dropout_p", 0.0),
-                    ("dropout_seed", None), ("logit_scale", None))
+# the variant keywords of both kernels, with their defaults (the "off" value of each variant): the score
+# modifications' inputs from their table (``kernels.score_mods.SCORE_MODS``), then the window and dropout
+VARIANT_KEYWORDS = tuple((m.keywords[0], m.off) for m in _score_mods.SCORE_MODS) + (
+    ("window_size", None), ("dropout_p", 0.0), ("dropout_seed", None))
 
 
 class _HostTensor:
@@ -45,16 +47,20 @@ def _host(v):
 
 
 def variant_problem(q, k, v, o=None, dy=None, lse=None, sinks=None, bound_min=None, bound_max=None,
-                    use_causal_mask=False, softmax_scale=None, sliding_window=None, softcap=0.0, alibi_slopes=None,
-                    window_size=None, dropout_p=0.0, dropout_seed=None, logit_scale=None):
-    """The first problem of these arguments under the rules of docs/semantics.md with every variant allowed
-    (``validation.attention_problem`` with all ``FEATURES``), or None. Tensors are any host arrays (torch,
-    numpy); layouts as in ``validation.attention_problem``."""
+                    use_causal_mask=False, softmax_scale=None, sliding_window=None, window_size=None, dropout_p=0.0,
+                    dropout_seed=None, **mods):
+    """The first problem of these arguments under the rules of docs/semantics.md (``validation.attention_problem``),
+    or None. Tensors are any host arrays (torch, numpy); layouts as in ``validation.attention_problem``; the
+    score modifications' keywords (``softcap``, ``alibi_slopes``, ``attn_bias``, ``bias_grad``, ``logit_scale``:
+    ``kernels.score_mods.MOD_KEYWORDS``) come as ``mods`` (TypeError for any other keyword)."""
+    for key in mods:
+        if key not in _score_mods.MOD_KEYWORDS:
+            raise TypeError(f"variant_problem() got an unexpected keyword argument {key!r}")
+    mods = {key: _host(value) for key, value in mods.items()}
     return _validation.attention_problem(
         _host(q), _host(k), _host(v), _host(o), _host(dy), _host(lse), _host(sinks), _host(bound_min),
-        _host(bound_max), use_causal_mask, softmax_scale, sliding_window, softcap, _host(alibi_slopes),
-        window_size, dropout_p, _host(dropout_seed), supports=_validation.FEATURES,
-        logit_scale=_host(logit_scale))
+        _host(bound_max), use_causal_mask, softmax_scale, sliding_window, window_size, dropout_p,
+        _host(dropout_seed), mods=mods)
 
 
 class CheckedKernel:
@@ -66,7 +72,10 @@ class CheckedKernel:
         self.problem = problem
         self.lnc = lnc
         self.signature = inspect.signature(getattr(kernel, "fn", kernel))
-        self.problem_params = inspect.signature(problem).parameters
+        params = inspect.signature(problem).parameters
+        self.problem_params = params
+        # a problem function taking ``**mods`` (the score modifications' keywords) gets every argument
+        self.problem_takes_all = any(p.kind == p.VAR_KEYWORD for p in params.values())
 
     def __getitem__(self, lnc):
         return CheckedKernel(self.kernel, self.problem, lnc)
@@ -82,7 +91,7 @@ class CheckedKernel:
         bound.apply_defaults()
         given = {}
         for name, value in bound.arguments.items():
-            if name in self.problem_params:
+            if name in self.problem_params or self.problem_takes_all:
                 given[name] = _host(value)
         return self.problem(**given)
 

@@ -51,6 +51,7 @@ FWD = "nki_attn/kernels/attention_fwd.py"
 BWD = "nki_attn/kernels/attention_bwd.py"
 BAND = "nki_attn/kernels/band.py"
 STEPS = "nki_attn/kernels/steps.py"
+SCORE = "nki_attn/kernels/score_mods.py"
 VALIDATION = "nki_attn/kernels/validation.py"
 API = "nki_attn/attention.py"
 
@@ -187,10 +188,21 @@ MUTATIONS = [
       "wrong bitmap slot: a tile that starts inside its key tile (the backward splits key tiles at SKIP chunks) "
       "reads the slots of the key tile's first PARTIAL chunks",
       ["tests/masks/test_flex.py::test_fwd_bwd_tile_split_at_a_skip_chunk_reads_its_own_bits"]),
-    M("b_one_section_per_item", BWD, "    if min(cap, fit) < seqlen_k or items > 1:\n",
-      "    if min(cap, fit) < seqlen_k:\n",
-      "SBUF overflow: several work items keep the whole-length section although the pipeline holds two at once",
+    M("b_one_section_per_item", BWD, "    return section_len < seqlen_k or items > 1\n",
+      "    return section_len < seqlen_k\n",
+      "SBUF overflow: several work items keep the whole-length section although the pipeline holds two at once "
+      "(the one predicate of the section sizing and the budget's live sections)",
       ["tests/kernels/test_bwd_plan.py::test_several_work_items_keep_two_sections_within_sbuf"]),
+    # ---- the score-modification table (score_mods.SCORE_MODS) and the loops that read it
+    M("r_logit_scale_rank_last", SCORE,
+      'ScoreMod("logit_scale", ("logit_scale",), None, 0,', 'ScoreMod("logit_scale", ("logit_scale",), None, 4,',
+      "wrong score-step order: the logit scale applied after soft-capping and the bias instead of first",
+      ["tests/kernels/test_matrix.py::test_fwd[bf16-causal+cap2+biash+lscale1-d64-s256-b2h2k1]",
+       "tests/kernels/test_matrix.py::test_bwd[bf16-causal+cap2+biash+lscale1-d64-s256-b2h2k1]"]),
+    M("r_mod_ds_ignored", BWD, "        if ms.ds is not None:\n            ds = ms.ds\n",
+      "        if ms.ds is not None:\n            ds = ds\n",
+      "a row's dS step never replaces the kernel's: the bias gradient is never written",
+      ["tests/kernels/test_bias_kernels.py"]),
     # ---- forward: masks and tile bounds
     M("k_classify_run_drops_last", BAND, "            k1 = c0 + PMAX\n", "            k1 = c0\n",
       "off-by-one tile bound: a member's visible chunk run loses its last chunk", T_TILING + T_FWD + T_BWD),
@@ -224,7 +236,7 @@ MUTATIONS = [
     M("f_sink_offset", FWD, "offset=(b * shp.nheads + kvh * g) * ns))",
       "offset=(b * shp.nheads + kvh * shp.nheads_kv) * ns))",
       "wrong GQA head mapping of the sink logits (nheads_kv for the group size)", T_FWD),
-    M("f_sink_sum_dropped", FWD, "nisa.tensor_copy(dst=l_sum, src=_per_member(cfg, l0, j0, n))",
+    M("f_sink_sum_dropped", FWD, "nisa.tensor_copy(dst=l_sum, src=per_member(cfg, l0, j0, n))",
       "nisa.memset(dst=l_sum, value=0.0, engine=nisa.engine.gpsimd)",
       "sinks dropped from the softmax denominator (their max kept)", T_FWD),
     # ---- the band planner (band.py: the band and the tile classification both kernels plan with)

@@ -52,10 +52,10 @@ program order) always has independent work queued.
 from ..backend import nisa, nki, nl
 from .band import BlockRows, block_key_tile, block_mask_problem, classify_keys
 from .dropout import dropout_row_keys, dropout_scale_keys, dropout_scale_tile, load_dropout_seed
-from .steps import (BLOCK_SKIP, FP32_MIN, K_TILE, PMAX, Hbm, Item, Steps, Tile, bias_scores, block_bitsel,
-                    block_mask_probs, itemsize, load_logit_scale, load_packing_bounds, load_slopes, logit_scale_scores,
-                    mask_step, no_step, run_steps, softcap_scores, spmd_items)
-from .validation import attention_problem, attention_shape, bias_problem, sbuf_bytes_per_partition
+from .score_mods import MOD_KEYWORDS, SCORE_MODS_BY_RANK
+from .steps import (BLOCK_SKIP, FP32_MIN, K_TILE, PMAX, Hbm, Item, Steps, Tile, block_bitsel, block_mask_probs,
+                    itemsize, load_packing_bounds, mask_step, no_step, run_steps, spmd_items)
+from .validation import attention_problem, attention_shape, sbuf_bytes_per_partition
 
 # Key tiles (steps.K_TILE, 512 keys): S, dP, dV, dK of one (query tile, key tile) pair are each one 2 KiB PSUM
 # bank (512 fp32), and 512 is the matmul's moving free-size limit on trn1/trn2.
@@ -99,6 +99,13 @@ def section_bytes_per_key(d_head, d_tiles, itemsize, v_tiles=None):
     return (d_tiles + v_tiles) * itemsize + d_head * itemsize / PMAX + (d_tiles + v_tiles) * 4
 
 
+def two_sections_live(section_len, seqlen_k, items):
+    """True when the software pipeline (``_pipeline``) holds two K/V sections' buffers at once: there is a next
+    section to load while one drains, because the keys need several sections (``section_len < seqlen_k``) or
+    the launch has several work items (``items``: batch x kv heads)."""
+    return section_len < seqlen_k or items > 1
+
+
 def default_section_len(d_head, d_tiles, itemsize, seqlen_k, cap=K_SECTION_MAX, v_tiles=None, items=1):
     """Keys per K/V section: the largest multiple of K_TILE within SECTION_BUDGET_BYTES, at most ``cap``
     (default K_SECTION_MAX) and seqlen_k, rounded down to a multiple of 128. When the keys need more than one
@@ -107,7 +114,7 @@ def default_section_len(d_head, d_tiles, itemsize, seqlen_k, cap=K_SECTION_MAX, 
     sections' buffers are live at once: each then gets half the budget."""
     per_key = section_bytes_per_key(d_head, d_tiles, itemsize, v_tiles)
     fit = int(SECTION_BUDGET_BYTES // per_key) // K_TILE * K_TILE
-    if min(cap, fit) < seqlen_k or items > 1:
+    if two_sections_live(min(cap, fit), seqlen_k, items):
         fit = int(SECTION_BUDGET_BYTES // 2 // per_key) // K_TILE * K_TILE
     n = min(min(cap, fit), seqlen_k) // PMAX * PMAX  # (NKI's min takes two values)
     return max(n, PMAX)
@@ -146,16 +153,16 @@ def block_members(d_tiles, itemsize, dq_fp32, v_tiles=None, group_max=None, bloc
 
 
 def sbuf_usage(d_head, d_tiles, itemsize, section_len, group, seqlen_q, mixed_precision=False, packing=False,
-               num_sinks=0, trn1_packing=False, dq_fp32=False, d_v=None, v_tiles=None, softcap=False,
-               alibi=False, dropout=False, group_max=None, block_members_max=None, bias_bytes=0,
-               logit_scale=False, pipe=(PIPE_LEAD, PIPE_LAG_B, PIPE_LAG_D), live_sections=1):
+               num_sinks=0, trn1_packing=False, dq_fp32=False, d_v=None, v_tiles=None, dropout=False,
+               group_max=None, block_members_max=None, mod_bytes=(0, 0), pipe=(PIPE_LEAD, PIPE_LAG_B, PIPE_LAG_D),
+               live_sections=1):
     """SBUF bytes per partition of the kernel's live tensors, by category. ``pipe``: ``(pipe_lead, pipe_lag_b,
     pipe_lag_d)`` of the software pipeline; ``live_sections``: K/V sections whose buffers are live at once (2
     when the pipeline runs more than one section, of one work item or several: the next one loads while the
     last one drains). ``total`` counts the blocks the pipeline holds at once (3 with a
     lead: loading, in stage A, in stage D), two groups, two visits' stage-A tiles and the visit buffers in flight
-    between stages A, B and D (``in_flight``). ``bias_bytes``: the additive bias's bytes per key of a visit
-    (``_bias_visit_bytes``).
+    between stages A, B and D (``in_flight``). ``mod_bytes``: ``(persistent, per_key)``, the bytes the score
+    modifications' steps add per work item and per key of a visit (``_mod_bytes``: their ``bwd_sbuf``).
     ``d_head``/``d_tiles``: d_qk and its partition tiles; ``d_v``/``v_tiles`` default to them. Used by the
     trace-time budget check and docs/kernel-bwd.md."""
     e = itemsize
@@ -173,10 +180,7 @@ def sbuf_usage(d_head, d_tiles, itemsize, section_len, group, seqlen_q, mixed_pr
     if num_sinks:
         # sink logits and sums; exp(sink - LSE) and its product with D for every member, at the end
         persistent += 2 * group * num_sinks * 4 + 2 * group * num_sinks * nq * 4
-    if alibi:
-        persistent += 2 * group * 4                        # the slope coefficients of the kv head's query heads
-    if logit_scale:
-        persistent += group * 4 + group * nq * 4           # the scales; the per-row partial sums of the gradient
+    persistent += mod_bytes[0]                             # the score modifications' per-head operands
     g = group_size(d_tiles, group_max)
     per_block = (block_members(d_tiles, e, dq_fp32, v_tiles, group_max, block_members_max)
                  * block_member_bytes(d_tiles, e, dq_fp32, v_tiles))
@@ -188,11 +192,8 @@ def sbuf_usage(d_head, d_tiles, itemsize, section_len, group, seqlen_q, mixed_pr
     stage_a = (K_TILE * pe                                 # P
                + (K_TILE * 4 if packing else 0)            # masked S (fp32)
                + (K_TILE * 5 if trn1_packing else 0)       # key index (fp32) and visibility (uint8)
-               + (2 * K_TILE * 4 if softcap else 0)        # tanh(S/c), P * (1 - tanh^2) (fp32)
-               + (3 * K_TILE * 4 if alibi else 0)          # distances, bias, biased logits (fp32)
                + (K_TILE * (8 + e) if dropout else 0)      # keep-scale tile, dP * scale (fp32), dropped P
-               + K_TILE * bias_bytes                       # the bias tile, biased scores, dL (fp32)
-               + (3 * K_TILE * 4 if logit_scale else 0))   # scaled S, fp32 dS, dS * S (fp32)
+               + K_TILE * mod_bytes[1])                    # the score modifications' tiles
     per_visit = stage_a + p_cast + 2 * K_TILE * e
     in_flight = 2 * stage_a + (lag_b + 1) * (p_cast + K_TILE * e) + (max(lag_b, lag_d) - lag_b + 1) * K_TILE * e
     # blocks: the one in stage D, the one in stage A and, with a lead, the one whose loads are in flight
@@ -501,13 +502,17 @@ class BwdConfig(nl.NKIObject):
         self.hi_bounded = a.hi_rel < a.seqlen_k
         self.banded = a.banded
         self.softcap = a.softcap
-        self.alibi = a.alibi
         self.dropout_p = a.dropout_p
         self.dropout = a.dropout
-        self.logit_scale = a.logit_scale
-        # the dS step's output: the dS operand in the matmul dtype, or float32 for a ds_post step that scales it
-        # (the logit scale: dS * scale[h] is rounded once, by that step)
-        self.ds_dtype = nl.float32 if a.logit_scale else dtype
+        # the score modifications (``score_mods``): their arguments by kernel keyword, the rows applied
+        self.mods = a.mods
+        self.active = a.active
+        # the dS step's output: the dS operand in the matmul dtype, or float32 when a score modification has a
+        # ds_post step, which scales it and rounds it once (the logit scale's dS * scale[h])
+        self.ds_dtype = dtype
+        for m in a.active:
+            if len(m.bwd(self, a.mods).ds_post) > 0:
+                self.ds_dtype = nl.float32
         # the scale of the exp's input after the score steps: soft-capping hands over tanh(scale S / c) with
         # scale c, so ALiBi divides its bias by it (``_bias_alibi``)
         self.cap_scale = a.scale / a.softcap if a.softcap > 0.0 else 1.0
@@ -634,7 +639,7 @@ def _section_len(a, itemsize, k_section_len):
 def _live_sections(a, section_len):
     """K/V sections whose buffers the software pipeline holds at once: 2 when there is a next section to load
     while one drains (several sections, or several work items), else 1."""
-    if section_len < a.seqlen_k or a.bs * a.nheads_kv > 1:
+    if two_sections_live(section_len, a.seqlen_k, a.bs * a.nheads_kv):
         return 2
     return 1
 
@@ -663,21 +668,37 @@ def _knob_problem(name, value, allowed):
 
 def bwd_problem(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref=None, bound_min=None, bound_max=None,
                 use_causal_mask=False, mixed_precision=False, softmax_scale=None, sliding_window=None,
-                softcap=0.0, alibi_slopes=None, window_size=None, dropout_p=0.0, dropout_seed=None,
-                k_section_len=None, group_max=None, block_members_max=None, p_cast_on_gpsimd=None,
-                ds_dma_transpose=None, attn_bias=None, bias_grad=False, block_mask=None, block_bits=None,
-                logit_scale=None, ds_dma_every=None, pipe_lead=None, pipe_lag_b=None, pipe_lag_d=None,
-                d_from_o=False):
+                window_size=None, dropout_p=0.0, dropout_seed=None, k_section_len=None, group_max=None,
+                block_members_max=None, p_cast_on_gpsimd=None, ds_dma_transpose=None, block_mask=None,
+                block_bits=None, ds_dma_every=None, pipe_lead=None, pipe_lag_b=None, pipe_lag_d=None,
+                d_from_o=False, **mods):
     """``None`` when ``attention_bwd`` accepts these arguments on the current target, else the first problem as
-    a message (argument, value, rule). The kernel asserts on it; ``nki_attn.kernel_api.attention_bwd`` raises it
-    as ``ValueError`` before launching."""
+    a message (argument, value, rule); host side: ``nki_attn.kernel_api.attention_bwd`` raises it as
+    ``ValueError`` before launching. The score modifications' keywords (``softcap``, ``alibi_slopes``,
+    ``attn_bias``, ``bias_grad``, ``logit_scale``: ``score_mods.MOD_KEYWORDS``) come as ``mods``; TypeError for a
+    keyword neither the kernel nor the table has."""
+    for key in mods:
+        if key not in MOD_KEYWORDS:
+            raise TypeError(f"bwd_problem() got an unexpected keyword argument {key!r}")
+    return _bwd_problem(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref, bound_min, bound_max,
+                        use_causal_mask, mixed_precision, softmax_scale, sliding_window, window_size, dropout_p,
+                        dropout_seed, k_section_len, group_max, block_members_max, p_cast_on_gpsimd,
+                        ds_dma_transpose, block_mask, block_bits, ds_dma_every, pipe_lead, pipe_lag_b, pipe_lag_d,
+                        d_from_o, mods)
+
+
+def _bwd_problem(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref, bound_min, bound_max, use_causal_mask,
+                 mixed_precision, softmax_scale, sliding_window, window_size, dropout_p, dropout_seed,
+                 k_section_len, group_max, block_members_max, p_cast_on_gpsimd, ds_dma_transpose, block_mask,
+                 block_bits, ds_dma_every, pipe_lead, pipe_lag_b, pipe_lag_d, d_from_o, mods):
+    """``bwd_problem`` in kernel code (the kernel asserts on it): ``mods`` the score modifications' arguments by
+    kernel keyword."""
     if lse_ref is None or o_ref is None or dy_ref is None:
         return "o_ref, dy_ref and lse_ref are required by attention_bwd (got None)"
     problem = attention_problem(q_ref, k_ref, v_ref, o=o_ref, dy=dy_ref, lse=lse_ref, sinks=sinks_ref,
                                 bound_min=bound_min, bound_max=bound_max, use_causal_mask=use_causal_mask,
-                                softmax_scale=softmax_scale, sliding_window=sliding_window, softcap=softcap,
-                                alibi_slopes=alibi_slopes, window_size=window_size, dropout_p=dropout_p,
-                                dropout_seed=dropout_seed, kernel="attention_bwd", logit_scale=logit_scale)
+                                softmax_scale=softmax_scale, sliding_window=sliding_window, window_size=window_size,
+                                dropout_p=dropout_p, dropout_seed=dropout_seed, mods=mods, kernel="attention_bwd")
     if problem is not None:
         return problem
     if not isinstance(mixed_precision, bool):
@@ -698,9 +719,6 @@ def bwd_problem(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref=None, bou
         problem = _knob_problem(name, value, allowed)
         if problem is not None:
             return problem
-    problem = bias_problem(attn_bias, q_ref.shape[0], q_ref.shape[1], q_ref.shape[3], k_ref.shape[3], bias_grad)
-    if problem is not None:
-        return problem
     masked = use_causal_mask or sliding_window is not None or window_size is not None or bound_min is not None
     problem = block_mask_problem(block_mask, block_bits, q_ref.shape[3], k_ref.shape[3], q_ref.shape[0],
                                  q_ref.shape[1], masked)
@@ -710,16 +728,15 @@ def bwd_problem(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref=None, bou
         # the block mask's store is laid out by 512-key tiles from key 0: sections must end on them
         return f"k_section_len={k_section_len} must be a multiple of {K_TILE} with a block_mask"
     a = _shape_of(q_ref, k_ref, v_ref, sinks_ref, bound_min, use_causal_mask, softmax_scale, sliding_window,
-                  softcap, alibi_slopes, window_size, dropout_p, logit_scale)
+                  window_size, dropout_p, mods)
     isz = itemsize(q_ref.dtype)
     sec = _section_len(a, isz, k_section_len)
     trn1 = _is_trn1()
     dq_fp32 = mixed_precision and isz != 4 and sec < a.seqlen_k
-    bias_bytes = _bias_visit_bytes(attn_bias, bias_grad)
     use = sbuf_usage(a.d_qk, len(a.qk_tiles), isz, sec, a.group, a.seqlen_q, mixed_precision, a.packing,
-                     a.num_sinks, trn1 and a.packing, dq_fp32, a.d_v, len(a.v_tiles), a.softcap > 0.0, a.alibi,
-                     a.dropout, group_max, block_members_max, bias_bytes, a.logit_scale,
-                     _pipe_of(pipe_lead, pipe_lag_b, pipe_lag_d), _live_sections(a, sec))
+                     a.num_sinks, trn1 and a.packing, dq_fp32, a.d_v, len(a.v_tiles), a.dropout, group_max,
+                     block_members_max, _mod_bytes(a), _pipe_of(pipe_lead, pipe_lag_b, pipe_lag_d),
+                     _live_sections(a, sec))
     cap = sbuf_bytes_per_partition()
     if use["total"] > cap:
         return (f"attention_bwd needs {use['total']} SBUF bytes per partition (section {use['section']}, per-row "
@@ -728,34 +745,34 @@ def bwd_problem(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref=None, bou
     return None
 
 
-def _bias_visit_bytes(attn_bias, bias_grad):
-    """SBUF bytes per key of a visit that the additive bias's steps add: its tile in its dtype and the biased
-    float32 scores (``steps.bias_scores``), with ``bias_grad`` the float32 dL of ``_ds_bias``."""
-    if attn_bias is None:
-        return 0
-    n = itemsize(attn_bias.dtype) + 4
-    if bias_grad:
-        n += 4
-    return n
+def _mod_bytes(a):
+    """``(persistent, per_key)``: the SBUF bytes per partition the applied score modifications' backward steps
+    add per work item and per key of a visit (the sum of their ``score_mods`` rows' ``bwd_sbuf``)."""
+    persistent = 0
+    per_key = 0
+    for m in a.active:
+        extra = m.bwd_sbuf(a, a.mods)
+        persistent = persistent + extra[0]
+        per_key = per_key + extra[1]
+    return persistent, per_key
 
 
-def _shape_of(q_ref, k_ref, v_ref, sinks_ref, bound_min, use_causal_mask, softmax_scale, sliding_window, softcap,
-              alibi_slopes, window_size, dropout_p, logit_scale=None):
+def _shape_of(q_ref, k_ref, v_ref, sinks_ref, bound_min, use_causal_mask, softmax_scale, sliding_window,
+              window_size, dropout_p, mods=None):
     return attention_shape(q_ref, k_ref, sinks=sinks_ref, bound_min=bound_min, use_causal_mask=use_causal_mask,
-                           softmax_scale=softmax_scale, sliding_window=sliding_window, v=v_ref, softcap=softcap,
-                           alibi_slopes=alibi_slopes, window_size=window_size, dropout_p=dropout_p,
-                           logit_scale=logit_scale)
+                           softmax_scale=softmax_scale, sliding_window=sliding_window, v=v_ref,
+                           window_size=window_size, dropout_p=dropout_p, mods=mods)
 
 
 def _configure(q_ref, k_ref, sinks_ref, bound_min, use_causal_mask, mixed_precision, softmax_scale,
-               sliding_window, k_section_len, v_ref=None, softcap=0.0, alibi_slopes=None, window_size=None,
-               dropout_p=0.0, group_max=None, block_members_max=None, p_cast_on_gpsimd=None,
-               ds_dma_transpose=None, block_mask=None, logit_scale=None, ds_dma_every=None, pipe_lead=None,
-               pipe_lag_b=None, pipe_lag_d=None, d_from_o=False):
+               sliding_window, k_section_len, v_ref=None, window_size=None, dropout_p=0.0, group_max=None,
+               block_members_max=None, p_cast_on_gpsimd=None, ds_dma_transpose=None, block_mask=None,
+               ds_dma_every=None, pipe_lead=None, pipe_lag_b=None, pipe_lag_d=None, d_from_o=False, mods=None):
     """The launch's ``BwdConfig``, built once from arguments ``bwd_problem`` accepted (``v_ref`` None: d_v =
-    d_qk; ``block_mask`` the kernel's trace-time ``(n_b, n_h, rows)`` or None)."""
+    d_qk; ``block_mask`` the kernel's trace-time ``(n_b, n_h, rows)`` or None; ``mods`` the score
+    modifications' arguments by kernel keyword)."""
     a = _shape_of(q_ref, k_ref, v_ref, sinks_ref, bound_min, use_causal_mask, softmax_scale, sliding_window,
-                  softcap, alibi_slopes, window_size, dropout_p, logit_scale)
+                  window_size, dropout_p, mods)
     sec = _section_len(a, itemsize(q_ref.dtype), k_section_len)
     rows = None
     if block_mask is not None:
@@ -922,8 +939,8 @@ def _transpose_members(c, grp, q_b, dy_b):
 # ----------------------------------------------------------------------------------------------- steps
 # The backward's steps (``steps`` protocol, one signature ``step(c, tile, item, x) -> x``), chosen once per launch
 # by ``_select_steps``. Per visit, in this order:
-#   score         S (PSUM) -> the exp's input      the logit scale (``steps.logit_scale_scores``), soft-capping
-#                                                  (``steps.softcap_scores``), ALiBi (``_bias_alibi``)
+#   score         S (PSUM) -> the exp's input      the score modifications (``score_mods``: the logit scale,
+#                                                  soft-capping, ALiBi, the additive bias)
 #   mask_partial  -> the exp's input               packing bounds (``_scores_packed``; causal, window folded in)
 #   P = exp(exp_scale * x - LSE)                    (ONE activation, always)
 #   p_mask        P -> P                           the band's element masks (causal, windows: ``_p_band``)
@@ -931,33 +948,6 @@ def _transpose_members(c, grp, q_b, dy_b):
 #   prob          P -> the P operand of dV         dropout (its keep multiplier saved for dS)
 #   ds            dP -> dS = (dP [* keep] - D) * P operand
 #   ds_post       dS -> the dS operand of dK, dQ   the logit scale: its gradient's partial sums, dS * scale[h]
-def _bias_alibi(c, tile, item, s):
-    """Score step, ALiBi, logits += -slope * |i + off - j|, generated in the kernel: the distance x = i + off - j
-    is ONE GpSimdE iota (exact integers in fp32), then ONE VectorE ``scalar_tensor_tensor`` data + x * coef, with
-    coef = -slope / e (``item.slopes``, per query head, the exp's scale e divided out). Where the tile's
-    band-visible entries lie on one side of the diagonal (every causal tile), |x| = +-x; a tile that straddles it
-    (non-causal) takes one more VectorE op for |x|. Entries outside the band get a wrong bias but are masked
-    after the exp."""
-    g = tile.h
-    neg_col = item.slopes[:, g:g + 1]
-    pos_col = item.slopes_pos[:, g:g + 1]
-    x = nl.ndarray((PMAX, tile.kw), dtype=nl.float32, buffer=nl.sbuf)
-    base = tile.q0 + c.off - tile.k0
-    nisa.iota(dst=x, pattern=[[-1, tile.kw]], offset=base, channel_multiplier=1)
-    # range of x over the tile's entries that the band leaves visible (trace time)
-    x_lo = max(base - (tile.kw - 1), c.off - c.hi_rel)
-    x_hi = min(base + PMAX - 1, c.off - c.lo_rel)
-    out = nl.ndarray((PMAX, tile.kw), dtype=nl.float32, buffer=nl.sbuf)
-    if x_lo >= 0:
-        nisa.scalar_tensor_tensor(dst=out, data=x, op0=nl.multiply, operand0=neg_col, op1=nl.add, operand1=s)
-    elif x_hi <= 0:
-        nisa.scalar_tensor_tensor(dst=out, data=x, op0=nl.multiply, operand0=pos_col, op1=nl.add, operand1=s)
-    else:
-        nisa.tensor_scalar(dst=x, data=x, op0=nl.abs, operand0=0.0, op1=nl.multiply, operand1=neg_col)
-        nisa.tensor_tensor(dst=out, data1=s, data2=x, op=nl.add)
-    return out
-
-
 def _p_band(c, tile, item, p):
     """The band masks on P (GpSimdE ``affine_select``, zero outside), only on the columns a mask can touch: the
     upper side (causal, window_size right: keep key k0+j <= query q0+p + hi_rel) from the first column some row
@@ -1009,19 +999,6 @@ def _scores_packed_trn1(c, tile, item, s):
     return s_sb
 
 
-def _grad_softcap(c, tile, item, p):
-    """Soft-capping's chain rule: dS = (dP - D) * P * (1 - tanh^2(S / cap)), so the dS step gets
-    P * (1 - t^2) (fp32; t saved by ``steps.softcap_scores``): t^2 on GpSimdE, (1 - t^2) * P on VectorE. P
-    itself still feeds the dV matmul."""
-    t = tile.saved["tanh"]
-    u = nl.ndarray((PMAX, tile.kw), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.tensor_tensor(dst=u, data1=t, data2=t, op=nl.multiply, engine=nisa.engine.gpsimd)
-    pc = nl.ndarray((PMAX, tile.kw), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.scalar_tensor_tensor(dst=pc, data=u, op0=nl.subtract, operand0=1.0, reverse0=True, op1=nl.multiply,
-                              operand1=p)
-    return pc
-
-
 def _drop_keep(c, tile, item, p):
     """Dropout: the keep multiplier M / (1 - p) of this [128 x kw] tile, regenerated from the seed exactly as the
     forward made it (``dropout.dropout_scale_keys`` from the member's row words, ``tile.rows``, computed once per
@@ -1058,137 +1035,14 @@ def _ds_plain(c, tile, item, dp):
     return ds
 
 
-def _logit_scale_keep_s(c, tile, item, s):
-    """The logit scale's score step (``steps.logit_scale_scores``), keeping the unscaled S (PSUM) for the
-    gradient: ``tile.saved["s_raw"]`` (the visit's S bank stays live until its dS, as ``psum_banks`` counts;
-    the forward, which holds many tiles' scores at once, keeps none)."""
-    tile.saved["s_raw"] = s
-    return logit_scale_scores(c, tile, item, s)
-
-
-def _ds_logit_scale(c, tile, item, ds):
-    """The logit scale's dS step: with z = lam S the exp's input (``steps.logit_scale_scores``; lam = scale[h]),
-    the float32 dS of z gives its gradient, d lam = softmax_scale * sum dS * S (``_logit_scale_keep_s`` kept S),
-    and the dS operand of dK and dQ,
-    lam dS (rounded ONCE to the matmul dtype: dS reaches this step in float32, ``c.ds_dtype``). Per visit: dS * S
-    (VectorE, S read from PSUM where it still lies), its row sum added into the member's column of
-    ``item.dlogit`` (the rows' partial sums: reduced over rows, query tiles and keys once per work item,
-    ``_store_dlogit``), and lam dS on ScalarE (a per-partition ``scale``)."""
-    h = tile.h
-    prod = nl.ndarray((PMAX, tile.kw), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.tensor_tensor(dst=prod, data1=ds, data2=tile.saved["s_raw"], op=nl.multiply)
-    part = nl.ndarray((PMAX, 1), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.tensor_reduce(dst=part, op=nl.add, data=prod, axis=1)
-    acc = item.dlogit[:, h, tile.t:tile.t + 1]
-    nisa.tensor_tensor(dst=acc, data1=acc, data2=part, op=nl.add)
-    out = nl.ndarray((PMAX, tile.kw), dtype=c.mm_dtype, buffer=nl.sbuf)
-    nisa.activation(dst=out, op=nl.copy, data=ds, scale=item.logit_scale[:, h:h + 1])
-    return out
-
-
-def _zero_dlogit(c, hbm, item):
-    """Work-item start step of the logit scale: the per-row partial sums of its gradient, ``item.dlogit``
-    ``[128, group, nq]`` float32, zeroed."""
-    acc = nl.ndarray((PMAX, c.group, c.nq), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.memset(dst=acc, value=0.0, engine=nisa.engine.gpsimd)
-    item.dlogit = acc
-
-
-def _store_dlogit(c, hbm, item):
-    """Work-item end step of the logit scale: d lam of the kv head's query heads = softmax_scale * the sum of
-    ``item.dlogit`` over query tiles (VectorE) and partitions (GpSimdE), one DMA into ``dlogit_scale[b, heads]``
-    (``[bs, nheads]``; the host sums over the batch for a ``[nheads]`` scale)."""
-    g = c.group
-    red = nl.ndarray((PMAX, g), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.tensor_reduce(dst=red, op=nl.add, data=item.dlogit, axis=2)
-    tot = nl.ndarray((1, g), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.tensor_partition_reduce(dst=tot, op=nl.add, data=red)
-    nisa.tensor_scalar(dst=tot, data=tot, op0=nl.multiply, operand0=c.scale)
-    nisa.dma_copy(dst=hbm.dlogit_scale[item.b, item.kvh * g:(item.kvh + 1) * g], src=tot)
-
-
-def _save_p(c, tile, item, p):
-    """Grad step of the bias gradient (first of the grad steps): keeps the probabilities P for ``_ds_bias``
-    (``tile.saved["p"]``), before soft-capping's chain rule turns the dS operand into P (1 - tanh^2)."""
-    tile.saved["p"] = p
-    return p
-
-
-def _ds_bias(c, tile, item, dp):
-    """dS step when the bias takes a gradient: dL = (dP [* keep] - D) * P in float32, the gradient of the logit
-    the bias is added to (after the scale and the cap), which IS the bias's gradient at this (query, key); ONE
-    DMA writes it into the float32 ``item.dbias`` ``[bs, nheads, seqlen_q, seqlen_k]`` at the tile's place.
-    Then dS for the matmuls, rounded once to the matmul dtype: a GpSimdE cast of dL, or with soft-capping
-    ``(dP - D) * P (1 - tanh^2)`` (the fused op of ``_ds_plain`` on the grad steps' operand). One float32
-    VectorE op and one DMA per tile more than ``_ds_plain`` (a cast on the otherwise idle GpSimdE)."""
-    dl = dp
-    if c.dropout:
-        dl = nl.ndarray((PMAX, tile.kw), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.tensor_tensor(dst=dl, data1=dp, data2=tile.saved["keep"], op=nl.multiply)
-    dsl = nl.ndarray((PMAX, tile.kw), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.scalar_tensor_tensor(dst=dsl, data=dl, op0=nl.subtract, operand0=tile.d_col, op1=nl.multiply,
-                              operand1=tile.saved["p"])
-    nisa.dma_copy(dst=item.dbias[tile.b, tile.hq, tile.q0:tile.q0 + PMAX, tile.k0:tile.k0 + tile.kw], src=dsl)
-    ds = nl.ndarray((PMAX, tile.kw), dtype=c.ds_dtype, buffer=nl.sbuf)
-    if c.softcap > 0.0:
-        nisa.scalar_tensor_tensor(dst=ds, data=dl, op0=nl.subtract, operand0=tile.d_col, op1=nl.multiply,
-                                  operand1=tile.saved["p_ds"])
-    else:
-        nisa.tensor_copy(dst=ds, src=dsl, engine=nisa.engine.gpsimd)
-    return ds
-
-
-def _dbias_zero(c, item):
-    """Work-item step of the bias gradient: zeros into ``item.dbias`` wherever no visit writes dS, i.e. the keys
-    outside the visited 128-key chunks of every (query head, query tile) of the kv head (the band's skipped
-    tiles and trimmed chunks, the rows that see no key), so the output is defined everywhere. One float32
-    ``[128, 512]`` zero tile and one DMA per 512 keys of each gap; the visits' keys come from the trace-time plan
-    (``c.tiles``), in increasing key order."""
-    zero = nl.ndarray((PMAX, K_TILE), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.memset(dst=zero, value=0.0, engine=nisa.engine.gpsimd)
-    for i in range(c.nq):
-        gaps = []
-        pos = 0
-        for s in range(c.n_sections):
-            for kt in c.tiles[s][i]:
-                if kt.k0 > pos:
-                    gaps.append((pos, kt.k0))
-                pos = kt.k1
-        if pos < c.seqlen_k:
-            gaps.append((pos, c.seqlen_k))
-        for g in range(c.group):
-            hq = item.kvh * c.group + g
-            for gap in gaps:
-                a, e = gap
-                for j0 in range(a, e, K_TILE):
-                    j1 = min(j0 + K_TILE, e)
-                    nisa.dma_copy(dst=item.dbias[item.b, hq, i * PMAX:(i + 1) * PMAX, j0:j1], src=zero[:, 0:j1 - j0])
-
-
-def _select_steps(c, attn_bias=None, bias_grad=False):
-    """The steps of this launch (see above), chosen once from the config; ``attn_bias`` adds the bias's score
-    step after the variants', ``bias_grad`` the steps of its gradient (``_save_p``, ``_ds_bias``,
-    ``_dbias_zero``)."""
+def _select_steps(c):
+    """The steps of this launch (see above), chosen once from the config: the score modifications' from their
+    ``score_mods`` rows (the score steps in rank order, every other slot in table order; a row's ``ds`` replaces
+    the dS step), the masks by kind and generation, dropout's."""
     score = []
-    grad = []
-    if bias_grad:
-        grad.append(_save_p)
-    ds_post = []
-    item_start = []
-    item_end = []
-    if c.logit_scale:
-        score.append(_logit_scale_keep_s)
-        ds_post.append(_ds_logit_scale)
-        item_start.append(load_logit_scale)
-        item_start.append(_zero_dlogit)
-        item_end.append(_store_dlogit)
-    if c.softcap > 0.0:
-        score.append(softcap_scores)
-        grad.append(_grad_softcap)
-    if c.alibi:
-        score.append(_bias_alibi)
-    if attn_bias is not None:
-        score.append(bias_scores)
+    for m in SCORE_MODS_BY_RANK:
+        if m.is_on(c.mods):
+            score.extend(m.bwd(c, c.mods).score)
     partial = no_step
     p_mask = []
     if c.packing:
@@ -1204,11 +1058,21 @@ def _select_steps(c, attn_bias=None, bias_grad=False):
     if c.dropout:
         prob.append(_drop_keep)
         ds = _ds_dropout
-    item = []
-    if bias_grad:
-        ds = _ds_bias
-        item.append(_dbias_zero)
-    return Steps(score, no_step, partial, p_mask, prob, grad=grad, ds=ds, item=item, ds_post=ds_post,
+    grad = []
+    ds_post = []
+    item_open = []
+    item_start = []
+    item_end = []
+    for m in c.active:
+        ms = m.bwd(c, c.mods)
+        grad.extend(ms.grad)
+        if ms.ds is not None:
+            ds = ms.ds
+        ds_post.extend(ms.ds_post)
+        item_open.extend(ms.item_open)
+        item_start.extend(ms.item_start)
+        item_end.extend(ms.item_end)
+    return Steps(score, no_step, partial, p_mask, prob, grad=grad, ds=ds, ds_post=ds_post, item_open=item_open,
                  item_start=item_start, item_end=item_end)
 
 
@@ -1322,6 +1186,7 @@ def _visit_a(c, item, steps, sec, grp, mem, v):
                 rows=mem.rows, d_col=item.dsum[:, g, i:i + 1])
     kk = v.k0 - sec.k_lo
     p = _recompute_p(c, item, steps, tile, mem.q, sec.ks, kk, item.neg_lse[:, g, i:i + 1])
+    tile.saved["p"] = p  # P as the exponent and the masks left it, for a step after the grad steps rewrite it
     tile.saved["p_row"] = p if _whole_row(c, i) else None
     tile.saved["p_ds"] = run_steps(c, steps.grad, tile, item, p)
     p_mm = _cast_p(c, run_steps(c, steps.prob, tile, item, p))
@@ -1826,33 +1691,19 @@ def _pipeline(c, hbm, steps, start, end, bounds, seed, ones, ident):
                     f(c, hbm, seg.item)
 
 
-def _alibi_coefs(c, sl):
-    """ALiBi coefficients of the kv head's query heads from the broadcast slopes ``sl`` (``steps.load_slopes``),
-    [128, group] fp32 each: (-slope / e, +slope / e) with e the scale of the exp's input (``c.exp_scale``: the
-    cap with soft-capping). Two ops per work item."""
-    neg = nl.ndarray((PMAX, c.group), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.tensor_scalar(dst=neg, data=sl, op0=nl.multiply, operand0=-1.0 / c.exp_scale)
-    pos = nl.ndarray((PMAX, c.group), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.tensor_scalar(dst=pos, data=sl, op0=nl.multiply, operand0=1.0 / c.exp_scale)
-    return neg, pos
-
-
 def _item_start(c, hbm, steps, w, bounds, seed, ones, ident):
-    """Start work item ``w`` (batch ``w // nheads_kv``, kv head ``w % nheads_kv``): ALiBi coefficients, -LSE of
-    every member, the D tile, the work-item steps (``steps.item``: the bias gradient's zeros), zero dQ for query
-    tiles that see no key, and zero dK / dV for the sections no query tile reaches. Returns its ``steps.Item``."""
+    """Start work item ``w`` (batch ``w // nheads_kv``, kv head ``w % nheads_kv``): the ``item_open`` steps
+    (ALiBi's coefficients), -LSE of every member, the D tile, the ``item_start`` steps (the score modifications'
+    per-head operands and zero fills), zero dQ for query tiles that see no key, and zero dK / dV for the sections
+    no query tile reaches. Returns its ``steps.Item``."""
     b = w // c.nheads_kv
     hk = w % c.nheads_kv
-    neg = None
-    pos = None
-    if c.alibi:
-        neg, pos = _alibi_coefs(c, load_slopes(hbm.alibi_slopes, c.nheads, c.group, b, hk))
-    neg_lse = _load_neg_lse(c, hbm.lse, b, hk)
+    item = Item(b, hk, seed=seed, bounds=bounds, ones=ones, ident=ident)
+    for f in steps.item_open:
+        f(c, hbm, item)
+    item.neg_lse = _load_neg_lse(c, hbm.lse, b, hk)
     dsum = nl.ndarray((PMAX, c.group, c.nq), dtype=nl.float32, buffer=nl.sbuf)  # D, same layout as -LSE
-    item = Item(b, hk, slopes=neg, slopes_pos=pos, seed=seed, bounds=bounds, neg_lse=neg_lse, dsum=dsum, ones=ones,
-                ident=ident, bias=hbm.attn_bias, dbias=hbm.dbias)
-    for f in steps.item:
-        f(c, item)
+    item.dsum = dsum
     for f in steps.item_start:
         f(c, hbm, item)
     if c.no_key_tiles:
@@ -1919,38 +1770,44 @@ def attention_bwd(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref=None, b
 
     Invalid arguments fail the kernel's assert with the message of ``bwd_problem``;
     ``nki_attn.kernel_api.attention_bwd`` raises it as ``ValueError`` instead."""
-    problem = bwd_problem(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref, bound_min, bound_max,
-                          use_causal_mask, mixed_precision, softmax_scale, sliding_window, softcap, alibi_slopes,
-                          window_size, dropout_p, dropout_seed, k_section_len, group_max, block_members_max,
-                          p_cast_on_gpsimd, ds_dma_transpose, attn_bias, bias_grad, block_mask, block_bits,
-                          logit_scale, ds_dma_every, pipe_lead, pipe_lag_b, pipe_lag_d, d_from_o)
+    # the score modifications' arguments, by kernel keyword: everything else about them is read from their
+    # ``score_mods.SCORE_MODS`` rows (a new modification adds its keyword above and its entry here)
+    mods = {"softcap": softcap, "alibi_slopes": alibi_slopes, "attn_bias": attn_bias, "bias_grad": bias_grad,
+            "logit_scale": logit_scale}
+    problem = _bwd_problem(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref, bound_min, bound_max,
+                           use_causal_mask, mixed_precision, softmax_scale, sliding_window, window_size, dropout_p,
+                           dropout_seed, k_section_len, group_max, block_members_max, p_cast_on_gpsimd,
+                           ds_dma_transpose, block_mask, block_bits, ds_dma_every, pipe_lead, pipe_lag_b, pipe_lag_d,
+                           d_from_o, mods)
     assert problem is None, problem
     c = _configure(q_ref, k_ref, sinks_ref, bound_min, use_causal_mask, mixed_precision, softmax_scale,
-                   sliding_window, k_section_len, v_ref, softcap, alibi_slopes, window_size, dropout_p, group_max,
-                   block_members_max, p_cast_on_gpsimd, ds_dma_transpose, block_mask, logit_scale, ds_dma_every,
-                   pipe_lead, pipe_lag_b, pipe_lag_d, d_from_o)
+                   sliding_window, k_section_len, v_ref, window_size, dropout_p, group_max, block_members_max,
+                   p_cast_on_gpsimd, ds_dma_transpose, block_mask, ds_dma_every, pipe_lead, pipe_lag_b, pipe_lag_d,
+                   d_from_o, mods)
     if c.block_mask is not None and c.block_mask.n_slots > 0:
         c.block_mask.bits = block_bits
         c.block_mask.bitsel = block_bitsel()
-    steps = _select_steps(c, attn_bias, bias_grad)
+    steps = _select_steps(c)
     out_dq = nl.ndarray(q_ref.shape, dtype=q_ref.dtype, buffer=nl.shared_hbm)
     out_dk = nl.ndarray(k_ref.shape, dtype=k_ref.dtype, buffer=nl.shared_hbm)
     out_dv = nl.ndarray(v_ref.shape, dtype=v_ref.dtype, buffer=nl.shared_hbm)
     out_dsinks = None
     if c.num_sinks:
         out_dsinks = nl.ndarray(sinks_ref.shape, dtype=nl.float32, buffer=nl.shared_hbm)
-    out_dbias = None
-    if bias_grad:
-        out_dbias = nl.ndarray((c.bs, c.nheads, c.seqlen_q, c.seqlen_k), dtype=nl.float32, buffer=nl.shared_hbm)
-    out_dlogit = None
-    if c.logit_scale:
-        out_dlogit = nl.ndarray(logit_scale.shape, dtype=nl.float32, buffer=nl.shared_hbm)
+    # the score modifications' gradient outputs, in table order (``ScoreMod.grad_out``)
+    outs = [out_dq, out_dk, out_dv]
+    if c.num_sinks:
+        outs.append(out_dsinks)
+    grads = {}
+    for m in c.active:
+        if m.grad_out is not None and m.grad_on(mods):
+            grads[m.name] = m.grad_out(c, mods)
+            outs.append(grads[m.name])
     dq_scratch = None
     if c.dq_scratch:
         dq_scratch = nl.ndarray((1, c.group, c.d_qk, c.seqlen_q), dtype=nl.float32, buffer=nl.private_hbm)
     hbm = Hbm(q_ref, k_ref, v_ref, o=o_ref, dy=dy_ref, lse=lse_ref, sinks=sinks_ref, dq=out_dq, dk=out_dk,
-              dv=out_dv, dsinks=out_dsinks, dq_scratch=dq_scratch, alibi_slopes=alibi_slopes, attn_bias=attn_bias,
-              dbias=out_dbias, logit_scale=logit_scale, dlogit_scale=out_dlogit)
+              dv=out_dv, dsinks=out_dsinks, dq_scratch=dq_scratch, mods=mods, grads=grads)
     seed = None
     if c.dropout:
         seed = load_dropout_seed(dropout_seed)
@@ -1966,18 +1823,4 @@ def attention_bwd(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref=None, b
     if c.n_sections > 1:
         ident = _identity(c)
     _pipeline(c, hbm, steps, start, end, bounds, seed, ones, ident)
-    if c.logit_scale:
-        if c.num_sinks and bias_grad:
-            return out_dq, out_dk, out_dv, out_dsinks, out_dbias, out_dlogit
-        if c.num_sinks:
-            return out_dq, out_dk, out_dv, out_dsinks, out_dlogit
-        if bias_grad:
-            return out_dq, out_dk, out_dv, out_dbias, out_dlogit
-        return out_dq, out_dk, out_dv, out_dlogit
-    if c.num_sinks:
-        if bias_grad:
-            return out_dq, out_dk, out_dv, out_dsinks, out_dbias
-        return out_dq, out_dk, out_dv, out_dsinks
-    if bias_grad:
-        return out_dq, out_dk, out_dv, out_dbias
-    return out_dq, out_dk, out_dv
+    return tuple(outs)

@@ -42,11 +42,10 @@ from ..backend import nisa, nki, nl
 from .band import BlockRows, block_mask_problem, classify_keys
 from .dropout import (dropout_row_keys, dropout_row_keys_members, dropout_values, keep_threshold,
                       load_dropout_seed)
-from .steps import (FP32_MAX, FP32_MIN, K_TILE, PMAX, Hbm, Item, Steps, Tile, bias_scores, block_bitsel,
-                    block_mask_scores, head_dim_tiles, itemsize, load_logit_scale, load_packing_bounds, load_slopes,
-                    logit_scale_scores, mask_step,
-                    run_steps, softcap_scores, spmd_items)
-from .validation import attention_problem, attention_shape, bias_problem, sbuf_bytes_per_partition
+from .score_mods import MOD_KEYWORDS, SCORE_MODS_BY_RANK
+from .steps import (FP32_MAX, FP32_MIN, K_TILE, PMAX, Hbm, Item, Steps, Tile, block_bitsel, block_mask_scores,
+                    head_dim_tiles, itemsize, load_packing_bounds, mask_step, per_member, run_steps, spmd_items)
+from .validation import attention_problem, attention_shape, sbuf_bytes_per_partition
 
 # Defaults of the tuning keywords of ``attention_fwd`` (``kb_tiles``, ``block_members_max``, ``slab_tiles``):
 KB_TILES = 4  # key tiles per key block: the online-softmax statistics are updated once per 2048 keys
@@ -117,7 +116,7 @@ class _FwdConfig(nl.NKIObject):
         self.group = shp.group
         # the scale convention (``steps``): the stored scores are the unscaled float32 S = Q^T K; softmax_scale
         # reaches them only as a float32 factor of the exponent (or of the tanh with soft-capping)
-        # soft-capping c > 0: the stored scores are t = tanh(scale * S / c) (``steps.softcap_scores``) and the
+        # soft-capping c > 0: the stored scores are t = tanh(scale * S / c) (``score_mods.softcap_scores``) and the
         # exponent applies c, so exp(c t + bias) is still the ONE exponent of the softmax
         self.softcap = shp.softcap
         self.cap_scale = shp.scale / shp.softcap if shp.softcap > 0 else 1.0
@@ -126,8 +125,6 @@ class _FwdConfig(nl.NKIObject):
         # VectorE-heavy variant (exact ALiBi, dropout) comes
         self.finish_on_vector = not shp.alibi and shp.dropout_p == 0.0
         self.exp_scale = shp.softcap if shp.softcap > 0 else shp.scale
-        self.alibi = shp.alibi
-        self.logit_scale = shp.logit_scale
         self.dropout_p = shp.dropout_p
         self.o_factor = 1.0 / (1.0 - shp.dropout_p)  # dropout's 1 / (1 - p), applied with 1 / l
         self.io_dtype = io_dtype
@@ -368,100 +365,6 @@ def _mask_affine(cfg, tile, item, s):
 
 
 # ----------------------------------------------------------------------------------------------------- variant steps
-def _alibi_scores(cfg, tile, item, s):
-    """Score step, ALiBi: ``S - slope |i + off - j| / exp_scale`` (the exponent multiplies by exp_scale again).
-    The distance comes from one GpSimd ``iota`` whose signs are chosen at trace time: the tile's pairs all lie on
-    one side of the diagonal (``j <= i + off``: ``i + off - j``; ``j >= i + off``: ``j - i - off``), or every
-    visible pair does (the band ends at the diagonal: causal); only a non-causal tile crossing the diagonal takes
-    ``|d| = max(-d, d)``. Then ONE VectorE ``scalar_tensor_tensor`` (``|d| * -slope/e + S``) from PSUM."""
-    q0 = tile.q0
-    ks = tile.k0
-    w = tile.kw
-    h = tile.h
-    d0 = q0 + cfg.off - ks  # i + off - j at the tile's first query and first key
-    dist = nl.ndarray((PMAX, w), dtype=nl.float32, buffer=nl.sbuf)
-    if ks >= q0 + PMAX - 1 + cfg.off:
-        nisa.iota(dst=dist, pattern=[[1, w]], offset=-d0, channel_multiplier=-1)  # j - i - off >= 0
-    else:
-        nisa.iota(dst=dist, pattern=[[-1, w]], offset=d0, channel_multiplier=1)  # i + off - j
-        if ks + w - 1 > q0 + cfg.off and cfg.hi_rel > cfg.off:
-            # the tile crosses the diagonal and keys right of it are visible: |d|
-            nisa.scalar_tensor_tensor(dst=dist, data=dist, op0=nl.multiply, operand0=-1.0, op1=nl.maximum,
-                                      operand1=dist)
-    out = nl.ndarray((PMAX, w), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.scalar_tensor_tensor(dst=out, data=dist, op0=nl.multiply, operand0=item.slopes[:, h:h + 1], op1=nl.add,
-                              operand1=s)
-    return out
-
-
-def _alibi_matmul(cfg, tile, item, s):
-    """Score step, ALiBi by TensorE (causal, bfloat16): with every visible key left of the diagonal the bias is
-    ``-slope (i + off) + slope j``; the first term is a per-row constant, which the softmax ignores and
-    ``_alibi_lse`` subtracts from the LSE at the end (FlashAttention's causal ALiBi does the same). The second,
-    ``slope j / exp_scale``, is added to the scores in PSUM by ONE more matmul accumulating onto QK: stationary
-    ``item.alibi_st[h]`` (the slope as three bfloat16 parts on partitions 0-2 and 32-34), moving the key-position
-    table of the key block (``_alibi_positions``: ``j = 256 jh + jl`` as exact bfloat16 rows), so every product
-    is exact and the sum is float32."""
-    ks = tile.k0
-    w = tile.kw
-    kbw = cfg.kb_tiles * K_TILE
-    col = ks - (ks // kbw) * kbw
-    nisa.nc_matmul(dst=s, stationary=item.alibi_st[tile.h], moving=item.pos_tab[:, col:col + w])
-    return s
-
-
-def _alibi_positions(cfg, kt0, item):
-    """Key-block step of ``_alibi_matmul``: the key positions ``j = k0 + x`` of the key block starting at key
-    ``k0 = kt0 * 512`` as bfloat16 rows of ``item.pos_tab``: rows 0-2 ``256 floor(j / 256)``, rows 32-34
-    ``j mod 256`` (both exact in bfloat16); rows 3-31 stay 0 (set once per launch)."""
-    k0 = kt0 * K_TILE
-    kbw = cfg.kb_tiles * K_TILE
-    nisa.iota(dst=item.pos_tab[0:3, :], pattern=[[256, kbw // 256], [0, 256]], offset=k0, channel_multiplier=0)
-    nisa.iota(dst=item.pos_tab[32:35, :], pattern=[[0, kbw // 256], [1, 256]], offset=0, channel_multiplier=0)
-
-
-def _alibi_stationaries(cfg, slope_e):
-    """Per query head of the group a bfloat16 ``[35, 128]`` stationary for ``_alibi_matmul``: ``slope / e``
-    split into three bfloat16 parts ``s1 + s2 + s3`` (float32-exact), on partitions 0-2 and again 32-34 (the
-    rows that meet the high and the low part of the key position), zero elsewhere. Built as ``[128, 35]``
-    columns and transposed by TensorE (a partition slice may only start at 0/32/64/96)."""
-    g = cfg.group
-    parts = nl.ndarray((PMAX, g, 3), dtype=nl.bfloat16, buffer=nl.sbuf)
-    rest = nl.ndarray((PMAX, g), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.tensor_copy(dst=parts[:, :, 0], src=slope_e)
-    nisa.tensor_tensor(dst=rest, data1=slope_e, data2=parts[:, :, 0], op=nl.subtract)
-    nisa.tensor_copy(dst=parts[:, :, 1], src=rest)
-    nisa.tensor_tensor(dst=rest, data1=rest, data2=parts[:, :, 1], op=nl.subtract)
-    nisa.tensor_copy(dst=parts[:, :, 2], src=rest)
-    cols = nl.ndarray((PMAX, 35), dtype=nl.bfloat16, buffer=nl.sbuf)
-    nisa.memset(dst=cols, value=0.0, engine=nisa.engine.gpsimd)
-    out = []
-    for h in range(g):
-        nisa.tensor_copy(dst=cols[:, 0:3], src=parts[:, h, :])
-        nisa.tensor_copy(dst=cols[:, 32:35], src=parts[:, h, :])
-        st_ps = nl.ndarray((35, PMAX), dtype=nl.bfloat16, buffer=nl.psum)
-        nisa.nc_transpose(dst=st_ps, data=cols)
-        st = nl.ndarray((35, PMAX), dtype=nl.bfloat16, buffer=nl.sbuf)
-        nisa.tensor_copy(dst=st, src=st_ps)
-        out.append(st)
-    return out
-
-
-def _alibi_lse(cfg, t0, j0, lse_real, item):
-    """Finishing step of ``_alibi_matmul``: add the dropped per-row term ``-slope (i + off)`` to the LSE of the
-    block's members (member j: query tile ``t0 + j // group``, head ``j % group``)."""
-    g = cfg.group
-    n = lse_real.shape[1]
-    qpos = nl.ndarray((PMAX, n), dtype=nl.float32, buffer=nl.sbuf)
-    first = (t0 + j0 // g) * PMAX + cfg.off
-    if g <= cfg.block_members_max:
-        nisa.iota(dst=qpos, pattern=[[PMAX, n // g], [0, g]], offset=first, channel_multiplier=1)
-    else:
-        nisa.iota(dst=qpos, pattern=[[0, n]], offset=first, channel_multiplier=1)
-    nisa.tensor_tensor(dst=qpos, data1=qpos, data2=_per_member(cfg, item.slopes, j0, n), op=nl.multiply)
-    nisa.tensor_tensor(dst=lse_real, data1=lse_real, data2=qpos, op=nl.add)
-
-
 def _dropout_slab(cfg, b, kvh, t0, n_tiles, item):
     """Slab step of dropout: the hash's row words (``dropout.dropout_row_keys_members``, keys below 65536) of
     every member of the slab at once, as uint32 ``[128, members, 4]`` (member j: query tile ``t0 + j // group``,
@@ -496,26 +399,11 @@ def _dropout_probs(cfg, tile, item, p):
     return p
 
 
-def _alibi_coefs(cfg, sl):
-    """The forward's ALiBi operands from the broadcast slopes ``sl`` (``steps.load_slopes``): for
-    ``_alibi_scores`` ``(-slope / exp_scale, None)`` (the factor it multiplies the distance by), for
-    ``_alibi_matmul`` ``(-slope, stationaries)`` (``-slope`` for the LSE correction)."""
-    g = cfg.group
-    if cfg.alibi_mm:
-        # -slope for the LSE correction; slope / e for the stationaries
-        slope_e = nl.ndarray((PMAX, g), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.tensor_scalar(dst=slope_e, data=sl, op0=nl.multiply, operand0=1.0 / cfg.exp_scale)
-        nisa.tensor_scalar(dst=sl, data=sl, op0=nl.multiply, operand0=-1.0)
-        return sl, _alibi_stationaries(cfg, slope_e)
-    nisa.tensor_scalar(dst=sl, data=sl, op0=nl.multiply, operand0=-1.0 / cfg.exp_scale)
-    return sl, None
-
-
-def _select_steps(cfg, attn_bias=None):
-    """The launch's steps (``steps`` protocol): the score steps of the variants in the order of the semantics
-    (the logit scale, soft-capping, then ALiBi, then the additive bias ``attn_bias``), the masking steps by
-    generation and mask kind, the probability steps (dropout). The default launch has no score or probability
-    step."""
+def _select_steps(cfg):
+    """The launch's steps (``steps`` protocol): the score modifications' steps from their ``score_mods`` rows
+    (the score steps in rank order: the logit scale, soft-capping, ALiBi, the additive bias; every other slot in
+    table order), the masking steps by generation and mask kind, the probability steps (dropout). The default
+    launch has no score or probability step."""
     partial = _mask_affine
     if cfg.mask == "bounds":
         partial = _mask_bounds
@@ -524,28 +412,25 @@ def _select_steps(cfg, attn_bias=None):
     if cfg.block_mask is not None:
         partial = block_mask_scores
     score = []
+    for m in SCORE_MODS_BY_RANK:
+        if m.is_on(cfg.shp.mods):
+            score.extend(m.fwd(cfg, cfg.shp.mods).score)
     key_block = []
     lse = []
-    if cfg.alibi_mm:
-        score.append(_alibi_matmul)
-        key_block.append(_alibi_positions)
-        lse.append(_alibi_lse)
+    launch = []
     item_start = []
-    if cfg.logit_scale:
-        score.append(logit_scale_scores)
-        item_start.append(load_logit_scale)
-    if cfg.softcap > 0:
-        score.append(softcap_scores)
-    if cfg.alibi and not cfg.alibi_mm:
-        score.append(_alibi_scores)
-    if attn_bias is not None:
-        score.append(bias_scores)
+    for m in cfg.shp.active:
+        ms = m.fwd(cfg, cfg.shp.mods)
+        key_block.extend(ms.key_block)
+        lse.extend(ms.lse)
+        launch.extend(ms.launch)
+        item_start.extend(ms.item_start)
     prob = []
     rows = None
     if cfg.dropout_p > 0:
         prob.append(_dropout_probs)
         rows = _dropout_slab
-    return Steps(score, _evict_max, partial, [], prob, key_block=key_block, lse=lse, rows=rows,
+    return Steps(score, _evict_max, partial, [], prob, key_block=key_block, lse=lse, rows=rows, launch=launch,
                  item_start=item_start)
 
 
@@ -601,17 +486,6 @@ def _sink_stats(cfg, sinks_ref, b, kvh):
         nisa.activation(dst=sink_p[:, h, :], op=nl.exp, data=sink[:, h, :], bias=neg_max[:, h:h + 1], scale=1.0,
                         reduce_op=nl.add, reduce_res=l0[:, h:h + 1], reduce_cmd=nisa.reduce_cmd.reset_reduce)
     return m0, l0
-
-
-def _per_member(cfg, stat, j0, n_members):
-    """View of a per-head ``[128, group]`` statistic in the member order of the block starting at member ``j0``
-    (member j is head ``j % group``): whole query tiles repeat the group (stride-0 pattern), a block inside one
-    query tile is a slice."""
-    group = cfg.group
-    if group <= cfg.block_members_max:
-        return stat.ap(pattern=[[group, PMAX], [0, n_members // group], [1, group]], offset=0)
-    h0 = j0 % group
-    return stat[:, h0:h0 + n_members]
 
 
 def _blocks(cfg, n_tiles):
@@ -984,21 +858,16 @@ def _update_sum(cfg, l_sum, alpha, rs):
 
 
 # ----------------------------------------------------------------------------------------------------- opening work
-def _open_item(cfg, hbm, sinks_ref, alibi_slopes, launch, steps, work):
-    """The work item's runtime tiles (``steps.Item``): sink statistics, ALiBi coefficients, then the steps'
-    ``item_start`` hooks (the logit scale's per-head column); ``launch``: the launch-wide ``Item`` (seed, bounds,
-    position table)."""
+def _open_item(cfg, hbm, sinks_ref, launch, steps, work):
+    """The work item's runtime tiles (``steps.Item``): sink statistics, then the steps' ``item_start`` hooks (the
+    score modifications' per-head operands: ALiBi's coefficients, the logit scale's column); ``launch``: the
+    launch-wide ``Item`` (seed, bounds, ALiBi's position table)."""
     b = work.b
     kvh = work.kvh
     sink_stats = None
     if cfg.shp.num_sinks > 0:
         sink_stats = _sink_stats(cfg, sinks_ref, b, kvh)
-    slopes = None
-    alibi_st = None
-    if cfg.alibi:
-        slopes, alibi_st = _alibi_coefs(cfg, load_slopes(alibi_slopes, cfg.shp.nheads, cfg.group, b, kvh))
-    work.item = Item(b, kvh, slopes=slopes, seed=launch.seed, bounds=launch.bounds, alibi_st=alibi_st,
-                     pos_tab=launch.pos_tab, sinks=sink_stats, bias=launch.bias)
+    work.item = Item(b, kvh, seed=launch.seed, bounds=launch.bounds, pos_tab=launch.pos_tab, sinks=sink_stats)
     for f in steps.item_start:
         f(cfg, hbm, work.item)
 
@@ -1054,21 +923,21 @@ def _start_block(cfg, blk):
         if len(plan) == 0 or plan[0].gaps:
             nisa.memset(dst=pm, value=FP32_MIN, engine=nisa.engine.gpsimd)
         m0, l0 = item.sinks
-        nisa.tensor_copy(dst=pm[:, :, cfg.kb_tiles], src=_per_member(cfg, m0, j0, n))
-        nisa.tensor_copy(dst=l_sum, src=_per_member(cfg, l0, j0, n))
+        nisa.tensor_copy(dst=pm[:, :, cfg.kb_tiles], src=per_member(cfg, m0, j0, n))
+        nisa.tensor_copy(dst=l_sum, src=per_member(cfg, l0, j0, n))
     blk.started = started
     blk.pm = pm
     blk.l_sum = l_sum
 
 
-def _load_unit(cfg, hbm, sinks_ref, alibi_slopes, launch, steps, unit):
+def _load_unit(cfg, hbm, sinks_ref, launch, steps, unit):
     """Open what ``unit`` needs (its work item, slab and block when it is their first) and load its K and V
     (the union of the members' visible chunks) one pipeline segment before its scores."""
     blk = unit.blk
     slab = blk.slab
     work = slab.work
     if work.item is None:
-        _open_item(cfg, hbm, sinks_ref, alibi_slopes, launch, steps, work)
+        _open_item(cfg, hbm, sinks_ref, launch, steps, work)
     if not slab.opened:
         _open_slab(cfg, hbm, steps, slab)
     if unit.first:
@@ -1412,7 +1281,7 @@ def _make_room(cfg, hbm, steps, pipe):
             _run_later(cfg, hbm, steps, pipe, True)
 
 
-def _attend_all(cfg, hbm, sinks_ref, alibi_slopes, launch, steps, units):
+def _attend_all(cfg, hbm, sinks_ref, launch, steps, units):
     """The software pipeline over ``units``: while unit n is in phase 3 (exponents, P^T, PV), unit n + 1 is
     scored (phase 1, its phase 2 as soon as its last score is out) and unit n + 2's K and V are loaded, so each
     engine's instruction stream always holds independent work (engines run their streams in order). PV runs
@@ -1423,7 +1292,7 @@ def _attend_all(cfg, hbm, sinks_ref, alibi_slopes, launch, steps, units):
     for n in range(min(2, n_units)):
         if not units[n].blk.slab.opened:
             pipe.live_slabs = pipe.live_slabs + 1
-        _load_unit(cfg, hbm, sinks_ref, alibi_slopes, launch, steps, units[n])
+        _load_unit(cfg, hbm, sinks_ref, launch, steps, units[n])
     for n in range(n_units + 1):
         cur = None
         if n < n_units:
@@ -1435,7 +1304,7 @@ def _attend_all(cfg, hbm, sinks_ref, alibi_slopes, launch, steps, units):
             if not units[n + 2].blk.slab.opened:
                 _make_room(cfg, hbm, steps, pipe)
                 pipe.live_slabs = pipe.live_slabs + 1
-            _load_unit(cfg, hbm, sinks_ref, alibi_slopes, launch, steps, units[n + 2])
+            _load_unit(cfg, hbm, sinks_ref, launch, steps, units[n + 2])
         n1 = 0
         if cur is not None and cur.kb is not None:
             n1 = len(cur.jobs)
@@ -1512,17 +1381,30 @@ def _nonnegative_int_problem(name, value):
 
 
 def fwd_problem(q_ref, k_ref, v_ref, sinks_ref=None, bound_min=None, bound_max=None, use_causal_mask=False,
-                mixed_precision=True, softmax_scale=None, sliding_window=None, softcap=0.0, alibi_slopes=None,
-                window_size=None, dropout_p=0.0, dropout_seed=None, kb_tiles=None, block_members_max=None,
-                slab_tiles=None, attn_bias=None, block_mask=None, block_bits=None, p_dma_period=None,
-                pv_lag=None, logit_scale=None):
-    """``None`` when ``attention_fwd`` accepts these arguments, else the first problem as a message. The kernel
-    asserts on it; ``nki_attn.kernel_api.attention_fwd`` raises it as ``ValueError`` before launching."""
+                mixed_precision=True, softmax_scale=None, sliding_window=None, window_size=None, dropout_p=0.0,
+                dropout_seed=None, kb_tiles=None, block_members_max=None, slab_tiles=None, block_mask=None,
+                block_bits=None, p_dma_period=None, pv_lag=None, **mods):
+    """``None`` when ``attention_fwd`` accepts these arguments, else the first problem as a message (host side:
+    ``nki_attn.kernel_api.attention_fwd`` raises it as ``ValueError`` before launching). The score modifications'
+    keywords (``softcap``, ``alibi_slopes``, ``attn_bias``, ``logit_scale``: ``score_mods.MOD_KEYWORDS``) come
+    as ``mods``; TypeError for a keyword neither the kernel nor the table has."""
+    for key in mods:
+        if key not in MOD_KEYWORDS or key == "bias_grad":
+            raise TypeError(f"fwd_problem() got an unexpected keyword argument {key!r}")
+    return _fwd_problem(q_ref, k_ref, v_ref, sinks_ref, bound_min, bound_max, use_causal_mask, mixed_precision,
+                        softmax_scale, sliding_window, window_size, dropout_p, dropout_seed, kb_tiles,
+                        block_members_max, slab_tiles, block_mask, block_bits, p_dma_period, pv_lag, mods)
+
+
+def _fwd_problem(q_ref, k_ref, v_ref, sinks_ref, bound_min, bound_max, use_causal_mask, mixed_precision,
+                 softmax_scale, sliding_window, window_size, dropout_p, dropout_seed, kb_tiles, block_members_max,
+                 slab_tiles, block_mask, block_bits, p_dma_period, pv_lag, mods):
+    """``fwd_problem`` in kernel code (the kernel asserts on it): ``mods`` the score modifications' arguments by
+    kernel keyword."""
     problem = attention_problem(q_ref, k_ref, v_ref, sinks=sinks_ref, bound_min=bound_min, bound_max=bound_max,
                                 use_causal_mask=use_causal_mask, softmax_scale=softmax_scale,
-                                sliding_window=sliding_window, softcap=softcap, alibi_slopes=alibi_slopes,
-                                window_size=window_size, dropout_p=dropout_p, dropout_seed=dropout_seed,
-                                kernel="attention_fwd", logit_scale=logit_scale)
+                                sliding_window=sliding_window, window_size=window_size, dropout_p=dropout_p,
+                                dropout_seed=dropout_seed, mods=mods, kernel="attention_fwd")
     if problem is None and not isinstance(mixed_precision, bool):
         problem = f"mixed_precision={mixed_precision!r} must be True or False"
     if problem is None:
@@ -1531,8 +1413,6 @@ def fwd_problem(q_ref, k_ref, v_ref, sinks_ref=None, bound_min=None, bound_max=N
         problem = _positive_int_problem("block_members_max", block_members_max)
     if problem is None:
         problem = _positive_int_problem("slab_tiles", slab_tiles)
-    if problem is None:
-        problem = bias_problem(attn_bias, q_ref.shape[0], q_ref.shape[1], q_ref.shape[3], k_ref.shape[3])
     if problem is None:
         masked = use_causal_mask or sliding_window is not None or window_size is not None or bound_min is not None
         problem = block_mask_problem(block_mask, block_bits, q_ref.shape[3], k_ref.shape[3], q_ref.shape[0],
@@ -1545,14 +1425,13 @@ def fwd_problem(q_ref, k_ref, v_ref, sinks_ref=None, bound_min=None, bound_max=N
 
 
 def _setup_config(q_ref, k_ref, v_ref, sinks_ref, bound_min, use_causal_mask, mixed_precision, softmax_scale,
-                  sliding_window, softcap, alibi_slopes, window_size, dropout_p, kb_tiles, block_members_max,
-                  slab_tiles, block_mask=None, p_dma_period=None, pv_lag=None, logit_scale=None):
+                  sliding_window, window_size, dropout_p, kb_tiles, block_members_max, slab_tiles, block_mask=None,
+                  p_dma_period=None, pv_lag=None, mods=None):
     """The launch's ``_FwdConfig``, built once from the kernel's (valid) arguments; ``block_mask`` its
-    ``band.BlockRows`` (or None)."""
+    ``band.BlockRows`` (or None); ``mods`` the score modifications' arguments by kernel keyword."""
     shp = attention_shape(q_ref, k_ref, sinks=sinks_ref, bound_min=bound_min, use_causal_mask=use_causal_mask,
-                          softmax_scale=softmax_scale, sliding_window=sliding_window, v=v_ref, softcap=softcap,
-                          alibi_slopes=alibi_slopes, window_size=window_size, dropout_p=dropout_p,
-                          logit_scale=logit_scale)
+                          softmax_scale=softmax_scale, sliding_window=sliding_window, v=v_ref,
+                          window_size=window_size, dropout_p=dropout_p, mods=mods)
     range_select_ok = nisa.get_nc_version() >= nisa.nc_version.gen3  # range_select exists on trn2+
     acc_dtype = nl.float32 if mixed_precision else q_ref.dtype
     cfg = _FwdConfig(shp, q_ref.dtype, acc_dtype, range_select_ok, v_ref.shape[2], kb_tiles, block_members_max,
@@ -1601,7 +1480,7 @@ def attention_fwd(q_ref, k_ref, v_ref, sinks_ref=None, bound_min=None, bound_max
             result does not change.
         attn_bias: optional float32 / bfloat16 / float16 ``[bb, hb, sqb, skb]``, each dim 1 (broadcast) or the
             call's ``[bs, nheads, seqlen_q, seqlen_k]``: added to the scaled (and capped) scores, after ALiBi
-            (``steps.bias_scores``; rows are query positions, columns keys, in the kernel's padded lengths).
+            (``score_mods.bias_scores``; rows are query positions, columns keys, in the kernel's padded lengths).
         block_mask, block_bits: a block mask (docs/masks.md): trace-time ``(n_b, n_h, rows)`` (n_b 1 or bs, n_h
             1 or nheads; ``rows[t][c]`` the class ``band.BLOCK_*`` of query tile t and 128-key chunk c over all
             (batch, head) pairs) and the uint8 HBM bitmap store of its PARTIAL key tiles (``band`` "Block
@@ -1612,39 +1491,38 @@ def attention_fwd(q_ref, k_ref, v_ref, sinks_ref=None, bound_min=None, bound_max
     Returns:
         o: ``[bs, nheads, d_v, seqlen_q]`` in q's dtype; lse: float32 ``[bs, nheads, 128, seqlen_q // 128]``.
     """
-    problem = fwd_problem(q_ref, k_ref, v_ref, sinks_ref, bound_min, bound_max, use_causal_mask, mixed_precision,
-                          softmax_scale, sliding_window, softcap, alibi_slopes, window_size, dropout_p, dropout_seed,
-                          kb_tiles, block_members_max, slab_tiles, attn_bias, block_mask, block_bits, p_dma_period,
-                          pv_lag, logit_scale)
+    # the score modifications' arguments, by kernel keyword: everything else about them is read from their
+    # ``score_mods.SCORE_MODS`` rows (a new modification adds its keyword above and its entry here)
+    mods = {"softcap": softcap, "alibi_slopes": alibi_slopes, "attn_bias": attn_bias, "logit_scale": logit_scale}
+    problem = _fwd_problem(q_ref, k_ref, v_ref, sinks_ref, bound_min, bound_max, use_causal_mask, mixed_precision,
+                           softmax_scale, sliding_window, window_size, dropout_p, dropout_seed, kb_tiles,
+                           block_members_max, slab_tiles, block_mask, block_bits, p_dma_period, pv_lag, mods)
     assert problem is None, problem
     cfg = _setup_config(q_ref, k_ref, v_ref, sinks_ref, bound_min, use_causal_mask, mixed_precision, softmax_scale,
-                        sliding_window, softcap, alibi_slopes, window_size, dropout_p, kb_tiles, block_members_max,
-                        slab_tiles, block_mask, p_dma_period, pv_lag, logit_scale)
+                        sliding_window, window_size, dropout_p, kb_tiles, block_members_max, slab_tiles, block_mask,
+                        p_dma_period, pv_lag, mods)
     if cfg.block_mask is not None and cfg.block_mask.n_slots > 0:
         cfg.block_mask.bits = block_bits
         cfg.block_mask.bitsel = block_bitsel()
     shp = cfg.shp
-    steps = _select_steps(cfg, attn_bias)
+    steps = _select_steps(cfg)
 
     o_ref = nl.ndarray((shp.bs, shp.nheads, cfg.d_v, shp.seqlen_q), dtype=q_ref.dtype, buffer=nl.shared_hbm)
     lse_ref = nl.ndarray((shp.bs, shp.nheads, PMAX, cfg.n_qt), dtype=nl.float32, buffer=nl.shared_hbm)
-    hbm = Hbm(q_ref, k_ref, v_ref, o=o_ref, lse=lse_ref, logit_scale=logit_scale)
+    hbm = Hbm(q_ref, k_ref, v_ref, o=o_ref, lse=lse_ref, mods=mods)
     start, stop = spmd_items(shp.bs * shp.nheads_kv)
 
     seed_sb = None
     if cfg.dropout_p > 0:
         seed_sb = load_dropout_seed(dropout_seed)
-    pos_tab = None
-    if cfg.alibi_mm:
-        pos_tab = nl.ndarray((35, cfg.kb_tiles * K_TILE), dtype=nl.bfloat16, buffer=nl.sbuf)
-        nisa.memset(dst=pos_tab, value=0.0, engine=nisa.engine.gpsimd)  # rows 3-31 stay 0
-    bounds = None
+    launch = Item(0, 0, seed=seed_sb)
+    for f in steps.launch:
+        f(cfg, hbm, launch)
     if cfg.masked and cfg.mask != "affine":
-        bounds = _load_bounds(cfg, bound_min, bound_max)
+        launch.bounds = _load_bounds(cfg, bound_min, bound_max)
     slabs = []
     for t0 in range(0, cfg.n_qt, cfg.slab_tiles):
         slabs.append((t0, min(t0 + cfg.slab_tiles, cfg.n_qt)))
-    launch = Item(0, 0, seed=seed_sb, bounds=bounds, pos_tab=pos_tab, bias=attn_bias)
     units = _plan_units(cfg, start, stop, slabs)
-    _attend_all(cfg, hbm, sinks_ref, alibi_slopes, launch, steps, units)
+    _attend_all(cfg, hbm, sinks_ref, launch, steps, units)
     return o_ref, lse_ref

@@ -11,8 +11,8 @@ position and band classification, fixed at trace time), ``item`` the ``Item`` of
 kernel picks its steps ONCE per launch from its config into a ``Steps`` object; the drivers run the lists in
 order and never test a variant. The stages, in the order a tile goes through them:
 
-    score         S -> S           before the exponent: the logit scale (``logit_scale_scores``), soft-capping
-                                   (``softcap_scores``), ALiBi, the additive bias (``bias_scores``)
+    score         S -> S           before the exponent: the score modifications (``score_mods.SCORE_MODS``: the
+                                   logit scale, soft-capping, ALiBi, the additive bias), in rank order
     mask_full     S -> S           masking of a FULL tile (forward: the eviction with the row max; backward: none)
     mask_partial  S -> S           masking of a PARTIAL tile (packing bounds; forward: also the band and the
                                    block mask's bitmap, ``block_mask_scores``)
@@ -24,12 +24,15 @@ order and never test a variant. The stages, in the order a tile goes through the
                                    gradient it also writes dS of the logits to HBM)
     ds_post       dS -> dS         backward: the dS operand of dK / dQ (the logit scale's ``dS * scale[h]``)
 
-and the backward's ``item`` steps ``f(cfg, item)``, once per work item (the bias gradient's zero fill).
+and the hooks ``f(cfg, hbm, item)`` once per launch or work item (``Steps``: ``launch``, ``item_open``,
+``item_start``, ``item_end``).
 
 A step that needs what an earlier one made for the same tile reads it from ``tile.saved`` (a dict: soft-capping's
-tanh for its gradient, dropout's keep multiplier for dS). The per-head logit scale is the worked example: one
-score step ``S -> S * scale[h]`` (``logit_scale_scores``, the same function in both kernels) reading a column of
-``item``, and in the backward one ``ds_post`` step for its gradient and the scale of dS (``attention_bwd``).
+tanh for its gradient, dropout's keep multiplier for dS, P as the exponent left it). Each score modification is
+declared ONCE, as a row of ``score_mods.SCORE_MODS`` naming its steps in both kernels by the stages above, its
+argument check, its backward SBUF bytes and its gradient output; the per-head logit scale is the worked example
+(one score step ``S -> S * scale[h]``, ``score_mods.logit_scale_scores``, the same function in both kernels,
+and in the backward one ``ds_post`` step for its gradient and the scale of dS).
 
 **The scale convention** (both kernels, no switch): ``softmax_scale`` is applied in float32, never to an
 input-dtype operand. The score matmul gives the unscaled S = Q^T K in float32 PSUM; the forward takes its row max
@@ -83,13 +86,13 @@ class Item(nl.NKIObject):
     ``[128, n_qt]``; ``seed`` the dropout seed tile; ``sinks`` the forward's starting statistics ``(m0, l0)``
     from the sinks; the backward's row statistics ``neg_lse`` / ``dsum`` ``[128, group, nq]`` (-LSE and D of
     every member), its D matmul's ``ones`` column and its dQ reload's ``ident`` identity (launch-wide); ``bias``
-    the additive bias in HBM and ``dbias`` the backward's float32 HBM output of its gradient (``bias_scores``);
-    ``logit_scale`` the per-head logit scale ``[128, group]`` (``load_slopes``' broadcast) and ``dlogit`` the
-    backward's per-row partial sums of its gradient ``[128, group, nq]``."""
+    the additive bias in HBM and ``dbias`` the backward's float32 HBM output of its gradient (``bias_scores``).
+    ``state``: a score modification's own per-item operands by name, set by its ``item_start`` steps (the
+    per-head logit scale's ``state["logit_scale"]`` ``[128, group]`` and the backward's ``state["dlogit"]``
+    ``[128, group, nq]``): a new modification needs no new field here."""
 
     def __init__(self, b, kvh, slopes=None, slopes_pos=None, seed=None, bounds=None, alibi_st=None, pos_tab=None,
-                 sinks=None, neg_lse=None, dsum=None, ones=None, ident=None, bias=None, dbias=None, logit_scale=None,
-                 dlogit=None):
+                 sinks=None, neg_lse=None, dsum=None, ones=None, ident=None, bias=None, dbias=None):
         self.b = b
         self.kvh = kvh
         self.slopes = slopes
@@ -105,21 +108,20 @@ class Item(nl.NKIObject):
         self.ident = ident
         self.bias = bias
         self.dbias = dbias
-        self.logit_scale = logit_scale
-        self.dlogit = dlogit
+        self.state = {}
 
 
 class Hbm(nl.NKIObject):
     """The HBM tensors of one launch, inputs and outputs (None when the kernel has no such tensor): q ``[bs,
     nheads, d_qk, seqlen_q]``, k ``[bs, nheads_kv, d_qk, seqlen_k]``, v ``[bs, nheads_kv, d_v, seqlen_k]``, o /
     dy ``[bs, nheads, d_v, seqlen_q]``, lse ``[bs, nheads, 128, seqlen_q // 128]``, sinks; the backward's
-    gradients dq, dk, dv, dsinks shaped like their inputs and its fp32 dQ scratch; alibi_slopes ``[bs,
-    nheads]``; attn_bias ``[bb, hb, sqb, skb]`` (each 1 or the full size) and the backward's dbias float32
-    ``[bs, nheads, seqlen_q, seqlen_k]``; logit_scale ``[bs, nheads]`` float32 and the backward's dlogit_scale (same
-    shape)."""
+    gradients dq, dk, dv, dsinks shaped like their inputs and its fp32 dQ scratch. ``mods``: the score
+    modifications' kernel arguments by keyword (``score_mods``: e.g. ``mods["attn_bias"]``); ``grads``: the
+    backward's gradient outputs of the score modifications by their name (``grads["logit_scale"]``: float32
+    ``[bs, nheads]``)."""
 
     def __init__(self, q, k, v, o=None, dy=None, lse=None, sinks=None, dq=None, dk=None, dv=None, dsinks=None,
-                 dq_scratch=None, alibi_slopes=None, attn_bias=None, dbias=None, logit_scale=None, dlogit_scale=None):
+                 dq_scratch=None, mods=None, grads=None):
         self.q = q
         self.k = k
         self.v = v
@@ -132,23 +134,25 @@ class Hbm(nl.NKIObject):
         self.dv = dv
         self.dsinks = dsinks
         self.dq_scratch = dq_scratch
-        self.alibi_slopes = alibi_slopes
-        self.attn_bias = attn_bias
-        self.dbias = dbias
-        self.logit_scale = logit_scale
-        self.dlogit_scale = dlogit_scale
+        self.mods = mods
+        if mods is None:
+            self.mods = {}
+        self.grads = grads
+        if grads is None:
+            self.grads = {}
 
 
 class Steps(nl.NKIObject):
     """The steps of one launch, chosen once from the config (module docstring): lists run in order, or one
     function per tile kind. ``key_block`` / ``lse`` / ``rows`` are the forward's once-per-key-block, LSE and
-    per-slab row-state steps (``_alibi_positions``, ``_alibi_lse``, ``_dropout_slab``); ``item``: the
-    backward's once-per-work-item steps ``f(cfg, item)`` (the bias gradient's zero fill). ``ds_post``: the
-    backward's dS steps; ``item_start`` / ``item_end``: functions ``f(cfg, hbm, item)`` run when a work item starts
-    (loading its per-head operands into ``item``) and ends (writing per-head results)."""
+    per-slab row-state steps (``score_mods._alibi_positions``, ``score_mods._alibi_lse``, ``_dropout_slab``).
+    ``ds_post``: the backward's dS steps. The per-launch and per-work-item hooks ``f(cfg, hbm, item)``:
+    ``launch`` (once per launch, on the launch-wide ``Item``), ``item_open`` (the backward: before the work
+    item's own loads), ``item_start`` (after them: loading per-head operands into ``item``, zero fills) and
+    ``item_end`` (writing per-head results)."""
 
     def __init__(self, score, mask_full, mask_partial, p_mask, prob, grad=None, ds=None, key_block=None, lse=None,
-                 rows=None, item=None, ds_post=None, item_start=None, item_end=None):
+                 rows=None, ds_post=None, launch=None, item_open=None, item_start=None, item_end=None):
         self.score = score
         self.mask_full = mask_full
         self.mask_partial = mask_partial
@@ -159,10 +163,9 @@ class Steps(nl.NKIObject):
         self.key_block = key_block
         self.lse = lse
         self.rows = rows
-        self.item = item
-        if item is None:
-            self.item = []
         self.ds_post = ds_post
+        self.launch = launch
+        self.item_open = item_open
         self.item_start = item_start
         self.item_end = item_end
 
@@ -186,78 +189,6 @@ def no_step(cfg, tile, item, x):
     return x
 
 
-# ----------------------------------------------------------------------------------------------- shared steps
-def softcap_scores(cfg, tile, item, s):
-    """Score step, soft-capping: ``t = tanh(cap_scale * S)`` (ONE ScalarE activation, PSUM -> float32 SBUF). With
-    ``c`` the cap, ``c t`` is the capped logit ``c tanh(scale q.k / c)``; the exponent applies the factor c (the
-    config's ``exp_scale``), so the softmax keeps its single exponent. ``t`` is saved for the backward's
-    chain rule (``tile.saved["tanh"]``)."""
-    t = nl.ndarray((PMAX, tile.kw), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.activation(dst=t, op=nl.tanh, data=s, scale=cfg.cap_scale)
-    tile.saved["tanh"] = t
-    return t
-
-
-def logit_scale_scores(cfg, tile, item, s):
-    """Score step, the per-head logit scale: ``z = S * scale[h]`` (ONE ScalarE copy, PSUM -> float32 SBUF, the
-    head's scale a per-partition column of ``item.logit_scale`` as the activation's ``scale``; on ScalarE rather
-    than VectorE, as the modeled schedule prefers in both kernels, docs/semantics.md "Per-head logit scale").
-    First of the score steps: the soft-cap's tanh and the ALiBi bias read z, and the exponent's float32 ``exp_scale`` (softmax_scale) stays the
-    kernel-wide factor, so the logit is ``softmax_scale * scale[h] * q.k`` with every factor applied in float32
-    (module docstring, "The scale convention"). (The backward wraps it to keep the unscaled S for the gradient.)"""
-    z = nl.ndarray((PMAX, tile.kw), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.activation(dst=z, op=nl.copy, data=s, scale=item.logit_scale[:, tile.h:tile.h + 1])
-    return z
-
-
-def load_logit_scale(cfg, hbm, item):
-    """Work-item start step of the logit scale: the kv head's query heads' scales broadcast to the partitions,
-    ``item.logit_scale`` ``[128, group]`` float32 (``load_slopes``: the same ``[bs, nheads]`` HBM layout)."""
-    item.logit_scale = load_slopes(hbm.logit_scale, hbm.logit_scale.shape[1], cfg.group, item.b, item.kvh)
-
-
-def bias_scores(cfg, tile, item, s):
-    """Score step, the additive bias: ``S + bias / e`` with e the exponent's float32 scale (``cfg.exp_scale``:
-    softmax_scale, or the cap with soft-capping), so the exponent's ``e (S + bias / e)`` is the scaled (and
-    capped) logit plus the bias, as torch's SDPA adds ``attn_mask`` to the scaled scores. The tile of the bias
-    ``[128 query rows, kw keys]`` is ONE DMA in the bias's dtype (``bias_tile``: broadcast dims are stride 0),
-    then ONE VectorE ``scalar_tensor_tensor`` ``bias * (1 / e) + S`` reading S from PSUM (or from an earlier
-    score step's SBUF output). Only the tiles the band visits are loaded."""
-    bt = nl.ndarray((PMAX, tile.kw), dtype=item.bias.dtype, buffer=nl.sbuf)
-    nisa.dma_copy(dst=bt, src=bias_tile(item.bias, tile.b, tile.hq, tile.q0, tile.k0, tile.kw))
-    out = nl.ndarray((PMAX, tile.kw), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.scalar_tensor_tensor(dst=out, data=bt, op0=nl.multiply, operand0=1.0 / cfg.exp_scale, op1=nl.add,
-                              operand1=s)
-    return out
-
-
-def bias_tile(bias, b, hq, q0, k0, kw):
-    """HBM view ``[128, kw]`` of the bias ``[bb, hb, sqb, skb]`` (each dim 1 = broadcast, or the full size) for
-    query rows ``[q0, q0 + 128)`` of query head ``hq`` of batch ``b`` and keys ``[k0, k0 + kw)``: a plain slice
-    when neither sequence dim is broadcast (its row stride may exceed the access pattern's int16 field), else an
-    access pattern with stride 0 along the broadcast dim(s)."""
-    bb, hb, sqb, skb = bias.shape
-    bi = 0
-    if bb > 1:
-        bi = b
-    hi = 0
-    if hb > 1:
-        hi = hq
-    if sqb > 1 and skb > 1:
-        return bias[bi, hi, q0:q0 + PMAX, k0:k0 + kw]
-    row_stride = 0
-    qi = 0
-    if sqb > 1:
-        row_stride = skb
-        qi = q0
-    col_stride = 0
-    ki = 0
-    if skb > 1:
-        col_stride = 1
-        ki = k0
-    return bias.ap(pattern=[[row_stride, PMAX], [col_stride, kw]], offset=((bi * hb + hi) * sqb + qi) * skb + ki)
-
-
 # ----------------------------------------------------------------------------------------------- shared helpers
 def itemsize(dtype):
     """Bytes per element of the kernels' dtypes (float32, or a 16-bit type)."""
@@ -274,6 +205,39 @@ def head_dim_tiles(d):
     for start in range(0, d, PMAX):
         tiles.append((start, min(PMAX, d - start)))
     return tiles
+
+
+def shape_of(t):
+    """The shape of a tensor argument as a tuple (comparable with ``==``)."""
+    return tuple(t.shape)
+
+
+def is_number(x):
+    """An int or float, not a bool."""
+    return (isinstance(x, int) or isinstance(x, float)) and not isinstance(x, bool)
+
+
+def is_array(x):
+    """What the kernels receive for a tensor argument: not a Python scalar, sequence or string."""
+    return not (is_number(x) or isinstance(x, bool) or isinstance(x, str) or isinstance(x, tuple)
+                or isinstance(x, list))
+
+
+def supported_dtype(dtype):
+    """True for the kernels' input dtypes: float32, bfloat16, float16 (compared by name, as NKI dtypes are)."""
+    name = str(dtype)
+    return name == str(nl.float32) or name == str(nl.bfloat16) or name == str(nl.float16)
+
+
+def per_member(cfg, stat, j0, n_members):
+    """The forward's view of a per-head ``[128, group]`` statistic in the member order of the block starting at
+    member ``j0`` (member j is head ``j % group``): whole query tiles repeat the group (stride-0 pattern), a block
+    inside one query tile is a slice."""
+    group = cfg.group
+    if group <= cfg.block_members_max:
+        return stat.ap(pattern=[[group, PMAX], [0, n_members // group], [1, group]], offset=0)
+    h0 = j0 % group
+    return stat[:, h0:h0 + n_members]
 
 
 def spmd_items(n_items):

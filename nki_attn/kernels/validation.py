@@ -11,7 +11,8 @@ import math
 
 from ..backend import nl
 from .band import attention_band
-from .steps import PMAX, head_dim_tiles
+from .score_mods import active_mods, bias_problem, mod_row, mods_problem  # noqa: F401 (bias_problem: re-export)
+from .steps import PMAX, head_dim_tiles, is_array, is_number, shape_of, supported_dtype
 
 MAX_D_HEAD = 256
 _DTYPES = ("float32", "bfloat16", "float16")  # for messages
@@ -19,7 +20,6 @@ _DTYPES = ("float32", "bfloat16", "float16")  # for messages
 # The variant names ``nki_attn.kernel_api.supports`` still takes (every kernel implements all of them; the
 # host-side probing that reads this goes away with it).
 FEATURES = ("causal_unequal", "head_dim_any", "d_v", "softcap", "alibi", "window_size", "dropout")
-_FLOAT_MAX = 3.4028234663852886e38
 DROPOUT_SEED_SHAPE = (2,)  # (seed, offset); (1,) is (seed,) with offset 0: kernels/dropout.py, docs/semantics.md
 
 
@@ -35,12 +35,13 @@ class AttentionShape(nl.NKIObject):
     causal, window (sliding window, 0 when none), window_size (``(left, right)``, -1 = unbounded, or None),
     packing (bounds given). off = seqlen_k - seqlen_q; band ``(lo_rel, hi_rel)``: key j is visible to query i
     iff ``i + lo_rel <= j <= i + hi_rel`` (``band.attention_band``, before packing bounds); banded: the band
-    masks something. softcap (0.0 = off), alibi (slopes given), dropout_p (0.0 = off), dropout (p > 0),
-    logit_scale (a per-head logit scale given).
+    masks something. dropout_p (0.0 = off), dropout (p > 0). ``mods`` (the score modifications' kernel arguments
+    by keyword), ``active`` (their ``score_mods.SCORE_MODS`` rows applied, in table order); softcap (0.0 = off),
+    alibi (slopes given), logit_scale (a per-head logit scale given) for the engine choices.
     """
 
     def __init__(self, bs, nheads, nheads_kv, d_head, seqlen_q, seqlen_k, num_sinks, sinks_3d, scale,
-                 causal, window, packing, d_v, window_size, softcap, alibi, dropout_p, logit_scale=False):
+                 causal, window, packing, d_v, window_size, dropout_p, mods=None):
         self.bs = bs
         self.nheads = nheads
         self.nheads_kv = nheads_kv
@@ -65,15 +66,17 @@ class AttentionShape(nl.NKIObject):
         self.hi_rel = band[1]
         self.band = band
         self.banded = not (band[0] <= 1 - seqlen_q and band[1] >= seqlen_k - 1)
-        self.softcap = softcap
-        self.alibi = alibi
         self.dropout_p = dropout_p
         self.dropout = dropout_p > 0.0
-        self.logit_scale = logit_scale
-
-
-def _shape(t):
-    return tuple(t.shape)
+        # the score modifications (``score_mods``): the arguments by kernel keyword, the rows applied, and the
+        # facts the kernels' engine choices read (the cap's scale, ALiBi's and the logit scale's presence)
+        self.mods = mods
+        if mods is None:
+            self.mods = {}
+        self.active = active_mods(mods)
+        self.softcap = float(mod_row("softcap").value(mods))
+        self.alibi = mod_row("alibi").is_on(mods)
+        self.logit_scale = mod_row("logit_scale").is_on(mods)
 
 
 def sbuf_bytes_per_partition():
@@ -88,25 +91,14 @@ def sbuf_bytes_per_partition():
 _HAS_SBUF_FMAX = hasattr(type(nl.tile_size), "sbuf_fmax_bytes") or hasattr(nl.tile_size, "sbuf_fmax_bytes")
 
 
-def supported_dtype(dtype):
-    """True for the kernels' input dtypes: float32, bfloat16, float16 (compared by name, as NKI dtypes are)."""
-    name = str(dtype)
-    return name == str(nl.float32) or name == str(nl.bfloat16) or name == str(nl.float16)
-
-
 def _is_int(x):
     # (NKI's isinstance(True, int) is False, Python's True: the bool test keeps both readings equal)
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def _is_number(x):
-    return (isinstance(x, int) or isinstance(x, float)) and not isinstance(x, bool)
-
-
-def _is_array(x):
-    # what the kernels receive for a tensor argument: not a Python scalar, sequence or string
-    return not (_is_number(x) or isinstance(x, bool) or isinstance(x, str) or isinstance(x, tuple)
-                or isinstance(x, list))
+_shape = shape_of
+_is_number = is_number
+_is_array = is_array
 
 
 def _rank4_problem(name, t):
@@ -199,18 +191,8 @@ def _mask_problem(seqlen_q, seqlen_k, use_causal_mask, sliding_window, window_si
     return None
 
 
-def _variant_problem(bs, nheads, softcap, alibi_slopes, dropout_p, dropout_seed):
-    """softcap, alibi_slopes, dropout_p and dropout_seed (first problem or None)."""
-    if not _is_number(softcap) or not (softcap >= 0.0 and softcap <= _FLOAT_MAX):
-        return f"softcap={softcap!r} must be a finite number >= 0 (0.0 disables soft-capping)"
-    if alibi_slopes is not None:
-        if not _is_array(alibi_slopes):
-            return f"alibi_slopes={alibi_slopes!r} must be None or a float32 tensor [bs, nheads]"
-        if _shape(alibi_slopes) != (bs, nheads):
-            return (f"alibi_slopes shape {_shape(alibi_slopes)} must be [bs, nheads] = {(bs, nheads)} (the torch "
-                    f"API broadcasts FlashAttention's [nheads])")
-        if str(alibi_slopes.dtype) != str(nl.float32):
-            return f"alibi_slopes dtype {alibi_slopes.dtype} must be float32"
+def _dropout_problem(dropout_p, dropout_seed):
+    """dropout_p and dropout_seed (first problem or None)."""
     if not _is_number(dropout_p) or not (dropout_p >= 0.0 and dropout_p < 1.0):
         return f"dropout_p={dropout_p!r} must be a number in [0, 1) (the kept probabilities are scaled by 1/(1-p))"
     if dropout_p > 0.0:
@@ -229,52 +211,9 @@ def _variant_problem(bs, nheads, softcap, alibi_slopes, dropout_p, dropout_seed)
     return None
 
 
-def _logit_scale_problem(bs, nheads, logit_scale):
-    """The per-head logit scale: None or a float32 tensor ``[bs, nheads]`` (first problem or None; its values
-    are the host's to check, docs/semantics.md "Per-head logit scale")."""
-    if logit_scale is None:
-        return None
-    if not _is_array(logit_scale):
-        return f"logit_scale={logit_scale!r} must be None or a float32 tensor [bs, nheads]"
-    if _shape(logit_scale) != (bs, nheads):
-        return (f"logit_scale shape {_shape(logit_scale)} must be [bs, nheads] = {(bs, nheads)} (the torch API "
-                f"broadcasts [nheads])")
-    if str(logit_scale.dtype) != str(nl.float32):
-        return f"logit_scale dtype {logit_scale.dtype} must be float32"
-    return None
-
-
-def bias_problem(attn_bias, bs, nheads, seqlen_q, seqlen_k, bias_grad=False):
-    """The additive bias ``attn_bias`` (None = none) and the backward's ``bias_grad`` (first problem or None): a
-    float32 / bfloat16 / float16 tensor ``[bb, hb, sqb, skb]`` with each dim 1 (broadcast) or the call's size
-    ``[bs, nheads, seqlen_q, seqlen_k]``; ``bias_grad`` a bool, True only with a bias."""
-    if not isinstance(bias_grad, bool):
-        return f"bias_grad={bias_grad!r} must be True or False"
-    if attn_bias is None:
-        if bias_grad:
-            return "bias_grad=True needs attn_bias (the gradient of which bias?), got attn_bias=None"
-        return None
-    if not _is_array(attn_bias):
-        return f"attn_bias={attn_bias!r} must be None or a tensor [bs or 1, nheads or 1, seqlen_q or 1, seqlen_k or 1]"
-    full = (bs, nheads, seqlen_q, seqlen_k)
-    shape = _shape(attn_bias)
-    ok = len(shape) == 4
-    if ok:
-        for i in range(4):
-            if shape[i] != 1 and shape[i] != full[i]:
-                ok = False
-    if not ok:
-        return (f"attn_bias shape {shape} must be 4-D with each dim 1 (broadcast) or the call's size "
-                f"[bs, nheads, seqlen_q, seqlen_k] = {full}")
-    if not supported_dtype(attn_bias.dtype):
-        return f"attn_bias dtype {attn_bias.dtype} is not supported; use one of {_DTYPES}"
-    return None
-
-
 def attention_problem(q, k, v, o=None, dy=None, lse=None, sinks=None, bound_min=None, bound_max=None,
-                      use_causal_mask=False, softmax_scale=None, sliding_window=None, softcap=0.0,
-                      alibi_slopes=None, window_size=None, dropout_p=0.0, dropout_seed=None, supports=None,
-                      kernel="this kernel", logit_scale=None):
+                      use_causal_mask=False, softmax_scale=None, sliding_window=None, window_size=None,
+                      dropout_p=0.0, dropout_seed=None, mods=None, kernel="this kernel"):
     """Check the arguments of attention_fwd / attention_bwd: ``None`` when they are valid, else the first
     problem as a message naming the argument, its value and the rule. The kernels ``assert`` on it (kernel
     code cannot raise); the host-side entry points (``nki_attn.kernel_api``, the torch API) raise it as
@@ -283,12 +222,12 @@ def attention_problem(q, k, v, o=None, dy=None, lse=None, sinks=None, bound_min=
     Layouts: q ``[bs, nheads, d_qk, seqlen_q]``; k ``[bs, nheads_kv, d_qk, seqlen_k]``; v ``[bs, nheads_kv, d_v,
     seqlen_k]``; o, dy ``[bs, nheads, d_v, seqlen_q]``; lse float32 ``[bs, nheads, 128, seqlen_q // 128]``;
     sinks ``[bs, nheads]`` or ``[bs, nheads, num_sinks]``; bound_min, bound_max float32 ``[seqlen_q]``;
-    alibi_slopes and logit_scale float32 ``[bs, nheads]``; dropout_seed an int32 / uint32 tensor ``[2]`` = (seed, offset) (or ``[1]``, offset 0)
-    (docs/semantics.md, "Dropout").
-    Scalars: softcap >= 0 (0 = off); window_size None or ``(left, right)`` ints >= -1 (-1 = unbounded), not
-    with sliding_window; dropout_p in [0, 1) with dropout_seed given iff dropout_p > 0.
-    ``supports`` and ``kernel`` are accepted and ignored (every kernel implements every variant; the host's
-    ``kernel_api`` still passes them).
+    dropout_seed an int32 / uint32 tensor ``[2]`` = (seed, offset) (or ``[1]``, offset 0) (docs/semantics.md,
+    "Dropout"). Scalars: window_size None or ``(left, right)`` ints >= -1 (-1 = unbounded), not with
+    sliding_window; dropout_p in [0, 1) with dropout_seed given iff dropout_p > 0. ``mods``: the score
+    modifications' arguments by kernel keyword (``{"softcap": 50.0, "alibi_slopes": t, "attn_bias": t,
+    "bias_grad": True, "logit_scale": t}``, a keyword not given is off), each checked by its ``SCORE_MODS``
+    row's rule. ``kernel`` is accepted and ignored.
     """
     problem = _shape_problem(q, k, v, o, dy, lse)
     if problem is not None:
@@ -310,17 +249,16 @@ def attention_problem(q, k, v, o=None, dy=None, lse=None, sinks=None, bound_min=
     if softmax_scale is not None:
         if not _is_number(softmax_scale) or not softmax_scale > 0:
             return f"softmax_scale={softmax_scale!r} must be None or a positive number"
-    problem = _variant_problem(bs, nheads, softcap, alibi_slopes, dropout_p, dropout_seed)
+    problem = mods_problem(mods, bs, nheads, seqlen_q, seqlen_k)
     if problem is not None:
         return problem
-    return _logit_scale_problem(bs, nheads, logit_scale)
+    return _dropout_problem(dropout_p, dropout_seed)
 
 
 def attention_shape(q, k, sinks=None, bound_min=None, use_causal_mask=False, softmax_scale=None,
-                    sliding_window=None, v=None, softcap=0.0, alibi_slopes=None, window_size=None, dropout_p=0.0,
-                    logit_scale=None):
+                    sliding_window=None, v=None, window_size=None, dropout_p=0.0, mods=None):
     """The ``AttentionShape`` of arguments that ``attention_problem`` accepted (``v`` gives d_v; without it
-    d_v = d_qk)."""
+    d_v = d_qk; ``mods`` the score modifications' arguments by kernel keyword)."""
     bs, nheads, d_head, seqlen_q = _shape(q)
     nheads_kv = _shape(k)[1]
     seqlen_k = _shape(k)[3]
@@ -338,5 +276,4 @@ def attention_shape(q, k, sinks=None, bound_min=None, use_causal_mask=False, sof
     if window_size is not None:
         pair = (window_size[0], window_size[1])
     return AttentionShape(bs, nheads, nheads_kv, d_head, seqlen_q, seqlen_k, num_sinks, sinks_3d, scale,
-                          bool(use_causal_mask), window, bound_min is not None, d_v, pair, float(softcap),
-                          alibi_slopes is not None, float(dropout_p), logit_scale is not None)
+                          bool(use_causal_mask), window, bound_min is not None, d_v, pair, float(dropout_p), mods)

@@ -16,7 +16,8 @@ from golden.dropout import make_seed
 from nki_attn.kernel_api import attention_bwd, attention_fwd
 from nki_attn.kernels import attention_bwd as kb
 from nki_attn.kernels import attention_fwd as kf
-from nki_attn.kernels.steps import bias_scores
+from nki_attn.kernels import score_mods as sm
+from nki_attn.kernels.score_mods import bias_scores
 
 K = 3.0
 
@@ -105,23 +106,26 @@ def test_dbias_is_zero_outside_the_band_and_finite_everywhere():
     assert torch.isfinite(dbias).all() and float(dbias[:, :, ~outside].abs().max()) > 0
 
 
-def _cfg(**over):
-    a = dict(softcap=0.0, alibi=False, packing=False, banded=False, dropout=False, trn1=False, block_mask=None,
-             logit_scale=False)
+def _cfg(mods, **over):
+    a = dict(packing=False, banded=False, dropout=False, trn1=False, block_mask=None, mods=mods,
+             active=sm.active_mods(mods))
     a.update(over)
     return types.SimpleNamespace(**a)
 
 
 def test_step_lists_are_chosen_once_and_hold_no_bias_gradient_work_without_bias_grad():
-    bias = object()
-    plain = kb._select_steps(_cfg(), bias, False)
-    assert plain.score == [bias_scores] and plain.ds is kb._ds_plain and plain.item == [] and plain.grad == []
-    grad = kb._select_steps(_cfg(softcap=2.0), bias, True)
-    assert grad.score[-1] is bias_scores and grad.ds is kb._ds_bias and grad.item == [kb._dbias_zero]
-    assert grad.grad[0] is kb._save_p  # P kept before soft-capping's chain rule rewrites the dS operand
-    none = kb._select_steps(_cfg())
-    assert bias_scores not in none.score and none.item == []
-    fwd = kf._select_steps(types.SimpleNamespace(mask="bounds", alibi_mm=False, softcap=1.0, alibi=True,
-                                                 dropout_p=0.0, block_mask=None,
-                                                 logit_scale=False), bias)
-    assert fwd.score[-1] is bias_scores  # after soft-capping and ALiBi, as the semantics order them
+    bias = types.SimpleNamespace(shape=(1, 1, 128, 128), dtype="bfloat16")
+    plain = kb._select_steps(_cfg({"attn_bias": bias}))
+    assert plain.score == [bias_scores] and plain.ds is kb._ds_plain and plain.grad == []
+    assert plain.item_start == [sm._bias_item]  # no instruction: only the HBM references
+    grad = kb._select_steps(_cfg({"attn_bias": bias, "bias_grad": True, "softcap": 2.0}))
+    assert grad.score[-1] is bias_scores and grad.ds is sm._ds_bias
+    assert grad.item_start == [sm._bias_item, sm._dbias_zero] and grad.grad == [sm._grad_softcap]
+    none = kb._select_steps(_cfg({}))
+    assert bias_scores not in none.score and none.item_start == [] and none.ds is kb._ds_plain
+    shp = types.SimpleNamespace(mods={"attn_bias": bias, "softcap": 1.0, "alibi_slopes": bias})
+    shp.active = sm.active_mods(shp.mods)
+    fwd = kf._select_steps(types.SimpleNamespace(mask="bounds", alibi_mm=False, dropout_p=0.0, block_mask=None,
+                                                 shp=shp))
+    # after soft-capping and ALiBi, as the semantics order them
+    assert fwd.score == [sm.softcap_scores, sm._alibi_scores, bias_scores]

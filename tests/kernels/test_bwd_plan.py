@@ -98,8 +98,8 @@ def test_several_work_items_keep_two_sections_within_sbuf(target):
         q, kv, lse = t(1, 2 * kvh, 256, 4096), t(1, kvh, 256, 4096), t(1, 2 * kvh, 128, 32, dt="float32")
         return q, kv, kv, q, q, lse
 
-    one = kb._configure(*shapes(1)[:2], None, None, True, True, None, 1024, None, softcap=50.0)
-    two = kb._configure(*shapes(2)[:2], None, None, True, True, None, 1024, None, softcap=50.0)
+    one = kb._configure(*shapes(1)[:2], None, None, True, True, None, 1024, None, mods={"softcap": 50.0})
+    two = kb._configure(*shapes(2)[:2], None, None, True, True, None, 1024, None, mods={"softcap": 50.0})
     assert one.n_sections == 1 and one.section_len == 4096
     assert two.n_sections == 2 and two.section_len == 2048
     for kvh in (1, 2):

@@ -330,7 +330,7 @@ def test_tuning_keywords_change_the_plan_not_the_result():
         assert len(rec1) != len(rec0), kw
         np.testing.assert_allclose(np.asarray(o1), np.asarray(o0), rtol=0, atol=1e-6)
         np.testing.assert_allclose(np.asarray(l1), np.asarray(l0), rtol=0, atol=1e-5)
-    cfg = fwd._setup_config(q, k, v, None, None, True, True, None, None, 0.0, None, None, 0.0, 2, 3, 1)
+    cfg = fwd._setup_config(q, k, v, None, None, True, True, None, None, None, 0.0, 2, 3, 1)
     assert (cfg.kb_tiles, cfg.block_members_max, cfg.members, cfg.slab_tiles) == (2, 3, 3, 1)
     for name, bad in (("kb_tiles", 0), ("block_members_max", True), ("slab_tiles", 1.5)):
         with pytest.raises(AssertionError, match=rf"{name}={bad!r} must be None \(the default\) or an int >= 1"):

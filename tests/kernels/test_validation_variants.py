@@ -110,11 +110,12 @@ def test_spec_arguments_refused(kw, match):
 
 def test_shape_facts():
     s = V.attention_shape(_t(1, 4, 199, 256), _t(1, 2, 199, 384), v=_t(1, 2, 128, 384), use_causal_mask=True,
-                          window_size=(10, -1), softcap=50.0, alibi_slopes=_t(1, 4), dropout_p=0.1)
+                          window_size=(10, -1), dropout_p=0.1, mods={"softcap": 50.0, "alibi_slopes": _t(1, 4)})
     assert (s.d_qk, s.d_v, s.d_head, s.group, s.off) == (199, 128, 199, 2, 128)
     assert s.qk_tiles == [(0, 128), (128, 71)] and s.v_tiles == [(0, 128)]
     assert s.band == (118, 128) and s.banded
     assert (s.softcap, s.alibi, s.dropout_p, s.dropout) == (50.0, True, 0.1, True)
+    assert [m.name for m in s.active] == ["softcap", "alibi"]  # the applied score_mods rows, in table order
     plain = V.attention_shape(_t(1, 1, 64, 256), _t(1, 1, 64, 256))
     assert (plain.d_v, plain.softcap, plain.alibi, plain.dropout, plain.banded) == (64, 0.0, False, False, False)
 
@@ -135,12 +136,12 @@ def test_checks_run_in_a_kernel_under_the_frontend_check():
 @nki.jit
 def _kernel_ok(q, k, v, alibi_slopes, dropout_seed, use_causal_mask=False, softcap=0.0, window_size=None,
                dropout_p=0.0):
-    problem = V.attention_problem(q, k, v, alibi_slopes=alibi_slopes, use_causal_mask=use_causal_mask,
-                                  softcap=softcap, window_size=window_size, dropout_p=dropout_p,
-                                  dropout_seed=dropout_seed, kernel="probe")
+    mods = {"softcap": softcap, "alibi_slopes": alibi_slopes}
+    problem = V.attention_problem(q, k, v, use_causal_mask=use_causal_mask, window_size=window_size,
+                                  dropout_p=dropout_p, dropout_seed=dropout_seed, mods=mods, kernel="probe")
     assert problem is None, problem
-    shp = V.attention_shape(q, k, v=v, use_causal_mask=use_causal_mask, softcap=softcap,
-                            alibi_slopes=alibi_slopes, window_size=window_size, dropout_p=dropout_p)
+    shp = V.attention_shape(q, k, v=v, use_causal_mask=use_causal_mask, window_size=window_size,
+                            dropout_p=dropout_p, mods=mods)
     out = nl.ndarray((1, len(shp.qk_tiles) + len(shp.v_tiles)), dtype=nl.float32, buffer=nl.shared_hbm)
     return out
 

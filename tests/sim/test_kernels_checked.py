@@ -141,8 +141,9 @@ def test_every_project_kernel_passes_the_frontend_gathering():
         assert not g.problems, name
     # the gathering reaches the validation, tiling and config code, not just the kernel function
     names = {d.name for d in frontend.gather(kernels["attention_bwd.attention_bwd"]).definitions}
+    # (and the score modifications' table: its rows' classes and the step functions they name)
     assert {"attention_problem", "attention_band", "band_tile_visible", "BwdConfig", "AttentionShape",
-            "bwd_problem"} <= names
+            "_bwd_problem", "ScoreMod", "ModSteps", "_ds_logit_scale", "_ds_bias"} <= names
 
 
 @pytest.mark.parametrize("frontend", ["full", "gather", "off"])
