@@ -50,11 +50,12 @@ from .validation import attention_problem, attention_shape, sbuf_bytes_per_parti
 # Defaults of the tuning keywords of ``attention_fwd`` (``kb_tiles``, ``block_members_max``, ``slab_tiles``):
 KB_TILES = 4  # key tiles per key block: the online-softmax statistics are updated once per 2048 keys
 BLOCK_MEMBERS_MAX = 8  # members per block: they share one K/V load and one set of statistics ops
-# every P_DMA_PERIOD-th member's full P tiles of a key block are transposed by DMA when both head dims are <= 128,
-# every P_DMA_PERIOD_WIDE-th with a larger one (P^T is a third, resp. a fifth, of TensorE's work per tile; batched,
-# the DMA's fixed costs no longer outweigh a fifth); docs/kernel-fwd.md, "Third round", has the measured choices
+# every P_DMA_PERIOD-th member's full P tiles of a key block are transposed by DMA when both head dims are <= 128
+# (P^T is then a third of TensorE's work per tile), every P_DMA_PERIOD_WIDE-th with a larger one (0: never; at a
+# fifth of TensorE's work, every 2nd member batched is faster under the default model but 2.1x / 3.5x the bound
+# at d 256 with the DMA-transpose efficiency at 0.25 / the DMA floor at 850 ns); docs/kernel-fwd.md, "Third round"
 P_DMA_PERIOD = 4
-P_DMA_PERIOD_WIDE = 2
+P_DMA_PERIOD_WIDE = 0
 P_DMA_MIN_TILES = 2  # ... a member with at least this many full tiles (or its key block's count, if smaller)
 # consecutive such members of a unit share ONE dma_transpose of up to this many full tiles (or a key block's): a
 # transpose pays its fixed costs (per hardware-DGE instruction and queue piece) once per batch
