@@ -183,11 +183,21 @@ MUTATIONS = [
       "stale PSUM: a group's dV/dK eviction covers chunks of the key tile's span that no member's matmul wrote "
       "(a block mask leaves such chunks between two members' runs)",
       ["tests/masks/test_flex.py::test_fwd_bwd_mixed_chunk_classes_inside_key_tiles"]),
-    M("s_block_slot_from_tile", STEPS, "block_partial_count(bl.rows[tile.t], kt0, c0 + a // PMAX)",
-      "block_partial_count(bl.rows[tile.t], c0, c0 + a // PMAX)",
+    M("s_block_slot_from_tile", STEPS, "block_partial_count(bl.rows[tile.t], kt0, c0 + ka // PMAX)",
+      "block_partial_count(bl.rows[tile.t], c0, c0 + ka // PMAX)",
       "wrong bitmap slot: a tile that starts inside its key tile (the backward splits key tiles at SKIP chunks) "
       "reads the slots of the key tile's first PARTIAL chunks",
       ["tests/masks/test_flex.py::test_fwd_bwd_tile_split_at_a_skip_chunk_reads_its_own_bits"]),
+    M("f_split_chunk_from_column", STEPS, "cls = row[c0 + keys[j] // PMAX]", "cls = row[c0 + j]",
+      "wrong chunk of a split key tile: the forward (its runs back to back) takes a chunk's class, and so its mask "
+      "and bitmap slot, from its column in the runs instead of its key (the chunk of the SKIP gap, or an earlier "
+      "chunk's bits)",
+      ["tests/masks/test_flex.py::test_fwd_bwd_split_key_tiles_visit_only_their_runs"]),
+    M("f_split_pv_skips_nothing", FWD, "moving=vt[:, i * ch + lo + chunks[c] - kb.c_lo, :])",
+      "moving=vt[:, i * ch + lo + c - kb.c_lo, :])",
+      "the forward's split key tile multiplies its runs' P by the V of the tile's first chunks (a SKIP chunk's V "
+      "read instead of the next run's)",
+      ["tests/masks/test_flex.py::test_fwd_bwd_split_key_tiles_visit_only_their_runs"]),
     M("b_one_section_per_item", BWD, "    return section_len < seqlen_k or items > 1\n",
       "    return section_len < seqlen_k\n",
       "SBUF overflow: several work items keep the whole-length section although the pipeline holds two at once "
@@ -224,7 +234,8 @@ MUTATIONS = [
     M("f_kv_load_offset", FWD, "kvh = work.kvh\n    key0 = kb.kt0 * K_TILE + kb.c_lo * PMAX",
       "kvh = work.kvh\n    key0 = kb.kt0 * K_TILE",
       "K/V of a key block loaded from the block start, not from its first visible chunk", T_FWD),
-    M("f_v_chunk_index", FWD, "moving=vt[:, i * ch + lo + c - kb.c_lo, :]", "moving=vt[:, i * ch + c - kb.c_lo, :]",
+    M("f_v_chunk_index", FWD, "moving=vt[:, i * ch + lo + chunks[c] - kb.c_lo, :]",
+      "moving=vt[:, i * ch + chunks[c] - kb.c_lo, :]",
       "wrong V^T chunk in the PV matmul (the member's first visible chunk of the tile ignored)", T_FWD),
     M("f_block_column", FWD, "col = (j0 + u) * PMAX", "col = u * PMAX",
       "wrong block index: a block's O goes to the slab's first members' columns", T_FWD),

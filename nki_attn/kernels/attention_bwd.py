@@ -245,6 +245,28 @@ def _block_runs(row, t0, t1):
     return out
 
 
+def _narrow_visit_lags(rows):
+    """``(pipe_lag_b, pipe_lag_d)`` for a block mask's launch whose visits are at most half a key tile wide on
+    average (``rows``: the mask's chunk classes; a visit is one run of non-SKIP chunks of a key tile,
+    ``_block_runs``), else None (the defaults). A narrow visit gives the other engines less TensorE work to
+    hide their part of it behind, so stages B and D come twice as many visits later (the modeled schedule, cost
+    model v2: a random half-dense mask of 128 x 128 blocks, 1.6 chunks per visit, at 4096 tokens 243.1 -> 205.2
+    us). Wider visits keep the defaults, which are better for them: the document and key-tile-aligned masks
+    (whole key tiles) and the causal document mask (3.4 chunks per visit: 484.0 -> 498.7 us at 16384 tokens
+    with the deeper lags, though 77.4 -> 66.9 us at 4096). The kernel takes them only when the SBUF budget
+    check passes with them (``attention_bwd``)."""
+    runs = 0
+    chunks = 0
+    for r in rows:
+        for t0 in range(0, len(r) * PMAX, K_TILE):
+            for run in _block_runs(r, t0, min(t0 + K_TILE, len(r) * PMAX)):
+                runs = runs + 1
+                chunks = chunks + (run.k1 - run.k0) // PMAX
+    if runs == 0 or 2 * chunks > runs * (K_TILE // PMAX):
+        return None
+    return 2 * PIPE_LAG_B, 2 * PIPE_LAG_D
+
+
 class BwdVisit(nl.NKIObject):
     """One member's visit of one key tile of its group (trace-time plan).
 
@@ -1780,6 +1802,16 @@ def attention_bwd(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref=None, b
                            ds_dma_transpose, block_mask, block_bits, ds_dma_every, pipe_lead, pipe_lag_b, pipe_lag_d,
                            d_from_o, mods)
     assert problem is None, problem
+    if block_mask is not None and pipe_lag_b is None and pipe_lag_d is None:
+        lags = _narrow_visit_lags(block_mask[2])
+        if lags is not None and _bwd_problem(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref, bound_min,
+                                             bound_max, use_causal_mask, mixed_precision, softmax_scale,
+                                             sliding_window, window_size, dropout_p, dropout_seed, k_section_len,
+                                             group_max, block_members_max, p_cast_on_gpsimd, ds_dma_transpose,
+                                             block_mask, block_bits, ds_dma_every, pipe_lead, lags[0], lags[1],
+                                             d_from_o, mods) is None:
+            pipe_lag_b = lags[0]
+            pipe_lag_d = lags[1]
     c = _configure(q_ref, k_ref, sinks_ref, bound_min, use_causal_mask, mixed_precision, softmax_scale,
                    sliding_window, k_section_len, v_ref, window_size, dropout_p, group_max, block_members_max,
                    p_cast_on_gpsimd, ds_dma_transpose, block_mask, ds_dma_every, pipe_lead, pipe_lag_b, pipe_lag_d,

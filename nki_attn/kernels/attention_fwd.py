@@ -39,7 +39,7 @@ band planner's decision (``nki_attn.kernels.band``), also shared.
 import math
 
 from ..backend import nisa, nki, nl
-from .band import BlockRows, block_mask_problem, classify_keys
+from .band import PARTIAL, BlockRows, block_mask_problem, classify_keys
 from .dropout import (dropout_row_keys, dropout_row_keys_members, dropout_values, keep_threshold,
                       load_dropout_seed)
 from .score_mods import MOD_KEYWORDS, SCORE_MODS_BY_RANK
@@ -646,6 +646,9 @@ def _score_tile(cfg, steps, unit, u, i):
     if slab.state is not None:
         rows = slab.state[:, blk.j0 + u, :]
     kt = kb.vis[u][i]
+    if kt.runs is not None:
+        _score_runs(cfg, steps, unit, u, i, rows)
+        return
     w = kt.k1 - kt.k0
     col = kt.k0 - kb.kt0 * K_TILE - kb.c_lo * PMAX  # first visible key in the loaded K
     key_idx = None
@@ -660,6 +663,79 @@ def _score_tile(cfg, steps, unit, u, i):
     unit.s[u][i] = mask_step(steps, tile)(cfg, tile, item, src)
     tile.saved = {}  # what the score steps left (soft-capping's tanh) is the backward's; the tile lives to its PV
     unit.tl[u][i] = tile
+
+
+def _score_runs(cfg, steps, unit, u, i, rows):
+    """Phase 1 of a block-mask key tile with SKIP chunks between its visible ones (``KeyTile.runs``): only the runs
+    of non-SKIP chunks are computed. Their scores sit back to back in one PSUM tile (one QK matmul per run, N =
+    the run's width), each run goes through the score steps as its own ``Tile`` (their positions are the run's
+    keys), and ONE mask step (``block_mask_scores``, which reads the split from ``tile.runs``) masks them all and
+    takes the tile's row max. The job's tile is then ``[128, visible columns]`` for the exponent, the P^T and
+    the PV (``_tile_chunks`` maps its chunks back to keys); the online-softmax state is the same as unsplit, as
+    the skipped columns would only have held FP32_MIN."""
+    blk = unit.blk
+    kb = unit.kb
+    slab = blk.slab
+    item = slab.work.item
+    h = blk.heads[u]
+    hq = item.kvh * cfg.group + h
+    qcol = (blk.tiles[u] - slab.t0) * PMAX
+    kt = kb.vis[u][i]
+    w = 0
+    for r in kt.runs:
+        w = w + r[1] - r[0]
+    tile = Tile(item.b, hq, h, blk.tiles[u], kt.k0, w, False, False, PARTIAL, rows, blk.pm[:, u, i], None)
+    s_ps = nl.ndarray((PMAX, w), dtype=nl.float32, buffer=nl.psum)
+    runs = []
+    srcs = []
+    a = 0
+    for r in kt.runs:
+        rw = r[1] - r[0]
+        col = r[0] - kb.kt0 * K_TILE - kb.c_lo * PMAX  # the run's first key in the loaded K
+        for qi in range(len(cfg.qk_tiles)):
+            nisa.nc_matmul(dst=s_ps[:, a:a + rw], stationary=slab.q[h][qi][:, qcol:qcol + PMAX],
+                           moving=unit.k_tiles[qi][:, col:col + rw])
+        rt = Tile(item.b, hq, h, blk.tiles[u], r[0], rw, False, False, PARTIAL, rows, None, None)
+        runs.append(rt)
+        srcs.append(run_steps(cfg, steps.score, rt, item, s_ps[:, a:a + rw]))
+        a = a + rw
+    tile.runs = runs
+    if len(steps.score) > 0:
+        tile.srcs = srcs
+    unit.s[u][i] = mask_step(steps, tile)(cfg, tile, item, s_ps)
+    tile.saved = {}
+    for rt in runs:
+        rt.saved = {}
+    tile.srcs = None
+    unit.tl[u][i] = tile
+
+
+def _tile_chunks(tile):
+    """The key chunks of a job's tile, column chunk by column chunk, counted from ``tile.k0``: all of them, or the
+    runs' chunks of a split tile (``_score_runs``)."""
+    out = []
+    if tile.runs is None:
+        for c in range(tile.kw // PMAX):
+            out.append(c)
+    else:
+        for rt in tile.runs:
+            for c in range(rt.kw // PMAX):
+                out.append((rt.k0 - tile.k0) // PMAX + c)
+    return out
+
+
+def _prob_steps(cfg, steps, tile, item, p):
+    """The P-mask and probability steps of a job's P: on the whole tile, or run by run for a split tile (their
+    positions are the runs' keys; the steps write the run's columns of ``p`` in place, as dropout does)."""
+    if tile.runs is None:
+        p = run_steps(cfg, steps.p_mask, tile, item, p)
+        return run_steps(cfg, steps.prob, tile, item, p)
+    a = 0
+    for rt in tile.runs:
+        q = run_steps(cfg, steps.p_mask, rt, item, p[:, a:a + rt.kw])
+        run_steps(cfg, steps.prob, rt, item, q)
+        a = a + rt.kw
+    return p
 
 
 def _update_max(cfg, pm, pm_next):
@@ -733,8 +809,7 @@ def _exp_tile(cfg, steps, unit, j):
     nisa.activation(dst=p_sb, op=nl.exp, data=unit.s[u][i], bias=unit.bias[:, u:u + 1], scale=cfg.exp_scale,
                     reduce_op=nl.add, reduce_res=unit.rs[:, u, i], reduce_cmd=nisa.reduce_cmd.reset_reduce)
     unit.s[u][i] = None
-    p_sb = run_steps(cfg, steps.p_mask, tile, item, p_sb)
-    unit.p[j] = run_steps(cfg, steps.prob, tile, item, p_sb)
+    unit.p[j] = _prob_steps(cfg, steps, tile, item, p_sb)
 
 
 def _pt_tile(cfg, pipe, unit, j):
@@ -809,8 +884,9 @@ def _pv_tile(cfg, pipe):
     if unit.o_ps[u] is None:
         unit.o_ps[u] = nl.ndarray((PMAX, cfg.d_v), dtype=nl.float32, buffer=nl.psum)
     o_ps = unit.o_ps[u]
+    chunks = _tile_chunks(tile)
     for c in range(n_ch):
-        nisa.nc_matmul(dst=o_ps, stationary=pt_sb[:, c, :], moving=vt[:, i * ch + lo + c - kb.c_lo, :])
+        nisa.nc_matmul(dst=o_ps, stationary=pt_sb[:, c, :], moving=vt[:, i * ch + lo + chunks[c] - kb.c_lo, :])
     unit.pv_left[u] = unit.pv_left[u] - 1
     unit.pv_total = unit.pv_total - 1
     if unit.pv_left[u] == 0:

@@ -122,14 +122,17 @@ def band_query_range(k0, k1, lo_rel, hi_rel, seqlen_q):
 class KeyTile(nl.NKIObject):
     """One classified (query tile, key tile) pair: the visible keys ``[k0, k1)`` (whole 128-key chunks; ``k0 ==
     k1`` when none), ``needs_lo`` / ``needs_hi``: that side of the band cuts the trimmed tile, and ``kind``:
-    ``SKIP``, ``FULL`` or ``PARTIAL`` (packing makes every visible tile PARTIAL)."""
+    ``SKIP``, ``FULL`` or ``PARTIAL`` (packing makes every visible tile PARTIAL). ``runs``: None, or for a block
+    mask's tile with SKIP chunks inside ``[k0, k1)`` the key ranges ``[[r0, r1], ...]`` of its maximal runs of
+    non-SKIP chunks, in key order (``block_key_tile``; the forward visits only those)."""
 
-    def __init__(self, k0, k1, needs_lo, needs_hi, kind):
+    def __init__(self, k0, k1, needs_lo, needs_hi, kind, runs=None):
         self.k0 = k0
         self.k1 = k1
         self.needs_lo = needs_lo
         self.needs_hi = needs_hi
         self.kind = kind
+        self.runs = runs
 
 
 def classify_keys(q0, q1, t0, t1, lo_rel, hi_rel, packing=False, blocks=None):
@@ -187,7 +190,8 @@ def band_plan(seqlen_q, seqlen_k, lo_rel, hi_rel, packing=False, q_tile=128, k_t
 def block_key_tile(row, t0, t1):
     """Classify the key tile ``[t0, t1)`` (whole 128-key chunks) of one query tile from its row of chunk
     classes ``row`` (``BLOCK_*`` ints): a ``KeyTile`` trimmed to the run of non-SKIP chunks, FULL when every
-    chunk of the run is FULL, else PARTIAL (the bitmap masks it)."""
+    chunk of the run is FULL, else PARTIAL (the bitmap masks it); with SKIP chunks left inside, ``runs`` lists
+    the maximal runs of non-SKIP chunks (``block_runs``)."""
     first = -1
     last = -1
     for c in range(t0 // PMAX, t1 // PMAX):
@@ -201,7 +205,23 @@ def block_key_tile(row, t0, t1):
     for c in range(first, last + 1):
         if row[c] != BLOCK_FULL:
             kind = PARTIAL
-    return KeyTile(first * PMAX, (last + 1) * PMAX, False, False, kind)
+    runs = block_runs(row, first * PMAX, (last + 1) * PMAX)
+    if len(runs) < 2:
+        runs = None
+    return KeyTile(first * PMAX, (last + 1) * PMAX, False, False, kind, runs)
+
+
+def block_runs(row, k0, k1):
+    """The maximal runs of non-SKIP chunks of the keys ``[k0, k1)`` (whole 128-key chunks) of one query tile's
+    row of chunk classes, as key ranges ``[[r0, r1], ...]`` in key order."""
+    runs = []
+    for c in range(k0 // PMAX, k1 // PMAX):
+        if row[c] != BLOCK_SKIP:
+            if len(runs) > 0 and runs[len(runs) - 1][1] == c * PMAX:
+                runs[len(runs) - 1][1] = (c + 1) * PMAX
+            else:
+                runs.append([c * PMAX, (c + 1) * PMAX])
+    return runs
 
 
 class BlockRows(nl.NKIObject):

@@ -58,7 +58,10 @@ class Tile(nl.NKIObject):
     within the kv head's group) of batch ``b``, keys ``[k0, k0 + kw)``; ``needs_lo`` / ``needs_hi`` and ``kind``
     from ``band.classify_keys``. ``rows``: the per-row state of the tile's rows (dropout's row words, or None);
     ``row_max``: the forward's column for the masked row max; ``key_idx``: the key index of every column (trn1
-    packing in the forward); ``d_col``: the backward's D column. ``saved``: what a step leaves for a later one."""
+    packing in the forward); ``d_col``: the backward's D column. ``saved``: what a step leaves for a later one.
+    ``runs`` / ``srcs``: a block-mask tile the forward split at its SKIP chunks (``block_segments``): the ``Tile``
+    of each run (the tile's columns hold their chunks back to back), and each run's score-step output (None: the
+    tile's own S holds every run)."""
 
     def __init__(self, b, hq, h, t, k0, kw, needs_lo, needs_hi, kind, rows=None, row_max=None, key_idx=None,
                  d_col=None):
@@ -77,6 +80,8 @@ class Tile(nl.NKIObject):
         self.key_idx = key_idx
         self.d_col = d_col
         self.saved = {}
+        self.runs = None
+        self.srcs = None
 
 
 class Item(nl.NKIObject):
@@ -297,17 +302,36 @@ def block_partial_count(row, c0, c1):
 
 
 def block_segments(cfg, tile):
-    """The segments of ``tile``'s run: ``[[class, first column, end column], ...]`` in key order, columns
-    counted from the tile's first key, each a maximal run of chunks of one union class."""
+    """The segments of ``tile``'s run: ``[[class, first column, end column, first key column], ...]`` in key
+    order, each a maximal run of chunks of one union class; columns count from the tile's first column, key
+    columns from its first key ``tile.k0``. They are equal unless the forward split the tile (``tile.runs``:
+    its columns then hold only the runs' chunks, back to back): a segment then never spans two runs when each run
+    has its own source (``tile.srcs``), and spans the gap between them otherwise (one instruction for both)."""
     row = cfg.block_mask.rows[tile.t]
     c0 = tile.k0 // PMAX
+    keys = []  # the key column of each of the tile's chunks, and the run it belongs to
+    run_of = []
+    if tile.runs is None:
+        for c in range(tile.kw // PMAX):
+            keys.append(c * PMAX)
+            run_of.append(0)
+    else:
+        for r in range(len(tile.runs)):
+            rt = tile.runs[r]
+            for c in range(rt.kw // PMAX):
+                keys.append(rt.k0 - tile.k0 + c * PMAX)
+                run_of.append(r)
     segs = []
-    for c in range(c0, c0 + tile.kw // PMAX):
-        a = (c - c0) * PMAX
-        if len(segs) > 0 and segs[len(segs) - 1][0] == row[c]:
+    for j in range(len(keys)):
+        a = j * PMAX
+        cls = row[c0 + keys[j] // PMAX]
+        joined = False
+        if len(segs) > 0 and segs[len(segs) - 1][0] == cls:
+            joined = tile.srcs is None or run_of[j] == run_of[j - 1]
+        if joined:
             segs[len(segs) - 1][2] = a + PMAX
         else:
-            segs.append([row[c], a, a + PMAX])
+            segs.append([cls, a, a + PMAX, keys[j]])
     return segs
 
 
@@ -321,9 +345,10 @@ def block_bitsel():
     return sel.reshape((PMAX, K_TILE))
 
 
-def block_keep(cfg, tile, a, b):
-    """The keep predicate of the PARTIAL segment ``[a, b)`` (tile columns) of a block-mask tile: uint8 ``[128,
-    b - a]``, non-zero where the key is visible to the query row. Its bytes are one DMA from the store (the
+def block_keep(cfg, tile, ka, w):
+    """The keep predicate of a PARTIAL segment of ``w`` columns whose first key is ``tile.k0 + ka`` (a segment of
+    ``block_segments``; its PARTIAL chunks have consecutive slots even across SKIP chunks, which have none): uint8
+    ``[128, w]``, non-zero where the key is visible to the query row. Its bytes are one DMA from the store (the
     segment's chunks have consecutive slots), the bits one VectorE AND. (On GpSimdE, the choice while a PARTIAL
     tile ANDed all its 512 columns, the modeled schedule of cost model v2 is slower for every mask measured at
     4096 tokens now that only the PARTIAL chunks are: causal documents, windows within documents, dilated.)"""
@@ -340,9 +365,8 @@ def block_keep(cfg, tile, a, b):
     # slot0 numbers the key tile's PARTIAL chunks from its first key; a tile may start inside it (the backward
     # splits a key tile at its SKIP chunks), so count from the key tile's first chunk
     kt0 = (tile.k0 // K_TILE) * (K_TILE // PMAX)
-    slot = bl.slot0[tile.t][tile.k0 // K_TILE] + block_partial_count(bl.rows[tile.t], kt0, c0 + a // PMAX)
+    slot = bl.slot0[tile.t][tile.k0 // K_TILE] + block_partial_count(bl.rows[tile.t], kt0, c0 + ka // PMAX)
     col = ((bb * bl.n_h + hh) * bl.n_slots + slot) * CHUNK_BYTES
-    w = b - a
     nb = w // 8
     raw = nl.ndarray((PMAX, nb), dtype=nl.uint8, buffer=nl.sbuf)
     nisa.dma_copy(dst=raw, src=bl.bits[:, col:col + nb])
@@ -365,7 +389,7 @@ def block_mask_scores(cfg, tile, item, s):
     for i in range(len(segs)):
         keeps.append(None)
         if segs[i][0] == BLOCK_PARTIAL:
-            keeps[i] = block_keep(cfg, tile, segs[i][1], segs[i][2])
+            keeps[i] = block_keep(cfg, tile, segs[i][3], segs[i][2] - segs[i][1])
         if segs[i][0] != BLOCK_SKIP:
             last = i
     dst = nl.ndarray((PMAX, tile.kw), dtype=nl.float32, buffer=nl.sbuf)
@@ -376,17 +400,32 @@ def block_mask_scores(cfg, tile, item, s):
         res = None
         if i == last:
             res = tile.row_max
+        src = _segment_source(tile, s, a, b)
         if segs[i][0] == BLOCK_SKIP:
             nisa.memset(dst=dst[:, a:b], value=FP32_MIN, engine=nisa.engine.gpsimd)
         elif segs[i][0] == BLOCK_FULL:
-            nisa.tensor_scalar_reduce(dst=dst[:, a:b], data=s[:, a:b], op0=nl.multiply, operand0=1.0,
+            nisa.tensor_scalar_reduce(dst=dst[:, a:b], data=src, op0=nl.multiply, operand0=1.0,
                                       reduce_op=nl.maximum, reduce_res=res, reduce_cmd=cmd)
             cmd = nisa.reduce_cmd.reduce
         else:
-            nisa.select_reduce(dst=dst[:, a:b], predicate=keeps[i], on_true=s[:, a:b], on_false=FP32_MIN,
+            nisa.select_reduce(dst=dst[:, a:b], predicate=keeps[i], on_true=src, on_false=FP32_MIN,
                                reduce_res=res, reduce_cmd=cmd, reduce_op=nl.maximum)
             cmd = nisa.reduce_cmd.reduce
     return dst
+
+
+def _segment_source(tile, s, a, b):
+    """The scores of the tile's columns ``[a, b)`` (one segment of ``block_segments``): ``s`` itself, or for a
+    split tile whose runs went through score steps one by one, the slice of its run's output."""
+    if tile.srcs is None:
+        return s[:, a:b]
+    r0 = 0
+    for r in range(len(tile.runs)):
+        r1 = r0 + tile.runs[r].kw
+        if a >= r0 and b <= r1:
+            return tile.srcs[r][:, a - r0:b - r0]
+        r0 = r1
+    assert False, "a segment spans two runs of a split tile"
 
 
 def block_mask_probs(cfg, tile, item, p):
@@ -403,6 +442,6 @@ def block_mask_probs(cfg, tile, item, p):
         if segs[i][0] == BLOCK_SKIP:
             nisa.memset(dst=p[:, a:b], value=0.0, engine=nisa.engine.gpsimd)
         elif segs[i][0] == BLOCK_PARTIAL:
-            keep = block_keep(cfg, tile, a, b)
+            keep = block_keep(cfg, tile, segs[i][3], b - a)
             nisa.select_reduce(dst=p[:, a:b], predicate=keep, on_true=p[:, a:b], on_false=0.0)
     return p

@@ -44,6 +44,9 @@ def _mask_cases(sq, sk):
         # splits the tile at the SKIP chunk, so its second visit starts inside the tile and must read the second
         # PARTIAL chunk's bitmap slot, not the first's
         "partial_gap_partial": (_partial_gap_partial, None, None),
+        # every 512-key tile with SKIP chunks between visible ones, each chunk class at each position of a
+        # split tile (``_split_runs``): the forward computes only the runs, the backward visits each run
+        "split_runs": (_split_runs, None, None),
         # FlexAttention's benchmark pattern: 50 % of the blocks FULL, the rest SKIP, no bitmap anywhere
         "random_full_skip": (_full_skip_blocks(7, 0.5, sq, sk), None, None),
         "sliding_window_two_sided": (masks.sliding_window(150, causal=False), None, None),
@@ -61,6 +64,33 @@ def _partial_gap_partial(b, h, q, kv):
     first = (q + kv) % 3 != 0
     third = (q * 7 + kv) % 5 < 2
     return ((c == 0) & first) | ((c == 2) & third) | (c == 3)
+
+
+def _split_patterns():
+    """Every class pattern of a 512-key tile (4 chunks: 0 SKIP, 1 PARTIAL, 2 FULL) whose non-SKIP chunks form two
+    runs or more: 28 patterns, so each of PARTIAL and FULL sits at each position of a split tile, first and
+    second run, beside SKIP chunks on either side."""
+    out = []
+    for code in range(81):
+        p = [(code // 3 ** i) % 3 for i in range(4)]
+        on = [c != 0 for c in p]
+        runs = sum(1 for i in range(4) if on[i] and (i == 0 or not on[i - 1]))
+        if runs >= 2:
+            out.append(p)
+    return out
+
+
+def _split_runs(b, h, q, kv):
+    """Query tile t, key tile j (of 7) gets pattern ``7 t + j`` of ``_split_patterns`` (4 query tiles x 7 key
+    tiles: sq = 512, sk = 3584). A PARTIAL chunk's element pattern depends on the chunk (a period of 2 to 4 keys,
+    shifted by the row), so reading another PARTIAL chunk's bitmap slot changes the result."""
+    pats = torch.tensor(_split_patterns())  # [28, 4]
+    t = q // 128
+    c = kv // 128
+    cls = pats[t * 7 + c // 4, c % 4]
+    period = c % 3 + 2
+    elem = (q * (c % 5 + 1) + kv) % period != 0
+    return (cls == 2) | ((cls == 1) & elem)
 
 
 def _broadcast(mm):
@@ -172,6 +202,54 @@ def test_fwd_bwd_tile_split_at_a_skip_chunk_reads_its_own_bits():
     (_, _, rows), _ = create_block_mask(mm, nb, nh, 256, 512).kernel_operands()
     assert [list(r) for r in rows] == [[band.BLOCK_PARTIAL, band.BLOCK_SKIP, band.BLOCK_PARTIAL, band.BLOCK_FULL]] * 2
     check_fwd_bwd("partial_gap_partial", torch.float32, sq=256, sk=512)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fwd_bwd_split_key_tiles_visit_only_their_runs(dtype):
+    """Key tiles split at SKIP chunks, every PARTIAL / FULL chunk at every position of the split tile (first or
+    second run, next to a SKIP chunk on either side): forward and backward against the float64 definition.
+    A forward that computed a SKIP chunk unmasked, dropped a run, or read a PARTIAL chunk's bits from another
+    chunk's slot (counted from the run instead of the key tile's first chunk) gives other outputs."""
+    from nki_attn.kernels import band
+    sq, sk = 512, 3584
+    mm, nb, nh = _mask_cases(sq, sk)["split_runs"]
+    (_, _, rows), bits = create_block_mask(mm, nb, nh, sq, sk).kernel_operands()
+    pats = _split_patterns()
+    assert len(pats) == 28 and bits is not None
+    seen = set()
+    for t in range(4):
+        for j in range(7):
+            assert list(rows[t][4 * j:4 * j + 4]) == pats[7 * t + j]
+            kt = band.block_key_tile(rows[t], 512 * j, 512 * j + 512)
+            assert kt.runs is not None and len(kt.runs) >= 2
+            for c in range(4):
+                seen.add((c, pats[7 * t + j][c]))
+    assert seen == {(c, k) for c in range(4) for k in range(3)}
+    # its visits average at most half a key tile: the backward runs its deeper pipeline (stages B and D later)
+    from nki_attn.kernels import attention_bwd as bwd
+    assert bwd._narrow_visit_lags(rows) == (2 * bwd.PIPE_LAG_B, 2 * bwd.PIPE_LAG_D)
+    check_fwd_bwd("split_runs", dtype, sq=sq, sk=sk, hq=2, hk=1)
+
+
+def test_narrow_visit_lags_only_for_narrow_visits():
+    """The backward's deeper pipeline is for masks whose visits average at most two chunks: whole key tiles and
+    3-chunk runs keep the defaults, as does a mask with no visible key."""
+    from nki_attn.kernels import attention_bwd as bwd
+    deep = (2 * bwd.PIPE_LAG_B, 2 * bwd.PIPE_LAG_D)
+    assert bwd._narrow_visit_lags([[2, 2, 2, 2, 0, 0, 0, 0]]) is None
+    assert bwd._narrow_visit_lags([[2, 2, 2, 0, 1, 2, 1, 0]]) is None      # runs of 3 chunks
+    assert bwd._narrow_visit_lags([[2, 2, 0, 0, 0, 1, 2, 0]]) == deep      # runs of 2 chunks
+    assert bwd._narrow_visit_lags([[2, 0, 2, 0, 2, 2, 2, 2]]) == deep      # 6 chunks in 3 visits
+    assert bwd._narrow_visit_lags([[2, 0, 2, 2, 2, 2, 2, 2]]) is None      # 7 chunks in 3 visits
+    assert bwd._narrow_visit_lags([[0, 0, 0, 0]]) is None
+
+
+def test_split_key_tiles_with_score_mods():
+    """The same split tiles with soft-capping and ALiBi: each run goes through the score steps as its own tile
+    (the ALiBi distances are the run's keys, not the columns of the runs back to back), forward and backward."""
+    slopes = torch.tensor([0.5, 0.25])
+    check_fwd_bwd("split_runs", torch.float32, sq=512, sk=3584, hq=2, hk=1,
+                  score_mod=[flex.softcap(3.0), flex.alibi(slopes)], cap=3.0, slopes=slopes)
 
 
 @pytest.mark.slow
