@@ -6,7 +6,9 @@ Every failure raises ``ValueError`` with a message of the form::
 
 so that a caller (or a test) can see at a glance which argument was wrong,
 what was passed and which rule it broke.  Each golden module has exactly one
-private validation entry point built from these helpers.
+private validation entry point built from these helpers.  The score
+modifications' checks are not here: each is declared with its steps, in its
+``SCORE_STEPS`` row (``golden.attention_fwd_torch``).
 """
 
 from __future__ import annotations
@@ -161,47 +163,6 @@ def check_masking(fn: str, dims: dict, use_causal_mask, sliding_window,
             if torch.isnan(b).any():
                 fail(fn, name, "tensor with NaN", "packing bounds must not be NaN")
     return causal, window, pair
-
-
-def check_softcap(fn: str, softcap) -> float:
-    """``softcap`` as a float: a finite number >= 0 (0 = off, FlashAttention's convention)."""
-    if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
-        fail(fn, "softcap", repr(softcap), "must be a real number >= 0 (0 disables soft-capping)")
-    cap = float(softcap)
-    if not (math.isfinite(cap) and cap >= 0.0):
-        fail(fn, "softcap", cap, "must be finite and >= 0 (0 disables soft-capping)")
-    return cap
-
-
-def check_alibi(fn: str, alibi_slopes, dims: dict):
-    """ALiBi slopes: float32 ``[bs, nheads]``, finite (None = no ALiBi)."""
-    if alibi_slopes is None:
-        return None
-    check_tensor(fn, "alibi_slopes", alibi_slopes)
-    want = (dims["bs"], dims["nheads"])
-    if tuple(alibi_slopes.shape) != want:
-        fail(fn, "alibi_slopes.shape", _shape(alibi_slopes),
-             f"must be [bs, nheads] = {list(want)} (broadcast FlashAttention's [nheads] first)")
-    if alibi_slopes.dtype != torch.float32:
-        fail(fn, "alibi_slopes.dtype", alibi_slopes.dtype, "must be float32 (FlashAttention's convention)")
-    if not bool(torch.isfinite(alibi_slopes).all()):
-        fail(fn, "alibi_slopes", "tensor with inf/NaN", "slopes must be finite")
-    return alibi_slopes
-
-
-def check_logit_scale(fn: str, logit_scale, dims: dict):
-    """The per-head logit scale: float32 ``[bs, nheads]``, finite (None = none)."""
-    if logit_scale is None:
-        return None
-    check_tensor(fn, "logit_scale", logit_scale)
-    want = (dims["bs"], dims["nheads"])
-    if tuple(logit_scale.shape) != want:
-        fail(fn, "logit_scale.shape", _shape(logit_scale), f"must be [bs, nheads] = {list(want)}")
-    if logit_scale.dtype not in (torch.float32, torch.float64):
-        fail(fn, "logit_scale.dtype", logit_scale.dtype, "must be float32 (float64 for a float64 reference)")
-    if not bool(torch.isfinite(logit_scale).all()):
-        fail(fn, "logit_scale", "tensor with inf/NaN", "scales must be finite")
-    return logit_scale
 
 
 def check_dropout(fn: str, dropout_p, dropout_seed, dropout_mask, dims: dict) -> float:

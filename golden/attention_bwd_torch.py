@@ -76,7 +76,7 @@ from typing import Dict, Optional, Tuple
 import torch
 
 from . import _validate as _v
-from .attention_fwd_torch import _forward, _validate_fwd, acc_dtype, dropout_multiplier, stats_dtype
+from .attention_fwd_torch import _forward, _validate_fwd, acc_dtype, dropout_multiplier, score_mods, stats_dtype
 
 __all__ = ["attention_bwd_torch_ref", "softmax_dx"]
 
@@ -106,20 +106,19 @@ def softmax_dx(dy: torch.Tensor, y: torch.Tensor, dim: int,
 
 
 def _validate_bwd(q, k, v, o, dy, lse, sinks, bound_min, bound_max, use_causal_mask,
-                  mixed_precision, softmax_scale, sliding_window, softcap=0.0, alibi_slopes=None,
-                  window_size=None, dropout_p=0.0, dropout_seed=None, dropout_mask=None,
-                  attn_bias=None, logit_scale=None) -> dict:
-    """The single validation entry point of this module."""
+                  mixed_precision, softmax_scale, sliding_window, mods, window_size=None,
+                  dropout_p=0.0, dropout_seed=None, dropout_mask=None) -> dict:
+    """The single validation entry point of this module (``mods``: the score
+    modifications by keyword, checked by their ``SCORE_STEPS`` rows)."""
     fn = "attention_bwd_torch_ref"
     # The q/k/v/mask/sink rules are the forward's; only the names differ.
     a = _validate_fwd(fn, q, k, v, qkv_names=("q_ref", "k_ref", "v_ref"),
                       sinks=sinks, sinks_name="sinks_ref",
                       bound_min=bound_min, bound_max=bound_max,
                       use_causal_mask=use_causal_mask, mixed_precision=mixed_precision,
-                      softmax_scale=softmax_scale, sliding_window=sliding_window,
-                      softcap=softcap, alibi_slopes=alibi_slopes, window_size=window_size,
-                      dropout_p=dropout_p, dropout_seed=dropout_seed, dropout_mask=dropout_mask,
-                      logit_bias=attn_bias, bias_name="attn_bias", logit_scale=logit_scale)
+                      softmax_scale=softmax_scale, sliding_window=sliding_window, mods=mods,
+                      window_size=window_size, dropout_p=dropout_p, dropout_seed=dropout_seed,
+                      dropout_mask=dropout_mask)
     # o and dy are [bs, nheads, d_v, seqlen_q]: q's shape unless d_v != d_qk.
     o_shape = None
     if a["d_v"] != a["d_head"]:
@@ -186,21 +185,24 @@ def attention_bwd_torch_ref(q_ref: torch.Tensor, k_ref: torch.Tensor, v_ref: tor
         Only with a logit scale, ``out_dlogit_scale_ref`` ``[bs, nheads]`` (same
         dtype rule).
 
+    The score modifications' keywords (``softcap``, ``alibi_slopes``,
+    ``attn_bias``, ``logit_scale``) are checked and applied by their
+    ``SCORE_STEPS`` rows (:mod:`golden.attention_fwd_torch`).
+
     Raises:
         ValueError: naming the offending argument, its value and the rule.
     """
     a = _validate_bwd(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref, bound_min,
                       bound_max, use_causal_mask, mixed_precision, softmax_scale,
-                      sliding_window, softcap, alibi_slopes, window_size, dropout_p,
-                      dropout_seed, dropout_mask, attn_bias, logit_scale)
+                      sliding_window, score_mods(locals()), window_size, dropout_p,
+                      dropout_seed, dropout_mask)
     bs, nheads, nheads_kv = a["bs"], a["nheads"], a["nheads_kv"]
     seqlen_q, seqlen_k, group = a["seqlen_q"], a["seqlen_k"], a["group"]
     dt = q_ref.dtype
     sdt = stats_dtype(dt, a["mixed"])
 
     drop = dropout_multiplier(a, dropout_seed, dropout_mask, sdt)
-    mods = dict(logit_scale=logit_scale, softcap=a["softcap"], alibi_slopes=alibi_slopes, attn_bias=attn_bias)
-    f = _forward(q_ref, k_ref, v_ref, a, mods, drop, sinks_ref, bound_min, bound_max)
+    f = _forward(q_ref, k_ref, v_ref, a, drop, sinks_ref, bound_min, bound_max)
     probs = f["probs"]
 
     qt = q_ref.transpose(-1, -2)                                   # [b, h, sq, d_qk]
@@ -219,10 +221,10 @@ def attention_bwd_torch_ref(q_ref: torch.Tensor, k_ref: torch.Tensor, v_ref: tor
     mod_grads = {}
     ctx = dict(a, adt=acc_dtype(dt))
     for row, value, kept in reversed(f["steps"]):                  # back through the score modifications
-        if row[2] is not None:
-            ds_keys, g = row[2](ds_keys, value, kept, ctx)
-            if row[3] is not None:
-                mod_grads[row[3]] = g
+        if row.backward is not None:
+            ds_keys, g = row.backward(ds_keys, value, kept, ctx)
+            if row.grad_key is not None:
+                mod_grads[row.grad_key] = g
     ds_keys = (ds_keys * a["scale"]).to(dt)                        # scale * dS, [b, h, sq, sk]
     p_keys = probs[..., :seqlen_k]
     if drop is not None:

@@ -23,7 +23,8 @@ Semantics (in this order; ``off = seqlen_k - seqlen_q``)
   when given, before soft-capping and ALiBi.
 * soft-capping ``softcap = c > 0``: ``S = c * tanh(S / c)``.
 * ALiBi ``alibi_slopes`` ``[bs, nheads]`` float32: ``S += -slope * |i + off - j|``;
-  ``logit_bias`` (``compute_o_lse`` only) is added after it.
+  the additive bias ``attn_bias`` (``compute_o_lse`` also takes it under its
+  older name ``logit_bias``) is added after it.
 * masks, all ANDed (bottom-right aligned, so any ``seqlen_q``/``seqlen_k``):
   causal ``j <= i + off``; sliding window ``W`` (integer >= 1, causal only)
   ``j >= i + off - W + 1``; ``window_size = (left, right)`` (-1 = unbounded,
@@ -74,7 +75,9 @@ The golden is dtype-generic; let ``dt`` be the common dtype of q, k, v.
 from __future__ import annotations
 
 import importlib
-from typing import Optional, Sequence, Tuple, Union
+import math
+import numbers
+from typing import Callable, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -98,17 +101,20 @@ def acc_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def _validate_fwd(fn: str, q, k, v, *, sinks, sinks_name: str, bound_min, bound_max,
-                  use_causal_mask, mixed_precision, softmax_scale, sliding_window,
-                  logit_bias=None, dropout_mask=None, qkv_names=("q", "k", "v"),
-                  softcap=0.0, alibi_slopes=None, window_size=None, dropout_p=None,
-                  dropout_seed=None, bias_name="logit_bias", logit_scale=None) -> dict:
+                  use_causal_mask, mixed_precision, softmax_scale, sliding_window, mods: dict,
+                  mod_names=None, dropout_mask=None, qkv_names=("q", "k", "v"), window_size=None,
+                  dropout_p=None, dropout_seed=None) -> dict:
     """The single validation entry point of this module; returns the resolved arguments.
 
     ``sinks_name``/``qkv_names`` are the caller's parameter names, so that
-    messages name the argument the user actually passed.  ``dropout_p=None``
-    selects ``compute_o_lse``'s raw-mask dropout (any bool/floating mask, no
-    rescale); a number selects the kernels' dropout (``dropout_p`` with a seed
-    or a bool keep mask, scaled by ``1/(1-p)``).
+    messages name the argument the user actually passed.  ``mods`` holds the
+    score modifications' values by ``SCORE_STEPS`` keyword (as
+    :func:`score_mods` collects them); each row's ``check`` validates its
+    value, under the caller's name for it from ``mod_names`` (default: the
+    keyword), and the resolved values come back under ``"mods"``.
+    ``dropout_p=None`` selects ``compute_o_lse``'s raw-mask dropout (any
+    bool/floating mask, no rescale); a number selects the kernels' dropout
+    (``dropout_p`` with a seed or a bool keep mask, scaled by ``1/(1-p)``).
     """
     dims = _v.check_qkv(fn, q, k, v, names=qkv_names)
     causal, window, pair = _v.check_masking(fn, dims, use_causal_mask, sliding_window,
@@ -116,21 +122,10 @@ def _validate_fwd(fn: str, q, k, v, *, sinks, sinks_name: str, bound_min, bound_
     mixed = _v.check_flag(fn, "mixed_precision", mixed_precision)
     scale = _v.check_scale(fn, softmax_scale, dims["d_head"])
     num_sinks = _v.check_sinks(fn, sinks_name, sinks, dims)
-    cap = _v.check_softcap(fn, softcap)
-    _v.check_alibi(fn, alibi_slopes, dims)
-    _v.check_logit_scale(fn, logit_scale, dims)
+    names = mod_names or {}
+    resolved = {row.keyword: row.check(fn, names.get(row.keyword, row.keyword), mods.get(row.keyword, row.off), dims)
+                for row in SCORE_STEPS}
     full = (dims["bs"], dims["nheads"], dims["seqlen_q"], dims["seqlen_k"])
-    if logit_bias is not None:
-        _v.check_tensor(fn, bias_name, logit_bias)
-        if not logit_bias.is_floating_point():
-            _v.fail(fn, f"{bias_name}.dtype", logit_bias.dtype, "must be a floating dtype")
-        try:
-            ok = torch.broadcast_shapes(tuple(logit_bias.shape), full) == full
-        except RuntimeError:
-            ok = False
-        if not ok:
-            _v.fail(fn, f"{bias_name}.shape", tuple(logit_bias.shape),
-                    f"must broadcast to [bs, nheads, seqlen_q, seqlen_k] = {list(full)}")
     p = 0.0
     if dropout_p is None:
         if dropout_mask is not None:
@@ -143,7 +138,7 @@ def _validate_fwd(fn: str, q, k, v, *, sinks, sinks_name: str, bound_min, bound_
     else:
         p = _v.check_dropout(fn, dropout_p, dropout_seed, dropout_mask, dims)
     return dict(dims, causal=causal, window=window, window_size=pair, mixed=mixed, scale=scale,
-                num_sinks=num_sinks, softcap=cap, dropout_p=p)
+                num_sinks=num_sinks, dropout_p=p, mods=resolved)
 
 
 def band_offset(seqlen_q: int, seqlen_k: int) -> int:
@@ -239,8 +234,13 @@ def compute_o_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   softcap: float = 0.0,
                   alibi_slopes: Optional[torch.Tensor] = None,
                   window_size: Optional[Tuple[int, int]] = None,
-                  logit_scale: Optional[torch.Tensor] = None):
+                  logit_scale: Optional[torch.Tensor] = None,
+                  attn_bias: Optional[torch.Tensor] = None):
     """Attention forward by the definition; returns ``(o, lse, probs)``.
+
+    The score modifications' keywords (``logit_scale``, ``softcap``,
+    ``alibi_slopes``, ``attn_bias``) are the kernels'; each is checked and
+    applied by its ``SCORE_STEPS`` row.
 
     Args:
         q: ``[bs, nheads, d_qk, seqlen_q]``, seqlen_q a multiple of 128.
@@ -251,8 +251,8 @@ def compute_o_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         mixed_precision: softmax statistics in float32 for 16-bit inputs
             (see the module's precision model).
         softmax_scale: multiplies ``q.k``; default ``1 / sqrt(d_qk)``.
-        logit_bias: optional floating tensor broadcastable to
-            ``[bs, nheads, seqlen_q, seqlen_k]``, added to the scaled (and capped) scores.
+        logit_bias: the additive bias under its older name (``attn_bias``,
+            the kernels' name, is the same argument; give one of the two).
         sliding_window: W >= 1 (causal only): query i sees keys ``i+off-W+1 .. i+off``.
         dropout_mask: optional bool/floating ``[bs, nheads, seqlen_q, seqlen_k]``;
             ``o = (probs[..., :seqlen_k] * dropout_mask) @ v``.  No
@@ -270,6 +270,9 @@ def compute_o_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             ``i + off - left .. i + off + right``; not with ``sliding_window``.
         logit_scale: optional float32 ``[bs, nheads]``, multiplies the scaled
             scores before soft-capping and ALiBi.
+        attn_bias: optional floating tensor broadcastable to
+            ``[bs, nheads, seqlen_q, seqlen_k]``, added to the scaled (and capped)
+            scores after ALiBi.
 
     Returns:
         o: ``[bs, nheads, d_v, seqlen_q]`` in q's dtype (0 for empty rows).
@@ -282,14 +285,19 @@ def compute_o_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     Raises:
         ValueError: naming the offending argument, its value and the rule.
     """
+    mods = score_mods(locals())
+    names = None
+    if logit_bias is not None:
+        if attn_bias is not None:
+            _v.fail("compute_o_lse", "logit_bias", "a tensor",
+                    "is attn_bias under its older name; give one of the two, not both")
+        mods["attn_bias"], names = logit_bias, {"attn_bias": "logit_bias"}
     a = _validate_fwd("compute_o_lse", q, k, v, sinks=sinks, sinks_name="sinks",
                       bound_min=bound_min, bound_max=bound_max,
                       use_causal_mask=use_causal_mask, mixed_precision=mixed_precision,
-                      softmax_scale=softmax_scale, sliding_window=sliding_window,
-                      logit_bias=logit_bias, dropout_mask=dropout_mask, softcap=softcap,
-                      alibi_slopes=alibi_slopes, window_size=window_size, logit_scale=logit_scale)
-    mods = dict(logit_scale=logit_scale, softcap=a["softcap"], alibi_slopes=alibi_slopes, attn_bias=logit_bias)
-    f = _forward(q, k, v, a, mods, dropout_mask, sinks, bound_min, bound_max)
+                      softmax_scale=softmax_scale, sliding_window=sliding_window, mods=mods,
+                      mod_names=names, dropout_mask=dropout_mask, window_size=window_size)
+    f = _forward(q, k, v, a, dropout_mask, sinks, bound_min, bound_max)
     return f["o"], f["lse"], f["probs"]
 
 
@@ -306,15 +314,33 @@ def _sum_to(x: torch.Tensor, shape: tuple) -> torch.Tensor:
     return x.reshape(shape)
 
 
-# The score modifications, one row each, in the order they apply to the scaled
-# scores S (``[bs, nheads, seqlen_q, seqlen_k]`` in the statistics dtype):
-# ``(keyword, forward, backward, gradient key)``.  ``forward(s, value, a)``
-# returns the modified scores and what its backward keeps; ``backward(ds,
-# value, kept, a)`` takes dL/d(its output) and returns dL/d(its input) and the
-# gradient of ``value`` (None: none), reported by ``attention_bwd_torch_ref``
-# under the key.  ``a`` is the validated arguments plus ``adt`` (acc_dtype).
-# The backward runs the rows in reverse order.  A keyword's value is None
-# (softcap: 0.0) when the modification is off.
+class ScoreStep(NamedTuple):
+    """One score modification of the golden, declared once (a row of ``SCORE_STEPS``).
+
+    * ``keyword``: its keyword in the golden's entry points, the kernels' keyword;
+    * ``forward(s, value, a)``: the scores S ``[bs, nheads, seqlen_q, seqlen_k]``
+      (statistics dtype) modified, and what its backward keeps;
+    * ``backward(ds, value, kept, a)`` (None: dS passes unchanged): dL/d(its
+      output) to dL/d(its input), and the gradient of ``value`` (None: none);
+    * ``grad_key``: the key ``attention_bwd_torch_ref`` reports that gradient
+      under (None: none);
+    * ``check(fn, name, value, dims)``: its argument rule, run by the golden's
+      validation before any work; raises ``ValueError`` (``_validate.fail``:
+      function, argument ``name`` as the caller spells it, value, rule) and
+      returns the value as the steps take it;
+    * ``off``: the value meaning "not applied" (the keyword's default).
+
+    ``a`` is the validated arguments plus ``adt`` (acc_dtype); the steps read
+    only its ``bs``, ``nheads``, ``seqlen_q``, ``seqlen_k``, ``scale`` and ``adt``.
+    """
+    keyword: str
+    forward: Callable
+    backward: Optional[Callable]
+    grad_key: Optional[str]
+    check: Callable
+    off: object = None
+
+
 def _logit_scale_fwd(s, lam, a):
     return s * lam.to(device=s.device, dtype=s.dtype)[..., None, None], s
 
@@ -323,36 +349,110 @@ def _logit_scale_bwd(ds, lam, s0, a):
     return ds * lam.to(device=ds.device, dtype=ds.dtype)[..., None, None], (ds * s0).sum(dim=(2, 3))
 
 
+def _logit_scale_check(fn, name, logit_scale, dims):
+    """The per-head logit scale: float32 ``[bs, nheads]``, finite (None = none)."""
+    if logit_scale is None:
+        return None
+    _v.check_tensor(fn, name, logit_scale)
+    want = (dims["bs"], dims["nheads"])
+    if tuple(logit_scale.shape) != want:
+        _v.fail(fn, f"{name}.shape", tuple(logit_scale.shape), f"must be [bs, nheads] = {list(want)}")
+    if logit_scale.dtype not in (torch.float32, torch.float64):
+        _v.fail(fn, f"{name}.dtype", logit_scale.dtype, "must be float32 (float64 for a float64 reference)")
+    if not bool(torch.isfinite(logit_scale).all()):
+        _v.fail(fn, name, "tensor with inf/NaN", "scales must be finite")
+    return logit_scale
+
+
 def _softcap_fwd(s, c, a):
     th = torch.tanh(s / c)
     return c * th, 1.0 - th * th     # d(c tanh(x / c)) / dx
+
+
+def _softcap_bwd(ds, c, cap_grad, a):
+    return ds * cap_grad, None
+
+
+def _softcap_check(fn, name, softcap, dims):
+    """``softcap`` as a float: a finite number >= 0 (0 = off, FlashAttention's convention)."""
+    if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
+        _v.fail(fn, name, repr(softcap), "must be a real number >= 0 (0 disables soft-capping)")
+    cap = float(softcap)
+    if not (math.isfinite(cap) and cap >= 0.0):
+        _v.fail(fn, name, cap, "must be finite and >= 0 (0 disables soft-capping)")
+    return cap
 
 
 def _alibi_fwd(s, slopes, a):
     return s + alibi_bias(slopes, a["seqlen_q"], a["seqlen_k"], a["adt"]).to(device=s.device, dtype=s.dtype), None
 
 
+def _alibi_check(fn, name, alibi_slopes, dims):
+    """ALiBi slopes: float32 ``[bs, nheads]``, finite (None = no ALiBi)."""
+    if alibi_slopes is None:
+        return None
+    _v.check_tensor(fn, name, alibi_slopes)
+    want = (dims["bs"], dims["nheads"])
+    if tuple(alibi_slopes.shape) != want:
+        _v.fail(fn, f"{name}.shape", tuple(alibi_slopes.shape),
+                f"must be [bs, nheads] = {list(want)} (broadcast FlashAttention's [nheads] first)")
+    if alibi_slopes.dtype != torch.float32:
+        _v.fail(fn, f"{name}.dtype", alibi_slopes.dtype, "must be float32 (FlashAttention's convention)")
+    if not bool(torch.isfinite(alibi_slopes).all()):
+        _v.fail(fn, name, "tensor with inf/NaN", "slopes must be finite")
+    return alibi_slopes
+
+
 def _bias_fwd(s, bias, a):
     return s + bias.to(device=s.device, dtype=s.dtype), None
 
 
+def _bias_bwd(ds, bias, kept, a):
+    return ds, _sum_to(ds.to(a["adt"]), tuple(bias.shape))
+
+
+def _bias_check(fn, name, bias, dims):
+    """The additive bias: a floating tensor broadcastable to ``[bs, nheads, seqlen_q, seqlen_k]`` (None = none)."""
+    if bias is None:
+        return None
+    _v.check_tensor(fn, name, bias)
+    if not bias.is_floating_point():
+        _v.fail(fn, f"{name}.dtype", bias.dtype, "must be a floating dtype")
+    full = (dims["bs"], dims["nheads"], dims["seqlen_q"], dims["seqlen_k"])
+    try:
+        ok = torch.broadcast_shapes(tuple(bias.shape), full) == full
+    except RuntimeError:
+        ok = False
+    if not ok:
+        _v.fail(fn, f"{name}.shape", tuple(bias.shape),
+                f"must broadcast to [bs, nheads, seqlen_q, seqlen_k] = {list(full)}")
+    return bias
+
+
+# In the order the modifications apply to the scaled scores; the backward runs
+# them in reverse.
 SCORE_STEPS = (
-    ("logit_scale", _logit_scale_fwd, _logit_scale_bwd, "out_dlogit_scale_ref"),
-    ("softcap", _softcap_fwd, lambda ds, c, cap_grad, a: (ds * cap_grad, None), None),
-    ("alibi_slopes", _alibi_fwd, None, None),
-    ("attn_bias", _bias_fwd, lambda ds, bias, kept, a: (ds, _sum_to(ds.to(a["adt"]), tuple(bias.shape))),
-     "out_dbias_ref"),
+    ScoreStep("logit_scale", _logit_scale_fwd, _logit_scale_bwd, "out_dlogit_scale_ref", _logit_scale_check),
+    ScoreStep("softcap", _softcap_fwd, _softcap_bwd, None, _softcap_check, 0.0),
+    ScoreStep("alibi_slopes", _alibi_fwd, None, None, _alibi_check),
+    ScoreStep("attn_bias", _bias_fwd, _bias_bwd, "out_dbias_ref", _bias_check),
 )
+
+
+def score_mods(args: dict) -> dict:
+    """The score modifications' values ``{keyword: value}`` taken from an entry
+    point's ``locals()`` (its parameters), one per ``SCORE_STEPS`` row."""
+    return {row.keyword: args[row.keyword] for row in SCORE_STEPS}
 
 
 def _is_on(value) -> bool:
     return value is not None and not (isinstance(value, float) and value == 0.0)
 
 
-def _forward(q, k, v, a, mods, dropout_mask, sinks, bound_min, bound_max) -> dict:
+def _forward(q, k, v, a, dropout_mask, sinks, bound_min, bound_max) -> dict:
     """Forward on validated arguments ``a`` (the dict from ``_validate_fwd``).
 
-    ``mods``: ``{keyword: value}`` of the score modifications (``SCORE_STEPS``).
+    ``a["mods"]``: ``{keyword: value}`` of the score modifications (``SCORE_STEPS``).
     ``dropout_mask`` here is the multiplier of the probabilities as given
     (bool, or floating values already holding any ``1/(1-p)``).  Returns a dict:
     ``o``, ``lse``, ``probs`` (as :func:`compute_o_lse`) and, for the backward,
@@ -374,9 +474,9 @@ def _forward(q, k, v, a, mods, dropout_mask, sinks, bound_min, bound_max) -> dic
     ctx = dict(a, adt=adt)
     steps = []
     for row in SCORE_STEPS:
-        value = mods.get(row[0])
+        value = a["mods"][row.keyword]
         if _is_on(value):
-            s, kept = row[1](s, value, ctx)
+            s, kept = row.forward(s, value, ctx)
             steps.append((row, value, kept))
     vis = visibility_mask(seqlen_q, seqlen_k, a["causal"], a["window"], bound_min, bound_max,
                           a["window_size"])
@@ -456,8 +556,8 @@ def attention_fwd_torch_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             mask ``[bs, nheads, seqlen_q, seqlen_k]`` (True = keep).
         attn_bias: optional floating tensor broadcastable to ``[bs, nheads,
             seqlen_q, seqlen_k]`` (the kernels take it 4-D, each dim 1 or full),
-            added to the scaled and capped scores after ALiBi (as
-            ``compute_o_lse``'s ``logit_bias``).
+            added to the scaled and capped scores after ALiBi (as in
+            :func:`compute_o_lse`).
         logit_scale: optional float32 ``[bs, nheads]`` (see :func:`compute_o_lse`).
 
     Returns:
@@ -469,12 +569,10 @@ def attention_fwd_torch_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       sinks_name="sinks_ref", bound_min=bound_min, bound_max=bound_max,
                       use_causal_mask=use_causal_mask, mixed_precision=mixed_precision,
                       softmax_scale=softmax_scale, sliding_window=sliding_window,
-                      softcap=softcap, alibi_slopes=alibi_slopes, window_size=window_size,
-                      dropout_p=dropout_p, dropout_seed=dropout_seed, dropout_mask=dropout_mask,
-                      logit_bias=attn_bias, bias_name="attn_bias", logit_scale=logit_scale)
+                      mods=score_mods(locals()), window_size=window_size,
+                      dropout_p=dropout_p, dropout_seed=dropout_seed, dropout_mask=dropout_mask)
     drop = dropout_multiplier(a, dropout_seed, dropout_mask, stats_dtype(q.dtype, a["mixed"]))
-    mods = dict(logit_scale=logit_scale, softcap=a["softcap"], alibi_slopes=alibi_slopes, attn_bias=attn_bias)
-    f = _forward(q, k, v, a, mods, drop, sinks_ref, bound_min, bound_max)
+    f = _forward(q, k, v, a, drop, sinks_ref, bound_min, bound_max)
     return f["o"], f["lse"]
 
 

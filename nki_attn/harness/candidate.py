@@ -37,6 +37,7 @@ import sys
 
 import torch
 
+from ..spec import GRAD_MODS
 from .errors import CandidateError, Unsupported  # noqa: F401 - re-exported: candidates' refusals are named here
 from .runner import KernelCandidate
 
@@ -279,9 +280,10 @@ class ExternalCandidate:
 
     def fwd(self, q, k, v, sinks=None, bound_min=None, bound_max=None, use_causal_mask=False, mixed_precision=True,
             softmax_scale=None, sliding_window=None, **variants):
-        """``variants``: the attention-variant keywords a row uses (``softcap``, ``alibi_slopes``, ``window_size``,
-        ``dropout_p``, ``dropout_seed``, ``logit_scale``), passed by name; a candidate whose signature lacks one
-        is Unsupported."""
+        """``variants``: the attention-variant keywords a row uses (``window_size``, ``dropout_p``,
+        ``dropout_seed``, and the kernel keyword of each score modification of ``nki_attn.spec.SCORE_MODS`` it
+        sets: ``softcap``, ``alibi_slopes``, ``attn_bias``, ``logit_scale``), passed by name; a candidate whose
+        signature lacks one is Unsupported."""
         if self._bwd is not None:
             # a backward that cannot take the row's arguments refuses it before any forward work is spent: the
             # bind the backward's own call will make, with the forward's tensors standing in for o, dy and lse
@@ -322,8 +324,10 @@ class ExternalCandidate:
                    {**_options(self._bwd, use_causal_mask, mixed_precision, softmax_scale, sliding_window),
                     **variants},
                    "candidate backward")
-        names = "dq, dk, dv" + (", dsinks" if sinks is not None else "") + \
-            (", dbias" if variants.get("bias_grad") else "") + (", dlogit_scale" if "logit_scale" in variants else "")
+        # then one gradient per score modification whose gradient the row asks for, in SCORE_MODS order
+        names = "dq, dk, dv" + (", dsinks" if sinks is not None else "") + "".join(
+            ", d" + m.name for m in GRAD_MODS
+            if (variants.get(m.grad_flag) if m.grad_flag else m.kernel in variants))
         want = names.count(",") + 1
         if not isinstance(res, (tuple, list)) or len(res) != want:
             raise CandidateError(f"candidate backward must return ({names}); got {_describe(res)}")

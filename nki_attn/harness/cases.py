@@ -17,6 +17,8 @@ compared with the golden on the unpadded problem.
 import dataclasses
 import json
 
+from .mods import ALIBI_KINDS, BIAS_KINDS, HARNESS_MODS, bias_shape  # noqa: F401 (the kinds: part of this API)
+
 DTYPES = ("float32", "bfloat16", "float16")
 # Every spelling the command lines accept, mapped to the canonical name used in rows and reports.
 DTYPE_ALIASES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
@@ -25,23 +27,49 @@ TILE = 128
 MIN_SEQLEN = 16  # the feature recipes (three packed sequences, windows) need a few tokens
 FEATURES = ("plain", "causal", "window", "gqa", "mqa", "packing", "packing_causal", "sinks", "sinks2", "scale",
             "unequal", "empty_row")
+# The attention variants that are not score modifications: name -> (seqlen, heads, batch, d_head) -> Case fields.
+# ``local`` an asymmetric two-sided window so a swapped (left, right) fails; ``dqk_dv`` makes d_qk 1.5x
+# ``d_head`` with d_v = ``d_head`` (192 / 128 at 128, DeepSeek's MLA); ``odd_head_dim`` uses d 199 = 128 + 71
+# whatever ``d_head``; ``dropout`` uses FlashAttention's test rate 0.17.
+_OTHER_VARIANTS = {
+    "local": lambda s, h, b, d: dict(window_size=(s // 8 + 5, s // 16 + 2)),
+    "local_causal": lambda s, h, b, d: dict(window_size=(s // 4 + 3, 7), causal=True),  # causal clips right to 0
+    "causal_sq_lt_sk": lambda s, h, b, d: dict(causal=True, seqlen_k=s + 128),
+    "causal_sq_gt_sk": lambda s, h, b, d: dict(causal=True, seqlen_k=max(128, s // 2)),  # the first rows see no key
+    "dqk_dv": lambda s, h, b, d: dict(d_head=d + d // 2, d_v=d, causal=True),
+    "odd_head_dim": lambda s, h, b, d: dict(d_head=199, causal=True),
+    "dropout": lambda s, h, b, d: dict(dropout=0.17),
+    "dropout_causal": lambda s, h, b, d: dict(dropout=0.1, causal=True, heads=4 * h, kv_heads=h),
+}
+# Every variant's fields: the score modifications' features (``mods.HARNESS_MODS``) and the others.
+_VARIANTS = {**_OTHER_VARIANTS, **{f: fields for m in HARNESS_MODS for f, fields in m.features.items()}}
+# The presets' row order, which the committed reports follow; variants added since come after it, in table order.
+_ROW_ORDER = ("softcap", "alibi", "alibi_causal", "local", "local_causal", "causal_sq_lt_sk", "causal_sq_gt_sk",
+              "dqk_dv", "odd_head_dim", "dropout", "dropout_causal", "bias", "bias_keys", "logit_scale")
 # The attention variants (also names usable with --features).
-VARIANT_FEATURES = ("softcap", "alibi", "alibi_causal", "local", "local_causal", "causal_sq_lt_sk",
-                    "causal_sq_gt_sk", "dqk_dv", "odd_head_dim", "dropout", "dropout_causal", "bias", "bias_keys",
-                    "logit_scale")
+VARIANT_FEATURES = tuple(sorted(_VARIANTS, key=lambda f: _ROW_ORDER.index(f) if f in _ROW_ORDER
+                                else len(_ROW_ORDER)))
 # The prebuilt block masks (``nki_attn.masks``) whose visible keys are intervals, each with another variant.
 MASK_FEATURES = ("mask_causal", "mask_sliding_window", "mask_document", "mask_prefix_lm", "mask_chunked_local")
 FEATURES = FEATURES + VARIANT_FEATURES + MASK_FEATURES
-ALIBI_KINDS = ("", "bloom", "random", "random_h", "signed")
 # Which sinks are -inf (a sink that takes no share, and a head whose sinks take none): "" none, "head" every sink
 # of head 0, "first" sink 0 of every head.
 SINKS_INF_KINDS = ("", "head", "first")
-# The additive bias's shape: "" none, "heads" [1, h, sq, sk] (shared by the batch), "batch" [b, 1, sq, sk]
-# (shared by the heads), "full" [b, h, sq, sk], "keys" [b, 1, 1, sk] (a key-padding bias, shared by the rows)
-BIAS_KINDS = ("", "heads", "batch", "full", "keys")
+
+
+def _with_score_mods(cls):
+    """Add one ``Case`` field per row of ``mods.HARNESS_MODS`` (named like the row; default: its "off" value),
+    after the fields above: softcap (c, 0 = off: S = c * tanh(S / c)); alibi (ALIBI_KINDS); bias (its shape,
+    BIAS_KINDS; its values N(0, 1) in the row dtype); logit_scale (U[0.5, 3) per (batch, head), a learned
+    temperature; its gradient is an output)."""
+    for m in HARNESS_MODS:
+        cls.__annotations__[m.name] = m.field_type
+        setattr(cls, m.name, m.off)
+    return cls
 
 
 @dataclasses.dataclass(frozen=True)
+@_with_score_mods
 class Case:
     """One harness row. ``note`` records how the shape was derived (e.g. a model scaled down in seqlen)."""
 
@@ -60,30 +88,24 @@ class Case:
     scale: float = 0.0  # 0 means the default 1/sqrt(d_head)
     note: str = ""
     api: bool = False  # run through the public PyTorch API even when the lengths are multiples of 128
-    softcap: float = 0.0  # logit soft-capping c (0 = off): S = c * tanh(S / c)
-    # ALiBi slopes: "" none, "bloom" (BLOOM's geometric slopes per head), "random" (U[0, 0.3) per (batch, head):
-    # [b, h] slopes), "random_h" (U[0, 0.3) per head, shared by the batch: the API gets [h] slopes), "signed"
-    # (U[-0.3, 0.3) per (batch, head): a negative slope is a bias growing with the distance)
-    alibi: str = ""
     window_size: tuple = ()  # (left, right), -1 = unbounded side; () = none. Not with ``window``.
     d_v: int = 0  # head dim of v / o / dO (0 = d_head); d_head is d_qk
     dropout: float = 0.0  # dropout_p on the probabilities (the keep mask comes from the row's seed)
     sinks_inf: str = ""  # which sinks are -inf (SINKS_INF_KINDS); needs num_sinks
-    bias: str = ""  # the additive bias's shape (BIAS_KINDS); its values N(0, 1) in the row dtype
     # a prebuilt block mask (``nki_attn.masks.INTERVAL_EXAMPLES``), "" none: the kernels get it as a block mask,
     # the golden (and candidates without block masks) the same mask as per-query key bounds. Not with causal,
     # window, window_size or cu_seqlens; seqlen_q == seqlen_k.
     mask: str = ""
-    # per-head logit scale: U[0.5, 3) per (batch, head), a learned temperature (its gradient is an output)
-    logit_scale: bool = False
+    # then one field per score modification (softcap, alibi, bias, logit_scale), added by ``_with_score_mods``
 
     def __post_init__(self):
         if self.sinks_inf not in SINKS_INF_KINDS:
             raise ValueError(f"case {self.name}: sinks_inf {self.sinks_inf!r} must be one of {SINKS_INF_KINDS}")
         if self.sinks_inf and not self.num_sinks:
             raise ValueError(f"case {self.name}: sinks_inf {self.sinks_inf!r} needs num_sinks >= 1")
-        if self.alibi not in ALIBI_KINDS:
-            raise ValueError(f"case {self.name}: alibi {self.alibi!r} must be one of {ALIBI_KINDS}")
+        for m in HARNESS_MODS:
+            if m.kinds and getattr(self, m.name) not in m.kinds:
+                raise ValueError(f"case {self.name}: {m.name} {getattr(self, m.name)!r} must be one of {m.kinds}")
         if self.window_size and len(self.window_size) != 2:
             raise ValueError(f"case {self.name}: window_size {self.window_size!r} must be (left, right) or ()")
         if self.window_size and self.window:
@@ -96,8 +118,6 @@ class Case:
                              f"row)")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"case {self.name}: dropout {self.dropout} must be in [0, 1)")
-        if self.bias not in BIAS_KINDS:
-            raise ValueError(f"case {self.name}: bias {self.bias!r} must be one of {BIAS_KINDS}")
 
     @property
     def dv(self):
@@ -107,11 +127,7 @@ class Case:
     @property
     def bias_shape(self):
         """The additive bias's shape ``[b or 1, h or 1, sq or 1, sk or 1]`` (None without a bias)."""
-        if not self.bias:
-            return None
-        b, h, sq, sk = self.batch, self.heads, self.seqlen_q, self.seqlen_k
-        return {"heads": (1, h, sq, sk), "batch": (b, 1, sq, sk), "full": (b, h, sq, sk),
-                "keys": (b, 1, 1, sk)}[self.bias]
+        return bias_shape(self)
 
     @property
     def via_api(self):
@@ -127,18 +143,11 @@ class Case:
             f.append(f"window{self.window}")
         if self.window_size:
             f.append("window({},{})".format(*self.window_size))
-        if self.softcap:
-            f.append(f"softcap{self.softcap:g}")
-        if self.alibi:
-            f.append({"random": "alibi", "random_h": "alibi[h]"}.get(self.alibi, f"alibi-{self.alibi}"))
+        f += [m.label(self) for m in HARNESS_MODS if getattr(self, m.name)]
         if self.d_v and self.d_v != self.d_head:
             f.append(f"dqk{self.d_head}!=dv{self.d_v}")
         if self.dropout:
             f.append(f"dropout{self.dropout:g}")
-        if self.bias:
-            f.append("bias[{}]".format(",".join(str(n) if n > 1 else "1" for n in self.bias_shape)))
-        if self.logit_scale:
-            f.append("logit_scale")
         if self.kv_heads == 1 and self.heads > 1:
             f.append("mqa")
         elif self.kv_heads != self.heads:
@@ -193,14 +202,11 @@ class Case:
 def feature_case(feature, seqlen, d_head, dtype, heads=2, batch=1):
     """The case that exercises one named feature at the given size.
 
-    The variant features pick what makes them bite at N(0, 1) inputs: ``softcap`` 2.0 (the scaled scores are
-    about N(0, 1), so tanh saturates on the tails; a cap of 50 would be almost linear there), ``alibi`` random
-    slopes per (batch, head) over a batch of 2 (FlashAttention's tests draw U[0, 0.3)), ``local`` an asymmetric
-    two-sided window so a swapped (left, right) fails; ``dqk_dv`` makes d_qk 1.5x ``d_head`` with d_v =
-    ``d_head`` (192 / 128 at 128, DeepSeek's MLA); ``odd_head_dim`` uses d 199 = 128 + 71 whatever ``d_head``;
-    ``dropout`` uses FlashAttention's test rate 0.17; ``bias`` a per-head bias shared by a batch of 2 with
-    causal GQA, ``bias_keys`` a key-padding bias ``[b, 1, 1, sk]`` with a two-sided window; ``logit_scale`` a
-    scale per (batch, head) over a batch of 2, with soft-capping after it (the order the semantics fix) and GQA.
+    The variant features pick what makes them bite at N(0, 1) inputs: the score modifications' as their rows of
+    ``mods.HARNESS_MODS`` say (``softcap`` 2.0 with causal, ``alibi`` random slopes per (batch, head),
+    ``alibi_causal`` BLOOM's, ``bias`` a per-head bias with causal GQA, ``bias_keys`` a key-padding bias with a
+    two-sided window, ``logit_scale`` a scale per (batch, head) with soft-capping after it and GQA), the others
+    as ``_OTHER_VARIANTS`` does.
     """
     s, h = seqlen, heads
     base = dict(batch=batch, heads=h, kv_heads=h, seqlen_q=s, seqlen_k=s, d_head=d_head, dtype=dtype)
@@ -218,28 +224,14 @@ def feature_case(feature, seqlen, d_head, dtype, heads=2, batch=1):
         "scale": dict(scale=0.3),
         "unequal": dict(seqlen_k=s + 128 if s <= 1024 else s // 2),
         "empty_row": dict(cu_seqlens=(0, s // 2, s - min(64, s // 4))),
-        "softcap": dict(softcap=2.0, causal=True),
-        "alibi": dict(alibi="random", batch=max(batch, 2)),
-        "alibi_causal": dict(alibi="bloom", causal=True, heads=max(h, 4), kv_heads=max(h, 4)),
-        "local": dict(window_size=(s // 8 + 5, s // 16 + 2)),
-        "local_causal": dict(window_size=(s // 4 + 3, 7), causal=True),  # causal clips right to 0
-        "causal_sq_lt_sk": dict(causal=True, seqlen_k=s + 128),
-        "causal_sq_gt_sk": dict(causal=True, seqlen_k=max(128, s // 2)),  # the first rows see no key
-        "dqk_dv": dict(d_head=d_head + d_head // 2, d_v=d_head, causal=True),
-        "odd_head_dim": dict(d_head=199, causal=True),
-        "dropout": dict(dropout=0.17),
-        "dropout_causal": dict(dropout=0.1, causal=True, heads=4 * h, kv_heads=h),
-        "bias": dict(bias="heads", causal=True, heads=2 * h, kv_heads=h, batch=max(batch, 2)),
-        "bias_keys": dict(bias="keys", window_size=(s // 4 + 3, s // 8 + 1), batch=max(batch, 2)),
         "mask_causal": dict(mask="causal"),
         "mask_sliding_window": dict(mask="sliding_window", heads=4 * h, kv_heads=h),
         "mask_document": dict(mask="document", num_sinks=1),
         "mask_prefix_lm": dict(mask="prefix_lm", softcap=2.0),
         "mask_chunked_local": dict(mask="chunked_local", alibi="random", batch=max(batch, 2)),
-        "logit_scale": dict(logit_scale=True, causal=True, softcap=3.0, batch=max(batch, 2),
-                            kv_heads=max(1, h // 2)),
-    }[feature]
-    base.update(spec)
+    }
+    fields = _VARIANTS[feature](s, h, batch, d_head) if feature in _VARIANTS else spec[feature]
+    base.update(fields)
     return Case(name=f"{feature}-s{base['seqlen_q']}-d{base['d_head']}-{dtype}", **base)
 
 

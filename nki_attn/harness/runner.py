@@ -22,8 +22,9 @@ import torch
 
 import golden
 
-from ..spec import GRAD_MODS, SCORE_MODS
-from . import tolerance
+from ..spec import GRAD_MODS, MODS, SCORE_MODS
+from . import mods, tolerance
+from .mods import bloom_alibi_slopes  # noqa: F401 (part of this module's API)
 from .errors import CandidateError, Unsupported
 
 _TORCH = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -112,33 +113,14 @@ def make_inputs(case, seed=None):
         from ..masks import interval_example
         _, lo, hi = interval_example(case.mask, case.seqlen_q)
         ins["bound_min"], ins["bound_max"] = lo.to(torch.float32), hi.to(torch.float32)
-    if case.alibi == "bloom":
-        ins["alibi_slopes"] = bloom_alibi_slopes(h).expand(b, h).contiguous()
-    elif case.alibi == "random":  # as FlashAttention's tests draw them: U[0, 0.3) per (batch, head)
-        ins["alibi_slopes"] = (torch.rand(b, h, generator=g, dtype=torch.float64) * 0.3).to(torch.float32)
-    elif case.alibi == "signed":  # either sign: U[-0.3, 0.3) per (batch, head)
-        ins["alibi_slopes"] = ((torch.rand(b, h, generator=g, dtype=torch.float64) - 0.5) * 0.6).to(torch.float32)
-    elif case.alibi == "random_h":  # the same per head, shared by the batch
-        slopes = (torch.rand(h, generator=g, dtype=torch.float64) * 0.3).to(torch.float32)
-        ins["alibi_slopes"] = slopes.expand(b, h).contiguous()
     if case.dropout:
         ins["dropout_seed"] = dropout_seed(case)
-    if case.bias:
-        ins["attn_bias"] = draw(*case.bias_shape)
-    if case.logit_scale:  # learned temperatures around 1 (U[0.5, 3)); packed API rows share one per head
-        lam = 0.5 + 2.5 * torch.rand(1 if case.cu_seqlens else b, h, generator=g, dtype=torch.float64)
-        ins["logit_scale"] = lam.to(torch.float32).expand(b, h).contiguous()
+    # each score modification's input, drawn by its row of mods.HARNESS_MODS in table order (the order of the
+    # generator's draws)
+    for m in mods.HARNESS_MODS:
+        if m.draw is not None and getattr(case, m.name):
+            ins[MODS[m.name].kernel] = m.draw(case, g, draw)
     return ins
-
-
-def bloom_alibi_slopes(nheads):
-    """BLOOM's ALiBi slopes, float32 ``[nheads]``: with n the largest power of two <= nheads, head i < n gets
-    2^(-8 (i + 1) / n); the remaining heads take the odd powers 1, 3, 5, ... of 2^(-4 / n) (the geometric
-    sequence of 2n heads, every other one), as in the ALiBi paper and BLOOM's modelling code."""
-    n = 1 << (int(nheads).bit_length() - 1)
-    slopes = [2.0 ** (-8.0 * (i + 1) / n) for i in range(n)]
-    slopes += [2.0 ** (-4.0 * (2 * i + 1) / n) for i in range(nheads - n)]
-    return torch.tensor(slopes, dtype=torch.float32)
 
 
 def dropout_seed(case):
@@ -181,14 +163,8 @@ def variant_kwargs(case, ins):
 
 def _group_slice(t, hq, cv):
     """A score modification's input for the query heads ``hq`` of one kv group: ``[b, h]`` -> ``[b, hq]``;
-    a 4-D additive bias -> its heads' slice (``_bias_head_slice``), converted by ``cv`` like q, k, v."""
-    return t[:, hq].contiguous() if t.dim() == 2 else cv(_bias_head_slice(t, hq))
-
-
-def _bias_head_slice(bias, hq):
-    """The bias of the query heads ``hq`` (a slice): its head dim, or the whole bias when it is shared by the
-    heads."""
-    return bias[:, hq] if bias.shape[1] > 1 else bias
+    a 4-D additive bias -> its heads' slice (``mods.bias_head_slice``), converted by ``cv`` like q, k, v."""
+    return t[:, hq].contiguous() if t.dim() == 2 else cv(mods.bias_head_slice(t, hq))
 
 
 def _sum_to(x, shape):
@@ -246,12 +222,12 @@ def _softmax_groups(ins, ref, case, dt):
     """The backward's softmax pieces in dtype ``dt``, one kv group at a time, from the reference LSE rounded to
     float32 (the LSE a backward kernel is handed) on the unpadded problem.
 
-    Yields ``(hq, g, p, th, dp, drop, s0, lam)`` per kv head g: ``hq`` the slice of its query heads; p =
-    exp(S - LSE) [b, group, sq, sk] (0 where a row sees no key); th = tanh(S / softcap) or None; dp = dO V^T
-    [b, group, sq, sk]; drop the dropout multiplier M / (1 - p) or None; s0 the scaled scores before the
-    per-head logit scale, lam that scale [b, group, 1, 1] (or None).
+    Yields ``(hq, g, p, dp, drop, states)`` per kv head g: ``hq`` the slice of its query heads; p =
+    exp(S - LSE) [b, group, sq, sk] (0 where a row sees no key); dp = dO V^T [b, group, sq, sk]; drop the
+    dropout multiplier M / (1 - p) or None; states the score modifications the row sets, in score order, each
+    ``(HarnessMod, state)`` with what its backward needs (``mods.apply_scores``).
     """
-    from golden.attention_fwd_torch import alibi_bias, visibility_mask
+    from golden.attention_fwd_torch import visibility_mask
 
     lse = ref["lse"]
     if lse.dim() == 4:  # kernel layout [b, h, 128, sq // 128]: row t * 128 + p at [p, t]
@@ -267,35 +243,28 @@ def _softmax_groups(ins, ref, case, dt):
     keep = keep_mask(ins, case)
     for g in range(case.kv_heads):
         hq = slice(g * group, (g + 1) * group)
-        s0 = s = torch.einsum("bhdq,bdk->bhqk", q[:, hq], k[:, g]) * scale
-        lam = None
-        if case.logit_scale:
-            lam = ins["logit_scale"][:, hq, None, None].to(dt)
-            s = s * lam
-        th = None
-        if case.softcap:
-            th = torch.tanh(s / case.softcap)
-            s = case.softcap * th
-        if case.alibi:
-            s = s + alibi_bias(ins["alibi_slopes"][:, hq], case.seqlen_q, case.seqlen_k, dt)
-        if case.bias:
-            s = s + _bias_head_slice(ins["attn_bias"], hq).to(dt)
+        s = torch.einsum("bhdq,bdk->bhqk", q[:, hq], k[:, g]) * scale
+        s, states = mods.apply_scores(s, case, ins, hq, dt)
         p = torch.exp(s.masked_fill(~vis, float("-inf")) - lse[:, hq, :, None])
         p = torch.nan_to_num(p, nan=0.0)                                             # rows with no key: 0
         dp = torch.einsum("bhdq,bdk->bhqk", dy[:, hq], v[:, g])
         drop = None if keep is None else keep[:, hq].to(dt) / (1.0 - case.dropout)
-        yield hq, g, p, th, dp, drop, s0, lam
+        yield hq, g, p, dp, drop, states
 
 
 def inputs_baseline(ins, ref, case):
     """The backward's LSE-based formula in float32, reading the reference O rounded to the row's dtype and the
     reference LSE rounded to float32 (the inputs a backward kernel is handed): D = rowsum(O * dO),
     P = exp(S - LSE), dS = P * (dP - D), dV = P^T dO, dQ = scale dS K, dK = scale dS^T Q, dsinks =
-    -sum_rows P_sink D (with a logit scale lam: S scaled by lam first, dS by lam on its way to dQ, dK, and
-    dlogit_scale = sum dS * scale S). Its error is what any implementation of that formula gets from those inputs, which
-    the golden baseline (it normalises its own P and never reads O) does not make (docs/validation.md).
+    -sum_rows P_sink D; the score modifications' own formulas (``mods.HARNESS_MODS``: ``scores`` on S, then
+    back in reverse order ``grad`` for their parameter's gradient and ``chain`` on dS; e.g. a logit scale lam:
+    S scaled by lam first, dS by lam on its way to dQ, dK, and dlogit_scale = sum dS * scale S). Its error is
+    what any implementation of that formula gets from those inputs, which the golden baseline (it normalises its
+    own P and never reads O) does not make (docs/validation.md). The formulas are the harness's own, written apart
+    from the golden's on purpose (a second reference must not share the first's mistakes).
 
-    Works on the unpadded problem for every row; returns dq, dk, dv (and dsinks) in ``reference``'s layouts.
+    Works on the unpadded problem for every row; returns dq, dk, dv (and dsinks, and the gradient ``"d" + name``
+    of each modification whose row has ``grad``) in ``reference``'s layouts.
     """
     f32, dt = torch.float32, _TORCH[case.dtype]
     o = ref["o"].to(dt).to(f32)
@@ -303,23 +272,23 @@ def inputs_baseline(ins, ref, case):
     scale = case.scale or case.d_head ** -0.5
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     dd = (o * dy).sum(2)                                                              # D [b, h, sq] (dropped O)
-    dlogit = torch.zeros(q.shape[:2], dtype=f32)
-    for hq, g, p, th, dp, drop, s0, lam in _softmax_groups(ins, ref, case, f32):
+    grads = {m.name: torch.zeros(q.shape[:2], dtype=f32) for m, _ in mods.active(case) if m.grad is not None}
+    for hq, g, p, dp, drop, states in _softmax_groups(ins, ref, case, f32):
         p_v = p                                                                      # P as dV and O see it
         if drop is not None:
             p_v, dp = p * drop, dp * drop
         ds = p * (dp - dd[:, hq, :, None])
-        if th is not None:
-            ds = ds * (1.0 - th * th)
-        if case.logit_scale:
-            dlogit[:, hq] = (ds * s0).sum((2, 3))
-            ds = ds * lam
+        for m, st in reversed(states):                # dS at each modification's output, last applied first
+            if m.grad is not None:
+                grads[m.name][:, hq] = m.grad(ds, st)
+            if m.chain is not None:
+                ds = ds * m.chain(st)
         dq[:, hq] = torch.einsum("bhqk,bdk->bhdq", ds, k[:, g]) * scale
         dk[:, g] = torch.einsum("bhqk,bhdq->bdk", ds, q[:, hq]) * scale
         dv[:, g] = torch.einsum("bhqk,bhdq->bdk", p_v, dy[:, hq])
     out = {"dq": dq, "dk": dk, "dv": dv}
-    if case.logit_scale:
-        out["dlogit_scale"] = dlogit
+    for name, grad in grads.items():
+        out["d" + name] = grad
     if ins["sinks"] is not None:
         lse = ref["lse"]
         if lse.dim() == 4:
@@ -340,8 +309,9 @@ def residue_scales(ins, ref, case):
     dP_ij = dO_i . V_j and D_i = dO_i . O_i are float32 reductions of length d_v, each in error by about
     sqrt(d_v) * u * ||terms||_2 (the floor's length rule applied to them), and that error survives their
     difference even where the difference, and so dq and dk, is tiny (a saturated softmax: O_i = V_j, P_ij = 1).
-    With a_ij = ||dO_i * V_j||_2 (times the dropout multiplier), b_i = ||dO_i * O_i||_2 and P' = P (1 - tanh^2)
-    with soft-capping (times |logit_scale| with one), from the float64 reference, the residue's size per element is
+    With a_ij = ||dO_i * V_j||_2 (times the dropout multiplier), b_i = ||dO_i * O_i||_2 and P' = P times the
+    score modifications' |chain| factors (1 - tanh^2 with soft-capping, |logit_scale| with one), from the
+    float64 reference, the residue's size per element is
 
         dq[i, c]: scale * sqrt(d_v) * (sqrt(sum_j (P'_ij a_ij K_jc)^2) + b_i |sum_j P'_ij K_jc|)
         dk[j, c]: scale * sqrt(d_v) * (sqrt(sum_i (P'_ij a_ij Q_ic)^2) + sqrt(sum_i (P'_ij b_i Q_ic)^2))
@@ -355,11 +325,10 @@ def residue_scales(ins, ref, case):
     scale = case.scale or case.d_head ** -0.5
     b_i = ((o * dy) ** 2).sum(2).sqrt()                                               # [b, h, sq]
     rq, rk = torch.zeros_like(q), torch.zeros_like(k)
-    for hq, g, p, th, _, drop, _, lam in _softmax_groups(ins, ref, case, f64):
-        if th is not None:
-            p = p * (1.0 - th * th)
-        if lam is not None:  # dS reaches dq and dk times the logit scale
-            p = p * lam.abs()
+    for hq, g, p, _, drop, states in _softmax_groups(ins, ref, case, f64):
+        for m, st in reversed(states):  # dS reaches dq and dk times each modification's chain factor
+            if m.chain is not None:
+                p = p * m.chain(st).abs()
         a = torch.einsum("bhdq,bdk->bhqk", dy[:, hq] ** 2, v[:, g] ** 2).sqrt()         # ||dO_i * V_j||_2
         if drop is not None:
             a = a * drop
@@ -684,8 +653,8 @@ def sdpa_low_precision(ins, case):
     Masks (causal, windows, packing) and ALiBi become its float ``attn_mask``; sinks become extra keys with a
     zero key and value whose mask entry is the sink logit (exactly a sink's softmax term). Query rows that see
     no key (NaN in SDPA) are left out of every output: zero rows in o and dq of both, their keys' terms absent."""
-    from golden.attention_fwd_torch import alibi_bias, visibility_mask
-    if case.softcap or case.dropout or case.logit_scale:
+    from golden.attention_fwd_torch import visibility_mask
+    if case.dropout or any(m.sdpa is None for m, _ in mods.active(case)):
         return None
     dt = _TORCH[case.dtype]
     q, k, v, dy = (ins[n] for n in ("q", "k", "v", "dy"))
@@ -696,10 +665,9 @@ def sdpa_low_precision(ins, case):
                           ins["bound_max"] if case.cu_seqlens or case.mask else None,
                           window_size=tuple(case.window_size) or None)
     bias = torch.zeros(b, h, sq, sk, dtype=torch.float32)
-    if case.alibi:
-        bias = bias + alibi_bias(ins["alibi_slopes"], sq, sk, torch.float32)
-    if case.bias:
-        bias = bias + ins["attn_bias"].to(torch.float32)
+    for m in mods.HARNESS_MODS:  # the additive ones, in table order
+        if getattr(case, m.name):
+            bias = bias + m.sdpa(ins, case, sq, sk)
     bias = bias.masked_fill(~vis, float("-inf"))
     seen = vis.any(dim=1)  # [sq]
     kx = k.repeat_interleave(group, dim=1).transpose(-1, -2)

@@ -46,6 +46,8 @@ import math
 
 import numpy as np
 
+from .mods import HARNESS_MODS
+
 # K: FlashAttention uses 2 for fp16/bf16; FlexAttention uses 10 for fp32, where the baseline's own error is
 # at the level of summation-order noise and the online softmax reorders sums.
 K = {"float32": 10.0, "bfloat16": 2.0, "float16": 2.0}
@@ -71,8 +73,9 @@ def reduction_lengths(case):
 
     o, lse, dq sum over the keys one query row sees (at most seqlen_k; the window or the longest packed
     sequence caps it; lse also sums the sinks); dk, dv over the query rows that see one key, times the query
-    heads of its GQA group; dsinks over every query row of the head; dlogit_scale over every visible (query, key)
-    pair of the head. Returns dict output name -> n.
+    heads of its GQA group; dsinks over every query row of the head; a score modification's gradient ``"d" + name``
+    over what its row of ``mods.HARNESS_MODS`` counts (dlogit_scale: every visible (query, key) pair of the head;
+    dbias: the keys times what its broadcast dims sum). Returns dict output name -> n.
     """
     keys, queries = case.seqlen_k, case.seqlen_q
     if case.window:
@@ -94,16 +97,11 @@ def reduction_lengths(case):
         queries = int(((j >= lo.numpy()[:, None]) & (j < hi.numpy()[:, None])).sum(0).max())
     group = case.heads // case.kv_heads
     n = {"o": keys, "lse": keys + case.num_sinks, "dq": keys, "dk": queries * group, "dv": queries * group,
-         "dsinks": case.seqlen_q, "dlogit_scale": case.seqlen_q * keys}
-    shape = getattr(case, "bias_shape", None)
-    if shape is not None:
-        # dbias = P (dP - D): P normalised over the keys, times the terms the broadcast dims sum
-        full = (case.batch, case.heads, case.seqlen_q, case.seqlen_k)
-        summed = 1
-        for n_b, n_f in zip(shape, full):
-            if n_b == 1:
-                summed *= n_f
-        n["dbias"] = keys * summed
+         "dsinks": case.seqlen_q}
+    for m in HARNESS_MODS:  # a score modification's gradient: the terms its row counts (``grad_terms``)
+        terms = m.grad_terms(case, keys) if m.grad_terms is not None else None
+        if terms is not None:
+            n["d" + m.name] = terms
     return {k: max(1, v) for k, v in n.items()}
 
 

@@ -14,6 +14,7 @@ import sys
 import time
 
 from ..harness.cli import HelpFormatter, non_negative_int, positive_int, writable_file_problem
+from ..harness.mods import HARNESS_MODS
 from ..sim.trace import ENGINES
 from ..spec import GRAD_MODS, SCORE_MODS
 from .model import RESOURCES
@@ -416,30 +417,16 @@ def _mask_name(text):
     return text
 
 
-def _alibi_kind(text):
-    from ..harness.cases import ALIBI_KINDS
-    if not text or text not in ALIBI_KINDS:
-        raise ValueError(text)
-    return text
-
-
-# A score modification's feature (a row of nki_attn.spec.SCORE_MODS) has the row's name and gives the harness
-# Case field of that name its value.
+# A score modification's feature (a row of nki_attn.harness.mods.HARNESS_MODS, its ``profile`` entry) has the
+# row's name and gives the harness Case field of that name its value; the other features follow.
 FEATURES = {
-    "softcap": (50.0, float, "logit soft-capping c * tanh(S / c), c = 50 (Gemma-2's) unless given"),
-    "alibi": ("bloom", _alibi_kind, "ALiBi slopes of KIND = bloom (BLOOM's geometric slopes per head) unless given "
-                                    "(random, random_h, signed: the harness's random slopes)"),
+    **{m.name: m.profile for m in HARNESS_MODS},
     "window_size": (None, _pair, "two-sided local window L,R (-1: that side unbounded)"),
     "dropout": (0.1, float, "dropout on the probabilities at rate P = 0.1 unless given (seed from the inputs)"),
-    "logit_scale": (True, None, "a per-head logit scale (learned temperature; the backward also returns its "
-                                "gradient)"),
     "d_qk": (None, int, "head dim of q and k instead of --head-dim"),
     "d_v": (None, int, "head dim of v, o and dO instead of --head-dim"),
     "seqlen_q": (None, int, "query length instead of --seqlen"),
     "seqlen_k": (None, int, "key length instead of --seqlen"),
-    "bias": ("heads", str, "additive bias attn_bias of shape KIND = heads [1,h,s,s] unless given (batch "
-                           "[b,1,s,s], full [b,h,s,s], keys [b,1,1,s]); the backward computes its gradient "
-                           "(--set bias_grad=False: without)"),
     "mask": (None, _mask_name, "a prebuilt block mask (causal, sliding_window, document, prefix_lm, chunked_local; "
                         "nki_attn.masks.interval_example at --seqlen): the kernels skip its SKIP tiles"),
 }
@@ -542,7 +529,7 @@ def _variant_case(args):
                 d_v=f.get("d_v", args.head_dim), dtype=DTYPES[args.dtype], causal=bool(args.causal),
                 window=args.window or 0, num_sinks=args.sinks, window_size=tuple(f.get("window_size", ())),
                 dropout=f.get("dropout", 0.0), mask=f.get("mask", ""),
-                **{m.name: f[m.name] for m in SCORE_MODS if m.name in f})
+                **{m.name: f[m.name] for m in HARNESS_MODS if m.name in f})
 
 
 def _block_mask(case):

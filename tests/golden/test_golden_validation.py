@@ -1,9 +1,12 @@
 """Every bad input raises ValueError naming the argument, the value and the rule."""
 
+import inspect
+
 import pytest
 import torch
 
 import golden
+from golden.attention_fwd_torch import SCORE_STEPS
 
 F64 = torch.float64
 
@@ -115,6 +118,10 @@ BAD = [
     ("bias_shape", lambda: full(logit_bias=t(1, 4, 64, 128)),
      r"logit_bias\.shape = \(1, 4, 64, 128\): must broadcast to"),
     ("bias_too_big", lambda: full(logit_bias=t(2, 4, 128, 128)), r"logit_bias\.shape = \(2, 4, 128, 128\)"),
+    ("bias_shape_kernel_name", lambda: full(attn_bias=t(1, 4, 64, 128)),
+     r"compute_o_lse: attn_bias\.shape = \(1, 4, 64, 128\): must broadcast to"),
+    ("bias_both_names", lambda: full(attn_bias=t(1, 4, 128, 128), logit_bias=t(1, 4, 128, 128)),
+     r"logit_bias = a tensor: is attn_bias under its older name; give one of the two"),
     ("dropout_shape", lambda: full(dropout_mask=t(1, 4, 128, 1)), r"dropout_mask\.shape = \(1, 4, 128, 1\)"),
     ("dropout_dtype", lambda: full(dropout_mask=t(1, 4, 128, 128, dtype=torch.int64)),
      r"dropout_mask\.dtype = torch\.int64"),
@@ -154,3 +161,33 @@ def test_good_defaults_are_accepted():
     full()
     bwd()
     golden.packing_bounds([0, 3, 5], seqlen_q=8)
+
+
+ENTRY_POINTS = [("attention_fwd_torch_ref", fwd, golden.attention_fwd_torch_ref),
+                ("compute_o_lse", full, golden.compute_o_lse),
+                ("attention_bwd_torch_ref", bwd, golden.attention_bwd_torch_ref)]
+
+
+@pytest.mark.parametrize("row", SCORE_STEPS, ids=[r.keyword for r in SCORE_STEPS])
+@pytest.mark.parametrize("name, call, fn", ENTRY_POINTS, ids=[e[0] for e in ENTRY_POINTS])
+def test_every_score_step_is_a_checked_keyword_of_every_entry_point(name, call, fn, row):
+    """Each SCORE_STEPS row's keyword is a parameter of each entry point (the kernels' keyword, defaulting to the
+    row's "off" value), and the entry point runs the row's check on it: a value of the wrong kind (a string) is
+    refused naming the function and the keyword."""
+    param = inspect.signature(fn).parameters[row.keyword]
+    assert param.default == row.off
+    with pytest.raises(ValueError, match=rf"^{name}: {row.keyword}( |\.)"):
+        call(**{row.keyword: "bad"})
+
+
+def test_compute_o_lse_takes_the_bias_under_either_name():
+    """``attn_bias`` (the kernels' name) and ``logit_bias`` (the older one) are the same argument."""
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(*x.shape, generator=g, dtype=F64) for x in (Q, K, V))
+    bias = torch.randn(1, 4, 128, 1, generator=g, dtype=F64)
+    new = golden.compute_o_lse(q, k, v, attn_bias=bias)
+    old = golden.compute_o_lse(q, k, v, logit_bias=bias)
+    plain = golden.compute_o_lse(q, k, v)
+    for a, b, c in zip(new, old, plain):
+        assert torch.equal(a, b)
+        assert not torch.equal(a, c)

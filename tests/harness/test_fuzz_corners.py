@@ -165,7 +165,7 @@ def test_residue_floor_covers_a_float32_running_sum_where_ds_cancels():
     scale = case.scale
     group = case.heads // case.kv_heads
     dd = np.cumsum(o * dy, axis=2, dtype=f32)[:, :, -1, :]                                    # D [b, h, sq]
-    for hq, g, p, th, _, _, _, _ in runner._softmax_groups(ins, ref, case, torch.float64):
+    for hq, g, p, _, _, _ in runner._softmax_groups(ins, ref, case, torch.float64):
         p = p.numpy()
         hs = slice(hq.start, hq.stop)
         dp = np.cumsum(dy[:, hs, :, :, None] * ins["v"].float().numpy()[:, g, None, :, None, :], axis=2,

@@ -51,6 +51,32 @@ def test_quick_preset_has_every_variant():
     assert cases.select("quick", features=["local"])  # usable as --features
 
 
+def test_harness_mods_declare_every_score_modification_once():
+    """One ``mods.HARNESS_MODS`` row per row of ``spec.SCORE_MODS``, same names, same order; the Case fields, the
+    preset features, the gradient terms and the profiler's --features entries come from it."""
+    from nki_attn import spec
+    from nki_attn.harness import mods
+    from nki_attn.profiler import cli as pcli
+    assert [m.name for m in mods.HARNESS_MODS] == [m.name for m in spec.SCORE_MODS]
+    fields = {f.name: f.default for f in dataclasses.fields(cases.Case)}
+    for m in mods.HARNESS_MODS:
+        assert m.name in fields and fields[m.name] == m.off and not m.off
+        assert set(m.features) <= set(cases.VARIANT_FEATURES)
+        assert pcli.FEATURES[m.name] == m.profile
+        on = row(next(iter(m.features)))
+        assert getattr(on, m.name) and m.label(on) in on.features
+        assert (m.draw is None) == (not spec.MODS[m.name].is_tensor)
+    for m in spec.GRAD_MODS:  # every gradient output has a derived reduction length
+        case = row(next(iter(mods.HMODS[m.name].features)))
+        assert "d" + m.name in tolerance.reduction_lengths(case)
+    # the import-time check refuses a table that reorders or skips a row
+    with pytest.raises(ImportError, match="in order"):
+        mods.check_table(mods.HARNESS_MODS[::-1], spec.SCORE_MODS)
+    with pytest.raises(ImportError, match="in order"):
+        mods.check_table(mods.HARNESS_MODS[:-1], spec.SCORE_MODS)
+    mods.check_table(mods.HARNESS_MODS, spec.SCORE_MODS)
+
+
 def test_variant_case_json_round_trip_and_errors():
     for f in cases.VARIANT_FEATURES:
         c = row(f)

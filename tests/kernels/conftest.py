@@ -19,8 +19,13 @@ Any NaN in a kernel output fails; +inf LSE entries (rows that see no key) must s
 them, and those rows' O must be exactly 0. ``absolute_band`` is the backward's secondary check: a fixed band per
 dtype, ``max|kernel - ref| <= atol + rtol * max|ref|``, valid for the test inputs (N(0, 1) q, k, v, dy).
 
+The score modifications (soft-capping, ALiBi, the additive bias, the logit scale) are one ``ModRow`` each in
+``TEST_MODS``; their formulas and gradients come from the golden's ``SCORE_STEPS`` and their kernel keywords and
+gradient flags from ``nki_attn.spec.SCORE_MODS``, so no per-modification code sits elsewhere in this file.
+
 Test modules of this folder import these names (``from .conftest import Case``); fixtures are ``target``.
 """
+import dataclasses
 import math
 import re
 
@@ -31,7 +36,8 @@ import torch
 
 from golden import attention_bwd_torch_ref, attention_fwd_torch_ref, compute_o_lse, packing_bounds
 from golden import dropout as golden_dropout
-from golden.attention_fwd_torch import alibi_bias, visibility_mask
+from golden.attention_fwd_torch import SCORE_STEPS, visibility_mask
+from nki_attn import spec
 from nki_attn.kernels.attention_bwd import attention_bwd
 from nki_attn.kernels.attention_fwd import attention_fwd
 
@@ -40,7 +46,6 @@ K_FACTOR = 2.0
 UNIT_ROUNDOFF = {"float32": 2.0 ** -24, "bfloat16": 2.0 ** -8, "float16": 2.0 ** -11, "float64": 2.0 ** -53}
 # Secondary absolute bands, max|kernel - ref| <= atol + rtol * max|ref| (see docs/validation.md).
 ABS_BANDS = {"float32": (1e-4, 1e-5), "bfloat16": (0.0, 2e-2), "float16": (0.0, 2.5e-3)}
-GRAD_NAMES = ("dq", "dk", "dv", "dsinks", "dbias", "dlogit_scale")
 
 
 # ----------------------------------------------------------------------------------------------- arrays
@@ -118,11 +123,12 @@ def check_with_inf(name, out, gold, ref, dtype):
 def bwd_from_stats(q, k, v, o, dy, lse, opts, sinks=None, drop=None, compute_dtype=torch.float32):
     """The backward kernel's formula with every variant, evaluated by torch in ``compute_dtype`` from exactly the
     given inputs (kernel layouts; O in the input dtype and LSE in float32 make it the ``err_inputs`` baseline):
-    logits = cap * tanh(scale S / cap) + ALiBi, masked by the band and packing bounds; P = exp(logits - LSE);
-    D = rowsum(O * dO); dS = P (dP - D) (1 - tanh^2); dV = P^T dO; dK = scale dS^T Q; dQ = scale dS K (dropout:
-    dP and the dV operand times M / (1 - p)); dsinks = -sum_rows exp(sink - LSE) D; with a logit scale lam the
-    logits start from lam scale S, dS is lam dS on its way to dK and dQ, and dlogit_scale = sum dS * scale S.
-    ``opts``: the golden's keywords. Returns numpy float64 arrays by output name."""
+    logits = the score modifications of ``opts`` applied to scale S (the golden's ``SCORE_STEPS`` rows, in their
+    order: logit scale, soft-capping, ALiBi, bias), masked by the band and packing bounds; P = exp(logits - LSE);
+    D = rowsum(O * dO); dS = P (dP - D), taken back through the modifications in reverse order by the same rows'
+    backward functions (each also gives its input's gradient, e.g. dbias, dlogit_scale); dV = P^T dO;
+    dK = scale dS^T Q; dQ = scale dS K (dropout: dP and the dV operand times M / (1 - p)); dsinks =
+    -sum_rows exp(sink - LSE) D. ``opts``: the golden's keywords. Returns numpy float64 arrays by output name."""
     f = lambda x: as_t64(x).to(compute_dtype)  # noqa: E731
     q, k, v, o, dy, lse = (f(x) for x in (q, k, v, o, dy, lse))
     bs, h, d, sq = q.shape
@@ -133,21 +139,14 @@ def bwd_from_stats(q, k, v, o, dy, lse, opts, sinks=None, drop=None, compute_dty
     kt = k.transpose(-1, -2).repeat_interleave(g, dim=1)
     vt = v.transpose(-1, -2).repeat_interleave(g, dim=1)
     rows = lse.transpose(-1, -2).reshape(bs, h, sq)                                 # row t*128+p
-    s0 = s = torch.matmul(qt, kt.transpose(-1, -2)) * scale
-    lam = opts.get("logit_scale")
-    if lam is not None:
-        lam = lam.to(compute_dtype)[..., None, None]
-        s = s * lam
-    cap = opts.get("softcap", 0.0)
-    th = None
-    if cap > 0.0:
-        th = torch.tanh(s / cap)
-        s = cap * th
-    if opts.get("alibi_slopes") is not None:
-        s = s + alibi_bias(opts["alibi_slopes"], sq, sk, torch.float32).to(compute_dtype)
-    bias = opts.get("attn_bias")
-    if bias is not None:
-        s = s + bias.to(compute_dtype)
+    s = torch.matmul(qt, kt.transpose(-1, -2)) * scale
+    ctx = dict(bs=bs, nheads=h, seqlen_q=sq, seqlen_k=sk, scale=scale, adt=compute_dtype)
+    applied = []
+    for row in SCORE_STEPS:
+        value = opts.get(row[0])
+        if _is_on(value):
+            s, kept = row[1](s, value, ctx)
+            applied.append((row, value, kept))
     vis = visibility_mask(sq, sk, opts.get("use_causal_mask", False), opts.get("sliding_window"),
                           opts.get("bound_min"), opts.get("bound_max"), opts.get("window_size"))
     s = s.masked_fill(~vis, float("-inf"))
@@ -159,15 +158,12 @@ def bwd_from_stats(q, k, v, o, dy, lse, opts, sinks=None, drop=None, compute_dty
         dp = dp * drop.to(compute_dtype)
         pv = p * drop.to(compute_dtype)
     ds = torch.nan_to_num(p * (dp - dd[..., None]), nan=0.0)
-    dbias = None
-    if bias is not None:  # the logit's gradient, summed over the bias's broadcast dims
-        dbias = sum_to(ds, tuple(bias.shape))
-    if th is not None:
-        ds = ds * (1.0 - th * th)
-    dlogit = None
-    if lam is not None:
-        dlogit = (ds * s0).sum((2, 3))
-        ds = ds * lam
+    mod_grads = {}
+    for row, value, kept in reversed(applied):
+        if row[2] is not None:
+            ds, grad = row[2](ds, value, kept, ctx)
+            if row[3] is not None:
+                mod_grads[_grad_name(row[3])] = grad
     dq = torch.matmul(ds, kt) * scale
     dk = (torch.matmul(ds.transpose(-1, -2), qt) * scale).reshape(bs, hk, g, sk, -1).sum(2)
     dv = torch.matmul(pv.transpose(-1, -2), dot).reshape(bs, hk, g, sk, -1).sum(2)
@@ -176,18 +172,25 @@ def bwd_from_stats(q, k, v, o, dy, lse, opts, sinks=None, drop=None, compute_dty
         sk_ = f(sinks).reshape(bs, h, -1)
         psink = torch.exp(sk_[:, :, None, :] - rows[..., None])                     # [b, h, sq, ns]
         out["dsinks"] = (-(psink * dd[..., None]).sum(2)).reshape(tuple(np.shape(sinks)))
-    if dbias is not None:
-        out["dbias"] = dbias
-    if dlogit is not None:
-        out["dlogit_scale"] = dlogit
+    out.update(mod_grads)
     return {n: as_f64(x) for n, x in out.items()}
 
 
 def sum_to(x, shape):
-    """``x`` ``[bs, h, sq, sk]`` summed over the dims a bias of (4-D) ``shape`` broadcasts."""
+    """``x`` (e.g. ``[bs, h, sq, sk]``) summed over the dims a tensor of ``shape`` (as many dims) broadcasts."""
     x = torch.as_tensor(as_f64(x)) if not isinstance(x, torch.Tensor) else x
-    dims = [i for i in range(4) if shape[i] == 1 and x.shape[i] != 1]
+    dims = [i for i in range(len(shape)) if shape[i] == 1 and x.shape[i] != 1]
     return x.sum(dim=dims, keepdim=True) if dims else x
+
+
+def _is_on(value):
+    """A score modification's golden / kernel input applies: given, and (a number) not 0."""
+    return value is not None and not (isinstance(value, float) and value == 0.0)
+
+
+def _grad_name(golden_key):
+    """The kernel output name of a golden gradient key: ``out_dbias_ref`` -> ``dbias``."""
+    return golden_key[len("out_"):-len("_ref")]
 
 
 def check_fwd_outputs(o, lse, q, k, v, sinks, mixed, opts):
@@ -224,6 +227,71 @@ def logit_scales(bs, h, mul=1.0):
                         dtype=torch.float32)
 
 
+# the additive bias's shape by token suffix, for [bs, h, sq, sk]: per head (shared by the batch), per batch entry
+# (shared by the heads), one for all, full, and a key-padding bias [bs, 1, 1, sk]
+BIAS_SHAPES = {"h": lambda bs, h, sq, sk: (1, h, sq, sk), "b": lambda bs, h, sq, sk: (bs, 1, sq, sk),
+               "1": lambda bs, h, sq, sk: (1, 1, sq, sk), "full": lambda bs, h, sq, sk: (bs, h, sq, sk),
+               "keys": lambda bs, h, sq, sk: (bs, 1, 1, sk)}
+
+
+@dataclasses.dataclass(frozen=True)
+class ModRow:
+    """What the kernel tests add for one score modification (one row of ``TEST_MODS``). Everything else comes
+    from the modification's declarations: its kernel keyword, "off" value, gradient and gradient flag from the
+    host's row (``nki_attn.spec.SCORE_MODS``, by ``name``), its float64 formula and gradient (reference and
+    inputs baseline alike) from the golden's ``SCORE_STEPS`` row of that keyword.
+
+    Fields: ``name`` (``spec.ScoreMod.name``); ``case_kw`` (the ``Case`` keyword; false: off); ``token`` and
+    ``pattern`` (the matrix's variant token, a regex whose groups ``parse`` turns into the Case value);
+    ``build(value, bs, h, sq, sk, rnd)`` (the golden's input in float64 or a number; ``rnd(*shape)`` draws N(0, 1)
+    rounded to the dtype, after every other input); ``in_dtype`` (the kernel gets the input rounded to the case's
+    dtype, else as built); ``grad_shape(bs, h, sq, sk)`` (the kernel gradient's shape when it is not the input's:
+    the check sums it over the input's broadcast dims)."""
+    name: str
+    case_kw: str
+    token: str
+    pattern: str
+    parse: object
+    build: object
+    in_dtype: bool = False
+    grad_shape: object = None
+
+    @property
+    def host(self):
+        return next(m for m in spec.SCORE_MODS if m.name == self.name)
+
+    @property
+    def keyword(self):
+        """The kernels' (and the golden's) keyword."""
+        return self.host.kernel
+
+    @property
+    def grad(self):
+        """The kernel's gradient output name, or None."""
+        if self.host.grad == "none":
+            return None
+        key = next(row[3] for row in SCORE_STEPS if row[0] == self.keyword)
+        return _grad_name(key)
+
+
+# One row per score modification, in the host table's order (the order of the backward's gradient outputs).
+TEST_MODS = (
+    ModRow("softcap", "softcap", "cap", r"cap([\d.]+)", lambda g: float(g[0]),
+           lambda c, bs, h, sq, sk, rnd: float(c)),
+    ModRow("alibi", "alibi", "alibi", r"alibi", lambda g: True,
+           lambda c, bs, h, sq, sk, rnd: alibi_slopes(bs, h)),
+    ModRow("bias", "bias", "bias", r"bias(h|b|1|full|keys)", lambda g: g[0],
+           lambda c, bs, h, sq, sk, rnd: rnd(*BIAS_SHAPES[c](bs, h, sq, sk)), in_dtype=True,
+           grad_shape=lambda bs, h, sq, sk: (bs, h, sq, sk)),
+    ModRow("logit_scale", "logit", "lscale", r"lscale([\d.]+)", lambda g: float(g[0]),
+           lambda c, bs, h, sq, sk, rnd: logit_scales(bs, h, c)),
+)
+assert [m.name for m in TEST_MODS] == [m.name for m in spec.SCORE_MODS], "one TEST_MODS row per spec.SCORE_MODS row"
+MOD_GRADS = tuple(m.grad for m in TEST_MODS if m.grad)
+GRAD_NAMES = ("dq", "dk", "dv", "dsinks") + MOD_GRADS
+FLOAT32_GRADS = ("dsinks",) + MOD_GRADS
+
+
 class Case:
     """One attention problem: inputs, kernel arguments, and the references both kernels are judged against.
 
@@ -232,8 +300,9 @@ class Case:
     q ``[bs, h, d, sq]``, k ``[bs, hk, d, sk]``, v ``[bs, hk, dv, sk]``, dy like o ``[bs, h, dv, sq]``, sinks
     ``[bs, h]`` (one) or ``[bs, h, sinks]``. ``cu``: packed sequence boundaries (``golden.packing_bounds``, rows
     past the last are padding that sees nothing). ``dropout_seed``: the ``(seed, offset)`` pair of
-    ``golden.dropout.make_seed``. ``logit``: a per-head logit scale (``logit_scales`` times ``logit``; 0: none),
-    whose gradient the backward returns last.
+    ``golden.dropout.make_seed``. ``**mods``: the score modifications by their ``ModRow.case_kw`` (``softcap``:
+    the cap; ``alibi``: True for ``alibi_slopes``; ``bias``: a ``BIAS_SHAPES`` key; ``logit``: ``logit_scales``
+    times it), each false for off; the backward returns their gradients after dsinks, in ``TEST_MODS`` order.
 
     ``fwd()`` / ``check_fwd(o, lse)``: the forward kernel on these inputs and its check against the golden on the
     float64 inputs (``ref``) and in the dtype (``golden``). ``bwd()`` / ``check_bwd(grads)``: the backward kernel
@@ -242,9 +311,11 @@ class Case:
     """
 
     def __init__(self, bs=1, h=1, hk=1, d=64, dv=None, sq=256, sk=None, dtype="float32", mixed=False,
-                 causal=False, window=None, window_size=None, softcap=0.0, alibi=False, sinks=0, sink_mul=1.0,
-                 cu=None, scale=None, dropout_p=0.0, dropout_seed=(1234, 7), q_mul=1.0, sink_value=None,
-                 seed=0, bias=None, logit=0.0):
+                 causal=False, window=None, window_size=None, sinks=0, sink_mul=1.0, cu=None, scale=None,
+                 dropout_p=0.0, dropout_seed=(1234, 7), q_mul=1.0, sink_value=None, seed=0, **mods):
+        unknown = set(mods) - {m.case_kw for m in TEST_MODS}
+        if unknown:
+            raise TypeError(f"Case: unknown keyword(s) {sorted(unknown)}")
         sk = sq if sk is None else sk
         dv = d if dv is None else dv
         self.dtype, self.mixed, self.tdt = dtype, mixed, DTYPES[dtype]
@@ -264,25 +335,27 @@ class Case:
         if cu is not None:
             bmin, bmax = packing_bounds(cu, seqlen_q=sq)
         self.opts = dict(use_causal_mask=causal, softmax_scale=scale, sliding_window=window, bound_min=bmin,
-                         bound_max=bmax, softcap=softcap, alibi_slopes=alibi_slopes(bs, h) if alibi else None,
-                         window_size=window_size, logit_scale=logit_scales(bs, h, logit) if logit else None)
+                         bound_max=bmax, window_size=window_size)
         if dropout_p > 0.0:
             self.opts.update(dropout_p=dropout_p, dropout_seed=golden_dropout.make_seed(*dropout_seed))
-        self.bias = None
-        if bias is not None:  # the additive bias (``BIAS_SHAPES``), drawn after every other input
-            self.opts["attn_bias"] = rnd(*BIAS_SHAPES[bias](bs, h, sq, sk))
-            self.bias = self.opts["attn_bias"].to(self.tdt)
-        self.q, self.k, self.v, self.dy = (x.to(self.tdt) for x in (self.q64, self.k64, self.v64, self.dy64))
-        self.sinks = None if self.sinks64 is None else self.sinks64.to(self.tdt)
         # the kernels' keywords: only the variants a case sets; the others stay at the kernels' defaults
         self.kwargs = {key: val for key, val in self.opts.items() if val is not None
-                       and not (key in ("softcap", "dropout_p") and val == 0.0)}
+                       and not (key == "dropout_p" and val == 0.0)}
+        # the score modifications (in table order; an input drawn by ``rnd`` comes after every other input)
+        self.mods = []
+        for m in TEST_MODS:
+            value = mods.get(m.case_kw)
+            self.opts[m.keyword] = m.build(value, bs, h, sq, sk, rnd) if value else m.host.off
+            if value:
+                self.mods.append(m)
+                val = self.opts[m.keyword]
+                self.kwargs[m.keyword] = val.to(self.tdt) if m.in_dtype else val
+        self.q, self.k, self.v, self.dy = (x.to(self.tdt) for x in (self.q64, self.k64, self.v64, self.dy64))
+        self.sinks = None if self.sinks64 is None else self.sinks64.to(self.tdt)
         self.kwargs["use_causal_mask"] = causal
         self.kwargs["mixed_precision"] = mixed
         if self.sinks is not None:
             self.kwargs["sinks_ref"] = self.sinks
-        if self.bias is not None:
-            self.kwargs["attn_bias"] = self.bias
         self._bwd_refs = None
 
     @property
@@ -312,9 +385,7 @@ class Case:
         float32, numpy), the float64 reference gradients (``ref``), the golden in the dtype (``golden``), the
         inputs baseline (``inputs``) and the float64 forward's ``lse``."""
         if self._bwd_refs is None:
-            no_drop = {key: val for key, val in self.opts.items()
-                       if key not in ("dropout_p", "dropout_seed", "attn_bias")}
-            no_drop["logit_bias"] = self.opts.get("attn_bias")
+            no_drop = {key: val for key, val in self.opts.items() if key not in ("dropout_p", "dropout_seed")}
             drop = self.drop
             o, lse, _ = compute_o_lse(self.q64, self.k64, self.v64, sinks=self.sinks64, mixed_precision=False,
                                       dropout_mask=drop, **no_drop)
@@ -330,11 +401,9 @@ class Case:
         return self._bwd_refs
 
     def grad_names(self):
-        """The names of the backward kernel's outputs, in order: dq, dk, dv, then dsinks, dbias, dlogit_scale
-        if given."""
-        return [n for n in GRAD_NAMES if n in ("dq", "dk", "dv") or (n == "dsinks" and self.sinks is not None)
-                or (n == "dbias" and self.bias is not None)
-                or (n == "dlogit_scale" and self.opts["logit_scale"] is not None)]
+        """The names of the backward kernel's outputs, in order: dq, dk, dv, then dsinks if given, then the
+        gradient of each score modification the case applies that has one (``TEST_MODS`` order)."""
+        return ["dq", "dk", "dv"] + ["dsinks"] * (self.sinks is not None) + [m.grad for m in self.mods if m.grad]
 
     def bwd_kwargs(self):
         """The backward kernel's keywords (numpy arrays)."""
@@ -346,8 +415,9 @@ class Case:
         kern = attention_bwd if lnc is None else attention_bwd[lnc]
         if k_section_len is not None:
             extra["k_section_len"] = k_section_len
-        if self.bias is not None:
-            extra.setdefault("bias_grad", True)
+        for m in self.mods:  # a gradient computed only on request: request it
+            if m.host.grad_flag:
+                extra.setdefault(m.host.grad_flag, True)
         return kern(*self.bwd_refs()["args"], **self.bwd_kwargs(), **extra)
 
     def check_bwd(self, out, inputs=None):
@@ -358,16 +428,18 @@ class Case:
         names = self.grad_names()
         assert len(out) == len(names)
         for name, got in zip(names, out):
-            want = "float32" if name in ("dsinks", "dbias", "dlogit_scale") else self.dtype
+            want = "float32" if name in FLOAT32_GRADS else self.dtype
             assert dtype_name(got.dtype) == want, f"{name}: dtype {got.dtype}, expected {want}"
         if self.sinks is not None:
             assert tuple(np.shape(out[3])) == tuple(self.sinks.shape)
-        if self.opts["logit_scale"] is not None:
-            assert tuple(np.shape(out[-1])) == tuple(self.opts["logit_scale"].shape)
-        if self.bias is not None:  # float32 [bs, h, sq, sk]: summed over the bias's broadcast dims here
-            i = names.index("dbias")
-            assert tuple(np.shape(out[i])) == (*self.q.shape[:2], self.q.shape[3], self.k.shape[3])
-            out = list(out[:i]) + [sum_to(out[i], tuple(self.bias.shape))] + list(out[i + 1:])
+        out = list(out)
+        dims = (*self.q.shape[:2], self.q.shape[3], self.k.shape[3])
+        for m in self.mods:  # a modification's gradient: its input's shape, or summed to it here (the bias's)
+            if m.grad:
+                i, shape = names.index(m.grad), tuple(self.opts[m.keyword].shape)
+                assert tuple(np.shape(out[i])) == (shape if m.grad_shape is None else m.grad_shape(*dims)), m.grad
+                if tuple(np.shape(out[i])) != shape:
+                    out[i] = sum_to(out[i], shape)
         # a query row that sees no key has dq exactly 0; a key no query sees has dk, dv exactly 0
         b = self.opts
         vis = visibility_mask(self.q.shape[3], self.k.shape[3], b["use_causal_mask"], b["sliding_window"],
@@ -424,18 +496,14 @@ def run_and_check(q, k, v, *, sinks=None, bound_min=None, bound_max=None, causal
 #   shape    "d{d}[v{dv}]-s{sq}[x{sk}]"
 #   heads    "[b{bs}]h{h}k{hk}"
 DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+# (the score modifications' tokens come from ``TEST_MODS``)
 VARIANT_TOKENS = {
-    "causal": r"causal", "swa": r"swa(\d+)", "win": r"win(-?\d+):(-?\d+)", "cap": r"cap([\d.]+)",
-    "alibi": r"alibi", "sinks": r"sinks(\d+)", "sinkmul": r"sinkmul([\d.]+)", "sinkval": r"sinkval([\d.]+)",
-    "cu": r"cu([\d-]+)",
+    "causal": r"causal", "swa": r"swa(\d+)", "win": r"win(-?\d+):(-?\d+)",
+    "sinks": r"sinks(\d+)", "sinkmul": r"sinkmul([\d.]+)", "sinkval": r"sinkval([\d.]+)", "cu": r"cu([\d-]+)",
     "scale": r"scale([\d.]+)", "drop": r"drop([\d.]+)", "qmul": r"qmul([\d.]+)", "sec": r"sec(\d+)",
-    "seed": r"seed(\d+)", "bias": r"bias(h|b|1|full|keys)", "lscale": r"lscale([\d.]+)",
+    "seed": r"seed(\d+)", **{m.token: m.pattern for m in TEST_MODS},
 }
-# the additive bias's shape by token suffix, for [bs, h, sq, sk]: per head (shared by the batch), per batch entry
-# (shared by the heads), one for all, full, and a key-padding bias [bs, 1, 1, sk]
-BIAS_SHAPES = {"h": lambda bs, h, sq, sk: (1, h, sq, sk), "b": lambda bs, h, sq, sk: (bs, 1, sq, sk),
-               "1": lambda bs, h, sq, sk: (1, 1, sq, sk), "full": lambda bs, h, sq, sk: (bs, h, sq, sk),
-               "keys": lambda bs, h, sq, sk: (bs, 1, 1, sk)}
+MOD_TOKENS = {m.token: m for m in TEST_MODS}
 
 
 def case_kwargs(dtype, variant, shape, heads):
@@ -454,14 +522,14 @@ def case_kwargs(dtype, variant, shape, heads):
         name = next((n for n, pat in VARIANT_TOKENS.items() if re.fullmatch(pat, tok)), None)
         assert name is not None, f"unknown variant token {tok!r} in {variant!r}"
         g = re.fullmatch(VARIANT_TOKENS[name], tok).groups()
-        if name in ("causal", "alibi"):
+        if name in MOD_TOKENS:
+            kw[MOD_TOKENS[name].case_kw] = MOD_TOKENS[name].parse(g)
+        elif name == "causal":
             kw[name] = True
         elif name == "swa":
             kw["window"] = int(g[0])
         elif name == "win":
             kw["window_size"] = (int(g[0]), int(g[1]))
-        elif name == "cap":
-            kw["softcap"] = float(g[0])
         elif name == "sinks":
             kw["sinks"] = int(g[0])
         elif name == "sinkmul":
@@ -480,10 +548,6 @@ def case_kwargs(dtype, variant, shape, heads):
             sec = int(g[0])
         elif name == "seed":
             kw["seed"] = int(g[0])
-        elif name == "bias":
-            kw["bias"] = g[0]
-        elif name == "lscale":
-            kw["logit"] = float(g[0])
     return kw, sec
 
 

@@ -2,7 +2,7 @@
 
 A row is four strings (vocabulary in conftest.py: ``case_kwargs``) and the kernels it runs: ``f`` the forward
 (``attention_fwd`` on the inputs, o and lse checked), ``b`` the backward (``attention_bwd`` fed the float64 forward's
-O and LSE, dq, dk, dv and dsinks checked). The accuracy criterion is conftest.py's (derived in docs/validation.md):
+O and LSE, dq, dk, dv, dsinks and the score modifications' gradients checked). The accuracy criterion is conftest.py's (derived in docs/validation.md):
 at most K = 2 times the golden's own error in the dtype (plus, backward, the error the kernel's formula gets from its
 inputs) plus one rounding; a fixed absolute band for the backward; +inf LSE exactly where the reference has it, and
 exact zeros for rows that see no key and keys no row sees.
@@ -20,8 +20,8 @@ import pytest
 
 from nki_attn.kernels.attention_bwd import attention_bwd
 
-from .conftest import (GRAD_NAMES, VARIANT_TOKENS, Case, as_t64, bwd_from_stats, case_kwargs, check_close, empty_rows,
-                       max_err)
+from .conftest import (FLOAT32_GRADS, TEST_MODS, VARIANT_TOKENS, Case, as_t64, bwd_from_stats, case_kwargs,
+                       check_close, empty_rows, max_err)
 
 S = pytest.mark.slow
 # (kernels, dtype, variant, shape, heads)
@@ -270,10 +270,10 @@ def test_chain(dtype, variant, shape, heads, exact):
     args[3], args[5] = o, lse
     grads = attention_bwd(*args, **c.bwd_kwargs())
     if exact:
-        for name, got, base in zip(GRAD_NAMES, grads, c.bwd()):
+        for name, got, base in zip(c.grad_names(), grads, c.bwd()):
             ref, gold = r["ref"][f"out_{name}_ref"], r["golden"][f"out_{name}_ref"]
             baseline = gold if max_err(gold, ref) >= max_err(base, ref) else base
-            check_close(name, got, ref, baseline, "float32" if name == "dsinks" else c.dtype)
+            check_close(name, got, ref, baseline, "float32" if name in FLOAT32_GRADS else c.dtype)
     inputs = bwd_from_stats(*[as_t64(x) for x in args[:5]], as_t64(lse), c.opts, sinks=c.sinks, drop=r["drop"])
     c.check_bwd(grads, inputs=inputs)
     empty = empty_rows(lse)
@@ -283,7 +283,8 @@ def test_chain(dtype, variant, shape, heads, exact):
         assert np.all(dq.transpose(0, 1, 3, 2)[empty.numpy()] == 0.0)
 
 
-VARIANTS = {"causal", "swa", "win", "cap", "alibi", "sinks", "cu", "scale", "drop", "lscale"}
+# every score modification of conftest's TEST_MODS too: a new one needs default rows of both kernels
+VARIANTS = {"causal", "swa", "win", "sinks", "cu", "scale", "drop"} | {m.token for m in TEST_MODS}
 
 
 def test_default_rows_cover_every_variant_and_dtype_in_both_kernels():
@@ -297,3 +298,20 @@ def test_default_rows_cover_every_variant_and_dtype_in_both_kernels():
         assert {r[1].split("-")[0] for r in rows} == {"fp32", "bf16", "fp16"}
     assert set(VARIANT_TOKENS) == {t for r in ROWS for t in VARIANT_TOKENS
                                    if any(re.fullmatch(VARIANT_TOKENS[t], x) for x in r[2].split("+"))}
+
+
+def test_every_score_modification_has_one_test_row():
+    """conftest's TEST_MODS names the kernels' and the host's score modifications in their order (the order of the
+    backward's gradient outputs), each row's keyword is a kernel keyword and a golden SCORE_STEPS row, and a row
+    has a gradient name exactly when the kernel declares a gradient output."""
+    from golden.attention_fwd_torch import SCORE_STEPS
+    from nki_attn import spec
+    from nki_attn.kernels import score_mods
+
+    names = [m.name for m in TEST_MODS]
+    assert names == [m.name for m in score_mods.SCORE_MODS] == [m.name for m in spec.SCORE_MODS]
+    assert sorted(m.keyword for m in TEST_MODS) == sorted(row[0] for row in SCORE_STEPS)
+    for m, km in zip(TEST_MODS, score_mods.SCORE_MODS):
+        assert m.keyword == km.keywords[0]
+        assert (m.grad is None) == (km.grad_out is None), m.name
+        assert m.host.grad_flag is None or m.host.grad_flag in km.keywords, m.name
