@@ -62,6 +62,9 @@ P_DMA_MIN_TILES = 2  # ... a member with at least this many full tiles (or its k
 P_DMA_BATCH_TILES = 4
 PV_LAG = 16  # P^T tiles waiting for their PV matmul: TensorE never waits for the P^T eviction or DMA
 EXP_LEAD = 7  # exponents emitted ahead of their P^T: ScalarE never waits behind TensorE's finishing work
+# ... or this many where EXP_LEAD's P tiles would cost a key-block tile (trn1's SBUF at d 128: a key block of one
+# tile instead of two, Qwen3 4K's forward 395 -> 427 us modeled by cost model v2)
+EXP_LEAD_MIN = 5
 # the next unit's scores are all emitted by SCORE_NUM / SCORE_DEN of this unit's phase-3 steps: its phase 2 (the
 # exponent bias) then has the rest of the segment to reach ScalarE before the next unit's exponents
 SCORE_NUM = 1
@@ -185,6 +188,14 @@ class _FwdConfig(nl.NKIObject):
         self.pt_scalar_lag = PT_SCALAR_LAG
         self.first_o_scalar = FIRST_O_SCALAR and self.pt_vector_period > 1
         if kb_tiles is None:
+            # the deeper exponent lead only where it costs no key-block size (each exponent in flight holds a P tile)
+            self.fin_delay = FIN_DELAY_MIN
+            self.exp_lead = EXP_LEAD_MIN
+            kb_short = _kb_tiles(self, itemsize(io_dtype), itemsize(acc_dtype))
+            self.exp_lead = EXP_LEAD
+            if _kb_tiles(self, itemsize(io_dtype), itemsize(acc_dtype)) < kb_short:
+                self.exp_lead = EXP_LEAD_MIN
+            self.fin_delay = FIN_DELAY
             self.kb_tiles = _kb_tiles(self, itemsize(io_dtype), itemsize(acc_dtype))
             if self.fin_delay > FIN_DELAY_MIN:
                 # the long finishing only where it costs no key-block size and fits (tight SBUF: float32, d 256)

@@ -160,6 +160,25 @@ def test_slabs_are_balanced_and_sized_by_the_budget(monkeypatch, target, dtype, 
         assert cfg.slab_tiles >= min(cfg.n_qt, 2 * max(1, cfg.members // group))
 
 
+@pytest.mark.parametrize("target", ["trn1", "trn2", "trn3"])
+@pytest.mark.parametrize("dtype,d,group,s", [("bfloat16", 128, 4, 4096), ("bfloat16", 128, 1, 4096),
+                                             ("float32", 64, 4, 4096), ("bfloat16", 256, 2, 8192)])
+def test_exponent_lead_never_costs_a_key_block_tile(monkeypatch, target, dtype, d, group, s):
+    # the deeper exponent lead holds more P tiles in flight; it is taken only where the key block keeps its size
+    monkeypatch.setenv("NEURON_PLATFORM_TARGET_OVERRIDE", target)
+    dt = nl.float32 if dtype == "float32" else nl.bfloat16
+    cfg = config(nheads=group, d=d, sq=s, dtype=dt, causal=True, range_select=target != "trn1")
+    assert cfg.exp_lead in (fwd.EXP_LEAD, fwd.EXP_LEAD_MIN)
+    e = 4 if dtype == "float32" else 2
+    kb = {}
+    for lead in (fwd.EXP_LEAD_MIN, fwd.EXP_LEAD):
+        cfg.exp_lead = lead
+        cfg.fin_delay = fwd.FIN_DELAY_MIN
+        kb[lead] = fwd._kb_tiles(cfg, e, 4)
+    want = fwd.EXP_LEAD if kb[fwd.EXP_LEAD] >= kb[fwd.EXP_LEAD_MIN] else fwd.EXP_LEAD_MIN
+    assert config(nheads=group, d=d, sq=s, dtype=dt, causal=True, range_select=target != "trn1").exp_lead == want
+
+
 # ----------------------------------------------------------------------------------------------- traces (structure)
 def test_transfers_once_per_head_and_slab():
     # 4 query heads / 1 kv head, 1024 queries, d 256 (two partition tiles), bf16, causal, sinks: balanced slabs
