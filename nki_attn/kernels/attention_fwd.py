@@ -50,19 +50,28 @@ from .validation import attention_problem, attention_shape, sbuf_bytes_per_parti
 # Defaults of the tuning keywords of ``attention_fwd`` (``kb_tiles``, ``block_members_max``, ``slab_tiles``):
 KB_TILES = 4  # key tiles per key block: the online-softmax statistics are updated once per 2048 keys
 BLOCK_MEMBERS_MAX = 8  # members per block: they share one K/V load and one set of statistics ops
-# every P_DMA_PERIOD-th member's full P tiles by one dma_transpose per (member, key block), when both head dims are
-# <= 128 (P^T is then a third of TensorE's work per tile; with a 256 head dim a fifth, not worth the DMA's cost)
+# every P_DMA_PERIOD-th member's full P tiles of a key block are transposed by DMA when both head dims are <= 128
+# (P^T is then a third of TensorE's work per tile), every P_DMA_PERIOD_WIDE-th with a larger one (0: never; at a
+# fifth of TensorE's work, every 2nd member batched is faster under the default model but 2.1x / 3.5x the bound
+# at d 256 with the DMA-transpose efficiency at 0.25 / the DMA floor at 850 ns); docs/kernel-fwd.md, "Third round"
 P_DMA_PERIOD = 4
-P_DMA_MIN_TILES = 2  # ... when it has at least this many (a DMA's fixed costs are paid per transpose)
+P_DMA_PERIOD_WIDE = 0
+P_DMA_MIN_TILES = 2  # ... a member with at least this many full tiles (or its key block's count, if smaller)
+# consecutive such members of a unit share ONE dma_transpose of up to this many full tiles (or a key block's): a
+# transpose pays its fixed costs (per hardware-DGE instruction and queue piece) once per batch
+P_DMA_BATCH_TILES = 4
 PV_LAG = 16  # P^T tiles waiting for their PV matmul: TensorE never waits for the P^T eviction or DMA
-EXP_LEAD = 5  # exponents emitted ahead of their P^T: ScalarE never waits behind TensorE's finishing work
+EXP_LEAD = 7  # exponents emitted ahead of their P^T: ScalarE never waits behind TensorE's finishing work
+# ... or this many where EXP_LEAD's P tiles would cost a key-block tile (trn1's SBUF at d 128: a key block of one
+# tile instead of two, Qwen3 4K's forward 395 -> 427 us modeled by cost model v2)
+EXP_LEAD_MIN = 5
 # the next unit's scores are all emitted by SCORE_NUM / SCORE_DEN of this unit's phase-3 steps: its phase 2 (the
 # exponent bias) then has the rest of the segment to reach ScalarE before the next unit's exponents
 SCORE_NUM = 1
 SCORE_DEN = 16
 # of the P tiles transposed by TensorE, every PT_VECTOR_PERIOD-th is evicted (PSUM -> SBUF) by VectorE, the others
-# by ScalarE (1: all by VectorE, the rule with soft-capping, whose tanh keeps ScalarE busy); docs/kernel-fwd.md,
-# "Engine balance"
+# by ScalarE (1: all by VectorE, the rule with soft-capping, whose tanh keeps ScalarE busy), except in a segment
+# with no scores to evict (the pipeline's drain), where VectorE takes them all; docs/kernel-fwd.md, "Engine balance"
 PT_VECTOR_PERIOD = 2
 FIRST_O_SCALAR = True  # a member's O = PV at its first key block by a ScalarE copy (deferred like those evictions)
 PT_SCALAR_LAG = 3  # a ScalarE eviction is emitted this many phase-3 steps after its transposes
@@ -160,7 +169,7 @@ class _FwdConfig(nl.NKIObject):
         self.p_dma_transpose = range_select_ok and itemsize(io_dtype) == 2
         self.p_dma_period = p_dma_period
         if p_dma_period is None:
-            self.p_dma_period = 0
+            self.p_dma_period = P_DMA_PERIOD_WIDE
             if shp.d_head <= PMAX and d_v <= PMAX:
                 self.p_dma_period = P_DMA_PERIOD
         self.pv_lag = PV_LAG if pv_lag is None else pv_lag
@@ -179,6 +188,14 @@ class _FwdConfig(nl.NKIObject):
         self.pt_scalar_lag = PT_SCALAR_LAG
         self.first_o_scalar = FIRST_O_SCALAR and self.pt_vector_period > 1
         if kb_tiles is None:
+            # the deeper exponent lead only where it costs no key-block size (each exponent in flight holds a P tile)
+            self.fin_delay = FIN_DELAY_MIN
+            self.exp_lead = EXP_LEAD_MIN
+            kb_short = _kb_tiles(self, itemsize(io_dtype), itemsize(acc_dtype))
+            self.exp_lead = EXP_LEAD
+            if _kb_tiles(self, itemsize(io_dtype), itemsize(acc_dtype)) < kb_short:
+                self.exp_lead = EXP_LEAD_MIN
+            self.fin_delay = FIN_DELAY
             self.kb_tiles = _kb_tiles(self, itemsize(io_dtype), itemsize(acc_dtype))
             if self.fin_delay > FIN_DELAY_MIN:
                 # the long finishing only where it costs no key-block size and fits (tight SBUF: float32, d 256)
@@ -211,7 +228,8 @@ def _working_set(cfg, kb_tiles, e, acc_e):
     n_acc = 3 + (2 * (cfg.fin_delay - FIN_DELAY_MIN) + u - 1) // u
     fixed += n_acc * u * cfg.d_v * acc_e
     fixed += (cfg.exp_lead + cfg.pv_lag + 2) * K_TILE * e + u * cfg.d_v * e  # P, P^T in flight, normalised O
-    fixed += 2 * kk * e  # P of the members transposed by DMA (one being written, one waiting for its DMA)
+    # P of the members transposed by DMA (one batch being written, one waiting for its DMA; _p_dma_batches)
+    fixed += 2 * max(kb_tiles, P_DMA_BATCH_TILES) * K_TILE * e
     fixed += 3 * 4 * u * (kb_tiles + 1) * 4 + 2 * 12 * u * 4  # statistics
     fixed += 2 * cfg.n_qt * 4  # key bounds per query tile
     if cfg.mask == "predicate":
@@ -582,6 +600,7 @@ class _Unit(nl.NKIObject):
         self.n_full = None
         self.last_full = None
         self.pbuf = None
+        self.p_owner = None
         self.p = None
         self.slot = None
         self.summed = False
@@ -591,7 +610,8 @@ class _Pipe(nl.NKIObject):
     """Emission state of the software pipeline (``_attend_all``): ``pv`` the P^T tiles waiting for their PV
     matmul (``[unit, u, i, pt]``, emitted ``cfg.pv_lag`` exponents later; ``pv_at`` the next one), ``later`` the
     deferred finishing work ``[due step, kind, block, member, o_n list]``, ``step`` the phase-3 steps emitted,
-    ``dma_members`` the members that could have their P transposed by DMA so far (every ``p_dma_period``-th does)."""
+    ``dma_members`` the members that could have their P transposed by DMA so far (every ``p_dma_period``-th does),
+    ``vector_idle``: this segment scores nothing, so every P^T eviction goes to VectorE."""
 
     def __init__(self):
         self.pv = []
@@ -602,6 +622,7 @@ class _Pipe(nl.NKIObject):
         self.pt_evictions = 0
         self.evict = []
         self.live_slabs = 0
+        self.vector_idle = False
 
 
 # ----------------------------------------------------------------------------------------------------- key block phases
@@ -790,9 +811,10 @@ def _exp_tile(cfg, steps, unit, j):
     item = unit.blk.slab.work.item
     k = unit.slot[j]
     if k >= 0:
-        if unit.pbuf[u] is None:
-            unit.pbuf[u] = nl.ndarray((PMAX, unit.n_full[u] * K_TILE), dtype=cfg.io_dtype, buffer=nl.sbuf)
-        p_sb = unit.pbuf[u][:, k * K_TILE:(k + 1) * K_TILE]
+        o = unit.p_owner[u]
+        if unit.pbuf[o] is None:
+            unit.pbuf[o] = nl.ndarray((PMAX, unit.n_full[o] * K_TILE), dtype=cfg.io_dtype, buffer=nl.sbuf)
+        p_sb = unit.pbuf[o][:, k * K_TILE:(k + 1) * K_TILE]
     else:
         p_sb = nl.ndarray((PMAX, tile.kw), dtype=cfg.io_dtype, buffer=nl.sbuf)
     nisa.activation(dst=p_sb, op=nl.exp, data=unit.s[u][i], bias=unit.bias[:, u:u + 1], scale=cfg.exp_scale,
@@ -803,14 +825,14 @@ def _exp_tile(cfg, steps, unit, j):
 
 def _pt_tile(cfg, pipe, unit, j):
     """Phase 3, second part, of job ``j``: P^T by TensorE (``_transpose_p``), or, for a member whose full tiles
-    go by DMA, nothing until its last full tile, then ONE dma_transpose of all of them (SBUF -> SBUF,
-    bit-exact). Each P^T waits in ``pipe.pv`` for its PV."""
+    go by DMA, nothing until the last full tile of its batch (``_p_dma_batches``), then ONE dma_transpose of the
+    batch's tiles (SBUF -> SBUF, bit-exact). Each P^T waits in ``pipe.pv`` for its PV."""
     u = unit.jobs[j][0]
     i = unit.jobs[j][1]
     n_ch = unit.tl[u][i].kw // PMAX
     if unit.slot[j] < 0:
         pipe.pt_evictions = pipe.pt_evictions + 1
-        on_scalar = pipe.pt_evictions % cfg.pt_vector_period != 0
+        on_scalar = pipe.pt_evictions % cfg.pt_vector_period != 0 and not pipe.vector_idle
         pt_sb = _transpose_p(cfg, unit.p[j], n_ch, False, on_scalar)
         unit.p[j] = None
         if on_scalar:
@@ -822,16 +844,18 @@ def _pt_tile(cfg, pipe, unit, j):
         else:
             pipe.pv.append([unit, u, i, pt_sb, None])
     elif unit.last_full[u] == j:
-        nc = unit.n_full[u] * n_ch
+        o = unit.p_owner[u]
+        nc = unit.n_full[o] * n_ch
         pt_all = nl.ndarray((PMAX, nc, PMAX), dtype=cfg.io_dtype, buffer=nl.sbuf)
-        nisa.dma_transpose(dst=pt_all, src=unit.pbuf[u].ap(pattern=[[nc * PMAX, PMAX], [PMAX, nc], [1, PMAX]],
+        nisa.dma_transpose(dst=pt_all, src=unit.pbuf[o].ap(pattern=[[nc * PMAX, PMAX], [PMAX, nc], [1, PMAX]],
                                                             offset=0))
-        unit.pbuf[u] = None
+        unit.pbuf[o] = None
         for jj in range(len(unit.jobs)):
             k = unit.slot[jj]
-            if unit.jobs[jj][0] == u and k >= 0:
+            w = unit.jobs[jj][0]
+            if unit.p_owner[w] == o and k >= 0:
                 unit.p[jj] = None
-                pipe.pv.append([unit, u, unit.jobs[jj][1], pt_all[:, k * n_ch:(k + 1) * n_ch, :], None])
+                pipe.pv.append([unit, w, unit.jobs[jj][1], pt_all[:, k * n_ch:(k + 1) * n_ch, :], None])
 
 
 def _evict_pt(cfg, pipe, flush):
@@ -1074,9 +1098,10 @@ def _end_scores(cfg, unit, gaps_next):
 
 def _begin_exps(cfg, steps, pipe, unit):
     """Before a unit's first exponent: the row-sum tile, the PV accumulators and counters, and which
-    members' full P tiles go by one dma_transpose (every ``p_dma_period``-th member with at least
-    ``P_DMA_MIN_TILES`` full tiles, on trn2+ with 16-bit P and no probability step): their exponents write one
-    ``[128, n * 512]`` P buffer (``pbuf[u]``, job j in column block ``slot[j]``)."""
+    members' full P tiles go by dma_transpose (every ``p_dma_period``-th member with at least
+    ``P_DMA_MIN_TILES`` full tiles, or the key block's count, on trn2+ with 16-bit P and no probability step):
+    their exponents write the ``[128, n * 512]`` P buffer of their batch (``pbuf[p_owner[u]]``, job j in column
+    block ``slot[j]``)."""
     kb = unit.kb
     n = len(unit.blk.heads)
     full = K_TILE // PMAX
@@ -1111,7 +1136,7 @@ def _begin_exps(cfg, steps, pipe, unit):
     batch = cfg.p_dma_transpose and cfg.p_dma_period > 0 and len(steps.prob) == 0 and len(steps.p_mask) == 0
     for u in range(n):
         dma = False
-        if batch and n_full[u] >= P_DMA_MIN_TILES:
+        if batch and n_full[u] >= min(P_DMA_MIN_TILES, cfg.kb_tiles):
             pipe.dma_members = pipe.dma_members + 1
             dma = pipe.dma_members % cfg.p_dma_period == 0
         if not dma:
@@ -1119,6 +1144,7 @@ def _begin_exps(cfg, steps, pipe, unit):
     for j in range(len(unit.jobs)):
         if last_full[unit.jobs[j][0]] < 0:
             slot[j] = -1
+    unit.p_owner = _p_dma_batches(unit.jobs, n_full, last_full, slot, max(cfg.kb_tiles, P_DMA_BATCH_TILES))
     unit.o_ps = o_ps
     unit.pv_left = pv_left
     unit.pv_total = len(unit.jobs)
@@ -1127,6 +1153,34 @@ def _begin_exps(cfg, steps, pipe, unit):
     unit.pbuf = pbuf
     unit.p = p
     unit.slot = slot
+
+
+def _p_dma_batches(jobs, n_full, last_full, slot, most):
+    """Group the DMA-transposed members of a unit (``last_full[u] >= 0``) into batches of consecutive ones
+    holding at most ``most`` full tiles together, so one dma_transpose carries several members' tiles (its fixed
+    costs, per hardware-DGE instruction and queue piece, are paid once per batch). Rewrites in place: ``slot[j]``
+    becomes the tile's column block in its batch's buffer, ``n_full[lead]`` the batch's tile count,
+    ``last_full`` keeps only the batch's last job (the one whose ``_pt_tile`` emits the transpose; -1 for the
+    others). Returns ``owner[u]``: the batch leader whose ``pbuf`` holds member u's tiles (-1: TensorE)."""
+    n = len(n_full)
+    owner = []
+    for u in range(n):
+        owner.append(-1)
+    lead = -1
+    for u in range(n):
+        if last_full[u] >= 0:
+            if lead >= 0 and n_full[lead] + n_full[u] <= most:
+                for j in range(len(jobs)):
+                    if jobs[j][0] == u and slot[j] >= 0:
+                        slot[j] = slot[j] + n_full[lead]
+                n_full[lead] = n_full[lead] + n_full[u]
+                for w in range(n):
+                    if owner[w] == lead:
+                        last_full[w] = -1  # the batch is transposed after u's last full tile now
+            else:
+                lead = u
+            owner[u] = lead
+    return owner
 
 
 # ----------------------------------------------------------------------------------------------------- finishing
@@ -1351,6 +1405,8 @@ def _attend_all(cfg, hbm, sinks_ref, launch, steps, units):
             pipe.later.append([pipe.step, "stats", prev.blk, 0, None])
         done1 = 0
         done3 = 0
+        # no scores to evict in this segment (the drain): VectorE is free for every P^T eviction
+        pipe.vector_idle = n1 == 0
         gaps_next = False
         if cur is not None and cur.kb is not None and not cur.last:
             gaps_next = units[n + 1].kb.gaps

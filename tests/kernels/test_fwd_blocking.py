@@ -160,6 +160,25 @@ def test_slabs_are_balanced_and_sized_by_the_budget(monkeypatch, target, dtype, 
         assert cfg.slab_tiles >= min(cfg.n_qt, 2 * max(1, cfg.members // group))
 
 
+@pytest.mark.parametrize("target", ["trn1", "trn2", "trn3"])
+@pytest.mark.parametrize("dtype,d,group,s", [("bfloat16", 128, 4, 4096), ("bfloat16", 128, 1, 4096),
+                                             ("float32", 64, 4, 4096), ("bfloat16", 256, 2, 8192)])
+def test_exponent_lead_never_costs_a_key_block_tile(monkeypatch, target, dtype, d, group, s):
+    # the deeper exponent lead holds more P tiles in flight; it is taken only where the key block keeps its size
+    monkeypatch.setenv("NEURON_PLATFORM_TARGET_OVERRIDE", target)
+    dt = nl.float32 if dtype == "float32" else nl.bfloat16
+    cfg = config(nheads=group, d=d, sq=s, dtype=dt, causal=True, range_select=target != "trn1")
+    assert cfg.exp_lead in (fwd.EXP_LEAD, fwd.EXP_LEAD_MIN)
+    e = 4 if dtype == "float32" else 2
+    kb = {}
+    for lead in (fwd.EXP_LEAD_MIN, fwd.EXP_LEAD):
+        cfg.exp_lead = lead
+        cfg.fin_delay = fwd.FIN_DELAY_MIN
+        kb[lead] = fwd._kb_tiles(cfg, e, 4)
+    want = fwd.EXP_LEAD if kb[fwd.EXP_LEAD] >= kb[fwd.EXP_LEAD_MIN] else fwd.EXP_LEAD_MIN
+    assert config(nheads=group, d=d, sq=s, dtype=dt, causal=True, range_select=target != "trn1").exp_lead == want
+
+
 # ----------------------------------------------------------------------------------------------- traces (structure)
 def test_transfers_once_per_head_and_slab():
     # 4 query heads / 1 kv head, 1024 queries, d 256 (two partition tiles), bf16, causal, sinks: balanced slabs
@@ -294,8 +313,9 @@ def test_scale_in_exponent_across_blocks(scale):
                                                    ("trn2", torch.float32, False), ("trn1", torch.bfloat16, False)])
 def test_p_transposes_split_between_tensor_engine_and_dma(monkeypatch, target, dtype, want_dma):
     # 2 heads x 8 query tiles, 1024 keys non-causal: every (member, key tile) is a full 512-key tile; on trn2+
-    # with 16-bit P every P_DMA_PERIOD-th member has its full tiles of a key block transposed by ONE dma_transpose,
-    # the rest by 4 TensorE transposes per tile
+    # with 16-bit P every P_DMA_PERIOD-th member has its full tiles of a key block transposed by DMA, consecutive
+    # such members of a block sharing ONE dma_transpose of up to P_DMA_BATCH_TILES tiles (or a key block's), the
+    # rest by 4 TensorE transposes per tile
     monkeypatch.setenv("NEURON_PLATFORM_TARGET_OVERRIDE", target)
     q, k, v = make_qkv(nheads=2, nheads_kv=1, d=64, sq=1024, dtype=dtype, seed=50)
     _, rec = traced(q, k, v)
@@ -306,8 +326,10 @@ def test_p_transposes_split_between_tensor_engine_and_dma(monkeypatch, target, d
     cfg = config(nheads=2, d=64, sq=1024, dtype=nl.bfloat16)
     per_member = math.ceil(2 / cfg.kb_tiles)  # key blocks per member: 1024 keys are 2 key tiles
     if want_dma:
-        assert len(by_dma) == 16 * per_member // fwd.P_DMA_PERIOD
-        assert all(r.srcs[0].buffer == "sbuf" and r.dst.shape == (128, 4 * cfg.kb_tiles, 128) for r in by_dma)
+        batch = max(cfg.kb_tiles, fwd.P_DMA_BATCH_TILES)
+        dma_tiles = 16 * per_member // fwd.P_DMA_PERIOD * cfg.kb_tiles  # 8 members per block, whole batches
+        assert len(by_dma) == dma_tiles // batch
+        assert all(r.srcs[0].buffer == "sbuf" and r.dst.shape == (128, 4 * batch, 128) for r in by_dma)
     else:
         assert not by_dma
     n_by_dma = sum(r.dst.shape[1] // 4 for r in by_dma)
