@@ -82,6 +82,9 @@ FIN_DELAY = 12  # phase-3 steps between a block's last PV and its finishing (and
 EMPTY_MAX = -1.0e38
 L_FLOOR = 0.5  # a row that saw a key has l >= 1 (its max contributes exp(0)); keeps log/reciprocal in range
 POS_INF = float("inf")  # lse of a row that sees no key (module level: plain Python, not traced)
+# V^T of a work item's keys is kept for the whole work item (computed once per 128-key chunk, not once per block
+# that sees it) where the SBUF holds it without a smaller key block (``_FwdConfig.vt_cache``)
+VT_CACHE = True
 SBUF_MARGIN = 24576  # bytes per partition left free when sizing a slab (allocation order, small tiles)
 
 
@@ -134,6 +137,7 @@ class _FwdConfig(nl.NKIObject):
         self.io_dtype = io_dtype
         self.acc_dtype = acc_dtype
         self.kb_tiles = KB_TILES if kb_tiles is None else kb_tiles  # the default is sized below
+        self.vt_cache = False  # decided below, once the key block is sized
         self.block_members_max = BLOCK_MEMBERS_MAX if block_members_max is None else block_members_max
         self.n_qt = shp.seqlen_q // PMAX
         self.n_kt = (shp.seqlen_k + K_TILE - 1) // K_TILE
@@ -205,6 +209,12 @@ class _FwdConfig(nl.NKIObject):
                 self.kb_tiles = _kb_tiles(self, itemsize(io_dtype), itemsize(acc_dtype))
                 if fits and self.kb_tiles <= kb_long:
                     self.fin_delay = FIN_DELAY
+        # V^T once per work item: only where a second block reads the same keys and the whole work item's V^T
+        # (two items live at an item boundary) fits beside the key block already chosen
+        if VT_CACHE and self.n_qt * self.group > self.members:
+            self.vt_cache = True
+            if not _kb_fits(self, self.kb_tiles, itemsize(io_dtype), itemsize(acc_dtype)):
+                self.vt_cache = False
         if slab_tiles is None:
             self.slab_tiles = _slab_tiles(self, itemsize(io_dtype), itemsize(acc_dtype))
         else:
@@ -222,7 +232,10 @@ def _working_set(cfg, kb_tiles, e, acc_e):
     u = cfg.members
     fixed = 2 * u * kk * 4  # scores of every member of two units (float32): the next one's, this one's
     fixed += 3 * (n_qk + n_v) * kk * e  # K and V of three units
-    fixed += 2 * (kk // PMAX) * cfg.d_v * e  # V^T of two units
+    if cfg.vt_cache:
+        fixed += 2 * (cfg.shp.seqlen_k // PMAX) * cfg.d_v * e  # V^T of two work items' keys
+    else:
+        fixed += 2 * (kk // PMAX) * cfg.d_v * e  # V^T of two units
     # O accumulators of three blocks (one accumulating, two finishing), and of the blocks a finishing longer than
     # FIN_DELAY_MIN steps keeps (it lasts about 2 fin_delay + u steps, a block at least u of them)
     n_acc = 3 + (2 * (cfg.fin_delay - FIN_DELAY_MIN) + u - 1) // u
@@ -518,12 +531,18 @@ def _blocks(cfg, n_tiles):
 
 class _WorkItem(nl.NKIObject):
     """One (batch ``b``, kv head ``kvh``) work item of the pipeline; ``item``: its ``steps.Item`` (runtime
-    tiles), made when its first slab opens (``_open_item``)."""
+    tiles), made when its first slab opens (``_open_item``). With ``cfg.vt_cache``: ``vt`` the V^T of its keys
+    ``[128 keys, seqlen_k / 128, d_v]`` (allocated at its first load), ``vt_done[c]``: chunk c's V^T is claimed
+    by a unit already (trace time), ``vt_users``: its units whose PVs are not all out (the store is dropped after
+    the last)."""
 
     def __init__(self, b, kvh):
         self.b = b
         self.kvh = kvh
         self.item = None
+        self.vt = None
+        self.vt_done = None
+        self.vt_users = 0
 
 
 class _Slab(nl.NKIObject):
@@ -587,6 +606,8 @@ class _Unit(nl.NKIObject):
         self.k_tiles = None
         self.v_tiles = None
         self.vt = None
+        self.vt_base = 0
+        self.vt_new = None
         self.idx = None
         self.s = None
         self.tl = None
@@ -642,6 +663,29 @@ def _transpose_v(cfg, v_tiles, n_ch):
                 nisa.nc_transpose(dst=vt_ps[:, c, v0:v0 + vsz], data=v_tiles[vi][:, k0:k0 + PMAX])
         nisa.tensor_copy(dst=vt[:, c0:c0 + g, :], src=vt_ps)
     return vt
+
+
+def _transpose_v_into(cfg, v_tiles, chunks, store):
+    """V^T of the 128-key ``chunks`` (ascending work-item chunk indices; ``v_tiles`` hold V from the first to
+    the last of them) into the work item's V^T ``store`` ``[128 keys, seqlen_k / 128, d_v]``: TensorE transposes,
+    runs of consecutive chunks sharing a PSUM bank, one eviction per bank."""
+    e = itemsize(cfg.io_dtype)
+    per = max(1, 2048 // (cfg.d_v * e))
+    first = chunks[0]
+    n = len(chunks)
+    j = 0
+    while j < n:
+        g = 1
+        while j + g < n and g < per and chunks[j + g] == chunks[j] + g:
+            g = g + 1
+        vt_ps = nl.ndarray((PMAX, g, cfg.d_v), dtype=cfg.io_dtype, buffer=nl.psum)
+        for c in range(g):
+            k0 = (chunks[j] + c - first) * PMAX
+            for vi in range(len(cfg.v_tiles)):
+                v0, vsz = cfg.v_tiles[vi]
+                nisa.nc_transpose(dst=vt_ps[:, c, v0:v0 + vsz], data=v_tiles[vi][:, k0:k0 + PMAX])
+        nisa.tensor_copy(dst=store[:, chunks[j]:chunks[j] + g, :], src=vt_ps)
+        j = j + g
 
 
 def _score_tile(cfg, steps, unit, u, i):
@@ -897,7 +941,7 @@ def _pv_tile(cfg, pipe):
     o_ps = unit.o_ps[u]
     chunks = _tile_chunks(tile)
     for c in range(n_ch):
-        nisa.nc_matmul(dst=o_ps, stationary=pt_sb[:, c, :], moving=vt[:, i * ch + lo + chunks[c] - kb.c_lo, :])
+        nisa.nc_matmul(dst=o_ps, stationary=pt_sb[:, c, :], moving=vt[:, i * ch + lo + chunks[c] - unit.vt_base, :])
     unit.pv_left[u] = unit.pv_left[u] - 1
     unit.pv_total = unit.pv_total - 1
     if unit.pv_left[u] == 0:
@@ -919,6 +963,11 @@ def _pv_tile(cfg, pipe):
         unit.o_ps[u] = None
     if unit.pv_total == 0:
         unit.vt = None
+        if cfg.vt_cache:
+            work = blk.slab.work
+            work.vt_users = work.vt_users - 1
+            if work.vt_users == 0:
+                work.vt = None
         _release_unit(unit)
         if unit.last:
             pipe.later.append([pipe.step + cfg.fin_delay, "stats", blk, 0, None])
@@ -1043,12 +1092,35 @@ def _load_unit(cfg, hbm, sinks_ref, launch, steps, unit):
         kt_sb = nl.ndarray((dsz, width), dtype=cfg.io_dtype, buffer=nl.sbuf)
         nisa.dma_copy(dst=kt_sb, src=hbm.k[b, kvh, d0:d0 + dsz, key0:key0 + width])
         k_tiles.append(kt_sb)
+    ch = K_TILE // PMAX
+    if cfg.vt_cache:
+        # only the chunks no earlier unit of the work item transposes: V loaded from the first to the last of them
+        if work.vt is None:
+            n_all = cfg.shp.seqlen_k // PMAX
+            work.vt = nl.ndarray((PMAX, n_all, cfg.d_v), dtype=cfg.io_dtype, buffer=nl.sbuf)
+            done = []
+            for c in range(n_all):
+                done.append(False)
+            work.vt_done = done
+        new = []
+        for c in range(kb.kt0 * ch + kb.c_lo, kb.kt0 * ch + kb.c_hi):
+            if not work.vt_done[c]:
+                new.append(c)
+                work.vt_done[c] = True
+        unit.vt_new = new
+        unit.vt_base = -kb.kt0 * ch
+        if len(new) > 0:
+            key0 = new[0] * PMAX
+            width = (new[len(new) - 1] + 1 - new[0]) * PMAX
+        else:
+            width = 0
     v_tiles = []
-    for vi in range(len(cfg.v_tiles)):
-        v0, vsz = cfg.v_tiles[vi]
-        v_sb = nl.ndarray((vsz, width), dtype=cfg.io_dtype, buffer=nl.sbuf)
-        nisa.dma_copy(dst=v_sb, src=hbm.v[b, kvh, v0:v0 + vsz, key0:key0 + width])
-        v_tiles.append(v_sb)
+    if width > 0:
+        for vi in range(len(cfg.v_tiles)):
+            v0, vsz = cfg.v_tiles[vi]
+            v_sb = nl.ndarray((vsz, width), dtype=cfg.io_dtype, buffer=nl.sbuf)
+            nisa.dma_copy(dst=v_sb, src=hbm.v[b, kvh, v0:v0 + vsz, key0:key0 + width])
+            v_tiles.append(v_sb)
     unit.k_tiles = k_tiles
     unit.v_tiles = v_tiles
 
@@ -1082,7 +1154,14 @@ def _end_scores(cfg, unit, gaps_next):
     kb = unit.kb
     blk = unit.blk
     unit.k_tiles = None
-    unit.vt = _transpose_v(cfg, unit.v_tiles, kb.c_hi - kb.c_lo)
+    if cfg.vt_cache:
+        work = blk.slab.work
+        if len(unit.vt_new) > 0:
+            _transpose_v_into(cfg, unit.v_tiles, unit.vt_new, work.vt)
+        unit.vt = work.vt
+    else:
+        unit.vt = _transpose_v(cfg, unit.v_tiles, kb.c_hi - kb.c_lo)
+        unit.vt_base = kb.c_lo
     unit.v_tiles = None
     unit.idx = None
     n = len(blk.heads)
@@ -1353,6 +1432,7 @@ def _plan_units(cfg, start, stop, slabs):
                     units.append(_Unit(blk, None, True, True))
                 for k in range(len(plan)):
                     units.append(_Unit(blk, plan[k], k == 0, k == len(plan) - 1))
+                    work.vt_users = work.vt_users + 1
     return units
 
 
