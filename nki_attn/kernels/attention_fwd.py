@@ -556,6 +556,8 @@ class _Slab(nl.NKIObject):
         self.t0 = t0
         self.n = n
         self.q = None
+        self.q_rest = None
+        self.q_first = 0
         self.o = None
         self.lse = None
         self.state = None
@@ -1009,24 +1011,32 @@ def _open_item(cfg, hbm, sinks_ref, launch, steps, work):
         f(cfg, hbm, work.item)
 
 
-def _open_slab(cfg, hbm, steps, slab):
+def _open_slab(cfg, hbm, steps, slab, n_first):
     """Q of the slab's query tiles (every head of the group, loaded once, unscaled), the O^T and LSE staging,
-    the row steps' state."""
+    the row steps' state. Q comes in two parts: the first ``n_first`` query tiles (the first block's) now, the
+    rest (``slab.q_rest``) after the first unit's K (``_load_unit``), so the first scores wait only for what
+    they read."""
     g = cfg.group
     n = slab.n
     t0 = slab.t0
     t1 = t0 + n
+    tm = t0 + n_first
     b = slab.work.b
     kvh = slab.work.kvh
     q_slab = []
+    rest = []
     for h in range(g):
         row = []
         for qi in range(len(cfg.qk_tiles)):
             d0, dsz = cfg.qk_tiles[qi]
             qt = nl.ndarray((dsz, n * PMAX), dtype=cfg.io_dtype, buffer=nl.sbuf)
-            nisa.dma_copy(dst=qt, src=hbm.q[b, kvh * g + h, d0:d0 + dsz, t0 * PMAX:t1 * PMAX])
+            nisa.dma_copy(dst=qt[:, 0:n_first * PMAX], src=hbm.q[b, kvh * g + h, d0:d0 + dsz, t0 * PMAX:tm * PMAX])
+            if tm < t1:
+                rest.append([qt, h, qi])
             row.append(qt)
         q_slab.append(row)
+    slab.q_rest = rest
+    slab.q_first = n_first
     # O^T and LSE staging in member order (column block j = member j), stored per head by strided reads
     o_slab = []
     for vi in range(len(cfg.v_tiles)):
@@ -1075,12 +1085,15 @@ def _load_unit(cfg, hbm, sinks_ref, launch, steps, unit):
     work = slab.work
     if work.item is None:
         _open_item(cfg, hbm, sinks_ref, launch, steps, work)
-    if not slab.opened:
-        _open_slab(cfg, hbm, steps, slab)
+    opening = not slab.opened
+    if opening:
+        _open_slab(cfg, hbm, steps, slab, blk.tiles[len(blk.tiles) - 1] - slab.t0 + 1)
     if unit.first:
         _start_block(cfg, blk)
     kb = unit.kb
     if kb is None:
+        if opening:
+            _load_q_rest(cfg, hbm, slab)
         return
     b = work.b
     kvh = work.kvh
@@ -1123,6 +1136,21 @@ def _load_unit(cfg, hbm, sinks_ref, launch, steps, unit):
             v_tiles.append(v_sb)
     unit.k_tiles = k_tiles
     unit.v_tiles = v_tiles
+    if opening:
+        _load_q_rest(cfg, hbm, slab)
+
+
+def _load_q_rest(cfg, hbm, slab):
+    """The rest of a slab's Q (``_open_slab``), once its first unit's K is on its way."""
+    g = cfg.group
+    m = slab.q_first
+    for r in slab.q_rest:
+        qt, h, qi = r
+        d0, dsz = cfg.qk_tiles[qi]
+        nisa.dma_copy(dst=qt[:, m * PMAX:slab.n * PMAX],
+                      src=hbm.q[slab.work.b, slab.work.kvh * g + h, d0:d0 + dsz,
+                                (slab.t0 + m) * PMAX:(slab.t0 + slab.n) * PMAX])
+    slab.q_rest = None
 
 
 def _begin_scores(cfg, steps, unit):
