@@ -558,6 +558,8 @@ class _Slab(nl.NKIObject):
         self.q = None
         self.q_rest = None
         self.q_first = 0
+        self.stored = 0
+        self.last = False
         self.o = None
         self.lse = None
         self.state = None
@@ -1077,7 +1079,7 @@ def _start_block(cfg, blk):
     blk.l_sum = l_sum
 
 
-def _load_unit(cfg, hbm, sinks_ref, launch, steps, unit):
+def _load_unit(cfg, hbm, sinks_ref, launch, steps, unit, split_k):
     """Open what ``unit`` needs (its work item, slab and block when it is their first) and load its K and V
     (the union of the members' visible chunks) one pipeline segment before its scores."""
     blk = unit.blk
@@ -1100,10 +1102,17 @@ def _load_unit(cfg, hbm, sinks_ref, launch, steps, unit):
     key0 = kb.kt0 * K_TILE + kb.c_lo * PMAX
     width = (kb.c_hi - kb.c_lo) * PMAX
     k_tiles = []
+    # the pipeline's first unit: its first key tile's K in a load of its own (the first scores wait for less)
+    cut = 0
+    if split_k:
+        cut = min(width, K_TILE - (key0 % K_TILE))
     for qi in range(len(cfg.qk_tiles)):
         d0, dsz = cfg.qk_tiles[qi]
         kt_sb = nl.ndarray((dsz, width), dtype=cfg.io_dtype, buffer=nl.sbuf)
-        nisa.dma_copy(dst=kt_sb, src=hbm.k[b, kvh, d0:d0 + dsz, key0:key0 + width])
+        if cut > 0:
+            nisa.dma_copy(dst=kt_sb[:, 0:cut], src=hbm.k[b, kvh, d0:d0 + dsz, key0:key0 + cut])
+        if cut < width:
+            nisa.dma_copy(dst=kt_sb[:, cut:width], src=hbm.k[b, kvh, d0:d0 + dsz, key0 + cut:key0 + width])
         k_tiles.append(kt_sb)
     ch = K_TILE // PMAX
     if cfg.vt_cache:
@@ -1369,22 +1378,27 @@ def _finish_member(cfg, blk, u, o_n):
             nisa.activation(dst=slab.o[vi][:, col:col + PMAX], op=nl.copy, data=ot_ps)
 
 
-def _store_slab(cfg, hbm, slab):
-    """O and the LSE of the slab, one DMA per (head, d tile) and one per head, from the staging."""
+def _store_slab(cfg, hbm, slab, a, z):
+    """O and the LSE of the slab's query tiles ``[t0 + a, t0 + z)``, one DMA per (head, d tile) and one per head,
+    from the staging."""
     g = cfg.group
     n = slab.n
     t0 = slab.t0
-    t1 = t0 + n
+    m = z - a
     b = slab.work.b
     kvh = slab.work.kvh
     for h in range(g):
         hq = kvh * g + h
         for vi in range(len(cfg.v_tiles)):
             v0, vsz = cfg.v_tiles[vi]
-            nisa.dma_copy(dst=hbm.o[b, hq, v0:v0 + vsz, t0 * PMAX:t1 * PMAX],
-                          src=slab.o[vi].ap(pattern=[[n * g * PMAX, vsz], [g * PMAX, n], [1, PMAX]],
-                                            offset=h * PMAX))
-        nisa.dma_copy(dst=hbm.lse[b, hq, :, t0:t1], src=slab.lse.ap(pattern=[[n * g, PMAX], [g, n]], offset=h))
+            nisa.dma_copy(dst=hbm.o[b, hq, v0:v0 + vsz, (t0 + a) * PMAX:(t0 + z) * PMAX],
+                          src=slab.o[vi].ap(pattern=[[n * g * PMAX, vsz], [g * PMAX, m], [1, PMAX]],
+                                            offset=(a * g + h) * PMAX))
+        nisa.dma_copy(dst=hbm.lse[b, hq, :, t0 + a:t0 + z],
+                      src=slab.lse.ap(pattern=[[n * g, PMAX], [g, m]], offset=a * g + h))
+    slab.stored = z
+    if z < n:
+        return
     slab.q = None
     slab.o = None
     slab.lse = None
@@ -1424,10 +1438,17 @@ def _run_later(cfg, hbm, steps, pipe, flush):
                         blk.pm = None
                         blk.l_sum = None
                         blk.bias = None
-                        blk.slab.blocks_left = blk.slab.blocks_left - 1
-                        if blk.slab.blocks_left == 0:
-                            _store_slab(cfg, hbm, blk.slab)
+                        slab = blk.slab
+                        slab.blocks_left = slab.blocks_left - 1
+                        if slab.blocks_left == 0:
+                            _store_slab(cfg, hbm, slab, slab.stored, slab.n)
                             pipe.live_slabs = pipe.live_slabs - 1
+                        elif slab.blocks_left == 1 and slab.last:
+                            # the launch's last slab: what is finished goes out now, so only the last block's
+                            # query tiles are stored after the pipeline's end
+                            done = blk.j1 // cfg.group
+                            if done > slab.stored:
+                                _store_slab(cfg, hbm, slab, slab.stored, done)
             else:
                 pipe.later.append(job)
 
@@ -1485,10 +1506,12 @@ def _attend_all(cfg, hbm, sinks_ref, launch, steps, units):
     (docs/kernel-fwd.md, "Loop nest")."""
     pipe = _Pipe()
     n_units = len(units)
+    if n_units > 0:
+        units[n_units - 1].blk.slab.last = True
     for n in range(min(2, n_units)):
         if not units[n].blk.slab.opened:
             pipe.live_slabs = pipe.live_slabs + 1
-        _load_unit(cfg, hbm, sinks_ref, launch, steps, units[n])
+        _load_unit(cfg, hbm, sinks_ref, launch, steps, units[n], n == 0)
     for n in range(n_units + 1):
         cur = None
         if n < n_units:
@@ -1500,7 +1523,7 @@ def _attend_all(cfg, hbm, sinks_ref, launch, steps, units):
             if not units[n + 2].blk.slab.opened:
                 _make_room(cfg, hbm, steps, pipe)
                 pipe.live_slabs = pipe.live_slabs + 1
-            _load_unit(cfg, hbm, sinks_ref, launch, steps, units[n + 2])
+            _load_unit(cfg, hbm, sinks_ref, launch, steps, units[n + 2], False)
         n1 = 0
         if cur is not None and cur.kb is not None:
             n1 = len(cur.jobs)
