@@ -1212,12 +1212,13 @@ def _end_scores(cfg, unit, gaps_next):
     blk.bias = bias
 
 
-def _begin_exps(cfg, steps, pipe, unit):
+def _begin_exps(cfg, steps, pipe, unit, drain):
     """Before a unit's first exponent: the row-sum tile, the PV accumulators and counters, and which
     members' full P tiles go by dma_transpose (every ``p_dma_period``-th member with at least
     ``P_DMA_MIN_TILES`` full tiles, or the key block's count, on trn2+ with 16-bit P and no probability step):
     their exponents write the ``[128, n * 512]`` P buffer of their batch (``pbuf[p_owner[u]]``, job j in column
-    block ``slot[j]``)."""
+    block ``slot[j]``). ``drain``: the pipeline's last unit, whose transposes TensorE has time for (nothing is
+    scored beside them) and a DMA transpose's latency would end up on the critical path: none by DMA."""
     kb = unit.kb
     n = len(unit.blk.heads)
     full = K_TILE // PMAX
@@ -1250,6 +1251,7 @@ def _begin_exps(cfg, steps, pipe, unit):
             n_full[u] = n_full[u] + 1
             last_full[u] = j
     batch = cfg.p_dma_transpose and cfg.p_dma_period > 0 and len(steps.prob) == 0 and len(steps.p_mask) == 0
+    batch = batch and not drain
     for u in range(n):
         dma = False
         if batch and n_full[u] >= min(P_DMA_MIN_TILES, cfg.kb_tiles):
@@ -1531,7 +1533,7 @@ def _attend_all(cfg, hbm, sinks_ref, launch, steps, units):
         n3 = 0
         if prev is not None and prev.kb is not None:
             n3 = len(prev.jobs)
-            _begin_exps(cfg, steps, pipe, prev)
+            _begin_exps(cfg, steps, pipe, prev, cur is None)
         if prev is not None and prev.kb is None:
             pipe.later.append([pipe.step, "stats", prev.blk, 0, None])
         done1 = 0
