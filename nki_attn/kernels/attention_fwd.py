@@ -85,6 +85,9 @@ POS_INF = float("inf")  # lse of a row that sees no key (module level: plain Pyt
 # V^T of a work item's keys is kept for the whole work item (computed once per 128-key chunk, not once per block
 # that sees it) where the SBUF holds it without a smaller key block (``_FwdConfig.vt_cache``)
 VT_CACHE = True
+# the launch's last slab stores the blocks before its last one early when the last block's score elements are at
+# least this many times the O elements that store moves (it is then out before the pipeline's end)
+EARLY_STORE_RATIO = 2
 SBUF_MARGIN = 24576  # bytes per partition left free when sizing a slab (allocation order, small tiles)
 
 
@@ -559,7 +562,7 @@ class _Slab(nl.NKIObject):
         self.q_rest = None
         self.q_first = 0
         self.stored = 0
-        self.last = False
+        self.early_store = False
         self.o = None
         self.lse = None
         self.state = None
@@ -1079,7 +1082,7 @@ def _start_block(cfg, blk):
     blk.l_sum = l_sum
 
 
-def _load_unit(cfg, hbm, sinks_ref, launch, steps, unit, split_k):
+def _load_unit(cfg, hbm, sinks_ref, launch, steps, unit, first):
     """Open what ``unit`` needs (its work item, slab and block when it is their first) and load its K and V
     (the union of the members' visible chunks) one pipeline segment before its scores."""
     blk = unit.blk
@@ -1089,7 +1092,10 @@ def _load_unit(cfg, hbm, sinks_ref, launch, steps, unit, split_k):
         _open_item(cfg, hbm, sinks_ref, launch, steps, work)
     opening = not slab.opened
     if opening:
-        _open_slab(cfg, hbm, steps, slab, blk.tiles[len(blk.tiles) - 1] - slab.t0 + 1)
+        n_first = slab.n
+        if first and cfg.group == 1:
+            n_first = blk.tiles[len(blk.tiles) - 1] - slab.t0 + 1
+        _open_slab(cfg, hbm, steps, slab, n_first)
     if unit.first:
         _start_block(cfg, blk)
     kb = unit.kb
@@ -1104,7 +1110,7 @@ def _load_unit(cfg, hbm, sinks_ref, launch, steps, unit, split_k):
     k_tiles = []
     # the pipeline's first unit: its first key tile's K in a load of its own (the first scores wait for less)
     cut = 0
-    if split_k:
+    if first:
         cut = min(width, K_TILE - (key0 % K_TILE))
     for qi in range(len(cfg.qk_tiles)):
         d0, dsz = cfg.qk_tiles[qi]
@@ -1445,7 +1451,7 @@ def _run_later(cfg, hbm, steps, pipe, flush):
                         if slab.blocks_left == 0:
                             _store_slab(cfg, hbm, slab, slab.stored, slab.n)
                             pipe.live_slabs = pipe.live_slabs - 1
-                        elif slab.blocks_left == 1 and slab.last:
+                        elif slab.blocks_left == 1 and slab.early_store:
                             # the launch's last slab: what is finished goes out now, so only the last block's
                             # query tiles are stored after the pipeline's end
                             done = blk.j1 // cfg.group
@@ -1487,6 +1493,23 @@ def _plan_units(cfg, start, stop, slabs):
     return units
 
 
+def _plan_early_store(cfg, last):
+    """Whether the launch's last slab (that of ``last``, the last block) stores the query tiles its earlier blocks
+    finish before the last block's finishing: only where the last block's score elements are at least
+    ``EARLY_STORE_RATIO`` times the O elements that store moves, so it is out before the pipeline's end (a store
+    still in flight at the end only adds its fixed costs to the final one)."""
+    done = last.j0 // cfg.group
+    if done == 0:
+        return
+    elems = 0
+    for kb in last.plan:
+        for u in range(len(kb.vis)):
+            for i in range(kb.kt_n):
+                elems = elems + kb.vis[u][i].k1 - kb.vis[u][i].k0
+    if elems >= EARLY_STORE_RATIO * done * cfg.group * cfg.d_v:
+        last.slab.early_store = True
+
+
 def _make_room(cfg, hbm, steps, pipe):
     """Before a slab opens: while three slabs are live (finishing, current, next: what ``_slab_tiles`` sizes
     for), emit the waiting PVs and the deferred finishing, oldest first, until one is stored. Only short slabs
@@ -1509,7 +1532,7 @@ def _attend_all(cfg, hbm, sinks_ref, launch, steps, units):
     pipe = _Pipe()
     n_units = len(units)
     if n_units > 0:
-        units[n_units - 1].blk.slab.last = True
+        _plan_early_store(cfg, units[n_units - 1].blk)
     for n in range(min(2, n_units)):
         if not units[n].blk.slab.opened:
             pipe.live_slabs = pipe.live_slabs + 1

@@ -187,12 +187,14 @@ def test_transfers_once_per_head_and_slab():
     n_sec = cfg.n_qt // cfg.slab_tiles
     assert n_sec * cfg.slab_tiles == cfg.n_qt
     _, rec = traced(q, k, v, sinks_ref=torch.zeros(1, 4), use_causal_mask=True)
-    # Q: per (head, d tile, slab) the first block's query tiles (2 here), then the rest of the slab if any
-    parts = 2 if cfg.slab_tiles > 2 else 1
-    assert len(dmas(rec, src="arg0")) == 4 * 2 * n_sec * parts
-    # O and LSE: one store per (head, d tile) / head and slab, the launch's last slab in two (its blocks before
-    # the last one, then the last one) when it has more than one block
-    stores = n_sec + (1 if cfg.slab_tiles > 2 else 0)
+    # Q: one DMA per (head, d tile, slab) (only a group of one head loads its first block's tiles apart)
+    assert len(dmas(rec, src="arg0")) == 4 * 2 * n_sec
+    # O and LSE: one store per (head, d tile) / head and slab; the last slab stores its earlier blocks early only
+    # when its last block (query tiles 6, 7: 7 and 8 visible 128-key chunks per head) scores at least twice the O
+    # elements that store moves
+    done = cfg.slab_tiles - 2
+    early = 0 < done and 4 * (7 + 8) * 128 >= fwd.EARLY_STORE_RATIO * done * 4 * 256
+    stores = n_sec + (1 if early else 0)
     assert len(dmas(rec, dst_hbm_dtype="bfloat16")) == 4 * 2 * stores
     lse = dmas(rec, dst_hbm_dtype="float32")
     assert len(lse) == 4 * stores and sum(r.dst.shape[1] for r in lse) == 4 * cfg.n_qt
@@ -313,6 +315,51 @@ def test_scale_in_exponent_across_blocks(scale):
                   bound_max=bmax, causal=True, window=150, scale=scale)
     run_and_check(*make_qkv(nheads=2, nheads_kv=1, sq=384, dtype=torch.bfloat16, seed=48), causal=True,
                   scale=scale)
+
+
+def test_v_transposed_once_per_work_item():
+    # one head, 4096 keys, d 64, non-causal: four blocks of 8 query tiles each read every key. V^T is kept for
+    # the work item: each 128-key chunk is loaded and transposed once, not once per block
+    q, k, v = make_qkv(nheads=1, nheads_kv=1, d=64, sq=4096, dtype=torch.bfloat16, seed=32)
+    cfg = config(nheads=1, d=64, sq=4096)
+    assert cfg.vt_cache and cfg.n_qt // cfg.members == 4
+    _, rec = traced(q, k, v)
+    v_loads = dmas(rec, src="arg2")
+    assert sum(r.dst.shape[1] for r in v_loads) == 4096
+    vt = [r for r in rec if r.instr == "nc_transpose" and r.srcs[0].shape == (64, 128)]
+    assert len(vt) == 4096 // 128
+    # a work item of one block has nothing to share: V^T per unit, as before
+    small = config(nheads=1, d=64, sq=1024)
+    assert small.n_qt <= small.members and not small.vt_cache
+
+
+def test_first_loads_split_and_last_slab_stored_early():
+    # one head, 4096 queries and keys, d 64, non-causal: slabs of 8-tile blocks, whole 512-key tiles. The
+    # pipeline's first unit loads the first block's Q (a group of one head) and its first key tile's K apart, so
+    # the first scores wait for less; the last block scores 8 x 4096 keys per row, far more than twice the O
+    # elements of the last slab's earlier blocks, so those are stored as soon as they finish and only the last
+    # block's O and LSE after the pipeline's end
+    q, k, v = make_qkv(nheads=1, nheads_kv=1, d=64, sq=4096, dtype=torch.bfloat16, seed=31)
+    cfg = config(nheads=1, d=64, sq=4096)
+    assert cfg.members == 8 and cfg.slab_tiles % 8 == 0 and cfg.slab_tiles > 8
+    n_sec = cfg.n_qt // cfg.slab_tiles
+    o, rec = traced(q, k, v)
+    q_loads = dmas(rec, src="arg0")
+    assert len(q_loads) == n_sec + 1
+    assert q_loads[0].dst.shape == (64, 8 * 128)  # the first block's query tiles
+    assert q_loads[1].dst.shape == (64, (cfg.slab_tiles - 8) * 128)
+    k_loads = dmas(rec, src="arg1")
+    assert k_loads[0].dst.shape == (64, 512)  # the first unit's first key tile
+    assert sum(r.dst.shape[1] for r in k_loads[:2]) == cfg.kb_tiles * 512
+    o_stores = dmas(rec, dst_hbm_dtype="bfloat16")
+    assert len(o_stores) == n_sec + 1
+    assert o_stores[-2].dst.shape == (64, (cfg.slab_tiles - 8) * 128) and o_stores[-1].dst.shape == (64, 8 * 128)
+    # the early store comes before the last block's last exponent
+    order = {id(r): n for n, r in enumerate(rec)}
+    last_exp = max(n for n, r in enumerate(rec) if r.instr == "activation" and r.dst.shape[-1] == 512)
+    assert order[id(o_stores[-2])] < last_exp < order[id(o_stores[-1])]
+    want, _ = attention_fwd(q, k, v)  # untraced: the same result
+    assert torch.equal(o[0], want)
 
 
 @pytest.mark.parametrize("target,dtype,want_dma", [("trn2", torch.bfloat16, True), ("trn3", torch.float16, True),
