@@ -590,6 +590,8 @@ class _Block(nl.NKIObject):
         self.l_sum = None
         self.bias = None
         self.lse_parts = None
+        self.recip = None
+        self.o_ns = None
         self.o_first = None
 
 
@@ -965,6 +967,9 @@ def _pv_tile(cfg, pipe):
             if blk.o_first is not None and blk.o_first[u] is not None and not blk.o_first[u][3]:
                 _evict_pt(cfg, pipe, True)  # the member's first O copy still waits (short key blocks)
             _rescale_o(blk.o_acc, u, unit.alpha, o_ps, not blk.started[u])
+            if blk.o_ns is not None and unit.last:
+                # the drain's last block (statistics already out): O / l right after the member's last update
+                blk.o_ns[u] = _normalise(cfg, blk, u)
         if not blk.started[u]:
             blk.started[u] = True
         unit.o_ps[u] = None
@@ -1308,7 +1313,7 @@ def _p_dma_batches(jobs, n_full, last_full, slot, most):
 
 
 # ----------------------------------------------------------------------------------------------------- finishing
-def _finish_stats(cfg, steps, blk):
+def _finish_stats(cfg, steps, blk, normalise):
     """Finishing of a block, all members at once: ``1 / l``, the keep flags and ``log(l)`` (``_finish_lse``
     writes ``lse = c m + log(l)`` = log(l) - bias a few steps later), rows that saw no key (and have no sink) get 0
     and +inf; then per member ``O * (1/l)`` into o's dtype (VectorE, or ScalarE with ``cfg.finish_on_vector``
@@ -1341,18 +1346,26 @@ def _finish_stats(cfg, steps, blk):
     nisa.select_reduce(dst=recip, predicate=keep, on_true=recip, on_false=0.0)  # 0 for empty rows
     if cfg.o_factor != 1.0:
         nisa.tensor_scalar(dst=recip, data=recip, op0=nl.multiply, operand0=cfg.o_factor)
+    blk.recip = recip
     o_ns = []
     for u in range(n):
-        o_n = nl.ndarray((PMAX, cfg.d_v), dtype=cfg.io_dtype, buffer=nl.sbuf)
-        if cfg.finish_on_vector:
-            nisa.tensor_scalar(dst=o_n, data=o_acc[:, u, :], op0=nl.multiply, operand0=recip[:, u:u + 1])
-        else:
-            nisa.activation(dst=o_n, op=nl.copy, data=o_acc[:, u, :], scale=recip[:, u:u + 1])
-        o_ns.append(o_n)
+        o_ns.append(None)
+        if normalise:
+            o_ns[u] = _normalise(cfg, blk, u)
     log_l = nl.ndarray((PMAX, n), dtype=nl.float32, buffer=nl.sbuf)
     nisa.activation(dst=log_l, op=nl.log, data=l_safe)
     blk.lse_parts = [log_l, bias, keep]
     return o_ns
+
+
+def _normalise(cfg, blk, u):
+    """Member ``u``'s O / l in o's dtype ``[128, d_v]`` (``blk.recip`` from ``_finish_stats``)."""
+    o_n = nl.ndarray((PMAX, cfg.d_v), dtype=cfg.io_dtype, buffer=nl.sbuf)
+    if cfg.finish_on_vector:
+        nisa.tensor_scalar(dst=o_n, data=blk.o_acc[:, u, :], op0=nl.multiply, operand0=blk.recip[:, u:u + 1])
+    else:
+        nisa.activation(dst=o_n, op=nl.copy, data=blk.o_acc[:, u, :], scale=blk.recip[:, u:u + 1])
+    return o_n
 
 
 def _finish_lse(cfg, steps, blk):
@@ -1430,7 +1443,9 @@ def _run_later(cfg, hbm, steps, pipe, flush):
                 if job[1] == "stats":
                     if len(pipe.evict) > 0:
                         _evict_pt(cfg, pipe, True)  # a first O copy may still wait (FIN_DELAY_MIN < its lag)
-                    o_ns = _finish_stats(cfg, steps, blk)
+                    o_ns = blk.o_ns
+                    if o_ns is None:
+                        o_ns = _finish_stats(cfg, steps, blk, True)
                     pipe.later.append([pipe.step + cfg.fin_delay, "lse", blk, 0, None])
                     for u in range(len(o_ns)):
                         pipe.later.append([pipe.step + cfg.fin_delay + u, "member", blk, u, o_ns])
@@ -1439,10 +1454,14 @@ def _run_later(cfg, hbm, steps, pipe, flush):
                     _finish_lse(cfg, steps, blk)
                 else:
                     u = job[3]
+                    if job[4][u] is None:
+                        job[4][u] = _normalise(cfg, blk, u)  # the drain's last block: not normalised yet
                     _finish_member(cfg, blk, u, job[4][u])
                     job[4][u] = None
                     if u == len(job[4]) - 1:
                         blk.o_acc = None
+                        blk.recip = None
+                        blk.o_ns = None
                         blk.pm = None
                         blk.l_sum = None
                         blk.bias = None
@@ -1599,6 +1618,10 @@ def _attend_all(cfg, hbm, sinks_ref, launch, steps, units):
             prev.rs = None
             prev.summed = True
             _release_unit(prev)
+            if cur is None and prev.last and cfg.finish_on_vector:
+                # the pipeline's last block: its statistics need no O, so they go out before its last PVs and
+                # each member's O / l follows its last O update (the finishing waits for less at the end)
+                prev.blk.o_ns = _finish_stats(cfg, steps, prev.blk, False)
     while pipe.pv_at < len(pipe.pv):
         _pv_tile(cfg, pipe)
         pipe.step = pipe.step + 1

@@ -239,7 +239,9 @@ def test_statistics_batched_per_block():
         n_kb += len(fwd._key_blocks(cfg, tiles))
         widths.append(j1 - j0)
     recips = [r for r in rec if r.instr == "reciprocal"]
-    assert [r.dst.shape[1] for r in recips] == widths  # one per block, over all its members
+    # one per block, over all its members (the pipeline's last block finishes its statistics before the block
+    # ahead of it, whose finishing waits FIN_DELAY steps)
+    assert sorted(r.dst.shape[1] for r in recips) == sorted(widths)
     assert sum(1 for r in rec if r.instr == "select_reduce") == 2 * len(blocks)
     reduces = [r for r in rec if r.instr == "tensor_reduce"]
     assert len(reduces) == 2 * n_kb
