@@ -108,7 +108,8 @@ class _FwdConfig(nl.NKIObject):
     full P tiles may be transposed by DMA (``_transpose_p``), every ``p_dma_period``-th member's; pt_vector_period:
     of the P tiles transposed by TensorE every n-th is evicted by VectorE, the others by ScalarE, ``pt_scalar_lag``
     steps later (``_evict_pt``); finish_on_vector: the block finishing's O normalisation and O^T evictions run on
-    VectorE; score_num / score_den: the share of a segment by which the next unit's scores are all out.
+    VectorE; score_num / score_den: the share of a segment by which the next unit's scores are all out;
+    vt_cache: V^T is kept per work item (``_WorkItem.vt``, ``_transpose_v_into``) instead of per unit.
 
     ``shp`` is the call's ``validation.AttentionShape`` (its softcap, alibi, window_size and dropout_p give the
     variants); ``kb_tiles``, ``block_members_max``, ``slab_tiles``: the kernel's tuning keywords (None: default).
@@ -575,7 +576,10 @@ class _Block(nl.NKIObject):
     ``j % group``), their ``heads`` and query ``tiles``, ``plan`` (``_key_blocks``). Once started
     (``_start_block``; the O accumulator ``o_acc`` ``[128, members, d_v]`` at its first exponents): ``started[u]`` (member u's O holds
     a key block's PV already), and the online-softmax statistics as the key blocks leave them: ``pm`` (running
-    max in column ``kb_tiles``), ``l_sum``, ``bias`` (the last exponent bias, None before the first)."""
+    max in column ``kb_tiles``), ``l_sum``, ``bias`` (the last exponent bias, None before the first). From its
+    finishing statistics (``_finish_stats``): ``recip`` (1 / l per member column), and for the pipeline's last
+    block, whose statistics go out before its last PVs, ``o_ns[u]`` (member u's O / l once its last O update is
+    out, else None)."""
 
     def __init__(self, slab, j0, j1, heads, tiles, plan):
         self.slab = slab
