@@ -82,6 +82,12 @@ FIN_DELAY = 12  # phase-3 steps between a block's last PV and its finishing (and
 EMPTY_MAX = -1.0e38
 L_FLOOR = 0.5  # a row that saw a key has l >= 1 (its max contributes exp(0)); keeps log/reciprocal in range
 POS_INF = float("inf")  # lse of a row that sees no key (module level: plain Python, not traced)
+# V^T of a work item's keys is kept for the whole work item (computed once per 128-key chunk, not once per block
+# that sees it) where the SBUF holds it without a smaller key block (``_FwdConfig.vt_cache``)
+VT_CACHE = True
+# the launch's last slab stores the blocks before its last one early when the last block's score elements are at
+# least this many times the O elements that store moves (it is then out before the pipeline's end)
+EARLY_STORE_RATIO = 2
 SBUF_MARGIN = 24576  # bytes per partition left free when sizing a slab (allocation order, small tiles)
 
 
@@ -102,7 +108,8 @@ class _FwdConfig(nl.NKIObject):
     full P tiles may be transposed by DMA (``_transpose_p``), every ``p_dma_period``-th member's; pt_vector_period:
     of the P tiles transposed by TensorE every n-th is evicted by VectorE, the others by ScalarE, ``pt_scalar_lag``
     steps later (``_evict_pt``); finish_on_vector: the block finishing's O normalisation and O^T evictions run on
-    VectorE; score_num / score_den: the share of a segment by which the next unit's scores are all out.
+    VectorE; score_num / score_den: the share of a segment by which the next unit's scores are all out;
+    vt_cache: V^T is kept per work item (``_WorkItem.vt``, ``_transpose_v_into``) instead of per unit.
 
     ``shp`` is the call's ``validation.AttentionShape`` (its softcap, alibi, window_size and dropout_p give the
     variants); ``kb_tiles``, ``block_members_max``, ``slab_tiles``: the kernel's tuning keywords (None: default).
@@ -134,6 +141,7 @@ class _FwdConfig(nl.NKIObject):
         self.io_dtype = io_dtype
         self.acc_dtype = acc_dtype
         self.kb_tiles = KB_TILES if kb_tiles is None else kb_tiles  # the default is sized below
+        self.vt_cache = False  # decided below, once the key block is sized
         self.block_members_max = BLOCK_MEMBERS_MAX if block_members_max is None else block_members_max
         self.n_qt = shp.seqlen_q // PMAX
         self.n_kt = (shp.seqlen_k + K_TILE - 1) // K_TILE
@@ -205,6 +213,12 @@ class _FwdConfig(nl.NKIObject):
                 self.kb_tiles = _kb_tiles(self, itemsize(io_dtype), itemsize(acc_dtype))
                 if fits and self.kb_tiles <= kb_long:
                     self.fin_delay = FIN_DELAY
+        # V^T once per work item: only where a second block reads the same keys and the whole work item's V^T
+        # (two items live at an item boundary) fits beside the key block already chosen
+        if VT_CACHE and self.n_qt * self.group > self.members:
+            self.vt_cache = True
+            if not _kb_fits(self, self.kb_tiles, itemsize(io_dtype), itemsize(acc_dtype)):
+                self.vt_cache = False
         if slab_tiles is None:
             self.slab_tiles = _slab_tiles(self, itemsize(io_dtype), itemsize(acc_dtype))
         else:
@@ -222,7 +236,10 @@ def _working_set(cfg, kb_tiles, e, acc_e):
     u = cfg.members
     fixed = 2 * u * kk * 4  # scores of every member of two units (float32): the next one's, this one's
     fixed += 3 * (n_qk + n_v) * kk * e  # K and V of three units
-    fixed += 2 * (kk // PMAX) * cfg.d_v * e  # V^T of two units
+    if cfg.vt_cache:
+        fixed += 2 * (cfg.shp.seqlen_k // PMAX) * cfg.d_v * e  # V^T of two work items' keys
+    else:
+        fixed += 2 * (kk // PMAX) * cfg.d_v * e  # V^T of two units
     # O accumulators of three blocks (one accumulating, two finishing), and of the blocks a finishing longer than
     # FIN_DELAY_MIN steps keeps (it lasts about 2 fin_delay + u steps, a block at least u of them)
     n_acc = 3 + (2 * (cfg.fin_delay - FIN_DELAY_MIN) + u - 1) // u
@@ -518,12 +535,18 @@ def _blocks(cfg, n_tiles):
 
 class _WorkItem(nl.NKIObject):
     """One (batch ``b``, kv head ``kvh``) work item of the pipeline; ``item``: its ``steps.Item`` (runtime
-    tiles), made when its first slab opens (``_open_item``)."""
+    tiles), made when its first slab opens (``_open_item``). With ``cfg.vt_cache``: ``vt`` the V^T of its keys
+    ``[128 keys, seqlen_k / 128, d_v]`` (allocated at its first load), ``vt_done[c]``: chunk c's V^T is claimed
+    by a unit already (trace time), ``vt_users``: its units whose PVs are not all out (the store is dropped after
+    the last)."""
 
     def __init__(self, b, kvh):
         self.b = b
         self.kvh = kvh
         self.item = None
+        self.vt = None
+        self.vt_done = None
+        self.vt_users = 0
 
 
 class _Slab(nl.NKIObject):
@@ -537,6 +560,10 @@ class _Slab(nl.NKIObject):
         self.t0 = t0
         self.n = n
         self.q = None
+        self.q_rest = None
+        self.q_first = 0
+        self.stored = 0
+        self.early_store = False
         self.o = None
         self.lse = None
         self.state = None
@@ -549,7 +576,10 @@ class _Block(nl.NKIObject):
     ``j % group``), their ``heads`` and query ``tiles``, ``plan`` (``_key_blocks``). Once started
     (``_start_block``; the O accumulator ``o_acc`` ``[128, members, d_v]`` at its first exponents): ``started[u]`` (member u's O holds
     a key block's PV already), and the online-softmax statistics as the key blocks leave them: ``pm`` (running
-    max in column ``kb_tiles``), ``l_sum``, ``bias`` (the last exponent bias, None before the first)."""
+    max in column ``kb_tiles``), ``l_sum``, ``bias`` (the last exponent bias, None before the first). From its
+    finishing statistics (``_finish_stats``): ``recip`` (1 / l per member column), and for the pipeline's last
+    block, whose statistics go out before its last PVs, ``o_ns[u]`` (member u's O / l once its last O update is
+    out, else None)."""
 
     def __init__(self, slab, j0, j1, heads, tiles, plan):
         self.slab = slab
@@ -564,6 +594,8 @@ class _Block(nl.NKIObject):
         self.l_sum = None
         self.bias = None
         self.lse_parts = None
+        self.recip = None
+        self.o_ns = None
         self.o_first = None
 
 
@@ -587,6 +619,8 @@ class _Unit(nl.NKIObject):
         self.k_tiles = None
         self.v_tiles = None
         self.vt = None
+        self.vt_base = 0
+        self.vt_new = None
         self.idx = None
         self.s = None
         self.tl = None
@@ -642,6 +676,29 @@ def _transpose_v(cfg, v_tiles, n_ch):
                 nisa.nc_transpose(dst=vt_ps[:, c, v0:v0 + vsz], data=v_tiles[vi][:, k0:k0 + PMAX])
         nisa.tensor_copy(dst=vt[:, c0:c0 + g, :], src=vt_ps)
     return vt
+
+
+def _transpose_v_into(cfg, v_tiles, chunks, store):
+    """V^T of the 128-key ``chunks`` (ascending work-item chunk indices; ``v_tiles`` hold V from the first to
+    the last of them) into the work item's V^T ``store`` ``[128 keys, seqlen_k / 128, d_v]``: TensorE transposes,
+    runs of consecutive chunks sharing a PSUM bank, one eviction per bank."""
+    e = itemsize(cfg.io_dtype)
+    per = max(1, 2048 // (cfg.d_v * e))
+    first = chunks[0]
+    n = len(chunks)
+    j = 0
+    while j < n:
+        g = 1
+        while j + g < n and g < per and chunks[j + g] == chunks[j] + g:
+            g = g + 1
+        vt_ps = nl.ndarray((PMAX, g, cfg.d_v), dtype=cfg.io_dtype, buffer=nl.psum)
+        for c in range(g):
+            k0 = (chunks[j] + c - first) * PMAX
+            for vi in range(len(cfg.v_tiles)):
+                v0, vsz = cfg.v_tiles[vi]
+                nisa.nc_transpose(dst=vt_ps[:, c, v0:v0 + vsz], data=v_tiles[vi][:, k0:k0 + PMAX])
+        nisa.tensor_copy(dst=store[:, chunks[j]:chunks[j] + g, :], src=vt_ps)
+        j = j + g
 
 
 def _score_tile(cfg, steps, unit, u, i):
@@ -897,7 +954,7 @@ def _pv_tile(cfg, pipe):
     o_ps = unit.o_ps[u]
     chunks = _tile_chunks(tile)
     for c in range(n_ch):
-        nisa.nc_matmul(dst=o_ps, stationary=pt_sb[:, c, :], moving=vt[:, i * ch + lo + chunks[c] - kb.c_lo, :])
+        nisa.nc_matmul(dst=o_ps, stationary=pt_sb[:, c, :], moving=vt[:, i * ch + lo + chunks[c] - unit.vt_base, :])
     unit.pv_left[u] = unit.pv_left[u] - 1
     unit.pv_total = unit.pv_total - 1
     if unit.pv_left[u] == 0:
@@ -914,11 +971,19 @@ def _pv_tile(cfg, pipe):
             if blk.o_first is not None and blk.o_first[u] is not None and not blk.o_first[u][3]:
                 _evict_pt(cfg, pipe, True)  # the member's first O copy still waits (short key blocks)
             _rescale_o(blk.o_acc, u, unit.alpha, o_ps, not blk.started[u])
+            if blk.o_ns is not None and unit.last:
+                # the drain's last block (statistics already out): O / l right after the member's last update
+                blk.o_ns[u] = _normalise(cfg, blk, u)
         if not blk.started[u]:
             blk.started[u] = True
         unit.o_ps[u] = None
     if unit.pv_total == 0:
         unit.vt = None
+        if cfg.vt_cache:
+            work = blk.slab.work
+            work.vt_users = work.vt_users - 1
+            if work.vt_users == 0:
+                work.vt = None
         _release_unit(unit)
         if unit.last:
             pipe.later.append([pipe.step + cfg.fin_delay, "stats", blk, 0, None])
@@ -960,24 +1025,32 @@ def _open_item(cfg, hbm, sinks_ref, launch, steps, work):
         f(cfg, hbm, work.item)
 
 
-def _open_slab(cfg, hbm, steps, slab):
+def _open_slab(cfg, hbm, steps, slab, n_first):
     """Q of the slab's query tiles (every head of the group, loaded once, unscaled), the O^T and LSE staging,
-    the row steps' state."""
+    the row steps' state. Q comes in two parts: the first ``n_first`` query tiles (the first block's) now, the
+    rest (``slab.q_rest``) after the first unit's K (``_load_unit``), so the first scores wait only for what
+    they read."""
     g = cfg.group
     n = slab.n
     t0 = slab.t0
     t1 = t0 + n
+    tm = t0 + n_first
     b = slab.work.b
     kvh = slab.work.kvh
     q_slab = []
+    rest = []
     for h in range(g):
         row = []
         for qi in range(len(cfg.qk_tiles)):
             d0, dsz = cfg.qk_tiles[qi]
             qt = nl.ndarray((dsz, n * PMAX), dtype=cfg.io_dtype, buffer=nl.sbuf)
-            nisa.dma_copy(dst=qt, src=hbm.q[b, kvh * g + h, d0:d0 + dsz, t0 * PMAX:t1 * PMAX])
+            nisa.dma_copy(dst=qt[:, 0:n_first * PMAX], src=hbm.q[b, kvh * g + h, d0:d0 + dsz, t0 * PMAX:tm * PMAX])
+            if tm < t1:
+                rest.append([qt, h, qi])
             row.append(qt)
         q_slab.append(row)
+    slab.q_rest = rest
+    slab.q_first = n_first
     # O^T and LSE staging in member order (column block j = member j), stored per head by strided reads
     o_slab = []
     for vi in range(len(cfg.v_tiles)):
@@ -1018,7 +1091,7 @@ def _start_block(cfg, blk):
     blk.l_sum = l_sum
 
 
-def _load_unit(cfg, hbm, sinks_ref, launch, steps, unit):
+def _load_unit(cfg, hbm, sinks_ref, launch, steps, unit, first):
     """Open what ``unit`` needs (its work item, slab and block when it is their first) and load its K and V
     (the union of the members' visible chunks) one pipeline segment before its scores."""
     blk = unit.blk
@@ -1026,31 +1099,82 @@ def _load_unit(cfg, hbm, sinks_ref, launch, steps, unit):
     work = slab.work
     if work.item is None:
         _open_item(cfg, hbm, sinks_ref, launch, steps, work)
-    if not slab.opened:
-        _open_slab(cfg, hbm, steps, slab)
+    opening = not slab.opened
+    if opening:
+        n_first = slab.n
+        if first and cfg.group == 1:
+            n_first = blk.tiles[len(blk.tiles) - 1] - slab.t0 + 1
+        _open_slab(cfg, hbm, steps, slab, n_first)
     if unit.first:
         _start_block(cfg, blk)
     kb = unit.kb
     if kb is None:
+        if opening:
+            _load_q_rest(cfg, hbm, slab)
         return
     b = work.b
     kvh = work.kvh
     key0 = kb.kt0 * K_TILE + kb.c_lo * PMAX
     width = (kb.c_hi - kb.c_lo) * PMAX
     k_tiles = []
+    # the pipeline's first unit: its first key tile's K in a load of its own (the first scores wait for less)
+    cut = 0
+    if first:
+        cut = min(width, K_TILE - (key0 % K_TILE))
     for qi in range(len(cfg.qk_tiles)):
         d0, dsz = cfg.qk_tiles[qi]
         kt_sb = nl.ndarray((dsz, width), dtype=cfg.io_dtype, buffer=nl.sbuf)
-        nisa.dma_copy(dst=kt_sb, src=hbm.k[b, kvh, d0:d0 + dsz, key0:key0 + width])
+        if cut > 0:
+            nisa.dma_copy(dst=kt_sb[:, 0:cut], src=hbm.k[b, kvh, d0:d0 + dsz, key0:key0 + cut])
+        if cut < width:
+            nisa.dma_copy(dst=kt_sb[:, cut:width], src=hbm.k[b, kvh, d0:d0 + dsz, key0 + cut:key0 + width])
         k_tiles.append(kt_sb)
+    ch = K_TILE // PMAX
+    if cfg.vt_cache:
+        # only the chunks no earlier unit of the work item transposes: V loaded from the first to the last of them
+        if work.vt is None:
+            n_all = cfg.shp.seqlen_k // PMAX
+            work.vt = nl.ndarray((PMAX, n_all, cfg.d_v), dtype=cfg.io_dtype, buffer=nl.sbuf)
+            done = []
+            for c in range(n_all):
+                done.append(False)
+            work.vt_done = done
+        new = []
+        for c in range(kb.kt0 * ch + kb.c_lo, kb.kt0 * ch + kb.c_hi):
+            if not work.vt_done[c]:
+                new.append(c)
+                work.vt_done[c] = True
+        unit.vt_new = new
+        unit.vt_base = -kb.kt0 * ch
+        if len(new) > 0:
+            key0 = new[0] * PMAX
+            width = (new[len(new) - 1] + 1 - new[0]) * PMAX
+        else:
+            width = 0
     v_tiles = []
-    for vi in range(len(cfg.v_tiles)):
-        v0, vsz = cfg.v_tiles[vi]
-        v_sb = nl.ndarray((vsz, width), dtype=cfg.io_dtype, buffer=nl.sbuf)
-        nisa.dma_copy(dst=v_sb, src=hbm.v[b, kvh, v0:v0 + vsz, key0:key0 + width])
-        v_tiles.append(v_sb)
+    if width > 0:
+        for vi in range(len(cfg.v_tiles)):
+            v0, vsz = cfg.v_tiles[vi]
+            v_sb = nl.ndarray((vsz, width), dtype=cfg.io_dtype, buffer=nl.sbuf)
+            nisa.dma_copy(dst=v_sb, src=hbm.v[b, kvh, v0:v0 + vsz, key0:key0 + width])
+            v_tiles.append(v_sb)
     unit.k_tiles = k_tiles
     unit.v_tiles = v_tiles
+    if opening:
+        _load_q_rest(cfg, hbm, slab)
+
+
+def _load_q_rest(cfg, hbm, slab):
+    """The rest of a slab's Q (``_open_slab``), once its first unit's K is on its way."""
+    g = cfg.group
+    m = slab.q_first
+    for r in slab.q_rest:
+        qt, h, qi = r
+        d0, dsz = cfg.qk_tiles[qi]
+        nisa.dma_copy(dst=qt[:, m * PMAX:slab.n * PMAX],
+                      src=hbm.q[slab.work.b, slab.work.kvh * g + h, d0:d0 + dsz,
+                                (slab.t0 + m) * PMAX:(slab.t0 + slab.n) * PMAX])
+    slab.q_rest = None
 
 
 def _begin_scores(cfg, steps, unit):
@@ -1082,7 +1206,14 @@ def _end_scores(cfg, unit, gaps_next):
     kb = unit.kb
     blk = unit.blk
     unit.k_tiles = None
-    unit.vt = _transpose_v(cfg, unit.v_tiles, kb.c_hi - kb.c_lo)
+    if cfg.vt_cache:
+        work = blk.slab.work
+        if len(unit.vt_new) > 0:
+            _transpose_v_into(cfg, unit.v_tiles, unit.vt_new, work.vt)
+        unit.vt = work.vt
+    else:
+        unit.vt = _transpose_v(cfg, unit.v_tiles, kb.c_hi - kb.c_lo)
+        unit.vt_base = kb.c_lo
     unit.v_tiles = None
     unit.idx = None
     n = len(blk.heads)
@@ -1096,12 +1227,13 @@ def _end_scores(cfg, unit, gaps_next):
     blk.bias = bias
 
 
-def _begin_exps(cfg, steps, pipe, unit):
+def _begin_exps(cfg, steps, pipe, unit, drain):
     """Before a unit's first exponent: the row-sum tile, the PV accumulators and counters, and which
     members' full P tiles go by dma_transpose (every ``p_dma_period``-th member with at least
     ``P_DMA_MIN_TILES`` full tiles, or the key block's count, on trn2+ with 16-bit P and no probability step):
     their exponents write the ``[128, n * 512]`` P buffer of their batch (``pbuf[p_owner[u]]``, job j in column
-    block ``slot[j]``)."""
+    block ``slot[j]``). ``drain``: the pipeline's last unit, whose transposes TensorE has time for (nothing is
+    scored beside them) and a DMA transpose's latency would end up on the critical path: none by DMA."""
     kb = unit.kb
     n = len(unit.blk.heads)
     full = K_TILE // PMAX
@@ -1134,6 +1266,7 @@ def _begin_exps(cfg, steps, pipe, unit):
             n_full[u] = n_full[u] + 1
             last_full[u] = j
     batch = cfg.p_dma_transpose and cfg.p_dma_period > 0 and len(steps.prob) == 0 and len(steps.p_mask) == 0
+    batch = batch and not drain
     for u in range(n):
         dma = False
         if batch and n_full[u] >= min(P_DMA_MIN_TILES, cfg.kb_tiles):
@@ -1184,7 +1317,7 @@ def _p_dma_batches(jobs, n_full, last_full, slot, most):
 
 
 # ----------------------------------------------------------------------------------------------------- finishing
-def _finish_stats(cfg, steps, blk):
+def _finish_stats(cfg, steps, blk, normalise):
     """Finishing of a block, all members at once: ``1 / l``, the keep flags and ``log(l)`` (``_finish_lse``
     writes ``lse = c m + log(l)`` = log(l) - bias a few steps later), rows that saw no key (and have no sink) get 0
     and +inf; then per member ``O * (1/l)`` into o's dtype (VectorE, or ScalarE with ``cfg.finish_on_vector``
@@ -1217,18 +1350,26 @@ def _finish_stats(cfg, steps, blk):
     nisa.select_reduce(dst=recip, predicate=keep, on_true=recip, on_false=0.0)  # 0 for empty rows
     if cfg.o_factor != 1.0:
         nisa.tensor_scalar(dst=recip, data=recip, op0=nl.multiply, operand0=cfg.o_factor)
+    blk.recip = recip
     o_ns = []
     for u in range(n):
-        o_n = nl.ndarray((PMAX, cfg.d_v), dtype=cfg.io_dtype, buffer=nl.sbuf)
-        if cfg.finish_on_vector:
-            nisa.tensor_scalar(dst=o_n, data=o_acc[:, u, :], op0=nl.multiply, operand0=recip[:, u:u + 1])
-        else:
-            nisa.activation(dst=o_n, op=nl.copy, data=o_acc[:, u, :], scale=recip[:, u:u + 1])
-        o_ns.append(o_n)
+        o_ns.append(None)
+        if normalise:
+            o_ns[u] = _normalise(cfg, blk, u)
     log_l = nl.ndarray((PMAX, n), dtype=nl.float32, buffer=nl.sbuf)
     nisa.activation(dst=log_l, op=nl.log, data=l_safe)
     blk.lse_parts = [log_l, bias, keep]
     return o_ns
+
+
+def _normalise(cfg, blk, u):
+    """Member ``u``'s O / l in o's dtype ``[128, d_v]`` (``blk.recip`` from ``_finish_stats``)."""
+    o_n = nl.ndarray((PMAX, cfg.d_v), dtype=cfg.io_dtype, buffer=nl.sbuf)
+    if cfg.finish_on_vector:
+        nisa.tensor_scalar(dst=o_n, data=blk.o_acc[:, u, :], op0=nl.multiply, operand0=blk.recip[:, u:u + 1])
+    else:
+        nisa.activation(dst=o_n, op=nl.copy, data=blk.o_acc[:, u, :], scale=blk.recip[:, u:u + 1])
+    return o_n
 
 
 def _finish_lse(cfg, steps, blk):
@@ -1262,22 +1403,27 @@ def _finish_member(cfg, blk, u, o_n):
             nisa.activation(dst=slab.o[vi][:, col:col + PMAX], op=nl.copy, data=ot_ps)
 
 
-def _store_slab(cfg, hbm, slab):
-    """O and the LSE of the slab, one DMA per (head, d tile) and one per head, from the staging."""
+def _store_slab(cfg, hbm, slab, a, z):
+    """O and the LSE of the slab's query tiles ``[t0 + a, t0 + z)``, one DMA per (head, d tile) and one per head,
+    from the staging."""
     g = cfg.group
     n = slab.n
     t0 = slab.t0
-    t1 = t0 + n
+    m = z - a
     b = slab.work.b
     kvh = slab.work.kvh
     for h in range(g):
         hq = kvh * g + h
         for vi in range(len(cfg.v_tiles)):
             v0, vsz = cfg.v_tiles[vi]
-            nisa.dma_copy(dst=hbm.o[b, hq, v0:v0 + vsz, t0 * PMAX:t1 * PMAX],
-                          src=slab.o[vi].ap(pattern=[[n * g * PMAX, vsz], [g * PMAX, n], [1, PMAX]],
-                                            offset=h * PMAX))
-        nisa.dma_copy(dst=hbm.lse[b, hq, :, t0:t1], src=slab.lse.ap(pattern=[[n * g, PMAX], [g, n]], offset=h))
+            nisa.dma_copy(dst=hbm.o[b, hq, v0:v0 + vsz, (t0 + a) * PMAX:(t0 + z) * PMAX],
+                          src=slab.o[vi].ap(pattern=[[n * g * PMAX, vsz], [g * PMAX, m], [1, PMAX]],
+                                            offset=(a * g + h) * PMAX))
+        nisa.dma_copy(dst=hbm.lse[b, hq, :, t0 + a:t0 + z],
+                      src=slab.lse.ap(pattern=[[n * g, PMAX], [g, m]], offset=a * g + h))
+    slab.stored = z
+    if z < n:
+        return
     slab.q = None
     slab.o = None
     slab.lse = None
@@ -1301,7 +1447,9 @@ def _run_later(cfg, hbm, steps, pipe, flush):
                 if job[1] == "stats":
                     if len(pipe.evict) > 0:
                         _evict_pt(cfg, pipe, True)  # a first O copy may still wait (FIN_DELAY_MIN < its lag)
-                    o_ns = _finish_stats(cfg, steps, blk)
+                    o_ns = blk.o_ns
+                    if o_ns is None:
+                        o_ns = _finish_stats(cfg, steps, blk, True)
                     pipe.later.append([pipe.step + cfg.fin_delay, "lse", blk, 0, None])
                     for u in range(len(o_ns)):
                         pipe.later.append([pipe.step + cfg.fin_delay + u, "member", blk, u, o_ns])
@@ -1310,17 +1458,28 @@ def _run_later(cfg, hbm, steps, pipe, flush):
                     _finish_lse(cfg, steps, blk)
                 else:
                     u = job[3]
+                    if job[4][u] is None:
+                        job[4][u] = _normalise(cfg, blk, u)  # the drain's last block: not normalised yet
                     _finish_member(cfg, blk, u, job[4][u])
                     job[4][u] = None
                     if u == len(job[4]) - 1:
                         blk.o_acc = None
+                        blk.recip = None
+                        blk.o_ns = None
                         blk.pm = None
                         blk.l_sum = None
                         blk.bias = None
-                        blk.slab.blocks_left = blk.slab.blocks_left - 1
-                        if blk.slab.blocks_left == 0:
-                            _store_slab(cfg, hbm, blk.slab)
+                        slab = blk.slab
+                        slab.blocks_left = slab.blocks_left - 1
+                        if slab.blocks_left == 0:
+                            _store_slab(cfg, hbm, slab, slab.stored, slab.n)
                             pipe.live_slabs = pipe.live_slabs - 1
+                        elif slab.blocks_left == 1 and slab.early_store:
+                            # the launch's last slab: what is finished goes out now, so only the last block's
+                            # query tiles are stored after the pipeline's end
+                            done = blk.j1 // cfg.group
+                            if done > slab.stored:
+                                _store_slab(cfg, hbm, slab, slab.stored, done)
             else:
                 pipe.later.append(job)
 
@@ -1353,7 +1512,25 @@ def _plan_units(cfg, start, stop, slabs):
                     units.append(_Unit(blk, None, True, True))
                 for k in range(len(plan)):
                     units.append(_Unit(blk, plan[k], k == 0, k == len(plan) - 1))
+                    work.vt_users = work.vt_users + 1
     return units
+
+
+def _plan_early_store(cfg, last):
+    """Whether the launch's last slab (that of ``last``, the last block) stores the query tiles its earlier blocks
+    finish before the last block's finishing: only where the last block's score elements are at least
+    ``EARLY_STORE_RATIO`` times the O elements that store moves, so it is out before the pipeline's end (a store
+    still in flight at the end only adds its fixed costs to the final one)."""
+    done = last.j0 // cfg.group
+    if done == 0:
+        return
+    elems = 0
+    for kb in last.plan:
+        for u in range(len(kb.vis)):
+            for i in range(kb.kt_n):
+                elems = elems + kb.vis[u][i].k1 - kb.vis[u][i].k0
+    if elems >= EARLY_STORE_RATIO * done * cfg.group * cfg.d_v:
+        last.slab.early_store = True
 
 
 def _make_room(cfg, hbm, steps, pipe):
@@ -1377,10 +1554,12 @@ def _attend_all(cfg, hbm, sinks_ref, launch, steps, units):
     (docs/kernel-fwd.md, "Loop nest")."""
     pipe = _Pipe()
     n_units = len(units)
+    if n_units > 0:
+        _plan_early_store(cfg, units[n_units - 1].blk)
     for n in range(min(2, n_units)):
         if not units[n].blk.slab.opened:
             pipe.live_slabs = pipe.live_slabs + 1
-        _load_unit(cfg, hbm, sinks_ref, launch, steps, units[n])
+        _load_unit(cfg, hbm, sinks_ref, launch, steps, units[n], n == 0)
     for n in range(n_units + 1):
         cur = None
         if n < n_units:
@@ -1392,7 +1571,7 @@ def _attend_all(cfg, hbm, sinks_ref, launch, steps, units):
             if not units[n + 2].blk.slab.opened:
                 _make_room(cfg, hbm, steps, pipe)
                 pipe.live_slabs = pipe.live_slabs + 1
-            _load_unit(cfg, hbm, sinks_ref, launch, steps, units[n + 2])
+            _load_unit(cfg, hbm, sinks_ref, launch, steps, units[n + 2], False)
         n1 = 0
         if cur is not None and cur.kb is not None:
             n1 = len(cur.jobs)
@@ -1400,7 +1579,7 @@ def _attend_all(cfg, hbm, sinks_ref, launch, steps, units):
         n3 = 0
         if prev is not None and prev.kb is not None:
             n3 = len(prev.jobs)
-            _begin_exps(cfg, steps, pipe, prev)
+            _begin_exps(cfg, steps, pipe, prev, cur is None)
         if prev is not None and prev.kb is None:
             pipe.later.append([pipe.step, "stats", prev.blk, 0, None])
         done1 = 0
@@ -1443,6 +1622,10 @@ def _attend_all(cfg, hbm, sinks_ref, launch, steps, units):
             prev.rs = None
             prev.summed = True
             _release_unit(prev)
+            if cur is None and prev.last and cfg.finish_on_vector:
+                # the pipeline's last block: its statistics need no O, so they go out before its last PVs and
+                # each member's O / l follows its last O update (the finishing waits for less at the end)
+                prev.blk.o_ns = _finish_stats(cfg, steps, prev.blk, False)
     while pipe.pv_at < len(pipe.pv):
         _pv_tile(cfg, pipe)
         pipe.step = pipe.step + 1

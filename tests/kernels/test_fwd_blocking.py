@@ -187,10 +187,18 @@ def test_transfers_once_per_head_and_slab():
     n_sec = cfg.n_qt // cfg.slab_tiles
     assert n_sec * cfg.slab_tiles == cfg.n_qt
     _, rec = traced(q, k, v, sinks_ref=torch.zeros(1, 4), use_causal_mask=True)
-    assert len(dmas(rec, src="arg0")) == 4 * 2 * n_sec  # Q: one DMA per (head, d tile, slab)
-    assert len(dmas(rec, dst_hbm_dtype="bfloat16")) == 4 * 2 * n_sec  # O: one per (head, d tile, slab)
+    # Q: one DMA per (head, d tile, slab) (only a group of one head loads its first block's tiles apart)
+    assert len(dmas(rec, src="arg0")) == 4 * 2 * n_sec
+    # O and LSE: one store per (head, d tile) / head and slab; the last slab stores its earlier blocks early only
+    # when its last block (query tiles 6, 7: 7 and 8 visible 128-key chunks per head) scores at least twice the O
+    # elements that store moves
+    done = cfg.slab_tiles - 2
+    early = 0 < done and 4 * (7 + 8) * 128 >= fwd.EARLY_STORE_RATIO * done * 4 * 256
+    stores = n_sec + (1 if early else 0)
+    assert len(dmas(rec, dst_hbm_dtype="bfloat16")) == 4 * 2 * stores
     lse = dmas(rec, dst_hbm_dtype="float32")
-    assert len(lse) == 4 * n_sec and all(r.dst.shape == (128, cfg.slab_tiles) for r in lse)  # LSE: per head, slab
+    assert len(lse) == 4 * stores and sum(r.dst.shape[1] for r in lse) == 4 * cfg.n_qt
+    assert all(r.dst.shape == (128, cfg.slab_tiles) for r in lse[:4 * (n_sec - 1)])  # LSE: per head, slab
     assert len(dmas(rec, src="arg3")) == 1  # the sinks: once per kv head
     # K and V: one DMA per (block, key block, d tile); blocks of 2 query tiles x 4 heads, one key block each
     blocks = n_members_blocks(cfg)
@@ -231,7 +239,9 @@ def test_statistics_batched_per_block():
         n_kb += len(fwd._key_blocks(cfg, tiles))
         widths.append(j1 - j0)
     recips = [r for r in rec if r.instr == "reciprocal"]
-    assert [r.dst.shape[1] for r in recips] == widths  # one per block, over all its members
+    # one per block, over all its members (the pipeline's last block finishes its statistics before the block
+    # ahead of it, whose finishing waits FIN_DELAY steps)
+    assert sorted(r.dst.shape[1] for r in recips) == sorted(widths)
     assert sum(1 for r in rec if r.instr == "select_reduce") == 2 * len(blocks)
     reduces = [r for r in rec if r.instr == "tensor_reduce"]
     assert len(reduces) == 2 * n_kb
@@ -309,13 +319,58 @@ def test_scale_in_exponent_across_blocks(scale):
                   scale=scale)
 
 
+def test_v_transposed_once_per_work_item():
+    # one head, 4096 keys, d 64, non-causal: four blocks of 8 query tiles each read every key. V^T is kept for
+    # the work item: each 128-key chunk is loaded and transposed once, not once per block
+    q, k, v = make_qkv(nheads=1, nheads_kv=1, d=64, sq=4096, dtype=torch.bfloat16, seed=32)
+    cfg = config(nheads=1, d=64, sq=4096)
+    assert cfg.vt_cache and cfg.n_qt // cfg.members == 4
+    _, rec = traced(q, k, v)
+    v_loads = dmas(rec, src="arg2")
+    assert sum(r.dst.shape[1] for r in v_loads) == 4096
+    vt = [r for r in rec if r.instr == "nc_transpose" and r.srcs[0].shape == (64, 128)]
+    assert len(vt) == 4096 // 128
+    # a work item of one block has nothing to share: V^T per unit, as before
+    small = config(nheads=1, d=64, sq=1024)
+    assert small.n_qt <= small.members and not small.vt_cache
+
+
+def test_first_loads_split_and_last_slab_stored_early():
+    # one head, 4096 queries and keys, d 64, non-causal: slabs of 8-tile blocks, whole 512-key tiles. The
+    # pipeline's first unit loads the first block's Q (a group of one head) and its first key tile's K apart, so
+    # the first scores wait for less; the last block scores 8 x 4096 keys per row, far more than twice the O
+    # elements of the last slab's earlier blocks, so those are stored as soon as they finish and only the last
+    # block's O and LSE after the pipeline's end
+    q, k, v = make_qkv(nheads=1, nheads_kv=1, d=64, sq=4096, dtype=torch.bfloat16, seed=31)
+    cfg = config(nheads=1, d=64, sq=4096)
+    assert cfg.members == 8 and cfg.slab_tiles % 8 == 0 and cfg.slab_tiles > 8
+    n_sec = cfg.n_qt // cfg.slab_tiles
+    o, rec = traced(q, k, v)
+    q_loads = dmas(rec, src="arg0")
+    assert len(q_loads) == n_sec + 1
+    assert q_loads[0].dst.shape == (64, 8 * 128)  # the first block's query tiles
+    assert q_loads[1].dst.shape == (64, (cfg.slab_tiles - 8) * 128)
+    k_loads = dmas(rec, src="arg1")
+    assert k_loads[0].dst.shape == (64, 512)  # the first unit's first key tile
+    assert sum(r.dst.shape[1] for r in k_loads[:2]) == cfg.kb_tiles * 512
+    o_stores = dmas(rec, dst_hbm_dtype="bfloat16")
+    assert len(o_stores) == n_sec + 1
+    assert o_stores[-2].dst.shape == (64, (cfg.slab_tiles - 8) * 128) and o_stores[-1].dst.shape == (64, 8 * 128)
+    # the early store comes before the last block's last exponent
+    order = {id(r): n for n, r in enumerate(rec)}
+    last_exp = max(n for n, r in enumerate(rec) if r.instr == "activation" and r.dst.shape[-1] == 512)
+    assert order[id(o_stores[-2])] < last_exp < order[id(o_stores[-1])]
+    want, _ = attention_fwd(q, k, v)  # untraced: the same result
+    assert torch.equal(o[0], want)
+
+
 @pytest.mark.parametrize("target,dtype,want_dma", [("trn2", torch.bfloat16, True), ("trn3", torch.float16, True),
                                                    ("trn2", torch.float32, False), ("trn1", torch.bfloat16, False)])
 def test_p_transposes_split_between_tensor_engine_and_dma(monkeypatch, target, dtype, want_dma):
     # 2 heads x 8 query tiles, 1024 keys non-causal: every (member, key tile) is a full 512-key tile; on trn2+
     # with 16-bit P every P_DMA_PERIOD-th member has its full tiles of a key block transposed by DMA, consecutive
     # such members of a block sharing ONE dma_transpose of up to P_DMA_BATCH_TILES tiles (or a key block's), the
-    # rest by 4 TensorE transposes per tile
+    # rest by 4 TensorE transposes per tile; the pipeline's last unit transposes all of its tiles on TensorE
     monkeypatch.setenv("NEURON_PLATFORM_TARGET_OVERRIDE", target)
     q, k, v = make_qkv(nheads=2, nheads_kv=1, d=64, sq=1024, dtype=dtype, seed=50)
     _, rec = traced(q, k, v)
@@ -327,7 +382,9 @@ def test_p_transposes_split_between_tensor_engine_and_dma(monkeypatch, target, d
     per_member = math.ceil(2 / cfg.kb_tiles)  # key blocks per member: 1024 keys are 2 key tiles
     if want_dma:
         batch = max(cfg.kb_tiles, fwd.P_DMA_BATCH_TILES)
-        dma_tiles = 16 * per_member // fwd.P_DMA_PERIOD * cfg.kb_tiles  # 8 members per block, whole batches
+        # 8 members per unit, whole batches; the pipeline's last unit (its drain) has none by DMA
+        dma_tiles = 8 * (2 * per_member - 1) // fwd.P_DMA_PERIOD * cfg.kb_tiles
+        assert dma_tiles > 0
         assert len(by_dma) == dma_tiles // batch
         assert all(r.srcs[0].buffer == "sbuf" and r.dst.shape == (128, 4 * batch, 128) for r in by_dma)
     else:
