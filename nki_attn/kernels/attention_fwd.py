@@ -74,6 +74,10 @@ SCORE_DEN = 16
 # with no scores to evict (the pipeline's drain), where VectorE takes them all; docs/kernel-fwd.md, "Engine balance"
 PT_VECTOR_PERIOD = 2
 FIRST_O_SCALAR = True  # a member's O = PV at its first key block by a ScalarE copy (deferred like those evictions)
+# head dims > 128: each step emits its exponents before the next unit's scores. A d 256 key block holds one key
+# tile, so a unit has as few jobs as members and the SCORE_NUM / SCORE_DEN rule puts all the next unit's scores
+# first; with soft-capping their tanh then stood on ScalarE before the exponents the P transposes wait for
+EXPS_FIRST_WIDE = True
 PT_SCALAR_LAG = 3  # a ScalarE eviction is emitted this many phase-3 steps after its transposes
 FIN_DELAY_MIN = 2  # ... where the SBUF has no room for the finishing blocks' O accumulators FIN_DELAY keeps
 FIN_DELAY = 12  # phase-3 steps between a block's last PV and its finishing (and between its members' O^T)
@@ -186,6 +190,7 @@ class _FwdConfig(nl.NKIObject):
         if shp.softcap > 0:
             self.pt_vector_period = 1  # the tanh keeps ScalarE as busy as TensorE already
         self.pt_scalar_lag = PT_SCALAR_LAG
+        self.exps_first = EXPS_FIRST_WIDE and (shp.d_head > PMAX or d_v > PMAX)
         self.first_o_scalar = FIRST_O_SCALAR and self.pt_vector_period > 1
         if kb_tiles is None:
             # the deeper exponent lead only where it costs no key-block size (each exponent in flight holds a P tile)
@@ -1418,6 +1423,10 @@ def _attend_all(cfg, hbm, sinks_ref, launch, steps, units):
         for t in range(n3):
             # the scores of the next unit run ahead of this unit's exponents, done by 2/3 of them: its phase 2
             # then has the last third of the segment to reach the exponent bias
+            if cfg.exps_first:
+                while done3 < min(n3, t + 1 + cfg.exp_lead):
+                    _exp_tile(cfg, steps, prev, done3)
+                    done3 = done3 + 1
             want = min(n1, ((t + 1) * n1 * cfg.score_den + cfg.score_num * n3 - 1) // (cfg.score_num * n3))
             while done1 < want:
                 _score_tile(cfg, steps, cur, cur.jobs[done1][0], cur.jobs[done1][1])
