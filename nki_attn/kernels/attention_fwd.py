@@ -4,7 +4,7 @@
                   mixed_precision=True, softmax_scale=None, sliding_window=None, softcap=0.0, alibi_slopes=None,
                   window_size=None, dropout_p=0.0, dropout_seed=None, kb_tiles=None, block_members_max=None,
                   slab_tiles=None, attn_bias=None, block_mask=None, block_bits=None, p_dma_period=None,
-                  pv_lag=None, logit_scale=None) -> (o, lse)
+                  pv_lag=None, logit_scale=None, vt_cache=None) -> (o, lse)
 
 Layouts (head_dim on the partition axis): q ``[bs, nheads, d_qk, seqlen_q]``, k ``[bs, nheads_kv, d_qk,
 seqlen_k]``, v ``[bs, nheads_kv, d_v, seqlen_k]``, o ``[bs, nheads, d_v, seqlen_q]``, lse float32 ``[bs, nheads,
@@ -78,6 +78,10 @@ FIRST_O_SCALAR = True  # a member's O = PV at its first key block by a ScalarE c
 # tile, so a unit has as few jobs as members and the SCORE_NUM / SCORE_DEN rule puts all the next unit's scores
 # first; with soft-capping their tanh then stood on ScalarE before the exponents the P transposes wait for
 EXPS_FIRST_WIDE = True
+# d_v > 128: a key chunk's V^T is transposed by TensorE once per work item and parked in a private HBM scratch;
+# a later unit loads it from there (a plain copy, 512 contiguous bytes per key) instead of V (``_plan_vt``)
+VT_CACHE_WIDE = True
+VT_GROUP = 32  # 128-key chunks per row group of that scratch (a multiple of a key block's 16)
 PT_SCALAR_LAG = 3  # a ScalarE eviction is emitted this many phase-3 steps after its transposes
 FIN_DELAY_MIN = 2  # ... where the SBUF has no room for the finishing blocks' O accumulators FIN_DELAY keeps
 FIN_DELAY = 12  # phase-3 steps between a block's last PV and its finishing (and between its members' O^T)
@@ -113,7 +117,7 @@ class _FwdConfig(nl.NKIObject):
     """
 
     def __init__(self, shp, io_dtype, acc_dtype, range_select_ok, d_v=None, kb_tiles=None, block_members_max=None,
-                 slab_tiles=None, p_dma_period=None, pv_lag=None):
+                 slab_tiles=None, p_dma_period=None, pv_lag=None, vt_cache=None):
         if d_v is None:
             d_v = shp.d_v
         self.shp = shp
@@ -191,6 +195,7 @@ class _FwdConfig(nl.NKIObject):
             self.pt_vector_period = 1  # the tanh keeps ScalarE as busy as TensorE already
         self.pt_scalar_lag = PT_SCALAR_LAG
         self.exps_first = EXPS_FIRST_WIDE and (shp.d_head > PMAX or d_v > PMAX)
+        self.vt_cache = d_v > PMAX and (VT_CACHE_WIDE if vt_cache is None else vt_cache)
         self.first_o_scalar = FIRST_O_SCALAR and self.pt_vector_period > 1
         if kb_tiles is None:
             # the deeper exponent lead only where it costs no key-block size (each exponent in flight holds a P tile)
@@ -529,6 +534,7 @@ class _WorkItem(nl.NKIObject):
         self.b = b
         self.kvh = kvh
         self.item = None
+        self.vt_hbm = None
 
 
 class _Slab(nl.NKIObject):
@@ -609,6 +615,8 @@ class _Unit(nl.NKIObject):
         self.p = None
         self.slot = None
         self.summed = False
+        self.vt_load = False
+        self.vt_store = False
 
 
 class _Pipe(nl.NKIObject):
@@ -961,6 +969,9 @@ def _open_item(cfg, hbm, sinks_ref, launch, steps, work):
     if cfg.shp.num_sinks > 0:
         sink_stats = _sink_stats(cfg, sinks_ref, b, kvh)
     work.item = Item(b, kvh, seed=launch.seed, bounds=launch.bounds, pos_tab=launch.pos_tab, sinks=sink_stats)
+    if cfg.vt_cache:
+        n_grp = ((cfg.shp.seqlen_k + PMAX - 1) // PMAX + VT_GROUP - 1) // VT_GROUP
+        work.vt_hbm = nl.ndarray((n_grp * PMAX, VT_GROUP * cfg.d_v), dtype=cfg.io_dtype, buffer=nl.private_hbm)
     for f in steps.item_start:
         f(cfg, hbm, work.item)
 
@@ -1048,13 +1059,19 @@ def _load_unit(cfg, hbm, sinks_ref, launch, steps, unit):
         kt_sb = nl.ndarray((dsz, width), dtype=cfg.io_dtype, buffer=nl.sbuf)
         nisa.dma_copy(dst=kt_sb, src=hbm.k[b, kvh, d0:d0 + dsz, key0:key0 + width])
         k_tiles.append(kt_sb)
+    unit.k_tiles = k_tiles
+    if unit.vt_load:
+        n_ch = kb.c_hi - kb.c_lo
+        vt = nl.ndarray((PMAX, n_ch, cfg.d_v), dtype=cfg.io_dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=vt, src=_vt_scratch(cfg, work, key0, n_ch))
+        unit.vt = vt
+        return
     v_tiles = []
     for vi in range(len(cfg.v_tiles)):
         v0, vsz = cfg.v_tiles[vi]
         v_sb = nl.ndarray((vsz, width), dtype=cfg.io_dtype, buffer=nl.sbuf)
         nisa.dma_copy(dst=v_sb, src=hbm.v[b, kvh, v0:v0 + vsz, key0:key0 + width])
         v_tiles.append(v_sb)
-    unit.k_tiles = k_tiles
     unit.v_tiles = v_tiles
 
 
@@ -1087,7 +1104,11 @@ def _end_scores(cfg, unit, gaps_next):
     kb = unit.kb
     blk = unit.blk
     unit.k_tiles = None
-    unit.vt = _transpose_v(cfg, unit.v_tiles, kb.c_hi - kb.c_lo)
+    if not unit.vt_load:
+        unit.vt = _transpose_v(cfg, unit.v_tiles, kb.c_hi - kb.c_lo)
+        if unit.vt_store:
+            key0 = kb.kt0 * K_TILE + kb.c_lo * PMAX
+            nisa.dma_copy(dst=_vt_scratch(cfg, blk.slab.work, key0, kb.c_hi - kb.c_lo), src=unit.vt)
     unit.v_tiles = None
     unit.idx = None
     n = len(blk.heads)
@@ -1358,7 +1379,57 @@ def _plan_units(cfg, start, stop, slabs):
                     units.append(_Unit(blk, None, True, True))
                 for k in range(len(plan)):
                     units.append(_Unit(blk, plan[k], k == 0, k == len(plan) - 1))
+    if cfg.vt_cache:
+        _plan_vt(cfg, units)
     return units
+
+
+def _plan_vt(cfg, units):
+    """Which units load V^T from the work item's HBM scratch (``vt_load``) and which write theirs there
+    (``vt_store``). Unit m's K/V load is emitted in segment m - 2, before that segment's V^T (of unit m - 1), so
+    unit m may load a chunk only if the unit that stored it is m - 3 or earlier; otherwise it transposes V itself
+    and stores its V^T if it holds a chunk not stored yet."""
+    n_ch = (cfg.shp.seqlen_k + PMAX - 1) // PMAX
+    item = -1
+    stored = []
+    for m in range(len(units)):
+        unit = units[m]
+        work = unit.blk.slab.work
+        if work.b * cfg.shp.nheads_kv + work.kvh != item:
+            item = work.b * cfg.shp.nheads_kv + work.kvh
+            stored = []
+            for c in range(n_ch):
+                stored.append(-1)
+        kb = unit.kb
+        if kb is None:
+            continue
+        c0 = kb.kt0 * (K_TILE // PMAX) + kb.c_lo
+        c1 = kb.kt0 * (K_TILE // PMAX) + kb.c_hi
+        ready = True
+        new = False
+        for c in range(c0, c1):
+            if stored[c] < 0:
+                new = True
+            if stored[c] < 0 or stored[c] > m - 3:
+                ready = False
+        if ready:
+            unit.vt_load = True
+        elif new:
+            unit.vt_store = True
+            for c in range(c0, c1):
+                stored[c] = m
+
+
+def _vt_scratch(cfg, work, key0, n_ch):
+    """The work item's V^T scratch for keys ``[key0, key0 + n_ch * 128)`` as ``[128 keys, n_ch, d_v]`` (the
+    SBUF layout of ``_transpose_v``). The scratch is ``[groups * 128, VT_GROUP * d_v]``: chunk c's key p at row
+    ``(c // VT_GROUP) * 128 + p``, columns ``(c % VT_GROUP) * d_v`` on, so every stride fits the ISA's int16
+    field; a key block (at most 16 chunks, aligned) never straddles a group."""
+    d = cfg.d_v
+    c0 = key0 // PMAX
+    grp = c0 // VT_GROUP
+    off = grp * PMAX * VT_GROUP * d + (c0 - grp * VT_GROUP) * d
+    return work.vt_hbm.ap(pattern=[[VT_GROUP * d, PMAX], [d, n_ch], [1, d]], offset=off)
 
 
 def _make_room(cfg, hbm, steps, pipe):
@@ -1480,7 +1551,7 @@ def _nonnegative_int_problem(name, value):
 def fwd_problem(q_ref, k_ref, v_ref, sinks_ref=None, bound_min=None, bound_max=None, use_causal_mask=False,
                 mixed_precision=True, softmax_scale=None, sliding_window=None, window_size=None, dropout_p=0.0,
                 dropout_seed=None, kb_tiles=None, block_members_max=None, slab_tiles=None, block_mask=None,
-                block_bits=None, p_dma_period=None, pv_lag=None, **mods):
+                block_bits=None, p_dma_period=None, pv_lag=None, vt_cache=None, **mods):
     """``None`` when ``attention_fwd`` accepts these arguments, else the first problem as a message (host side:
     ``nki_attn.kernel_api.attention_fwd`` raises it as ``ValueError`` before launching). The score modifications'
     keywords (``softcap``, ``alibi_slopes``, ``attn_bias``, ``logit_scale``: ``score_mods.MOD_KEYWORDS``) come
@@ -1490,12 +1561,13 @@ def fwd_problem(q_ref, k_ref, v_ref, sinks_ref=None, bound_min=None, bound_max=N
             raise TypeError(f"fwd_problem() got an unexpected keyword argument {key!r}")
     return _fwd_problem(q_ref, k_ref, v_ref, sinks_ref, bound_min, bound_max, use_causal_mask, mixed_precision,
                         softmax_scale, sliding_window, window_size, dropout_p, dropout_seed, kb_tiles,
-                        block_members_max, slab_tiles, block_mask, block_bits, p_dma_period, pv_lag, mods)
+                        block_members_max, slab_tiles, block_mask, block_bits, p_dma_period, pv_lag, vt_cache,
+                        mods)
 
 
 def _fwd_problem(q_ref, k_ref, v_ref, sinks_ref, bound_min, bound_max, use_causal_mask, mixed_precision,
                  softmax_scale, sliding_window, window_size, dropout_p, dropout_seed, kb_tiles, block_members_max,
-                 slab_tiles, block_mask, block_bits, p_dma_period, pv_lag, mods):
+                 slab_tiles, block_mask, block_bits, p_dma_period, pv_lag, vt_cache, mods):
     """``fwd_problem`` in kernel code (the kernel asserts on it): ``mods`` the score modifications' arguments by
     kernel keyword."""
     problem = attention_problem(q_ref, k_ref, v_ref, sinks=sinks_ref, bound_min=bound_min, bound_max=bound_max,
@@ -1518,12 +1590,14 @@ def _fwd_problem(q_ref, k_ref, v_ref, sinks_ref, bound_min, bound_max, use_causa
         problem = _nonnegative_int_problem("p_dma_period", p_dma_period)
     if problem is None:
         problem = _nonnegative_int_problem("pv_lag", pv_lag)
+    if problem is None and vt_cache is not None and not isinstance(vt_cache, bool):
+        problem = f"vt_cache={vt_cache!r} must be None, True or False"
     return problem
 
 
 def _setup_config(q_ref, k_ref, v_ref, sinks_ref, bound_min, use_causal_mask, mixed_precision, softmax_scale,
                   sliding_window, window_size, dropout_p, kb_tiles, block_members_max, slab_tiles, block_mask=None,
-                  p_dma_period=None, pv_lag=None, mods=None):
+                  p_dma_period=None, pv_lag=None, mods=None, vt_cache=None):
     """The launch's ``_FwdConfig``, built once from the kernel's (valid) arguments; ``block_mask`` its
     ``band.BlockRows`` (or None); ``mods`` the score modifications' arguments by kernel keyword."""
     shp = attention_shape(q_ref, k_ref, sinks=sinks_ref, bound_min=bound_min, use_causal_mask=use_causal_mask,
@@ -1532,7 +1606,7 @@ def _setup_config(q_ref, k_ref, v_ref, sinks_ref, bound_min, use_causal_mask, mi
     range_select_ok = nisa.get_nc_version() >= nisa.nc_version.gen3  # range_select exists on trn2+
     acc_dtype = nl.float32 if mixed_precision else q_ref.dtype
     cfg = _FwdConfig(shp, q_ref.dtype, acc_dtype, range_select_ok, v_ref.shape[2], kb_tiles, block_members_max,
-                     slab_tiles, p_dma_period, pv_lag)
+                     slab_tiles, p_dma_period, pv_lag, vt_cache)
     if block_mask is not None:
         cfg.block_mask = BlockRows(block_mask[0], block_mask[1], block_mask[2], shp.seqlen_k // PMAX)
     return cfg
@@ -1543,7 +1617,7 @@ def attention_fwd(q_ref, k_ref, v_ref, sinks_ref=None, bound_min=None, bound_max
                   mixed_precision=True, softmax_scale=None, sliding_window=None, softcap=0.0, alibi_slopes=None,
                   window_size=None, dropout_p=0.0, dropout_seed=None, kb_tiles=None, block_members_max=None,
                   slab_tiles=None, attn_bias=None, block_mask=None, block_bits=None, p_dma_period=None,
-                  pv_lag=None, logit_scale=None):
+                  pv_lag=None, logit_scale=None, vt_cache=None):
     """Flash-attention forward; returns ``(o, lse)`` in shared HBM.
 
     Args:
@@ -1575,6 +1649,9 @@ def attention_fwd(q_ref, k_ref, v_ref, sinks_ref=None, bound_min=None, bound_max
             full P tiles of a key block are transposed by one dma_transpose (trn2+, 16-bit; default 4 when both
             head dims are <= 128, else 0 = never); PV matmuls run pv_lag jobs behind their P^T (``PV_LAG``). The
             result does not change.
+        vt_cache: tuning (None = ``VT_CACHE_WIDE``, on): with d_v > 128, each 128-key chunk's V^T is transposed
+            once per work item into a private HBM scratch and later key blocks load it from there
+            (``_plan_vt``); False: every key block transposes its V on TensorE. The result does not change.
         attn_bias: optional float32 / bfloat16 / float16 ``[bb, hb, sqb, skb]``, each dim 1 (broadcast) or the
             call's ``[bs, nheads, seqlen_q, seqlen_k]``: added to the scaled (and capped) scores, after ALiBi
             (``score_mods.bias_scores``; rows are query positions, columns keys, in the kernel's padded lengths).
@@ -1593,11 +1670,12 @@ def attention_fwd(q_ref, k_ref, v_ref, sinks_ref=None, bound_min=None, bound_max
     mods = {"softcap": softcap, "alibi_slopes": alibi_slopes, "attn_bias": attn_bias, "logit_scale": logit_scale}
     problem = _fwd_problem(q_ref, k_ref, v_ref, sinks_ref, bound_min, bound_max, use_causal_mask, mixed_precision,
                            softmax_scale, sliding_window, window_size, dropout_p, dropout_seed, kb_tiles,
-                           block_members_max, slab_tiles, block_mask, block_bits, p_dma_period, pv_lag, mods)
+                           block_members_max, slab_tiles, block_mask, block_bits, p_dma_period, pv_lag, vt_cache,
+                           mods)
     assert problem is None, problem
     cfg = _setup_config(q_ref, k_ref, v_ref, sinks_ref, bound_min, use_causal_mask, mixed_precision, softmax_scale,
                         sliding_window, window_size, dropout_p, kb_tiles, block_members_max, slab_tiles, block_mask,
-                        p_dma_period, pv_lag, mods)
+                        p_dma_period, pv_lag, mods, vt_cache)
     if cfg.block_mask is not None and cfg.block_mask.n_slots > 0:
         cfg.block_mask.bits = block_bits
         cfg.block_mask.bitsel = block_bitsel()
