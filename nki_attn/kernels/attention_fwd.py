@@ -194,7 +194,11 @@ class _FwdConfig(nl.NKIObject):
         if shp.softcap > 0:
             self.pt_vector_period = 1  # the tanh keeps ScalarE as busy as TensorE already
         self.pt_scalar_lag = PT_SCALAR_LAG
-        self.exps_first = EXPS_FIRST_WIDE and (shp.d_head > PMAX or d_v > PMAX)
+        # head dims > 128 (``wide``): the first unit's K is loaded before the slab's Q and the first slab's Q
+        # in two parts, its first block's query tiles first (the first scores wait for less); the core's last
+        # slab stores O block by block (the drain waits for the last block's stores only)
+        self.wide = shp.d_head > PMAX or d_v > PMAX
+        self.exps_first = EXPS_FIRST_WIDE and self.wide
         self.vt_cache = d_v > PMAX and (VT_CACHE_WIDE if vt_cache is None else vt_cache)
         self.first_o_scalar = FIRST_O_SCALAR and self.pt_vector_period > 1
         if kb_tiles is None:
@@ -541,7 +545,9 @@ class _Slab(nl.NKIObject):
     """One slab of a work item: query tiles ``[t0, t0 + n)``; once opened (``_open_slab``) ``q[h][qi]`` the Q of
     head h of the group per Q/K partition tile, ``o[vi]`` / ``lse`` the O^T and LSE staging in member order
     (column block j = member j), ``state`` the per-row state of the row steps (``[128, members, k]``, or None).
-    ``blocks_left``: blocks not finished yet (the slab is stored after its last)."""
+    ``blocks_left``: blocks not finished yet (the slab is stored after its last); ``by_block``: O and the LSE are
+    stored block by block instead (the core's last slab at head dims > 128: the drain then waits for the last
+    block's stores only)."""
 
     def __init__(self, work, t0, n, n_blocks):
         self.work = work
@@ -553,6 +559,9 @@ class _Slab(nl.NKIObject):
         self.state = None
         self.opened = False
         self.blocks_left = n_blocks
+        self.by_block = False
+        self.split_q = False
+        self.q_rest = 0
 
 
 class _Block(nl.NKIObject):
@@ -985,15 +994,21 @@ def _open_slab(cfg, hbm, steps, slab):
     t1 = t0 + n
     b = slab.work.b
     kvh = slab.work.kvh
+    # the slab's first ``m`` query tiles first (``split_q``: those of its first block), then the others
+    m = n
+    if slab.split_q:
+        j0, j1 = _blocks(cfg, n)[0]
+        m = max(1, (j1 - j0) // g)
     q_slab = []
     for h in range(g):
         row = []
         for qi in range(len(cfg.qk_tiles)):
             d0, dsz = cfg.qk_tiles[qi]
             qt = nl.ndarray((dsz, n * PMAX), dtype=cfg.io_dtype, buffer=nl.sbuf)
-            nisa.dma_copy(dst=qt, src=hbm.q[b, kvh * g + h, d0:d0 + dsz, t0 * PMAX:t1 * PMAX])
+            nisa.dma_copy(dst=qt[:, 0:m * PMAX], src=hbm.q[b, kvh * g + h, d0:d0 + dsz, t0 * PMAX:(t0 + m) * PMAX])
             row.append(qt)
         q_slab.append(row)
+    slab.q_rest = m
     # O^T and LSE staging in member order (column block j = member j), stored per head by strided reads
     o_slab = []
     for vi in range(len(cfg.v_tiles)):
@@ -1040,39 +1055,55 @@ def _load_unit(cfg, hbm, sinks_ref, launch, steps, unit):
     blk = unit.blk
     slab = blk.slab
     work = slab.work
+    kb = unit.kb
     if work.item is None:
         _open_item(cfg, hbm, sinks_ref, launch, steps, work)
+    if kb is not None and cfg.wide and not slab.opened:
+        unit.k_tiles = _load_k(cfg, hbm, unit)  # before the slab's Q: the first score needs one head's Q only
     if not slab.opened:
         _open_slab(cfg, hbm, steps, slab)
     if unit.first:
         _start_block(cfg, blk)
-    kb = unit.kb
     if kb is None:
+        if slab.q_rest < slab.n:
+            _load_q_rest(cfg, hbm, slab)
         return
     b = work.b
     kvh = work.kvh
+    key0 = kb.kt0 * K_TILE + kb.c_lo * PMAX
+    width = (kb.c_hi - kb.c_lo) * PMAX
+    if unit.k_tiles is None:
+        unit.k_tiles = _load_k(cfg, hbm, unit)
+    if unit.vt_load:
+        n_ch = kb.c_hi - kb.c_lo
+        vt = nl.ndarray((PMAX, n_ch, cfg.d_v), dtype=cfg.io_dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=vt, src=_vt_scratch(cfg, work, key0, n_ch))
+        unit.vt = vt
+    else:
+        v_tiles = []
+        for vi in range(len(cfg.v_tiles)):
+            v0, vsz = cfg.v_tiles[vi]
+            v_sb = nl.ndarray((vsz, width), dtype=cfg.io_dtype, buffer=nl.sbuf)
+            nisa.dma_copy(dst=v_sb, src=hbm.v[b, kvh, v0:v0 + vsz, key0:key0 + width])
+            v_tiles.append(v_sb)
+        unit.v_tiles = v_tiles
+    if slab.q_rest < slab.n:
+        _load_q_rest(cfg, hbm, slab)
+
+
+def _load_k(cfg, hbm, unit):
+    """K of ``unit`` (the union of its members' visible chunks), one DMA per Q/K partition tile."""
+    kb = unit.kb
+    work = unit.blk.slab.work
     key0 = kb.kt0 * K_TILE + kb.c_lo * PMAX
     width = (kb.c_hi - kb.c_lo) * PMAX
     k_tiles = []
     for qi in range(len(cfg.qk_tiles)):
         d0, dsz = cfg.qk_tiles[qi]
         kt_sb = nl.ndarray((dsz, width), dtype=cfg.io_dtype, buffer=nl.sbuf)
-        nisa.dma_copy(dst=kt_sb, src=hbm.k[b, kvh, d0:d0 + dsz, key0:key0 + width])
+        nisa.dma_copy(dst=kt_sb, src=hbm.k[work.b, work.kvh, d0:d0 + dsz, key0:key0 + width])
         k_tiles.append(kt_sb)
-    unit.k_tiles = k_tiles
-    if unit.vt_load:
-        n_ch = kb.c_hi - kb.c_lo
-        vt = nl.ndarray((PMAX, n_ch, cfg.d_v), dtype=cfg.io_dtype, buffer=nl.sbuf)
-        nisa.dma_copy(dst=vt, src=_vt_scratch(cfg, work, key0, n_ch))
-        unit.vt = vt
-        return
-    v_tiles = []
-    for vi in range(len(cfg.v_tiles)):
-        v0, vsz = cfg.v_tiles[vi]
-        v_sb = nl.ndarray((vsz, width), dtype=cfg.io_dtype, buffer=nl.sbuf)
-        nisa.dma_copy(dst=v_sb, src=hbm.v[b, kvh, v0:v0 + vsz, key0:key0 + width])
-        v_tiles.append(v_sb)
-    unit.v_tiles = v_tiles
+    return k_tiles
 
 
 def _begin_scores(cfg, steps, unit):
@@ -1098,24 +1129,35 @@ def _begin_scores(cfg, steps, unit):
         f(cfg, kb.kt0, unit.blk.slab.work.item)
 
 
+def _end_scores_vt(cfg, unit):
+    """The unit's V^T from its V (TensorE), stored to the work item's scratch when it holds new chunks; a unit
+    that loaded its V^T has it already."""
+    kb = unit.kb
+    if not unit.vt_load:
+        unit.vt = _transpose_v(cfg, unit.v_tiles, kb.c_hi - kb.c_lo)
+        if unit.vt_store:
+            key0 = kb.kt0 * K_TILE + kb.c_lo * PMAX
+            nisa.dma_copy(dst=_vt_scratch(cfg, unit.blk.slab.work, key0, kb.c_hi - kb.c_lo), src=unit.vt)
+    unit.v_tiles = None
+
+
 def _end_scores(cfg, unit, gaps_next):
     """After a unit's last score: V^T, and phase 2 into the statistics tile of the block's next key block
     (``gaps_next``: it has slots no key tile will write)."""
     kb = unit.kb
     blk = unit.blk
     unit.k_tiles = None
-    if not unit.vt_load:
-        unit.vt = _transpose_v(cfg, unit.v_tiles, kb.c_hi - kb.c_lo)
-        if unit.vt_store:
-            key0 = kb.kt0 * K_TILE + kb.c_lo * PMAX
-            nisa.dma_copy(dst=_vt_scratch(cfg, blk.slab.work, key0, kb.c_hi - kb.c_lo), src=unit.vt)
-    unit.v_tiles = None
+    if not cfg.wide:
+        _end_scores_vt(cfg, unit)
     unit.idx = None
     n = len(blk.heads)
     pm_next = nl.ndarray((PMAX, n, cfg.kb_tiles + 1), dtype=nl.float32, buffer=nl.sbuf)
     if gaps_next:
         nisa.memset(dst=pm_next, value=FP32_MIN, engine=nisa.engine.gpsimd)  # slots no key tile will write
     diff, bias = _update_max(cfg, blk.pm, pm_next)
+    if cfg.wide:
+        # after phase 2: its V^T eviction (a d_v > 128 bank holds two chunks) would delay the exponent bias
+        _end_scores_vt(cfg, unit)
     unit.diff = diff
     unit.bias = bias
     blk.pm = pm_next
@@ -1288,8 +1330,62 @@ def _finish_member(cfg, blk, u, o_n):
             nisa.activation(dst=slab.o[vi][:, col:col + PMAX], op=nl.copy, data=ot_ps)
 
 
+def _store_o(cfg, hbm, slab, h, r0, r1):
+    """O of head ``h`` of the group for the slab's query tiles ``[t0 + r0, t0 + r1)``, one DMA per d tile, from
+    the staging (member order: column block ``r * group + h``)."""
+    g = cfg.group
+    n = slab.n
+    b = slab.work.b
+    hq = slab.work.kvh * g + h
+    q0 = (slab.t0 + r0) * PMAX
+    q1 = (slab.t0 + r1) * PMAX
+    for vi in range(len(cfg.v_tiles)):
+        v0, vsz = cfg.v_tiles[vi]
+        nisa.dma_copy(dst=hbm.o[b, hq, v0:v0 + vsz, q0:q1],
+                      src=slab.o[vi].ap(pattern=[[n * g * PMAX, vsz], [g * PMAX, r1 - r0], [1, PMAX]],
+                                        offset=(r0 * g + h) * PMAX))
+
+
+
+
+def _load_q_rest(cfg, hbm, slab):
+    """The query tiles of a ``split_q`` slab that ``_open_slab`` left (after the first unit's V)."""
+    g = cfg.group
+    m = slab.q_rest
+    slab.q_rest = slab.n
+    for h in range(g):
+        for qi in range(len(cfg.qk_tiles)):
+            d0, dsz = cfg.qk_tiles[qi]
+            nisa.dma_copy(dst=slab.q[h][qi][:, m * PMAX:slab.n * PMAX],
+                          src=hbm.q[slab.work.b, slab.work.kvh * g + h, d0:d0 + dsz,
+                                    (slab.t0 + m) * PMAX:(slab.t0 + slab.n) * PMAX])
+
+
+def _store_lse(cfg, hbm, slab, h, r0, r1):
+    """The LSE of head ``h`` of the group for the slab's query tiles ``[t0 + r0, t0 + r1)``, one DMA, from the
+    LSE staging (column ``r * group + h``)."""
+    g = cfg.group
+    hq = slab.work.kvh * g + h
+    nisa.dma_copy(dst=hbm.lse[slab.work.b, hq, :, slab.t0 + r0:slab.t0 + r1],
+                  src=slab.lse.ap(pattern=[[slab.n * g, PMAX], [g, r1 - r0]], offset=r0 * g + h))
+
+
+def _store_block(cfg, hbm, blk, lse):
+    """O (``lse`` False) or the LSE (True) of a finished block of a ``by_block`` slab: per head of the block,
+    its query tiles (a block holds whole query tiles of the group, or some heads of one query tile)."""
+    r0 = blk.tiles[0] - blk.slab.t0
+    r1 = blk.tiles[len(blk.tiles) - 1] - blk.slab.t0 + 1
+    n_heads = min(len(blk.heads), cfg.group)
+    for k in range(n_heads):
+        if lse:
+            _store_lse(cfg, hbm, blk.slab, blk.heads[k], r0, r1)
+        else:
+            _store_o(cfg, hbm, blk.slab, blk.heads[k], r0, r1)
+
+
 def _store_slab(cfg, hbm, slab):
-    """O and the LSE of the slab, one DMA per (head, d tile) and one per head, from the staging."""
+    """O and the LSE of the slab, one DMA per (head, d tile) and one per head, from the staging (O not when
+    the slab stored it block by block)."""
     g = cfg.group
     n = slab.n
     t0 = slab.t0
@@ -1297,13 +1393,9 @@ def _store_slab(cfg, hbm, slab):
     b = slab.work.b
     kvh = slab.work.kvh
     for h in range(g):
-        hq = kvh * g + h
-        for vi in range(len(cfg.v_tiles)):
-            v0, vsz = cfg.v_tiles[vi]
-            nisa.dma_copy(dst=hbm.o[b, hq, v0:v0 + vsz, t0 * PMAX:t1 * PMAX],
-                          src=slab.o[vi].ap(pattern=[[n * g * PMAX, vsz], [g * PMAX, n], [1, PMAX]],
-                                            offset=h * PMAX))
-        nisa.dma_copy(dst=hbm.lse[b, hq, :, t0:t1], src=slab.lse.ap(pattern=[[n * g, PMAX], [g, n]], offset=h))
+        if not slab.by_block:
+            _store_o(cfg, hbm, slab, h, 0, n)
+            _store_lse(cfg, hbm, slab, h, 0, n)
     slab.q = None
     slab.o = None
     slab.lse = None
@@ -1334,6 +1426,8 @@ def _run_later(cfg, hbm, steps, pipe, flush):
                     again = flush
                 elif job[1] == "lse":
                     _finish_lse(cfg, steps, blk)
+                    if blk.slab.by_block:
+                        _store_block(cfg, hbm, blk, True)
                 else:
                     u = job[3]
                     _finish_member(cfg, blk, u, job[4][u])
@@ -1344,6 +1438,8 @@ def _run_later(cfg, hbm, steps, pipe, flush):
                         blk.l_sum = None
                         blk.bias = None
                         blk.slab.blocks_left = blk.slab.blocks_left - 1
+                        if blk.slab.by_block:
+                            _store_block(cfg, hbm, blk, False)
                         if blk.slab.blocks_left == 0:
                             _store_slab(cfg, hbm, blk.slab)
                             pipe.live_slabs = pipe.live_slabs - 1
@@ -1381,6 +1477,9 @@ def _plan_units(cfg, start, stop, slabs):
                     units.append(_Unit(blk, plan[k], k == 0, k == len(plan) - 1))
     if cfg.vt_cache:
         _plan_vt(cfg, units)
+    if cfg.wide and len(units) > 0:
+        units[len(units) - 1].blk.slab.by_block = True
+        units[0].blk.slab.split_q = True
     return units
 
 

@@ -188,10 +188,19 @@ def test_transfers_once_per_head_and_slab():
     n_sec = cfg.n_qt // cfg.slab_tiles
     assert n_sec * cfg.slab_tiles == cfg.n_qt
     _, rec = traced(q, k, v, sinks_ref=torch.zeros(1, 4), use_causal_mask=True)
-    assert len(dmas(rec, src="arg0")) == 4 * 2 * n_sec  # Q: one DMA per (head, d tile, slab)
-    assert len(dmas(rec, dst_hbm_dtype="bfloat16")) == 4 * 2 * n_sec  # O: one per (head, d tile, slab)
+    # head dims > 128: the first slab's Q comes in two parts (its first block's query tiles first), the last
+    # slab's O and LSE go out block by block (2 blocks of 2 query tiles per slab here)
+    n_last = 2
+    q_loads = dmas(rec, src="arg0")
+    assert len(q_loads) == 4 * 2 * (n_sec + 1)  # Q: one DMA per (head, d tile, slab), the first slab's in two
+    assert sum(r.dst.shape[1] for r in q_loads) == 4 * 2 * cfg.n_qt * 128  # every query column once
+    o_stores = dmas(rec, dst_hbm_dtype="bfloat16")
+    assert len(o_stores) == 4 * 2 * (n_sec - 1 + n_last)  # O: one per (head, d tile, slab), the last's per block
+    assert sum(r.dst.shape[1] for r in o_stores) == 4 * 2 * cfg.n_qt * 128
     lse = dmas(rec, dst_hbm_dtype="float32")
-    assert len(lse) == 4 * n_sec and all(r.dst.shape == (128, cfg.slab_tiles) for r in lse)  # LSE: per head, slab
+    assert len(lse) == 4 * (n_sec - 1 + n_last)  # LSE: per head and slab, the last slab's per block
+    assert sorted(r.dst.shape[1] for r in lse) == [cfg.slab_tiles // n_last] * 4 * n_last + \
+        [cfg.slab_tiles] * 4 * (n_sec - 1)
     assert len(dmas(rec, src="arg3")) == 1  # the sinks: once per kv head
     # K and V: one DMA per (block, key block, d tile); blocks of 2 query tiles x 4 heads, one key block each
     blocks = n_members_blocks(cfg)
