@@ -626,6 +626,7 @@ class _Unit(nl.NKIObject):
         self.summed = False
         self.vt_load = False
         self.vt_store = False
+        self.vt_prev = None
 
 
 class _Pipe(nl.NKIObject):
@@ -1079,7 +1080,7 @@ def _load_unit(cfg, hbm, sinks_ref, launch, steps, unit):
         vt = nl.ndarray((PMAX, n_ch, cfg.d_v), dtype=cfg.io_dtype, buffer=nl.sbuf)
         nisa.dma_copy(dst=vt, src=_vt_scratch(cfg, work, key0, n_ch))
         unit.vt = vt
-    else:
+    elif unit.vt_prev is None:
         v_tiles = []
         for vi in range(len(cfg.v_tiles)):
             v0, vsz = cfg.v_tiles[vi]
@@ -1133,7 +1134,10 @@ def _end_scores_vt(cfg, unit):
     """The unit's V^T from its V (TensorE), stored to the work item's scratch when it holds new chunks; a unit
     that loaded its V^T has it already."""
     kb = unit.kb
-    if not unit.vt_load:
+    if unit.vt_prev is not None:
+        unit.vt = unit.vt_prev.vt
+        unit.vt_prev = None
+    elif not unit.vt_load:
         unit.vt = _transpose_v(cfg, unit.v_tiles, kb.c_hi - kb.c_lo)
         if unit.vt_store:
             key0 = kb.kt0 * K_TILE + kb.c_lo * PMAX
@@ -1252,11 +1256,12 @@ def _p_dma_batches(jobs, n_full, last_full, slot, most):
 
 
 # ----------------------------------------------------------------------------------------------------- finishing
-def _finish_stats(cfg, steps, blk):
+def _finish_stats(cfg, steps, blk, drain=False):
     """Finishing of a block, all members at once: ``1 / l``, the keep flags and ``log(l)`` (``_finish_lse``
     writes ``lse = c m + log(l)`` = log(l) - bias a few steps later), rows that saw no key (and have no sink) get 0
     and +inf; then per member ``O * (1/l)`` into o's dtype (VectorE, or ScalarE with ``cfg.finish_on_vector``
-    off). Returns the normalised ``o_n`` per member (``_finish_member`` transposes them)."""
+    off; ``drain``: every 2nd member's on ScalarE, which the pipeline's drain leaves idle). Returns the
+    normalised ``o_n`` per member (``_finish_member`` transposes them)."""
     slab = blk.slab
     item = slab.work.item
     j0 = blk.j0
@@ -1285,16 +1290,19 @@ def _finish_stats(cfg, steps, blk):
     nisa.select_reduce(dst=recip, predicate=keep, on_true=recip, on_false=0.0)  # 0 for empty rows
     if cfg.o_factor != 1.0:
         nisa.tensor_scalar(dst=recip, data=recip, op0=nl.multiply, operand0=cfg.o_factor)
+    log_l = nl.ndarray((PMAX, n), dtype=nl.float32, buffer=nl.sbuf)
+    if drain:
+        nisa.activation(dst=log_l, op=nl.log, data=l_safe)  # before ScalarE's normalisations: the LSE waits
     o_ns = []
     for u in range(n):
         o_n = nl.ndarray((PMAX, cfg.d_v), dtype=cfg.io_dtype, buffer=nl.sbuf)
-        if cfg.finish_on_vector:
+        if cfg.finish_on_vector and not (drain and u % 2 == 1):
             nisa.tensor_scalar(dst=o_n, data=o_acc[:, u, :], op0=nl.multiply, operand0=recip[:, u:u + 1])
         else:
             nisa.activation(dst=o_n, op=nl.copy, data=o_acc[:, u, :], scale=recip[:, u:u + 1])
         o_ns.append(o_n)
-    log_l = nl.ndarray((PMAX, n), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.activation(dst=log_l, op=nl.log, data=l_safe)
+    if not drain:
+        nisa.activation(dst=log_l, op=nl.log, data=l_safe)
     blk.lse_parts = [log_l, bias, keep]
     return o_ns
 
@@ -1315,8 +1323,9 @@ def _finish_lse(cfg, steps, blk):
     nisa.select_reduce(dst=slab.lse[:, blk.j0:blk.j0 + n], predicate=keep, on_true=lse_real, on_false=POS_INF)
 
 
-def _finish_member(cfg, blk, u, o_n):
-    """O^T of member ``u`` per V/O partition tile (TensorE) into the slab's O staging."""
+def _finish_member(cfg, blk, u, o_n, drain=False):
+    """O^T of member ``u`` per V/O partition tile (TensorE) into the slab's O staging (``drain``: every 2nd
+    member's eviction on ScalarE, see ``_finish_stats``)."""
     slab = blk.slab
     j0 = blk.j0
     col = (j0 + u) * PMAX
@@ -1324,7 +1333,7 @@ def _finish_member(cfg, blk, u, o_n):
         v0, vsz = cfg.v_tiles[vi]
         ot_ps = nl.ndarray((vsz, PMAX), dtype=cfg.io_dtype, buffer=nl.psum)
         nisa.nc_transpose(dst=ot_ps, data=o_n[:, v0:v0 + vsz])
-        if cfg.finish_on_vector:
+        if cfg.finish_on_vector and not (drain and u % 2 == 1):
             nisa.tensor_copy(dst=slab.o[vi][:, col:col + PMAX], src=ot_ps)
         else:
             nisa.activation(dst=slab.o[vi][:, col:col + PMAX], op=nl.copy, data=ot_ps)
@@ -1419,7 +1428,7 @@ def _run_later(cfg, hbm, steps, pipe, flush):
                 if job[1] == "stats":
                     if len(pipe.evict) > 0:
                         _evict_pt(cfg, pipe, True)  # a first O copy may still wait (FIN_DELAY_MIN < its lag)
-                    o_ns = _finish_stats(cfg, steps, blk)
+                    o_ns = _finish_stats(cfg, steps, blk, flush and cfg.wide)
                     pipe.later.append([pipe.step + cfg.fin_delay, "lse", blk, 0, None])
                     for u in range(len(o_ns)):
                         pipe.later.append([pipe.step + cfg.fin_delay + u, "member", blk, u, o_ns])
@@ -1430,7 +1439,7 @@ def _run_later(cfg, hbm, steps, pipe, flush):
                         _store_block(cfg, hbm, blk, True)
                 else:
                     u = job[3]
-                    _finish_member(cfg, blk, u, job[4][u])
+                    _finish_member(cfg, blk, u, job[4][u], flush and cfg.wide)
                     job[4][u] = None
                     if u == len(job[4]) - 1:
                         blk.o_acc = None
@@ -1487,10 +1496,13 @@ def _plan_vt(cfg, units):
     """Which units load V^T from the work item's HBM scratch (``vt_load``) and which write theirs there
     (``vt_store``). Unit m's K/V load is emitted in segment m - 2, before that segment's V^T (of unit m - 1), so
     unit m may load a chunk only if the unit that stored it is m - 3 or earlier; otherwise it transposes V itself
-    and stores its V^T if it holds a chunk not stored yet."""
+    and stores its V^T if it holds a chunk not stored yet, or, when the unit before it (the same work item)
+    holds the same chunks, takes that unit's V^T tile (``vt_prev``: made in the segment before this unit's
+    phase 2, and alive until that unit's last PV, which comes after)."""
     n_ch = (cfg.shp.seqlen_k + PMAX - 1) // PMAX
     item = -1
     stored = []
+    prev = None
     for m in range(len(units)):
         unit = units[m]
         work = unit.blk.slab.work
@@ -1501,6 +1513,7 @@ def _plan_vt(cfg, units):
                 stored.append(-1)
         kb = unit.kb
         if kb is None:
+            prev = None
             continue
         c0 = kb.kt0 * (K_TILE // PMAX) + kb.c_lo
         c1 = kb.kt0 * (K_TILE // PMAX) + kb.c_hi
@@ -1511,12 +1524,18 @@ def _plan_vt(cfg, units):
                 new = True
             if stored[c] < 0 or stored[c] > m - 3:
                 ready = False
+        same = prev is not None and prev.kb is not None and prev.blk.slab.work.b == work.b and \
+            prev.blk.slab.work.kvh == work.kvh and prev.kb.kt0 == kb.kt0 and prev.kb.c_lo == kb.c_lo and \
+            prev.kb.c_hi == kb.c_hi
         if ready:
             unit.vt_load = True
+        elif same:
+            unit.vt_prev = prev
         elif new:
             unit.vt_store = True
             for c in range(c0, c1):
                 stored[c] = m
+        prev = unit
 
 
 def _vt_scratch(cfg, work, key0, n_ch):

@@ -207,9 +207,14 @@ def test_transfers_once_per_head_and_slab():
     assert len(blocks) == 4
     n_kb = sum(len(fwd._key_blocks(cfg, [t0 + j // 4 for j in range(j0, j1)])) for t0, j0, j1 in blocks)
     assert len(dmas(rec, src="arg1")) == n_kb * 2
-    # V: one DMA per d tile, or (d_v > 128) one load of its V^T from the work item's scratch
+    # V: one DMA per d tile, or (d_v > 128) one load of its V^T from the work item's scratch, or none when the
+    # unit before holds the same chunks' V^T (``_plan_vt``)
     vt_loads = [r for r in rec if r.instr == "dma_copy" and r.srcs[0].buffer == "hbm" and len(r.srcs[0].shape) == 3]
-    assert len(dmas(rec, src="arg2")) + 2 * len(vt_loads) == n_kb * 2
+    slabs = [(t0, min(t0 + cfg.slab_tiles, cfg.n_qt)) for t0 in range(0, cfg.n_qt, cfg.slab_tiles)]
+    units = fwd._plan_units(cfg, 0, 1, slabs)
+    shared = sum(1 for u in units if u.vt_prev is not None)
+    assert len(vt_loads) == sum(1 for u in units if u.vt_load) > 0 and shared > 0
+    assert len(dmas(rec, src="arg2")) + 2 * len(vt_loads) + 2 * shared == n_kb * 2
 
 
 def test_transfers_with_several_slabs(monkeypatch):
