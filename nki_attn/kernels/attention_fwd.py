@@ -4,7 +4,7 @@
                   mixed_precision=True, softmax_scale=None, sliding_window=None, softcap=0.0, alibi_slopes=None,
                   window_size=None, dropout_p=0.0, dropout_seed=None, kb_tiles=None, block_members_max=None,
                   slab_tiles=None, attn_bias=None, block_mask=None, block_bits=None, p_dma_period=None,
-                  pv_lag=None, logit_scale=None, vt_cache=None) -> (o, lse)
+                  pv_lag=None, logit_scale=None, vt_scratch=None) -> (o, lse)
 
 Layouts (head_dim on the partition axis): q ``[bs, nheads, d_qk, seqlen_q]``, k ``[bs, nheads_kv, d_qk,
 seqlen_k]``, v ``[bs, nheads_kv, d_v, seqlen_k]``, o ``[bs, nheads, d_v, seqlen_q]``, lse float32 ``[bs, nheads,
@@ -78,9 +78,10 @@ FIRST_O_SCALAR = True  # a member's O = PV at its first key block by a ScalarE c
 # tile, so a unit has as few jobs as members and the SCORE_NUM / SCORE_DEN rule puts all the next unit's scores
 # first; with soft-capping their tanh then stood on ScalarE before the exponents the P transposes wait for
 EXPS_FIRST_WIDE = True
-# d_v > 128: a key chunk's V^T is transposed by TensorE once per work item and parked in a private HBM scratch;
-# a later unit loads it from there (a plain copy, 512 contiguous bytes per key) instead of V (``_plan_vt``)
-VT_CACHE_WIDE = True
+# d_v > 128 where the work item's V^T does not fit the SBUF (``vt_cache`` off): a key chunk's V^T is transposed
+# by TensorE once per work item and parked in a private HBM scratch; a later unit loads it from there (a plain
+# copy, 512 contiguous bytes per key at d_v 256) instead of V (``_plan_vt``)
+VT_SCRATCH_WIDE = True
 VT_GROUP = 32  # 128-key chunks per row group of that scratch (a multiple of a key block's 16)
 PT_SCALAR_LAG = 3  # a ScalarE eviction is emitted this many phase-3 steps after its transposes
 FIN_DELAY_MIN = 2  # ... where the SBUF has no room for the finishing blocks' O accumulators FIN_DELAY keeps
@@ -90,6 +91,12 @@ FIN_DELAY = 12  # phase-3 steps between a block's last PV and its finishing (and
 EMPTY_MAX = -1.0e38
 L_FLOOR = 0.5  # a row that saw a key has l >= 1 (its max contributes exp(0)); keeps log/reciprocal in range
 POS_INF = float("inf")  # lse of a row that sees no key (module level: plain Python, not traced)
+# V^T of a work item's keys is kept for the whole work item (computed once per 128-key chunk, not once per block
+# that sees it) where the SBUF holds it without a smaller key block (``_FwdConfig.vt_cache``)
+VT_CACHE = True
+# the launch's last slab stores the blocks before its last one early when the last block's score elements are at
+# least this many times the O elements that store moves (it is then out before the pipeline's end)
+EARLY_STORE_RATIO = 2
 SBUF_MARGIN = 24576  # bytes per partition left free when sizing a slab (allocation order, small tiles)
 
 
@@ -110,14 +117,15 @@ class _FwdConfig(nl.NKIObject):
     full P tiles may be transposed by DMA (``_transpose_p``), every ``p_dma_period``-th member's; pt_vector_period:
     of the P tiles transposed by TensorE every n-th is evicted by VectorE, the others by ScalarE, ``pt_scalar_lag``
     steps later (``_evict_pt``); finish_on_vector: the block finishing's O normalisation and O^T evictions run on
-    VectorE; score_num / score_den: the share of a segment by which the next unit's scores are all out.
+    VectorE; score_num / score_den: the share of a segment by which the next unit's scores are all out;
+    vt_cache: V^T is kept per work item (``_WorkItem.vt``, ``_transpose_v_into``) instead of per unit.
 
     ``shp`` is the call's ``validation.AttentionShape`` (its softcap, alibi, window_size and dropout_p give the
     variants); ``kb_tiles``, ``block_members_max``, ``slab_tiles``: the kernel's tuning keywords (None: default).
     """
 
     def __init__(self, shp, io_dtype, acc_dtype, range_select_ok, d_v=None, kb_tiles=None, block_members_max=None,
-                 slab_tiles=None, p_dma_period=None, pv_lag=None, vt_cache=None):
+                 slab_tiles=None, p_dma_period=None, pv_lag=None, vt_scratch=None):
         if d_v is None:
             d_v = shp.d_v
         self.shp = shp
@@ -142,6 +150,7 @@ class _FwdConfig(nl.NKIObject):
         self.io_dtype = io_dtype
         self.acc_dtype = acc_dtype
         self.kb_tiles = KB_TILES if kb_tiles is None else kb_tiles  # the default is sized below
+        self.vt_cache = False  # decided below, once the key block is sized
         self.block_members_max = BLOCK_MEMBERS_MAX if block_members_max is None else block_members_max
         self.n_qt = shp.seqlen_q // PMAX
         self.n_kt = (shp.seqlen_k + K_TILE - 1) // K_TILE
@@ -194,12 +203,12 @@ class _FwdConfig(nl.NKIObject):
         if shp.softcap > 0:
             self.pt_vector_period = 1  # the tanh keeps ScalarE as busy as TensorE already
         self.pt_scalar_lag = PT_SCALAR_LAG
-        # head dims > 128 (``wide``): the first unit's K is loaded before the slab's Q and the first slab's Q
-        # in two parts, its first block's query tiles first (the first scores wait for less); the core's last
-        # slab stores O block by block (the drain waits for the last block's stores only)
+        # head dims > 128 (``wide``): exponents first in each step, phase 2 before the unit's V^T, the first
+        # slab's Q in two parts (its first block's query tiles first)
         self.wide = shp.d_head > PMAX or d_v > PMAX
         self.exps_first = EXPS_FIRST_WIDE and self.wide
-        self.vt_cache = d_v > PMAX and (VT_CACHE_WIDE if vt_cache is None else vt_cache)
+        self.vt_scratch_on = VT_SCRATCH_WIDE if vt_scratch is None else vt_scratch
+        self.vt_scratch = False  # decided below, after vt_cache
         self.first_o_scalar = FIRST_O_SCALAR and self.pt_vector_period > 1
         if kb_tiles is None:
             # the deeper exponent lead only where it costs no key-block size (each exponent in flight holds a P tile)
@@ -219,6 +228,14 @@ class _FwdConfig(nl.NKIObject):
                 self.kb_tiles = _kb_tiles(self, itemsize(io_dtype), itemsize(acc_dtype))
                 if fits and self.kb_tiles <= kb_long:
                     self.fin_delay = FIN_DELAY
+        # V^T once per work item: only where a second block reads the same keys and the whole work item's V^T
+        # (two items live at an item boundary) fits beside the key block already chosen
+        if VT_CACHE and self.n_qt * self.group > self.members:
+            self.vt_cache = True
+            if not _kb_fits(self, self.kb_tiles, itemsize(io_dtype), itemsize(acc_dtype)):
+                self.vt_cache = False
+        # where the SBUF cannot keep the work item's V^T and d_v > 128: the HBM scratch (``_plan_vt``)
+        self.vt_scratch = self.vt_scratch_on and d_v > PMAX and not self.vt_cache
         if slab_tiles is None:
             self.slab_tiles = _slab_tiles(self, itemsize(io_dtype), itemsize(acc_dtype))
         else:
@@ -236,7 +253,10 @@ def _working_set(cfg, kb_tiles, e, acc_e):
     u = cfg.members
     fixed = 2 * u * kk * 4  # scores of every member of two units (float32): the next one's, this one's
     fixed += 3 * (n_qk + n_v) * kk * e  # K and V of three units
-    fixed += 2 * (kk // PMAX) * cfg.d_v * e  # V^T of two units
+    if cfg.vt_cache:
+        fixed += 2 * (cfg.shp.seqlen_k // PMAX) * cfg.d_v * e  # V^T of two work items' keys
+    else:
+        fixed += 2 * (kk // PMAX) * cfg.d_v * e  # V^T of two units
     # O accumulators of three blocks (one accumulating, two finishing), and of the blocks a finishing longer than
     # FIN_DELAY_MIN steps keeps (it lasts about 2 fin_delay + u steps, a block at least u of them)
     n_acc = 3 + (2 * (cfg.fin_delay - FIN_DELAY_MIN) + u - 1) // u
@@ -532,12 +552,18 @@ def _blocks(cfg, n_tiles):
 
 class _WorkItem(nl.NKIObject):
     """One (batch ``b``, kv head ``kvh``) work item of the pipeline; ``item``: its ``steps.Item`` (runtime
-    tiles), made when its first slab opens (``_open_item``)."""
+    tiles), made when its first slab opens (``_open_item``). With ``cfg.vt_cache``: ``vt`` the V^T of its keys
+    ``[128 keys, seqlen_k / 128, d_v]`` (allocated at its first load), ``vt_done[c]``: chunk c's V^T is claimed
+    by a unit already (trace time), ``vt_users``: its units whose PVs are not all out (the store is dropped after
+    the last)."""
 
     def __init__(self, b, kvh):
         self.b = b
         self.kvh = kvh
         self.item = None
+        self.vt = None
+        self.vt_done = None
+        self.vt_users = 0
         self.vt_hbm = None
 
 
@@ -545,23 +571,23 @@ class _Slab(nl.NKIObject):
     """One slab of a work item: query tiles ``[t0, t0 + n)``; once opened (``_open_slab``) ``q[h][qi]`` the Q of
     head h of the group per Q/K partition tile, ``o[vi]`` / ``lse`` the O^T and LSE staging in member order
     (column block j = member j), ``state`` the per-row state of the row steps (``[128, members, k]``, or None).
-    ``blocks_left``: blocks not finished yet (the slab is stored after its last); ``by_block``: O and the LSE are
-    stored block by block instead (the core's last slab at head dims > 128: the drain then waits for the last
-    block's stores only)."""
+    ``blocks_left``: blocks not finished yet (the slab is stored after its last)."""
 
     def __init__(self, work, t0, n, n_blocks):
         self.work = work
         self.t0 = t0
         self.n = n
         self.q = None
+        self.q_rest = None
+        self.q_first = 0
+        self.stored = 0
+        self.lse_done = 0
+        self.early_store = False
         self.o = None
         self.lse = None
         self.state = None
         self.opened = False
         self.blocks_left = n_blocks
-        self.by_block = False
-        self.split_q = False
-        self.q_rest = 0
 
 
 class _Block(nl.NKIObject):
@@ -569,7 +595,10 @@ class _Block(nl.NKIObject):
     ``j % group``), their ``heads`` and query ``tiles``, ``plan`` (``_key_blocks``). Once started
     (``_start_block``; the O accumulator ``o_acc`` ``[128, members, d_v]`` at its first exponents): ``started[u]`` (member u's O holds
     a key block's PV already), and the online-softmax statistics as the key blocks leave them: ``pm`` (running
-    max in column ``kb_tiles``), ``l_sum``, ``bias`` (the last exponent bias, None before the first)."""
+    max in column ``kb_tiles``), ``l_sum``, ``bias`` (the last exponent bias, None before the first). From its
+    finishing statistics (``_finish_stats``): ``recip`` (1 / l per member column), and for the pipeline's last
+    block, whose statistics go out before its last PVs, ``o_ns[u]`` (member u's O / l once its last O update is
+    out, else None)."""
 
     def __init__(self, slab, j0, j1, heads, tiles, plan):
         self.slab = slab
@@ -584,6 +613,8 @@ class _Block(nl.NKIObject):
         self.l_sum = None
         self.bias = None
         self.lse_parts = None
+        self.recip = None
+        self.o_ns = None
         self.o_first = None
 
 
@@ -607,6 +638,11 @@ class _Unit(nl.NKIObject):
         self.k_tiles = None
         self.v_tiles = None
         self.vt = None
+        self.vt_base = 0
+        self.vt_new = None
+        self.vt_load = False
+        self.vt_store = False
+        self.vt_prev = None
         self.idx = None
         self.s = None
         self.tl = None
@@ -624,9 +660,6 @@ class _Unit(nl.NKIObject):
         self.p = None
         self.slot = None
         self.summed = False
-        self.vt_load = False
-        self.vt_store = False
-        self.vt_prev = None
 
 
 class _Pipe(nl.NKIObject):
@@ -665,6 +698,29 @@ def _transpose_v(cfg, v_tiles, n_ch):
                 nisa.nc_transpose(dst=vt_ps[:, c, v0:v0 + vsz], data=v_tiles[vi][:, k0:k0 + PMAX])
         nisa.tensor_copy(dst=vt[:, c0:c0 + g, :], src=vt_ps)
     return vt
+
+
+def _transpose_v_into(cfg, v_tiles, chunks, store):
+    """V^T of the 128-key ``chunks`` (ascending work-item chunk indices; ``v_tiles`` hold V from the first to
+    the last of them) into the work item's V^T ``store`` ``[128 keys, seqlen_k / 128, d_v]``: TensorE transposes,
+    runs of consecutive chunks sharing a PSUM bank, one eviction per bank."""
+    e = itemsize(cfg.io_dtype)
+    per = max(1, 2048 // (cfg.d_v * e))
+    first = chunks[0]
+    n = len(chunks)
+    j = 0
+    while j < n:
+        g = 1
+        while j + g < n and g < per and chunks[j + g] == chunks[j] + g:
+            g = g + 1
+        vt_ps = nl.ndarray((PMAX, g, cfg.d_v), dtype=cfg.io_dtype, buffer=nl.psum)
+        for c in range(g):
+            k0 = (chunks[j] + c - first) * PMAX
+            for vi in range(len(cfg.v_tiles)):
+                v0, vsz = cfg.v_tiles[vi]
+                nisa.nc_transpose(dst=vt_ps[:, c, v0:v0 + vsz], data=v_tiles[vi][:, k0:k0 + PMAX])
+        nisa.tensor_copy(dst=store[:, chunks[j]:chunks[j] + g, :], src=vt_ps)
+        j = j + g
 
 
 def _score_tile(cfg, steps, unit, u, i):
@@ -920,7 +976,7 @@ def _pv_tile(cfg, pipe):
     o_ps = unit.o_ps[u]
     chunks = _tile_chunks(tile)
     for c in range(n_ch):
-        nisa.nc_matmul(dst=o_ps, stationary=pt_sb[:, c, :], moving=vt[:, i * ch + lo + chunks[c] - kb.c_lo, :])
+        nisa.nc_matmul(dst=o_ps, stationary=pt_sb[:, c, :], moving=vt[:, i * ch + lo + chunks[c] - unit.vt_base, :])
     unit.pv_left[u] = unit.pv_left[u] - 1
     unit.pv_total = unit.pv_total - 1
     if unit.pv_left[u] == 0:
@@ -937,11 +993,19 @@ def _pv_tile(cfg, pipe):
             if blk.o_first is not None and blk.o_first[u] is not None and not blk.o_first[u][3]:
                 _evict_pt(cfg, pipe, True)  # the member's first O copy still waits (short key blocks)
             _rescale_o(blk.o_acc, u, unit.alpha, o_ps, not blk.started[u])
+            if blk.o_ns is not None and unit.last:
+                # the drain's last block (statistics already out): O / l right after the member's last update
+                blk.o_ns[u] = _normalise(cfg, blk, u)
         if not blk.started[u]:
             blk.started[u] = True
         unit.o_ps[u] = None
     if unit.pv_total == 0:
         unit.vt = None
+        if cfg.vt_cache:
+            work = blk.slab.work
+            work.vt_users = work.vt_users - 1
+            if work.vt_users == 0:
+                work.vt = None
         _release_unit(unit)
         if unit.last:
             pipe.later.append([pipe.step + cfg.fin_delay, "stats", blk, 0, None])
@@ -979,37 +1043,39 @@ def _open_item(cfg, hbm, sinks_ref, launch, steps, work):
     if cfg.shp.num_sinks > 0:
         sink_stats = _sink_stats(cfg, sinks_ref, b, kvh)
     work.item = Item(b, kvh, seed=launch.seed, bounds=launch.bounds, pos_tab=launch.pos_tab, sinks=sink_stats)
-    if cfg.vt_cache:
+    if cfg.vt_scratch:
         n_grp = ((cfg.shp.seqlen_k + PMAX - 1) // PMAX + VT_GROUP - 1) // VT_GROUP
         work.vt_hbm = nl.ndarray((n_grp * PMAX, VT_GROUP * cfg.d_v), dtype=cfg.io_dtype, buffer=nl.private_hbm)
     for f in steps.item_start:
         f(cfg, hbm, work.item)
 
 
-def _open_slab(cfg, hbm, steps, slab):
+def _open_slab(cfg, hbm, steps, slab, n_first):
     """Q of the slab's query tiles (every head of the group, loaded once, unscaled), the O^T and LSE staging,
-    the row steps' state."""
+    the row steps' state. Q comes in two parts: the first ``n_first`` query tiles (the first block's) now, the
+    rest (``slab.q_rest``) after the first unit's K (``_load_unit``), so the first scores wait only for what
+    they read."""
     g = cfg.group
     n = slab.n
     t0 = slab.t0
     t1 = t0 + n
+    tm = t0 + n_first
     b = slab.work.b
     kvh = slab.work.kvh
-    # the slab's first ``m`` query tiles first (``split_q``: those of its first block), then the others
-    m = n
-    if slab.split_q:
-        j0, j1 = _blocks(cfg, n)[0]
-        m = max(1, (j1 - j0) // g)
     q_slab = []
+    rest = []
     for h in range(g):
         row = []
         for qi in range(len(cfg.qk_tiles)):
             d0, dsz = cfg.qk_tiles[qi]
             qt = nl.ndarray((dsz, n * PMAX), dtype=cfg.io_dtype, buffer=nl.sbuf)
-            nisa.dma_copy(dst=qt[:, 0:m * PMAX], src=hbm.q[b, kvh * g + h, d0:d0 + dsz, t0 * PMAX:(t0 + m) * PMAX])
+            nisa.dma_copy(dst=qt[:, 0:n_first * PMAX], src=hbm.q[b, kvh * g + h, d0:d0 + dsz, t0 * PMAX:tm * PMAX])
+            if tm < t1:
+                rest.append([qt, h, qi])
             row.append(qt)
         q_slab.append(row)
-    slab.q_rest = m
+    slab.q_rest = rest
+    slab.q_first = n_first
     # O^T and LSE staging in member order (column block j = member j), stored per head by strided reads
     o_slab = []
     for vi in range(len(cfg.v_tiles)):
@@ -1050,61 +1116,113 @@ def _start_block(cfg, blk):
     blk.l_sum = l_sum
 
 
-def _load_unit(cfg, hbm, sinks_ref, launch, steps, unit):
+def _load_unit(cfg, hbm, sinks_ref, launch, steps, unit, first):
     """Open what ``unit`` needs (its work item, slab and block when it is their first) and load its K and V
     (the union of the members' visible chunks) one pipeline segment before its scores."""
     blk = unit.blk
     slab = blk.slab
     work = slab.work
-    kb = unit.kb
     if work.item is None:
         _open_item(cfg, hbm, sinks_ref, launch, steps, work)
-    if kb is not None and cfg.wide and not slab.opened:
-        unit.k_tiles = _load_k(cfg, hbm, unit)  # before the slab's Q: the first score needs one head's Q only
-    if not slab.opened:
-        _open_slab(cfg, hbm, steps, slab)
+    opening = not slab.opened
+    k_tiles = None
+    if opening and cfg.wide and unit.kb is not None:
+        k_tiles = _load_k(cfg, hbm, unit, first)  # before the slab's Q: the first score reads one head's Q
+    if opening:
+        n_first = slab.n
+        if first and (cfg.group == 1 or cfg.wide):
+            n_first = blk.tiles[len(blk.tiles) - 1] - slab.t0 + 1
+        _open_slab(cfg, hbm, steps, slab, n_first)
     if unit.first:
         _start_block(cfg, blk)
+    kb = unit.kb
     if kb is None:
-        if slab.q_rest < slab.n:
+        if opening:
             _load_q_rest(cfg, hbm, slab)
         return
     b = work.b
     kvh = work.kvh
     key0 = kb.kt0 * K_TILE + kb.c_lo * PMAX
     width = (kb.c_hi - kb.c_lo) * PMAX
-    if unit.k_tiles is None:
-        unit.k_tiles = _load_k(cfg, hbm, unit)
+    if k_tiles is None:
+        k_tiles = _load_k(cfg, hbm, unit, first)
+    ch = K_TILE // PMAX
+    if cfg.vt_cache:
+        # only the chunks no earlier unit of the work item transposes: V loaded from the first to the last of them
+        if work.vt is None:
+            n_all = cfg.shp.seqlen_k // PMAX
+            work.vt = nl.ndarray((PMAX, n_all, cfg.d_v), dtype=cfg.io_dtype, buffer=nl.sbuf)
+            done = []
+            for c in range(n_all):
+                done.append(False)
+            work.vt_done = done
+        new = []
+        for c in range(kb.kt0 * ch + kb.c_lo, kb.kt0 * ch + kb.c_hi):
+            if not work.vt_done[c]:
+                new.append(c)
+                work.vt_done[c] = True
+        unit.vt_new = new
+        unit.vt_base = -kb.kt0 * ch
+        if len(new) > 0:
+            key0 = new[0] * PMAX
+            width = (new[len(new) - 1] + 1 - new[0]) * PMAX
+        else:
+            width = 0
     if unit.vt_load:
         n_ch = kb.c_hi - kb.c_lo
         vt = nl.ndarray((PMAX, n_ch, cfg.d_v), dtype=cfg.io_dtype, buffer=nl.sbuf)
         nisa.dma_copy(dst=vt, src=_vt_scratch(cfg, work, key0, n_ch))
         unit.vt = vt
-    elif unit.vt_prev is None:
-        v_tiles = []
+        unit.vt_base = kb.c_lo
+    if unit.vt_load or unit.vt_prev is not None:
+        width = 0
+    v_tiles = []
+    if width > 0:
         for vi in range(len(cfg.v_tiles)):
             v0, vsz = cfg.v_tiles[vi]
             v_sb = nl.ndarray((vsz, width), dtype=cfg.io_dtype, buffer=nl.sbuf)
             nisa.dma_copy(dst=v_sb, src=hbm.v[b, kvh, v0:v0 + vsz, key0:key0 + width])
             v_tiles.append(v_sb)
-        unit.v_tiles = v_tiles
-    if slab.q_rest < slab.n:
+    unit.k_tiles = k_tiles
+    unit.v_tiles = v_tiles
+    if opening:
         _load_q_rest(cfg, hbm, slab)
 
 
-def _load_k(cfg, hbm, unit):
-    """K of ``unit`` (the union of its members' visible chunks), one DMA per Q/K partition tile."""
+def _load_k(cfg, hbm, unit, first):
+    """K of ``unit`` (the union of its members' visible chunks), one DMA per Q/K partition tile; the
+    pipeline's ``first`` unit: its first key tile's K in a load of its own (the first scores wait for less)."""
     kb = unit.kb
     work = unit.blk.slab.work
     key0 = kb.kt0 * K_TILE + kb.c_lo * PMAX
     width = (kb.c_hi - kb.c_lo) * PMAX
     k_tiles = []
+    cut = 0
+    if first:
+        cut = min(width, K_TILE - (key0 % K_TILE))
     for qi in range(len(cfg.qk_tiles)):
         d0, dsz = cfg.qk_tiles[qi]
         kt_sb = nl.ndarray((dsz, width), dtype=cfg.io_dtype, buffer=nl.sbuf)
-        nisa.dma_copy(dst=kt_sb, src=hbm.k[work.b, work.kvh, d0:d0 + dsz, key0:key0 + width])
+        if cut > 0:
+            nisa.dma_copy(dst=kt_sb[:, 0:cut], src=hbm.k[work.b, work.kvh, d0:d0 + dsz, key0:key0 + cut])
+        if cut < width:
+            nisa.dma_copy(dst=kt_sb[:, cut:width],
+                          src=hbm.k[work.b, work.kvh, d0:d0 + dsz, key0 + cut:key0 + width])
         k_tiles.append(kt_sb)
     return k_tiles
+
+
+def _load_q_rest(cfg, hbm, slab):
+    """The rest of a slab's Q (``_open_slab``), once its first unit's K is on its way."""
+    g = cfg.group
+    m = slab.q_first
+    for r in slab.q_rest:
+        qt, h, qi = r
+        d0, dsz = cfg.qk_tiles[qi]
+        nisa.dma_copy(dst=qt[:, m * PMAX:slab.n * PMAX],
+                      src=hbm.q[slab.work.b, slab.work.kvh * g + h, d0:d0 + dsz,
+                                (slab.t0 + m) * PMAX:(slab.t0 + slab.n) * PMAX])
+    slab.q_rest = None
 
 
 def _begin_scores(cfg, steps, unit):
@@ -1131,17 +1249,26 @@ def _begin_scores(cfg, steps, unit):
 
 
 def _end_scores_vt(cfg, unit):
-    """The unit's V^T from its V (TensorE), stored to the work item's scratch when it holds new chunks; a unit
-    that loaded its V^T has it already."""
+    """The unit's V^T: into the work item's SBUF V^T (``vt_cache``), or from its V (TensorE), stored to the
+    work item's HBM scratch when it holds new chunks (``vt_scratch``); a unit that loaded its V^T, or takes the
+    previous unit's, has it already."""
     kb = unit.kb
-    if unit.vt_prev is not None:
+    blk = unit.blk
+    if cfg.vt_cache:
+        work = blk.slab.work
+        if len(unit.vt_new) > 0:
+            _transpose_v_into(cfg, unit.v_tiles, unit.vt_new, work.vt)
+        unit.vt = work.vt
+    elif unit.vt_prev is not None:
         unit.vt = unit.vt_prev.vt
+        unit.vt_base = kb.c_lo
         unit.vt_prev = None
     elif not unit.vt_load:
         unit.vt = _transpose_v(cfg, unit.v_tiles, kb.c_hi - kb.c_lo)
+        unit.vt_base = kb.c_lo
         if unit.vt_store:
             key0 = kb.kt0 * K_TILE + kb.c_lo * PMAX
-            nisa.dma_copy(dst=_vt_scratch(cfg, unit.blk.slab.work, key0, kb.c_hi - kb.c_lo), src=unit.vt)
+            nisa.dma_copy(dst=_vt_scratch(cfg, blk.slab.work, key0, kb.c_hi - kb.c_lo), src=unit.vt)
     unit.v_tiles = None
 
 
@@ -1168,12 +1295,13 @@ def _end_scores(cfg, unit, gaps_next):
     blk.bias = bias
 
 
-def _begin_exps(cfg, steps, pipe, unit):
+def _begin_exps(cfg, steps, pipe, unit, drain):
     """Before a unit's first exponent: the row-sum tile, the PV accumulators and counters, and which
     members' full P tiles go by dma_transpose (every ``p_dma_period``-th member with at least
     ``P_DMA_MIN_TILES`` full tiles, or the key block's count, on trn2+ with 16-bit P and no probability step):
     their exponents write the ``[128, n * 512]`` P buffer of their batch (``pbuf[p_owner[u]]``, job j in column
-    block ``slot[j]``)."""
+    block ``slot[j]``). ``drain``: the pipeline's last unit, whose transposes TensorE has time for (nothing is
+    scored beside them) and a DMA transpose's latency would end up on the critical path: none by DMA."""
     kb = unit.kb
     n = len(unit.blk.heads)
     full = K_TILE // PMAX
@@ -1206,6 +1334,7 @@ def _begin_exps(cfg, steps, pipe, unit):
             n_full[u] = n_full[u] + 1
             last_full[u] = j
     batch = cfg.p_dma_transpose and cfg.p_dma_period > 0 and len(steps.prob) == 0 and len(steps.p_mask) == 0
+    batch = batch and not drain
     for u in range(n):
         dma = False
         if batch and n_full[u] >= min(P_DMA_MIN_TILES, cfg.kb_tiles):
@@ -1256,12 +1385,11 @@ def _p_dma_batches(jobs, n_full, last_full, slot, most):
 
 
 # ----------------------------------------------------------------------------------------------------- finishing
-def _finish_stats(cfg, steps, blk, drain=False):
+def _finish_stats(cfg, steps, blk, normalise):
     """Finishing of a block, all members at once: ``1 / l``, the keep flags and ``log(l)`` (``_finish_lse``
     writes ``lse = c m + log(l)`` = log(l) - bias a few steps later), rows that saw no key (and have no sink) get 0
     and +inf; then per member ``O * (1/l)`` into o's dtype (VectorE, or ScalarE with ``cfg.finish_on_vector``
-    off; ``drain``: every 2nd member's on ScalarE, which the pipeline's drain leaves idle). Returns the
-    normalised ``o_n`` per member (``_finish_member`` transposes them)."""
+    off). Returns the normalised ``o_n`` per member (``_finish_member`` transposes them)."""
     slab = blk.slab
     item = slab.work.item
     j0 = blk.j0
@@ -1290,21 +1418,26 @@ def _finish_stats(cfg, steps, blk, drain=False):
     nisa.select_reduce(dst=recip, predicate=keep, on_true=recip, on_false=0.0)  # 0 for empty rows
     if cfg.o_factor != 1.0:
         nisa.tensor_scalar(dst=recip, data=recip, op0=nl.multiply, operand0=cfg.o_factor)
-    log_l = nl.ndarray((PMAX, n), dtype=nl.float32, buffer=nl.sbuf)
-    if drain:
-        nisa.activation(dst=log_l, op=nl.log, data=l_safe)  # before ScalarE's normalisations: the LSE waits
+    blk.recip = recip
     o_ns = []
     for u in range(n):
-        o_n = nl.ndarray((PMAX, cfg.d_v), dtype=cfg.io_dtype, buffer=nl.sbuf)
-        if cfg.finish_on_vector and not (drain and u % 2 == 1):
-            nisa.tensor_scalar(dst=o_n, data=o_acc[:, u, :], op0=nl.multiply, operand0=recip[:, u:u + 1])
-        else:
-            nisa.activation(dst=o_n, op=nl.copy, data=o_acc[:, u, :], scale=recip[:, u:u + 1])
-        o_ns.append(o_n)
-    if not drain:
-        nisa.activation(dst=log_l, op=nl.log, data=l_safe)
+        o_ns.append(None)
+        if normalise:
+            o_ns[u] = _normalise(cfg, blk, u)
+    log_l = nl.ndarray((PMAX, n), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.activation(dst=log_l, op=nl.log, data=l_safe)
     blk.lse_parts = [log_l, bias, keep]
     return o_ns
+
+
+def _normalise(cfg, blk, u):
+    """Member ``u``'s O / l in o's dtype ``[128, d_v]`` (``blk.recip`` from ``_finish_stats``)."""
+    o_n = nl.ndarray((PMAX, cfg.d_v), dtype=cfg.io_dtype, buffer=nl.sbuf)
+    if cfg.finish_on_vector:
+        nisa.tensor_scalar(dst=o_n, data=blk.o_acc[:, u, :], op0=nl.multiply, operand0=blk.recip[:, u:u + 1])
+    else:
+        nisa.activation(dst=o_n, op=nl.copy, data=blk.o_acc[:, u, :], scale=blk.recip[:, u:u + 1])
+    return o_n
 
 
 def _finish_lse(cfg, steps, blk):
@@ -1324,8 +1457,8 @@ def _finish_lse(cfg, steps, blk):
 
 
 def _finish_member(cfg, blk, u, o_n, drain=False):
-    """O^T of member ``u`` per V/O partition tile (TensorE) into the slab's O staging (``drain``: every 2nd
-    member's eviction on ScalarE, see ``_finish_stats``)."""
+    """O^T of member ``u`` per V/O partition tile (TensorE) into the slab's O staging (``drain``: the pipeline
+    has ended, ScalarE is idle: every 2nd member's eviction there)."""
     slab = blk.slab
     j0 = blk.j0
     col = (j0 + u) * PMAX
@@ -1339,72 +1472,44 @@ def _finish_member(cfg, blk, u, o_n, drain=False):
             nisa.activation(dst=slab.o[vi][:, col:col + PMAX], op=nl.copy, data=ot_ps)
 
 
-def _store_o(cfg, hbm, slab, h, r0, r1):
-    """O of head ``h`` of the group for the slab's query tiles ``[t0 + r0, t0 + r1)``, one DMA per d tile, from
-    the staging (member order: column block ``r * group + h``)."""
+def _store_lse(cfg, hbm, slab):
+    """Head dims > 128, the launch's last slab at its last block's LSE: the LSE not stored yet goes out now,
+    one DMA per head (every block before has its LSE), so the pipeline's end waits for O's stores only."""
     g = cfg.group
-    n = slab.n
-    b = slab.work.b
-    hq = slab.work.kvh * g + h
-    q0 = (slab.t0 + r0) * PMAX
-    q1 = (slab.t0 + r1) * PMAX
-    for vi in range(len(cfg.v_tiles)):
-        v0, vsz = cfg.v_tiles[vi]
-        nisa.dma_copy(dst=hbm.o[b, hq, v0:v0 + vsz, q0:q1],
-                      src=slab.o[vi].ap(pattern=[[n * g * PMAX, vsz], [g * PMAX, r1 - r0], [1, PMAX]],
-                                        offset=(r0 * g + h) * PMAX))
-
-
-
-
-def _load_q_rest(cfg, hbm, slab):
-    """The query tiles of a ``split_q`` slab that ``_open_slab`` left (after the first unit's V)."""
-    g = cfg.group
-    m = slab.q_rest
-    slab.q_rest = slab.n
+    a = slab.lse_done
+    m = slab.n - a
     for h in range(g):
-        for qi in range(len(cfg.qk_tiles)):
-            d0, dsz = cfg.qk_tiles[qi]
-            nisa.dma_copy(dst=slab.q[h][qi][:, m * PMAX:slab.n * PMAX],
-                          src=hbm.q[slab.work.b, slab.work.kvh * g + h, d0:d0 + dsz,
-                                    (slab.t0 + m) * PMAX:(slab.t0 + slab.n) * PMAX])
+        hq = slab.work.kvh * g + h
+        nisa.dma_copy(dst=hbm.lse[slab.work.b, hq, :, slab.t0 + a:slab.t0 + slab.n],
+                      src=slab.lse.ap(pattern=[[slab.n * g, PMAX], [g, m]], offset=a * g + h))
+    slab.lse_done = slab.n
 
 
-def _store_lse(cfg, hbm, slab, h, r0, r1):
-    """The LSE of head ``h`` of the group for the slab's query tiles ``[t0 + r0, t0 + r1)``, one DMA, from the
-    LSE staging (column ``r * group + h``)."""
-    g = cfg.group
-    hq = slab.work.kvh * g + h
-    nisa.dma_copy(dst=hbm.lse[slab.work.b, hq, :, slab.t0 + r0:slab.t0 + r1],
-                  src=slab.lse.ap(pattern=[[slab.n * g, PMAX], [g, r1 - r0]], offset=r0 * g + h))
-
-
-def _store_block(cfg, hbm, blk, lse):
-    """O (``lse`` False) or the LSE (True) of a finished block of a ``by_block`` slab: per head of the block,
-    its query tiles (a block holds whole query tiles of the group, or some heads of one query tile)."""
-    r0 = blk.tiles[0] - blk.slab.t0
-    r1 = blk.tiles[len(blk.tiles) - 1] - blk.slab.t0 + 1
-    n_heads = min(len(blk.heads), cfg.group)
-    for k in range(n_heads):
-        if lse:
-            _store_lse(cfg, hbm, blk.slab, blk.heads[k], r0, r1)
-        else:
-            _store_o(cfg, hbm, blk.slab, blk.heads[k], r0, r1)
-
-
-def _store_slab(cfg, hbm, slab):
-    """O and the LSE of the slab, one DMA per (head, d tile) and one per head, from the staging (O not when
-    the slab stored it block by block)."""
+def _store_slab(cfg, hbm, slab, a, z):
+    """O and the LSE of the slab's query tiles ``[t0 + a, t0 + z)``, one DMA per (head, d tile) and one per head,
+    from the staging."""
     g = cfg.group
     n = slab.n
     t0 = slab.t0
-    t1 = t0 + n
+    m = z - a
     b = slab.work.b
     kvh = slab.work.kvh
     for h in range(g):
-        if not slab.by_block:
-            _store_o(cfg, hbm, slab, h, 0, n)
-            _store_lse(cfg, hbm, slab, h, 0, n)
+        hq = kvh * g + h
+        for vi in range(len(cfg.v_tiles)):
+            v0, vsz = cfg.v_tiles[vi]
+            nisa.dma_copy(dst=hbm.o[b, hq, v0:v0 + vsz, (t0 + a) * PMAX:(t0 + z) * PMAX],
+                          src=slab.o[vi].ap(pattern=[[n * g * PMAX, vsz], [g * PMAX, m], [1, PMAX]],
+                                            offset=(a * g + h) * PMAX))
+        if z > slab.lse_done:
+            la = max(a, slab.lse_done)
+            nisa.dma_copy(dst=hbm.lse[b, hq, :, t0 + la:t0 + z],
+                          src=slab.lse.ap(pattern=[[n * g, PMAX], [g, z - la]], offset=la * g + h))
+    slab.stored = z
+    if z > slab.lse_done:
+        slab.lse_done = z
+    if z < n:
+        return
     slab.q = None
     slab.o = None
     slab.lse = None
@@ -1428,30 +1533,41 @@ def _run_later(cfg, hbm, steps, pipe, flush):
                 if job[1] == "stats":
                     if len(pipe.evict) > 0:
                         _evict_pt(cfg, pipe, True)  # a first O copy may still wait (FIN_DELAY_MIN < its lag)
-                    o_ns = _finish_stats(cfg, steps, blk, flush and cfg.wide)
+                    o_ns = blk.o_ns
+                    if o_ns is None:
+                        o_ns = _finish_stats(cfg, steps, blk, True)
                     pipe.later.append([pipe.step + cfg.fin_delay, "lse", blk, 0, None])
                     for u in range(len(o_ns)):
                         pipe.later.append([pipe.step + cfg.fin_delay + u, "member", blk, u, o_ns])
                     again = flush
                 elif job[1] == "lse":
                     _finish_lse(cfg, steps, blk)
-                    if blk.slab.by_block:
-                        _store_block(cfg, hbm, blk, True)
+                    if cfg.wide and blk.slab.early_store and blk.slab.blocks_left == 1:
+                        _store_lse(cfg, hbm, blk.slab)
                 else:
                     u = job[3]
+                    if job[4][u] is None:
+                        job[4][u] = _normalise(cfg, blk, u)  # the drain's last block: not normalised yet
                     _finish_member(cfg, blk, u, job[4][u], flush and cfg.wide)
                     job[4][u] = None
                     if u == len(job[4]) - 1:
                         blk.o_acc = None
+                        blk.recip = None
+                        blk.o_ns = None
                         blk.pm = None
                         blk.l_sum = None
                         blk.bias = None
-                        blk.slab.blocks_left = blk.slab.blocks_left - 1
-                        if blk.slab.by_block:
-                            _store_block(cfg, hbm, blk, False)
-                        if blk.slab.blocks_left == 0:
-                            _store_slab(cfg, hbm, blk.slab)
+                        slab = blk.slab
+                        slab.blocks_left = slab.blocks_left - 1
+                        if slab.blocks_left == 0:
+                            _store_slab(cfg, hbm, slab, slab.stored, slab.n)
                             pipe.live_slabs = pipe.live_slabs - 1
+                        elif slab.blocks_left == 1 and slab.early_store:
+                            # the launch's last slab: what is finished goes out now, so only the last block's
+                            # query tiles are stored after the pipeline's end
+                            done = blk.j1 // cfg.group
+                            if done > slab.stored:
+                                _store_slab(cfg, hbm, slab, slab.stored, done)
             else:
                 pipe.later.append(job)
 
@@ -1484,11 +1600,9 @@ def _plan_units(cfg, start, stop, slabs):
                     units.append(_Unit(blk, None, True, True))
                 for k in range(len(plan)):
                     units.append(_Unit(blk, plan[k], k == 0, k == len(plan) - 1))
-    if cfg.vt_cache:
+                    work.vt_users = work.vt_users + 1
+    if cfg.vt_scratch:
         _plan_vt(cfg, units)
-    if cfg.wide and len(units) > 0:
-        units[len(units) - 1].blk.slab.by_block = True
-        units[0].blk.slab.split_q = True
     return units
 
 
@@ -1550,6 +1664,23 @@ def _vt_scratch(cfg, work, key0, n_ch):
     return work.vt_hbm.ap(pattern=[[VT_GROUP * d, PMAX], [d, n_ch], [1, d]], offset=off)
 
 
+def _plan_early_store(cfg, last):
+    """Whether the launch's last slab (that of ``last``, the last block) stores the query tiles its earlier blocks
+    finish before the last block's finishing: only where the last block's score elements are at least
+    ``EARLY_STORE_RATIO`` times the O elements that store moves, so it is out before the pipeline's end (a store
+    still in flight at the end only adds its fixed costs to the final one)."""
+    done = last.j0 // cfg.group
+    if done == 0:
+        return
+    elems = 0
+    for kb in last.plan:
+        for u in range(len(kb.vis)):
+            for i in range(kb.kt_n):
+                elems = elems + kb.vis[u][i].k1 - kb.vis[u][i].k0
+    if elems >= EARLY_STORE_RATIO * done * cfg.group * cfg.d_v:
+        last.slab.early_store = True
+
+
 def _make_room(cfg, hbm, steps, pipe):
     """Before a slab opens: while three slabs are live (finishing, current, next: what ``_slab_tiles`` sizes
     for), emit the waiting PVs and the deferred finishing, oldest first, until one is stored. Only short slabs
@@ -1571,10 +1702,12 @@ def _attend_all(cfg, hbm, sinks_ref, launch, steps, units):
     (docs/kernel-fwd.md, "Loop nest")."""
     pipe = _Pipe()
     n_units = len(units)
+    if n_units > 0:
+        _plan_early_store(cfg, units[n_units - 1].blk)
     for n in range(min(2, n_units)):
         if not units[n].blk.slab.opened:
             pipe.live_slabs = pipe.live_slabs + 1
-        _load_unit(cfg, hbm, sinks_ref, launch, steps, units[n])
+        _load_unit(cfg, hbm, sinks_ref, launch, steps, units[n], n == 0)
     for n in range(n_units + 1):
         cur = None
         if n < n_units:
@@ -1586,7 +1719,7 @@ def _attend_all(cfg, hbm, sinks_ref, launch, steps, units):
             if not units[n + 2].blk.slab.opened:
                 _make_room(cfg, hbm, steps, pipe)
                 pipe.live_slabs = pipe.live_slabs + 1
-            _load_unit(cfg, hbm, sinks_ref, launch, steps, units[n + 2])
+            _load_unit(cfg, hbm, sinks_ref, launch, steps, units[n + 2], False)
         n1 = 0
         if cur is not None and cur.kb is not None:
             n1 = len(cur.jobs)
@@ -1594,7 +1727,7 @@ def _attend_all(cfg, hbm, sinks_ref, launch, steps, units):
         n3 = 0
         if prev is not None and prev.kb is not None:
             n3 = len(prev.jobs)
-            _begin_exps(cfg, steps, pipe, prev)
+            _begin_exps(cfg, steps, pipe, prev, cur is None)
         if prev is not None and prev.kb is None:
             pipe.later.append([pipe.step, "stats", prev.blk, 0, None])
         done1 = 0
@@ -1641,6 +1774,10 @@ def _attend_all(cfg, hbm, sinks_ref, launch, steps, units):
             prev.rs = None
             prev.summed = True
             _release_unit(prev)
+            if cur is None and prev.last and cfg.finish_on_vector:
+                # the pipeline's last block: its statistics need no O, so they go out before its last PVs and
+                # each member's O / l follows its last O update (the finishing waits for less at the end)
+                prev.blk.o_ns = _finish_stats(cfg, steps, prev.blk, False)
     while pipe.pv_at < len(pipe.pv):
         _pv_tile(cfg, pipe)
         pipe.step = pipe.step + 1
@@ -1669,7 +1806,7 @@ def _nonnegative_int_problem(name, value):
 def fwd_problem(q_ref, k_ref, v_ref, sinks_ref=None, bound_min=None, bound_max=None, use_causal_mask=False,
                 mixed_precision=True, softmax_scale=None, sliding_window=None, window_size=None, dropout_p=0.0,
                 dropout_seed=None, kb_tiles=None, block_members_max=None, slab_tiles=None, block_mask=None,
-                block_bits=None, p_dma_period=None, pv_lag=None, vt_cache=None, **mods):
+                block_bits=None, p_dma_period=None, pv_lag=None, vt_scratch=None, **mods):
     """``None`` when ``attention_fwd`` accepts these arguments, else the first problem as a message (host side:
     ``nki_attn.kernel_api.attention_fwd`` raises it as ``ValueError`` before launching). The score modifications'
     keywords (``softcap``, ``alibi_slopes``, ``attn_bias``, ``logit_scale``: ``score_mods.MOD_KEYWORDS``) come
@@ -1679,13 +1816,13 @@ def fwd_problem(q_ref, k_ref, v_ref, sinks_ref=None, bound_min=None, bound_max=N
             raise TypeError(f"fwd_problem() got an unexpected keyword argument {key!r}")
     return _fwd_problem(q_ref, k_ref, v_ref, sinks_ref, bound_min, bound_max, use_causal_mask, mixed_precision,
                         softmax_scale, sliding_window, window_size, dropout_p, dropout_seed, kb_tiles,
-                        block_members_max, slab_tiles, block_mask, block_bits, p_dma_period, pv_lag, vt_cache,
+                        block_members_max, slab_tiles, block_mask, block_bits, p_dma_period, pv_lag, vt_scratch,
                         mods)
 
 
 def _fwd_problem(q_ref, k_ref, v_ref, sinks_ref, bound_min, bound_max, use_causal_mask, mixed_precision,
                  softmax_scale, sliding_window, window_size, dropout_p, dropout_seed, kb_tiles, block_members_max,
-                 slab_tiles, block_mask, block_bits, p_dma_period, pv_lag, vt_cache, mods):
+                 slab_tiles, block_mask, block_bits, p_dma_period, pv_lag, vt_scratch, mods):
     """``fwd_problem`` in kernel code (the kernel asserts on it): ``mods`` the score modifications' arguments by
     kernel keyword."""
     problem = attention_problem(q_ref, k_ref, v_ref, sinks=sinks_ref, bound_min=bound_min, bound_max=bound_max,
@@ -1708,14 +1845,14 @@ def _fwd_problem(q_ref, k_ref, v_ref, sinks_ref, bound_min, bound_max, use_causa
         problem = _nonnegative_int_problem("p_dma_period", p_dma_period)
     if problem is None:
         problem = _nonnegative_int_problem("pv_lag", pv_lag)
-    if problem is None and vt_cache is not None and not isinstance(vt_cache, bool):
-        problem = f"vt_cache={vt_cache!r} must be None, True or False"
+    if problem is None and vt_scratch is not None and not isinstance(vt_scratch, bool):
+        problem = f"vt_scratch={vt_scratch!r} must be None, True or False"
     return problem
 
 
 def _setup_config(q_ref, k_ref, v_ref, sinks_ref, bound_min, use_causal_mask, mixed_precision, softmax_scale,
                   sliding_window, window_size, dropout_p, kb_tiles, block_members_max, slab_tiles, block_mask=None,
-                  p_dma_period=None, pv_lag=None, mods=None, vt_cache=None):
+                  p_dma_period=None, pv_lag=None, mods=None, vt_scratch=None):
     """The launch's ``_FwdConfig``, built once from the kernel's (valid) arguments; ``block_mask`` its
     ``band.BlockRows`` (or None); ``mods`` the score modifications' arguments by kernel keyword."""
     shp = attention_shape(q_ref, k_ref, sinks=sinks_ref, bound_min=bound_min, use_causal_mask=use_causal_mask,
@@ -1724,7 +1861,7 @@ def _setup_config(q_ref, k_ref, v_ref, sinks_ref, bound_min, use_causal_mask, mi
     range_select_ok = nisa.get_nc_version() >= nisa.nc_version.gen3  # range_select exists on trn2+
     acc_dtype = nl.float32 if mixed_precision else q_ref.dtype
     cfg = _FwdConfig(shp, q_ref.dtype, acc_dtype, range_select_ok, v_ref.shape[2], kb_tiles, block_members_max,
-                     slab_tiles, p_dma_period, pv_lag, vt_cache)
+                     slab_tiles, p_dma_period, pv_lag, vt_scratch)
     if block_mask is not None:
         cfg.block_mask = BlockRows(block_mask[0], block_mask[1], block_mask[2], shp.seqlen_k // PMAX)
     return cfg
@@ -1735,7 +1872,7 @@ def attention_fwd(q_ref, k_ref, v_ref, sinks_ref=None, bound_min=None, bound_max
                   mixed_precision=True, softmax_scale=None, sliding_window=None, softcap=0.0, alibi_slopes=None,
                   window_size=None, dropout_p=0.0, dropout_seed=None, kb_tiles=None, block_members_max=None,
                   slab_tiles=None, attn_bias=None, block_mask=None, block_bits=None, p_dma_period=None,
-                  pv_lag=None, logit_scale=None, vt_cache=None):
+                  pv_lag=None, logit_scale=None, vt_scratch=None):
     """Flash-attention forward; returns ``(o, lse)`` in shared HBM.
 
     Args:
@@ -1767,9 +1904,10 @@ def attention_fwd(q_ref, k_ref, v_ref, sinks_ref=None, bound_min=None, bound_max
             full P tiles of a key block are transposed by one dma_transpose (trn2+, 16-bit; default 4 when both
             head dims are <= 128, else 0 = never); PV matmuls run pv_lag jobs behind their P^T (``PV_LAG``). The
             result does not change.
-        vt_cache: tuning (None = ``VT_CACHE_WIDE``, on): with d_v > 128, each 128-key chunk's V^T is transposed
-            once per work item into a private HBM scratch and later key blocks load it from there
-            (``_plan_vt``); False: every key block transposes its V on TensorE. The result does not change.
+        vt_scratch: tuning (None = ``VT_SCRATCH_WIDE``, on): with d_v > 128 where the work item's V^T does not fit
+            the SBUF, each 128-key chunk's V^T is transposed once per work item into a private HBM scratch and
+            later key blocks load it from there (``_plan_vt``); False: every key block transposes its V on
+            TensorE. The result does not change.
         attn_bias: optional float32 / bfloat16 / float16 ``[bb, hb, sqb, skb]``, each dim 1 (broadcast) or the
             call's ``[bs, nheads, seqlen_q, seqlen_k]``: added to the scaled (and capped) scores, after ALiBi
             (``score_mods.bias_scores``; rows are query positions, columns keys, in the kernel's padded lengths).
@@ -1788,12 +1926,12 @@ def attention_fwd(q_ref, k_ref, v_ref, sinks_ref=None, bound_min=None, bound_max
     mods = {"softcap": softcap, "alibi_slopes": alibi_slopes, "attn_bias": attn_bias, "logit_scale": logit_scale}
     problem = _fwd_problem(q_ref, k_ref, v_ref, sinks_ref, bound_min, bound_max, use_causal_mask, mixed_precision,
                            softmax_scale, sliding_window, window_size, dropout_p, dropout_seed, kb_tiles,
-                           block_members_max, slab_tiles, block_mask, block_bits, p_dma_period, pv_lag, vt_cache,
+                           block_members_max, slab_tiles, block_mask, block_bits, p_dma_period, pv_lag, vt_scratch,
                            mods)
     assert problem is None, problem
     cfg = _setup_config(q_ref, k_ref, v_ref, sinks_ref, bound_min, use_causal_mask, mixed_precision, softmax_scale,
                         sliding_window, window_size, dropout_p, kb_tiles, block_members_max, slab_tiles, block_mask,
-                        p_dma_period, pv_lag, mods, vt_cache)
+                        p_dma_period, pv_lag, mods, vt_scratch)
     if cfg.block_mask is not None and cfg.block_mask.n_slots > 0:
         cfg.block_mask.bits = block_bits
         cfg.block_mask.bitsel = block_bitsel()

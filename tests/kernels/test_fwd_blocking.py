@@ -188,32 +188,33 @@ def test_transfers_once_per_head_and_slab():
     n_sec = cfg.n_qt // cfg.slab_tiles
     assert n_sec * cfg.slab_tiles == cfg.n_qt
     _, rec = traced(q, k, v, sinks_ref=torch.zeros(1, 4), use_causal_mask=True)
-    # head dims > 128: the first slab's Q comes in two parts (its first block's query tiles first), the last
-    # slab's O and LSE go out block by block (2 blocks of 2 query tiles per slab here)
-    n_last = 2
-    q_loads = dmas(rec, src="arg0")
-    assert len(q_loads) == 4 * 2 * (n_sec + 1)  # Q: one DMA per (head, d tile, slab), the first slab's in two
-    assert sum(r.dst.shape[1] for r in q_loads) == 4 * 2 * cfg.n_qt * 128  # every query column once
-    o_stores = dmas(rec, dst_hbm_dtype="bfloat16")
-    assert len(o_stores) == 4 * 2 * (n_sec - 1 + n_last)  # O: one per (head, d tile, slab), the last's per block
-    assert sum(r.dst.shape[1] for r in o_stores) == 4 * 2 * cfg.n_qt * 128
+    # Q: one DMA per (head, d tile, slab); a group of one head, or (here) head dims > 128, loads the first
+    # slab's first block's tiles apart
+    split = 1 if cfg.slab_tiles > 2 else 0
+    assert len(dmas(rec, src="arg0")) == 4 * 2 * (n_sec + split)
+    # O and LSE: one store per (head, d tile) / head and slab; the last slab stores its earlier blocks early only
+    # when its last block (query tiles 6, 7: 7 and 8 visible 128-key chunks per head) scores at least twice the O
+    # elements that store moves
+    done = cfg.slab_tiles - 2
+    early = 0 < done and 4 * (7 + 8) * 128 >= fwd.EARLY_STORE_RATIO * done * 4 * 256
+    stores = n_sec + (1 if early else 0)
+    assert len(dmas(rec, dst_hbm_dtype="bfloat16")) == 4 * 2 * stores
     lse = dmas(rec, dst_hbm_dtype="float32")
-    assert len(lse) == 4 * (n_sec - 1 + n_last)  # LSE: per head and slab, the last slab's per block
-    assert sorted(r.dst.shape[1] for r in lse) == [cfg.slab_tiles // n_last] * 4 * n_last + \
-        [cfg.slab_tiles] * 4 * (n_sec - 1)
+    assert len(lse) == 4 * stores and sum(r.dst.shape[1] for r in lse) == 4 * cfg.n_qt
+    assert all(r.dst.shape == (128, cfg.slab_tiles) for r in lse[:4 * (n_sec - 1)])  # LSE: per head, slab
     assert len(dmas(rec, src="arg3")) == 1  # the sinks: once per kv head
     # K and V: one DMA per (block, key block, d tile); blocks of 2 query tiles x 4 heads, one key block each
     blocks = n_members_blocks(cfg)
     assert len(blocks) == 4
     n_kb = sum(len(fwd._key_blocks(cfg, [t0 + j // 4 for j in range(j0, j1)])) for t0, j0, j1 in blocks)
     assert len(dmas(rec, src="arg1")) == n_kb * 2
-    # V: one DMA per d tile, or (d_v > 128) one load of its V^T from the work item's scratch, or none when the
-    # unit before holds the same chunks' V^T (``_plan_vt``)
+    # V: one DMA per d tile, or (d_v > 128, the work item's V^T past the SBUF) one load of its V^T from the work
+    # item's HBM scratch, or none when the unit before holds the same chunks' V^T (``_plan_vt``)
     vt_loads = [r for r in rec if r.instr == "dma_copy" and r.srcs[0].buffer == "hbm" and len(r.srcs[0].shape) == 3]
     slabs = [(t0, min(t0 + cfg.slab_tiles, cfg.n_qt)) for t0 in range(0, cfg.n_qt, cfg.slab_tiles)]
     units = fwd._plan_units(cfg, 0, 1, slabs)
     shared = sum(1 for u in units if u.vt_prev is not None)
-    assert len(vt_loads) == sum(1 for u in units if u.vt_load) > 0 and shared > 0
+    assert cfg.vt_scratch and len(vt_loads) == sum(1 for u in units if u.vt_load)
     assert len(dmas(rec, src="arg2")) + 2 * len(vt_loads) + 2 * shared == n_kb * 2
 
 
@@ -249,7 +250,9 @@ def test_statistics_batched_per_block():
         n_kb += len(fwd._key_blocks(cfg, tiles))
         widths.append(j1 - j0)
     recips = [r for r in rec if r.instr == "reciprocal"]
-    assert [r.dst.shape[1] for r in recips] == widths  # one per block, over all its members
+    # one per block, over all its members (the pipeline's last block finishes its statistics before the block
+    # ahead of it, whose finishing waits FIN_DELAY steps)
+    assert sorted(r.dst.shape[1] for r in recips) == sorted(widths)
     assert sum(1 for r in rec if r.instr == "select_reduce") == 2 * len(blocks)
     reduces = [r for r in rec if r.instr == "tensor_reduce"]
     assert len(reduces) == 2 * n_kb
@@ -327,13 +330,58 @@ def test_scale_in_exponent_across_blocks(scale):
                   scale=scale)
 
 
+def test_v_transposed_once_per_work_item():
+    # one head, 4096 keys, d 64, non-causal: four blocks of 8 query tiles each read every key. V^T is kept for
+    # the work item: each 128-key chunk is loaded and transposed once, not once per block
+    q, k, v = make_qkv(nheads=1, nheads_kv=1, d=64, sq=4096, dtype=torch.bfloat16, seed=32)
+    cfg = config(nheads=1, d=64, sq=4096)
+    assert cfg.vt_cache and cfg.n_qt // cfg.members == 4
+    _, rec = traced(q, k, v)
+    v_loads = dmas(rec, src="arg2")
+    assert sum(r.dst.shape[1] for r in v_loads) == 4096
+    vt = [r for r in rec if r.instr == "nc_transpose" and r.srcs[0].shape == (64, 128)]
+    assert len(vt) == 4096 // 128
+    # a work item of one block has nothing to share: V^T per unit, as before
+    small = config(nheads=1, d=64, sq=1024)
+    assert small.n_qt <= small.members and not small.vt_cache
+
+
+def test_first_loads_split_and_last_slab_stored_early():
+    # one head, 4096 queries and keys, d 64, non-causal: slabs of 8-tile blocks, whole 512-key tiles. The
+    # pipeline's first unit loads the first block's Q (a group of one head) and its first key tile's K apart, so
+    # the first scores wait for less; the last block scores 8 x 4096 keys per row, far more than twice the O
+    # elements of the last slab's earlier blocks, so those are stored as soon as they finish and only the last
+    # block's O and LSE after the pipeline's end
+    q, k, v = make_qkv(nheads=1, nheads_kv=1, d=64, sq=4096, dtype=torch.bfloat16, seed=31)
+    cfg = config(nheads=1, d=64, sq=4096)
+    assert cfg.members == 8 and cfg.slab_tiles % 8 == 0 and cfg.slab_tiles > 8
+    n_sec = cfg.n_qt // cfg.slab_tiles
+    o, rec = traced(q, k, v)
+    q_loads = dmas(rec, src="arg0")
+    assert len(q_loads) == n_sec + 1
+    assert q_loads[0].dst.shape == (64, 8 * 128)  # the first block's query tiles
+    assert q_loads[1].dst.shape == (64, (cfg.slab_tiles - 8) * 128)
+    k_loads = dmas(rec, src="arg1")
+    assert k_loads[0].dst.shape == (64, 512)  # the first unit's first key tile
+    assert sum(r.dst.shape[1] for r in k_loads[:2]) == cfg.kb_tiles * 512
+    o_stores = dmas(rec, dst_hbm_dtype="bfloat16")
+    assert len(o_stores) == n_sec + 1
+    assert o_stores[-2].dst.shape == (64, (cfg.slab_tiles - 8) * 128) and o_stores[-1].dst.shape == (64, 8 * 128)
+    # the early store comes before the last block's last exponent
+    order = {id(r): n for n, r in enumerate(rec)}
+    last_exp = max(n for n, r in enumerate(rec) if r.instr == "activation" and r.dst.shape[-1] == 512)
+    assert order[id(o_stores[-2])] < last_exp < order[id(o_stores[-1])]
+    want, _ = attention_fwd(q, k, v)  # untraced: the same result
+    assert torch.equal(o[0], want)
+
+
 @pytest.mark.parametrize("target,dtype,want_dma", [("trn2", torch.bfloat16, True), ("trn3", torch.float16, True),
                                                    ("trn2", torch.float32, False), ("trn1", torch.bfloat16, False)])
 def test_p_transposes_split_between_tensor_engine_and_dma(monkeypatch, target, dtype, want_dma):
     # 2 heads x 8 query tiles, 1024 keys non-causal: every (member, key tile) is a full 512-key tile; on trn2+
     # with 16-bit P every P_DMA_PERIOD-th member has its full tiles of a key block transposed by DMA, consecutive
     # such members of a block sharing ONE dma_transpose of up to P_DMA_BATCH_TILES tiles (or a key block's), the
-    # rest by 4 TensorE transposes per tile
+    # rest by 4 TensorE transposes per tile; the pipeline's last unit transposes all of its tiles on TensorE
     monkeypatch.setenv("NEURON_PLATFORM_TARGET_OVERRIDE", target)
     q, k, v = make_qkv(nheads=2, nheads_kv=1, d=64, sq=1024, dtype=dtype, seed=50)
     _, rec = traced(q, k, v)
@@ -345,7 +393,9 @@ def test_p_transposes_split_between_tensor_engine_and_dma(monkeypatch, target, d
     per_member = math.ceil(2 / cfg.kb_tiles)  # key blocks per member: 1024 keys are 2 key tiles
     if want_dma:
         batch = max(cfg.kb_tiles, fwd.P_DMA_BATCH_TILES)
-        dma_tiles = 16 * per_member // fwd.P_DMA_PERIOD * cfg.kb_tiles  # 8 members per block, whole batches
+        # 8 members per unit, whole batches; the pipeline's last unit (its drain) has none by DMA
+        dma_tiles = 8 * (2 * per_member - 1) // fwd.P_DMA_PERIOD * cfg.kb_tiles
+        assert dma_tiles > 0
         assert len(by_dma) == dma_tiles // batch
         assert all(r.srcs[0].buffer == "sbuf" and r.dst.shape == (128, 4 * batch, 128) for r in by_dma)
     else:
@@ -377,7 +427,7 @@ def test_tuning_keywords_change_the_plan_not_the_result():
 # ----------------------------------------------------------------------------------------------- V^T scratch (d_v > 128)
 @pytest.mark.parametrize("case", [dict(causal=True, sq=2048, nheads=2),
                                   dict(causal=True, sq=1536, sk=2560, nheads=4, window=700, sinks=1),
-                                  dict(causal=False, sq=3072, sk=1024, nheads=1, d_v=200),
+                                  dict(causal=False, sq=1024, sk=3072, nheads=2, d_v=200),
                                   dict(causal=True, sq=2048, nheads=2, packing=True)])
 def test_wide_v_transposed_once_per_chunk_through_the_scratch(case):
     # d_v > 128: a chunk's V^T is transposed once per work item and parked in private HBM; a unit three or more
@@ -400,7 +450,7 @@ def test_wide_v_transposed_once_per_chunk_through_the_scratch(case):
     runs = {}
     for cache in (False, True):
         with recording() as rec:
-            o, lse = attention_fwd(q, k, v, sinks_ref=sinks, vt_cache=cache, **opts)
+            o, lse = attention_fwd(q, k, v, sinks_ref=sinks, vt_scratch=cache, **opts)
         stores = [r for r in rec.records if r.instr == "dma_copy" and r.dst.buffer == "hbm"
                   and len(r.dst.shape) == 3]
         transposes = sum(1 for r in rec.records if r.instr == "nc_transpose")
