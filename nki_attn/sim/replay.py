@@ -46,12 +46,23 @@ def enabled():
     return os.environ.get("NKI_ATTN_SIM_REPLAY", "1").strip().lower() not in ("0", "off", "false", "no")
 
 
+def _env_mib(name, default):
+    try:
+        return int(float(os.environ.get(name, str(default))) * (1 << 20))
+    except ValueError:
+        return default << 20
+
+
 def budget_bytes():
     """Env ``NKI_ATTN_SIM_REPLAY_MB`` in bytes: the most memory one program may keep (default 256 MiB)."""
-    try:
-        return int(float(os.environ.get("NKI_ATTN_SIM_REPLAY_MB", "256")) * (1 << 20))
-    except ValueError:
-        return 256 << 20
+    return _env_mib("NKI_ATTN_SIM_REPLAY_MB", 256)
+
+
+def total_budget_bytes():
+    """Env ``NKI_ATTN_SIM_REPLAY_TOTAL_MB`` in bytes: the most memory all kept programs together may hold (default
+    1024 MiB). Without it a long run of many signatures (a harness preset: every row its own shapes) kept up to
+    ``_MAX_PROGRAMS`` programs of up to ``budget_bytes()`` each alive, 16 GiB at the defaults."""
+    return _env_mib("NKI_ATTN_SIM_REPLAY_TOTAL_MB", 1024)
 
 
 # ----------------------------------------------------------------------------------------------------- keys
@@ -451,10 +462,19 @@ def store(key, rec, arg_tensors, result, stats, strict):
         with _LOCK:
             _REFUSED[key] = f"its storages need {prog.bytes >> 20} MiB, over NKI_ATTN_SIM_REPLAY_MB"
         return None
+    total = total_budget_bytes()
     with _LOCK:
         _PROGRAMS[key] = prog
-        while len(_PROGRAMS) > _MAX_PROGRAMS:
-            _PROGRAMS.popitem(last=False)
+        held = sum(p.bytes for p in _PROGRAMS.values())
+        # least recently used out first; the new program itself stays (it fits budget_bytes on its own), unless it
+        # alone is over the total budget
+        while len(_PROGRAMS) > _MAX_PROGRAMS or (held > total and len(_PROGRAMS) > 1):
+            _, old = _PROGRAMS.popitem(last=False)
+            held -= old.bytes
+        if held > total:
+            del _PROGRAMS[key]
+            _REFUSED[key] = f"its storages need {prog.bytes >> 20} MiB, over NKI_ATTN_SIM_REPLAY_TOTAL_MB"
+            return None
     return prog
 
 

@@ -199,6 +199,30 @@ def test_what_cannot_be_replayed_is_traced(monkeypatch):
     assert "NKI_ATTN_SIM_REPLAY_MB" in next(iter(replay.info()[1].values()))
 
 
+def test_kept_programs_stay_within_the_total_budget(monkeypatch):
+    # two signatures (shapes 256 and 512): with room for the larger one alone, the older program goes (least
+    # recently used first) and the newer one replays; with room for neither, nothing is kept and both still run
+    x, y = _inputs(0, s=256), _inputs(1, s=512)
+    attention_fwd(x["q"], x["k"], x["v"], use_causal_mask=True)
+    small = next(iter(replay._PROGRAMS.values())).bytes
+    replay.clear()
+    attention_fwd(y["q"], y["k"], y["v"], use_causal_mask=True)
+    large = next(iter(replay._PROGRAMS.values())).bytes
+    assert small < large
+    replay.clear()
+    monkeypatch.setenv("NKI_ATTN_SIM_REPLAY_TOTAL_MB", str((small + large - 1) / (1 << 20)))
+    want = attention_fwd(x["q"], x["k"], x["v"], use_causal_mask=True)
+    attention_fwd(y["q"], y["k"], y["v"], use_causal_mask=True)
+    assert [p.bytes for p in replay._PROGRAMS.values()] == [large]
+    _same_bits(attention_fwd(x["q"], x["k"], x["v"], use_causal_mask=True), want)  # traced again, same bits
+    assert sum(p.bytes for p in replay._PROGRAMS.values()) <= small + large - 1
+    replay.clear()
+    monkeypatch.setenv("NKI_ATTN_SIM_REPLAY_TOTAL_MB", str((small - 1) / (1 << 20)))
+    attention_fwd(x["q"], x["k"], x["v"], use_causal_mask=True)
+    progs, refused = replay.info()
+    assert not progs and "NKI_ATTN_SIM_REPLAY_TOTAL_MB" in next(iter(refused.values()))
+
+
 SCALE = 2.0
 
 
