@@ -4,7 +4,7 @@
                   mixed_precision=True, softmax_scale=None, sliding_window=None, softcap=0.0, alibi_slopes=None,
                   window_size=None, dropout_p=0.0, dropout_seed=None, kb_tiles=None, block_members_max=None,
                   slab_tiles=None, attn_bias=None, block_mask=None, block_bits=None, p_dma_period=None,
-                  pv_lag=None, logit_scale=None) -> (o, lse)
+                  pv_lag=None, logit_scale=None, vt_scratch=None) -> (o, lse)
 
 Layouts (head_dim on the partition axis): q ``[bs, nheads, d_qk, seqlen_q]``, k ``[bs, nheads_kv, d_qk,
 seqlen_k]``, v ``[bs, nheads_kv, d_v, seqlen_k]``, o ``[bs, nheads, d_v, seqlen_q]``, lse float32 ``[bs, nheads,
@@ -74,6 +74,15 @@ SCORE_DEN = 16
 # with no scores to evict (the pipeline's drain), where VectorE takes them all; docs/kernel-fwd.md, "Engine balance"
 PT_VECTOR_PERIOD = 2
 FIRST_O_SCALAR = True  # a member's O = PV at its first key block by a ScalarE copy (deferred like those evictions)
+# head dims > 128: each step emits its exponents before the next unit's scores. A d 256 key block holds one key
+# tile, so a unit has as few jobs as members and the SCORE_NUM / SCORE_DEN rule puts all the next unit's scores
+# first; with soft-capping their tanh then stood on ScalarE before the exponents the P transposes wait for
+EXPS_FIRST_WIDE = True
+# d_v > 128 where the work item's V^T does not fit the SBUF (``vt_cache`` off): a key chunk's V^T is transposed
+# by TensorE once per work item and parked in a private HBM scratch; a later unit loads it from there (a plain
+# copy, 512 contiguous bytes per key at d_v 256) instead of V (``_plan_vt``)
+VT_SCRATCH_WIDE = True
+VT_GROUP = 32  # 128-key chunks per row group of that scratch (a multiple of a key block's 16)
 PT_SCALAR_LAG = 3  # a ScalarE eviction is emitted this many phase-3 steps after its transposes
 FIN_DELAY_MIN = 2  # ... where the SBUF has no room for the finishing blocks' O accumulators FIN_DELAY keeps
 FIN_DELAY = 12  # phase-3 steps between a block's last PV and its finishing (and between its members' O^T)
@@ -116,7 +125,7 @@ class _FwdConfig(nl.NKIObject):
     """
 
     def __init__(self, shp, io_dtype, acc_dtype, range_select_ok, d_v=None, kb_tiles=None, block_members_max=None,
-                 slab_tiles=None, p_dma_period=None, pv_lag=None):
+                 slab_tiles=None, p_dma_period=None, pv_lag=None, vt_scratch=None):
         if d_v is None:
             d_v = shp.d_v
         self.shp = shp
@@ -194,6 +203,12 @@ class _FwdConfig(nl.NKIObject):
         if shp.softcap > 0:
             self.pt_vector_period = 1  # the tanh keeps ScalarE as busy as TensorE already
         self.pt_scalar_lag = PT_SCALAR_LAG
+        # head dims > 128 (``wide``): exponents first in each step, phase 2 before the unit's V^T, the first
+        # slab's Q in two parts (its first block's query tiles first)
+        self.wide = shp.d_head > PMAX or d_v > PMAX
+        self.exps_first = EXPS_FIRST_WIDE and self.wide
+        self.vt_scratch_on = VT_SCRATCH_WIDE if vt_scratch is None else vt_scratch
+        self.vt_scratch = False  # decided below, after vt_cache
         self.first_o_scalar = FIRST_O_SCALAR and self.pt_vector_period > 1
         if kb_tiles is None:
             # the deeper exponent lead only where it costs no key-block size (each exponent in flight holds a P tile)
@@ -219,6 +234,8 @@ class _FwdConfig(nl.NKIObject):
             self.vt_cache = True
             if not _kb_fits(self, self.kb_tiles, itemsize(io_dtype), itemsize(acc_dtype)):
                 self.vt_cache = False
+        # where the SBUF cannot keep the work item's V^T and d_v > 128: the HBM scratch (``_plan_vt``)
+        self.vt_scratch = self.vt_scratch_on and d_v > PMAX and not self.vt_cache
         if slab_tiles is None:
             self.slab_tiles = _slab_tiles(self, itemsize(io_dtype), itemsize(acc_dtype))
         else:
@@ -547,6 +564,7 @@ class _WorkItem(nl.NKIObject):
         self.vt = None
         self.vt_done = None
         self.vt_users = 0
+        self.vt_hbm = None
 
 
 class _Slab(nl.NKIObject):
@@ -563,6 +581,7 @@ class _Slab(nl.NKIObject):
         self.q_rest = None
         self.q_first = 0
         self.stored = 0
+        self.lse_done = 0
         self.early_store = False
         self.o = None
         self.lse = None
@@ -621,6 +640,9 @@ class _Unit(nl.NKIObject):
         self.vt = None
         self.vt_base = 0
         self.vt_new = None
+        self.vt_load = False
+        self.vt_store = False
+        self.vt_prev = None
         self.idx = None
         self.s = None
         self.tl = None
@@ -1021,6 +1043,9 @@ def _open_item(cfg, hbm, sinks_ref, launch, steps, work):
     if cfg.shp.num_sinks > 0:
         sink_stats = _sink_stats(cfg, sinks_ref, b, kvh)
     work.item = Item(b, kvh, seed=launch.seed, bounds=launch.bounds, pos_tab=launch.pos_tab, sinks=sink_stats)
+    if cfg.vt_scratch:
+        n_grp = ((cfg.shp.seqlen_k + PMAX - 1) // PMAX + VT_GROUP - 1) // VT_GROUP
+        work.vt_hbm = nl.ndarray((n_grp * PMAX, VT_GROUP * cfg.d_v), dtype=cfg.io_dtype, buffer=nl.private_hbm)
     for f in steps.item_start:
         f(cfg, hbm, work.item)
 
@@ -1100,9 +1125,12 @@ def _load_unit(cfg, hbm, sinks_ref, launch, steps, unit, first):
     if work.item is None:
         _open_item(cfg, hbm, sinks_ref, launch, steps, work)
     opening = not slab.opened
+    k_tiles = None
+    if opening and cfg.wide and unit.kb is not None:
+        k_tiles = _load_k(cfg, hbm, unit, first)  # before the slab's Q: the first score reads one head's Q
     if opening:
         n_first = slab.n
-        if first and cfg.group == 1:
+        if first and (cfg.group == 1 or cfg.wide):
             n_first = blk.tiles[len(blk.tiles) - 1] - slab.t0 + 1
         _open_slab(cfg, hbm, steps, slab, n_first)
     if unit.first:
@@ -1116,19 +1144,8 @@ def _load_unit(cfg, hbm, sinks_ref, launch, steps, unit, first):
     kvh = work.kvh
     key0 = kb.kt0 * K_TILE + kb.c_lo * PMAX
     width = (kb.c_hi - kb.c_lo) * PMAX
-    k_tiles = []
-    # the pipeline's first unit: its first key tile's K in a load of its own (the first scores wait for less)
-    cut = 0
-    if first:
-        cut = min(width, K_TILE - (key0 % K_TILE))
-    for qi in range(len(cfg.qk_tiles)):
-        d0, dsz = cfg.qk_tiles[qi]
-        kt_sb = nl.ndarray((dsz, width), dtype=cfg.io_dtype, buffer=nl.sbuf)
-        if cut > 0:
-            nisa.dma_copy(dst=kt_sb[:, 0:cut], src=hbm.k[b, kvh, d0:d0 + dsz, key0:key0 + cut])
-        if cut < width:
-            nisa.dma_copy(dst=kt_sb[:, cut:width], src=hbm.k[b, kvh, d0:d0 + dsz, key0 + cut:key0 + width])
-        k_tiles.append(kt_sb)
+    if k_tiles is None:
+        k_tiles = _load_k(cfg, hbm, unit, first)
     ch = K_TILE // PMAX
     if cfg.vt_cache:
         # only the chunks no earlier unit of the work item transposes: V loaded from the first to the last of them
@@ -1151,6 +1168,14 @@ def _load_unit(cfg, hbm, sinks_ref, launch, steps, unit, first):
             width = (new[len(new) - 1] + 1 - new[0]) * PMAX
         else:
             width = 0
+    if unit.vt_load:
+        n_ch = kb.c_hi - kb.c_lo
+        vt = nl.ndarray((PMAX, n_ch, cfg.d_v), dtype=cfg.io_dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=vt, src=_vt_scratch(cfg, work, key0, n_ch))
+        unit.vt = vt
+        unit.vt_base = kb.c_lo
+    if unit.vt_load or unit.vt_prev is not None:
+        width = 0
     v_tiles = []
     if width > 0:
         for vi in range(len(cfg.v_tiles)):
@@ -1162,6 +1187,29 @@ def _load_unit(cfg, hbm, sinks_ref, launch, steps, unit, first):
     unit.v_tiles = v_tiles
     if opening:
         _load_q_rest(cfg, hbm, slab)
+
+
+def _load_k(cfg, hbm, unit, first):
+    """K of ``unit`` (the union of its members' visible chunks), one DMA per Q/K partition tile; the
+    pipeline's ``first`` unit: its first key tile's K in a load of its own (the first scores wait for less)."""
+    kb = unit.kb
+    work = unit.blk.slab.work
+    key0 = kb.kt0 * K_TILE + kb.c_lo * PMAX
+    width = (kb.c_hi - kb.c_lo) * PMAX
+    k_tiles = []
+    cut = 0
+    if first:
+        cut = min(width, K_TILE - (key0 % K_TILE))
+    for qi in range(len(cfg.qk_tiles)):
+        d0, dsz = cfg.qk_tiles[qi]
+        kt_sb = nl.ndarray((dsz, width), dtype=cfg.io_dtype, buffer=nl.sbuf)
+        if cut > 0:
+            nisa.dma_copy(dst=kt_sb[:, 0:cut], src=hbm.k[work.b, work.kvh, d0:d0 + dsz, key0:key0 + cut])
+        if cut < width:
+            nisa.dma_copy(dst=kt_sb[:, cut:width],
+                          src=hbm.k[work.b, work.kvh, d0:d0 + dsz, key0 + cut:key0 + width])
+        k_tiles.append(kt_sb)
+    return k_tiles
 
 
 def _load_q_rest(cfg, hbm, slab):
@@ -1200,27 +1248,47 @@ def _begin_scores(cfg, steps, unit):
         f(cfg, kb.kt0, unit.blk.slab.work.item)
 
 
+def _end_scores_vt(cfg, unit):
+    """The unit's V^T: into the work item's SBUF V^T (``vt_cache``), or from its V (TensorE), stored to the
+    work item's HBM scratch when it holds new chunks (``vt_scratch``); a unit that loaded its V^T, or takes the
+    previous unit's, has it already."""
+    kb = unit.kb
+    blk = unit.blk
+    if cfg.vt_cache:
+        work = blk.slab.work
+        if len(unit.vt_new) > 0:
+            _transpose_v_into(cfg, unit.v_tiles, unit.vt_new, work.vt)
+        unit.vt = work.vt
+    elif unit.vt_prev is not None:
+        unit.vt = unit.vt_prev.vt
+        unit.vt_base = kb.c_lo
+        unit.vt_prev = None
+    elif not unit.vt_load:
+        unit.vt = _transpose_v(cfg, unit.v_tiles, kb.c_hi - kb.c_lo)
+        unit.vt_base = kb.c_lo
+        if unit.vt_store:
+            key0 = kb.kt0 * K_TILE + kb.c_lo * PMAX
+            nisa.dma_copy(dst=_vt_scratch(cfg, blk.slab.work, key0, kb.c_hi - kb.c_lo), src=unit.vt)
+    unit.v_tiles = None
+
+
 def _end_scores(cfg, unit, gaps_next):
     """After a unit's last score: V^T, and phase 2 into the statistics tile of the block's next key block
     (``gaps_next``: it has slots no key tile will write)."""
     kb = unit.kb
     blk = unit.blk
     unit.k_tiles = None
-    if cfg.vt_cache:
-        work = blk.slab.work
-        if len(unit.vt_new) > 0:
-            _transpose_v_into(cfg, unit.v_tiles, unit.vt_new, work.vt)
-        unit.vt = work.vt
-    else:
-        unit.vt = _transpose_v(cfg, unit.v_tiles, kb.c_hi - kb.c_lo)
-        unit.vt_base = kb.c_lo
-    unit.v_tiles = None
+    if not cfg.wide:
+        _end_scores_vt(cfg, unit)
     unit.idx = None
     n = len(blk.heads)
     pm_next = nl.ndarray((PMAX, n, cfg.kb_tiles + 1), dtype=nl.float32, buffer=nl.sbuf)
     if gaps_next:
         nisa.memset(dst=pm_next, value=FP32_MIN, engine=nisa.engine.gpsimd)  # slots no key tile will write
     diff, bias = _update_max(cfg, blk.pm, pm_next)
+    if cfg.wide:
+        # after phase 2: its V^T eviction (a d_v > 128 bank holds two chunks) would delay the exponent bias
+        _end_scores_vt(cfg, unit)
     unit.diff = diff
     unit.bias = bias
     blk.pm = pm_next
@@ -1388,8 +1456,9 @@ def _finish_lse(cfg, steps, blk):
     nisa.select_reduce(dst=slab.lse[:, blk.j0:blk.j0 + n], predicate=keep, on_true=lse_real, on_false=POS_INF)
 
 
-def _finish_member(cfg, blk, u, o_n):
-    """O^T of member ``u`` per V/O partition tile (TensorE) into the slab's O staging."""
+def _finish_member(cfg, blk, u, o_n, drain=False):
+    """O^T of member ``u`` per V/O partition tile (TensorE) into the slab's O staging (``drain``: the pipeline
+    has ended, ScalarE is idle: every 2nd member's eviction there)."""
     slab = blk.slab
     j0 = blk.j0
     col = (j0 + u) * PMAX
@@ -1397,10 +1466,23 @@ def _finish_member(cfg, blk, u, o_n):
         v0, vsz = cfg.v_tiles[vi]
         ot_ps = nl.ndarray((vsz, PMAX), dtype=cfg.io_dtype, buffer=nl.psum)
         nisa.nc_transpose(dst=ot_ps, data=o_n[:, v0:v0 + vsz])
-        if cfg.finish_on_vector:
+        if cfg.finish_on_vector and not (drain and u % 2 == 1):
             nisa.tensor_copy(dst=slab.o[vi][:, col:col + PMAX], src=ot_ps)
         else:
             nisa.activation(dst=slab.o[vi][:, col:col + PMAX], op=nl.copy, data=ot_ps)
+
+
+def _store_lse(cfg, hbm, slab):
+    """Head dims > 128, the launch's last slab at its last block's LSE: the LSE not stored yet goes out now,
+    one DMA per head (every block before has its LSE), so the pipeline's end waits for O's stores only."""
+    g = cfg.group
+    a = slab.lse_done
+    m = slab.n - a
+    for h in range(g):
+        hq = slab.work.kvh * g + h
+        nisa.dma_copy(dst=hbm.lse[slab.work.b, hq, :, slab.t0 + a:slab.t0 + slab.n],
+                      src=slab.lse.ap(pattern=[[slab.n * g, PMAX], [g, m]], offset=a * g + h))
+    slab.lse_done = slab.n
 
 
 def _store_slab(cfg, hbm, slab, a, z):
@@ -1419,9 +1501,13 @@ def _store_slab(cfg, hbm, slab, a, z):
             nisa.dma_copy(dst=hbm.o[b, hq, v0:v0 + vsz, (t0 + a) * PMAX:(t0 + z) * PMAX],
                           src=slab.o[vi].ap(pattern=[[n * g * PMAX, vsz], [g * PMAX, m], [1, PMAX]],
                                             offset=(a * g + h) * PMAX))
-        nisa.dma_copy(dst=hbm.lse[b, hq, :, t0 + a:t0 + z],
-                      src=slab.lse.ap(pattern=[[n * g, PMAX], [g, m]], offset=a * g + h))
+        if z > slab.lse_done:
+            la = max(a, slab.lse_done)
+            nisa.dma_copy(dst=hbm.lse[b, hq, :, t0 + la:t0 + z],
+                          src=slab.lse.ap(pattern=[[n * g, PMAX], [g, z - la]], offset=la * g + h))
     slab.stored = z
+    if z > slab.lse_done:
+        slab.lse_done = z
     if z < n:
         return
     slab.q = None
@@ -1456,11 +1542,13 @@ def _run_later(cfg, hbm, steps, pipe, flush):
                     again = flush
                 elif job[1] == "lse":
                     _finish_lse(cfg, steps, blk)
+                    if cfg.wide and blk.slab.early_store and blk.slab.blocks_left == 1:
+                        _store_lse(cfg, hbm, blk.slab)
                 else:
                     u = job[3]
                     if job[4][u] is None:
                         job[4][u] = _normalise(cfg, blk, u)  # the drain's last block: not normalised yet
-                    _finish_member(cfg, blk, u, job[4][u])
+                    _finish_member(cfg, blk, u, job[4][u], flush and cfg.wide)
                     job[4][u] = None
                     if u == len(job[4]) - 1:
                         blk.o_acc = None
@@ -1513,7 +1601,67 @@ def _plan_units(cfg, start, stop, slabs):
                 for k in range(len(plan)):
                     units.append(_Unit(blk, plan[k], k == 0, k == len(plan) - 1))
                     work.vt_users = work.vt_users + 1
+    if cfg.vt_scratch:
+        _plan_vt(cfg, units)
     return units
+
+
+def _plan_vt(cfg, units):
+    """Which units load V^T from the work item's HBM scratch (``vt_load``) and which write theirs there
+    (``vt_store``). Unit m's K/V load is emitted in segment m - 2, before that segment's V^T (of unit m - 1), so
+    unit m may load a chunk only if the unit that stored it is m - 3 or earlier; otherwise it transposes V itself
+    and stores its V^T if it holds a chunk not stored yet, or, when the unit before it (the same work item)
+    holds the same chunks, takes that unit's V^T tile (``vt_prev``: made in the segment before this unit's
+    phase 2, and alive until that unit's last PV, which comes after)."""
+    n_ch = (cfg.shp.seqlen_k + PMAX - 1) // PMAX
+    item = -1
+    stored = []
+    prev = None
+    for m in range(len(units)):
+        unit = units[m]
+        work = unit.blk.slab.work
+        if work.b * cfg.shp.nheads_kv + work.kvh != item:
+            item = work.b * cfg.shp.nheads_kv + work.kvh
+            stored = []
+            for c in range(n_ch):
+                stored.append(-1)
+        kb = unit.kb
+        if kb is None:
+            prev = None
+            continue
+        c0 = kb.kt0 * (K_TILE // PMAX) + kb.c_lo
+        c1 = kb.kt0 * (K_TILE // PMAX) + kb.c_hi
+        ready = True
+        new = False
+        for c in range(c0, c1):
+            if stored[c] < 0:
+                new = True
+            if stored[c] < 0 or stored[c] > m - 3:
+                ready = False
+        same = prev is not None and prev.kb is not None and prev.blk.slab.work.b == work.b and \
+            prev.blk.slab.work.kvh == work.kvh and prev.kb.kt0 == kb.kt0 and prev.kb.c_lo == kb.c_lo and \
+            prev.kb.c_hi == kb.c_hi
+        if ready:
+            unit.vt_load = True
+        elif same:
+            unit.vt_prev = prev
+        elif new:
+            unit.vt_store = True
+            for c in range(c0, c1):
+                stored[c] = m
+        prev = unit
+
+
+def _vt_scratch(cfg, work, key0, n_ch):
+    """The work item's V^T scratch for keys ``[key0, key0 + n_ch * 128)`` as ``[128 keys, n_ch, d_v]`` (the
+    SBUF layout of ``_transpose_v``). The scratch is ``[groups * 128, VT_GROUP * d_v]``: chunk c's key p at row
+    ``(c // VT_GROUP) * 128 + p``, columns ``(c % VT_GROUP) * d_v`` on, so every stride fits the ISA's int16
+    field; a key block (at most 16 chunks, aligned) never straddles a group."""
+    d = cfg.d_v
+    c0 = key0 // PMAX
+    grp = c0 // VT_GROUP
+    off = grp * PMAX * VT_GROUP * d + (c0 - grp * VT_GROUP) * d
+    return work.vt_hbm.ap(pattern=[[VT_GROUP * d, PMAX], [d, n_ch], [1, d]], offset=off)
 
 
 def _plan_early_store(cfg, last):
@@ -1597,6 +1745,10 @@ def _attend_all(cfg, hbm, sinks_ref, launch, steps, units):
         for t in range(n3):
             # the scores of the next unit run ahead of this unit's exponents, done by 2/3 of them: its phase 2
             # then has the last third of the segment to reach the exponent bias
+            if cfg.exps_first:
+                while done3 < min(n3, t + 1 + cfg.exp_lead):
+                    _exp_tile(cfg, steps, prev, done3)
+                    done3 = done3 + 1
             want = min(n1, ((t + 1) * n1 * cfg.score_den + cfg.score_num * n3 - 1) // (cfg.score_num * n3))
             while done1 < want:
                 _score_tile(cfg, steps, cur, cur.jobs[done1][0], cur.jobs[done1][1])
@@ -1654,7 +1806,7 @@ def _nonnegative_int_problem(name, value):
 def fwd_problem(q_ref, k_ref, v_ref, sinks_ref=None, bound_min=None, bound_max=None, use_causal_mask=False,
                 mixed_precision=True, softmax_scale=None, sliding_window=None, window_size=None, dropout_p=0.0,
                 dropout_seed=None, kb_tiles=None, block_members_max=None, slab_tiles=None, block_mask=None,
-                block_bits=None, p_dma_period=None, pv_lag=None, **mods):
+                block_bits=None, p_dma_period=None, pv_lag=None, vt_scratch=None, **mods):
     """``None`` when ``attention_fwd`` accepts these arguments, else the first problem as a message (host side:
     ``nki_attn.kernel_api.attention_fwd`` raises it as ``ValueError`` before launching). The score modifications'
     keywords (``softcap``, ``alibi_slopes``, ``attn_bias``, ``logit_scale``: ``score_mods.MOD_KEYWORDS``) come
@@ -1664,12 +1816,13 @@ def fwd_problem(q_ref, k_ref, v_ref, sinks_ref=None, bound_min=None, bound_max=N
             raise TypeError(f"fwd_problem() got an unexpected keyword argument {key!r}")
     return _fwd_problem(q_ref, k_ref, v_ref, sinks_ref, bound_min, bound_max, use_causal_mask, mixed_precision,
                         softmax_scale, sliding_window, window_size, dropout_p, dropout_seed, kb_tiles,
-                        block_members_max, slab_tiles, block_mask, block_bits, p_dma_period, pv_lag, mods)
+                        block_members_max, slab_tiles, block_mask, block_bits, p_dma_period, pv_lag, vt_scratch,
+                        mods)
 
 
 def _fwd_problem(q_ref, k_ref, v_ref, sinks_ref, bound_min, bound_max, use_causal_mask, mixed_precision,
                  softmax_scale, sliding_window, window_size, dropout_p, dropout_seed, kb_tiles, block_members_max,
-                 slab_tiles, block_mask, block_bits, p_dma_period, pv_lag, mods):
+                 slab_tiles, block_mask, block_bits, p_dma_period, pv_lag, vt_scratch, mods):
     """``fwd_problem`` in kernel code (the kernel asserts on it): ``mods`` the score modifications' arguments by
     kernel keyword."""
     problem = attention_problem(q_ref, k_ref, v_ref, sinks=sinks_ref, bound_min=bound_min, bound_max=bound_max,
@@ -1692,12 +1845,14 @@ def _fwd_problem(q_ref, k_ref, v_ref, sinks_ref, bound_min, bound_max, use_causa
         problem = _nonnegative_int_problem("p_dma_period", p_dma_period)
     if problem is None:
         problem = _nonnegative_int_problem("pv_lag", pv_lag)
+    if problem is None and vt_scratch is not None and not isinstance(vt_scratch, bool):
+        problem = f"vt_scratch={vt_scratch!r} must be None, True or False"
     return problem
 
 
 def _setup_config(q_ref, k_ref, v_ref, sinks_ref, bound_min, use_causal_mask, mixed_precision, softmax_scale,
                   sliding_window, window_size, dropout_p, kb_tiles, block_members_max, slab_tiles, block_mask=None,
-                  p_dma_period=None, pv_lag=None, mods=None):
+                  p_dma_period=None, pv_lag=None, mods=None, vt_scratch=None):
     """The launch's ``_FwdConfig``, built once from the kernel's (valid) arguments; ``block_mask`` its
     ``band.BlockRows`` (or None); ``mods`` the score modifications' arguments by kernel keyword."""
     shp = attention_shape(q_ref, k_ref, sinks=sinks_ref, bound_min=bound_min, use_causal_mask=use_causal_mask,
@@ -1706,7 +1861,7 @@ def _setup_config(q_ref, k_ref, v_ref, sinks_ref, bound_min, use_causal_mask, mi
     range_select_ok = nisa.get_nc_version() >= nisa.nc_version.gen3  # range_select exists on trn2+
     acc_dtype = nl.float32 if mixed_precision else q_ref.dtype
     cfg = _FwdConfig(shp, q_ref.dtype, acc_dtype, range_select_ok, v_ref.shape[2], kb_tiles, block_members_max,
-                     slab_tiles, p_dma_period, pv_lag)
+                     slab_tiles, p_dma_period, pv_lag, vt_scratch)
     if block_mask is not None:
         cfg.block_mask = BlockRows(block_mask[0], block_mask[1], block_mask[2], shp.seqlen_k // PMAX)
     return cfg
@@ -1717,7 +1872,7 @@ def attention_fwd(q_ref, k_ref, v_ref, sinks_ref=None, bound_min=None, bound_max
                   mixed_precision=True, softmax_scale=None, sliding_window=None, softcap=0.0, alibi_slopes=None,
                   window_size=None, dropout_p=0.0, dropout_seed=None, kb_tiles=None, block_members_max=None,
                   slab_tiles=None, attn_bias=None, block_mask=None, block_bits=None, p_dma_period=None,
-                  pv_lag=None, logit_scale=None):
+                  pv_lag=None, logit_scale=None, vt_scratch=None):
     """Flash-attention forward; returns ``(o, lse)`` in shared HBM.
 
     Args:
@@ -1749,6 +1904,10 @@ def attention_fwd(q_ref, k_ref, v_ref, sinks_ref=None, bound_min=None, bound_max
             full P tiles of a key block are transposed by one dma_transpose (trn2+, 16-bit; default 4 when both
             head dims are <= 128, else 0 = never); PV matmuls run pv_lag jobs behind their P^T (``PV_LAG``). The
             result does not change.
+        vt_scratch: tuning (None = ``VT_SCRATCH_WIDE``, on): with d_v > 128 where the work item's V^T does not fit
+            the SBUF, each 128-key chunk's V^T is transposed once per work item into a private HBM scratch and
+            later key blocks load it from there (``_plan_vt``); False: every key block transposes its V on
+            TensorE. The result does not change.
         attn_bias: optional float32 / bfloat16 / float16 ``[bb, hb, sqb, skb]``, each dim 1 (broadcast) or the
             call's ``[bs, nheads, seqlen_q, seqlen_k]``: added to the scaled (and capped) scores, after ALiBi
             (``score_mods.bias_scores``; rows are query positions, columns keys, in the kernel's padded lengths).
@@ -1767,11 +1926,12 @@ def attention_fwd(q_ref, k_ref, v_ref, sinks_ref=None, bound_min=None, bound_max
     mods = {"softcap": softcap, "alibi_slopes": alibi_slopes, "attn_bias": attn_bias, "logit_scale": logit_scale}
     problem = _fwd_problem(q_ref, k_ref, v_ref, sinks_ref, bound_min, bound_max, use_causal_mask, mixed_precision,
                            softmax_scale, sliding_window, window_size, dropout_p, dropout_seed, kb_tiles,
-                           block_members_max, slab_tiles, block_mask, block_bits, p_dma_period, pv_lag, mods)
+                           block_members_max, slab_tiles, block_mask, block_bits, p_dma_period, pv_lag, vt_scratch,
+                           mods)
     assert problem is None, problem
     cfg = _setup_config(q_ref, k_ref, v_ref, sinks_ref, bound_min, use_causal_mask, mixed_precision, softmax_scale,
                         sliding_window, window_size, dropout_p, kb_tiles, block_members_max, slab_tiles, block_mask,
-                        p_dma_period, pv_lag, mods)
+                        p_dma_period, pv_lag, mods, vt_scratch)
     if cfg.block_mask is not None and cfg.block_mask.n_slots > 0:
         cfg.block_mask.bits = block_bits
         cfg.block_mask.bitsel = block_bitsel()
