@@ -266,6 +266,18 @@ def test_statistics_batched_per_block():
     assert o_updates == want > 0
 
 
+@pytest.mark.parametrize("nheads,sq,early", [(1, 512, False), (2, 1024, False), (2, 2560, True)])
+def test_last_block_statistics_early_only_in_longer_launches(nheads, sq, early):
+    # the pipeline's last block takes its statistics (its reciprocal) before its last PV matmuls only in a launch
+    # of more than STATS_EARLY_MIN_UNITS units; a shorter one has nothing in flight to hide them behind
+    q, k, v = make_qkv(nheads=nheads, nheads_kv=1, d=64, sq=sq, dtype=torch.bfloat16, seed=34)
+    _, rec = traced(q, k, v, use_causal_mask=True)
+    instrs = [r.instr for r in rec]
+    last_recip = max(i for i, n in enumerate(instrs) if n == "reciprocal")
+    last_mm = max(i for i, n in enumerate(instrs) if n == "nc_matmul")
+    assert (last_recip < last_mm) == early
+
+
 # ----------------------------------------------------------------------------------------------- edges (numbers)
 @pytest.mark.parametrize("nheads", [3, 5, 16])
 def test_gqa_groups_and_sinks_at_block_edges(nheads):
