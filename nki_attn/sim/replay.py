@@ -458,23 +458,23 @@ def store(key, rec, arg_tensors, result, stats, strict):
                 _REFUSED.popitem(last=False)
             return None
     prog = Program(rec, arg_views, result_view, stats, strict)
-    if prog.bytes > budget_bytes():
-        with _LOCK:
-            _REFUSED[key] = f"its storages need {prog.bytes >> 20} MiB, over NKI_ATTN_SIM_REPLAY_MB"
-        return None
     total = total_budget_bytes()
+    over = None
+    if prog.bytes > budget_bytes():
+        over = "NKI_ATTN_SIM_REPLAY_MB"
+    elif prog.bytes > total:
+        over = "NKI_ATTN_SIM_REPLAY_TOTAL_MB"
+    if over is not None:
+        with _LOCK:
+            _REFUSED[key] = f"its storages need {prog.bytes >> 20} MiB, over {over}"
+        return None
     with _LOCK:
         _PROGRAMS[key] = prog
         held = sum(p.bytes for p in _PROGRAMS.values())
-        # least recently used out first; the new program itself stays (it fits budget_bytes on its own), unless it
-        # alone is over the total budget
-        while len(_PROGRAMS) > _MAX_PROGRAMS or (held > total and len(_PROGRAMS) > 1):
+        # least recently used out first; the new program, last in the order, fits the total on its own
+        while len(_PROGRAMS) > _MAX_PROGRAMS or held > total:
             _, old = _PROGRAMS.popitem(last=False)
             held -= old.bytes
-        if held > total:
-            del _PROGRAMS[key]
-            _REFUSED[key] = f"its storages need {prog.bytes >> 20} MiB, over NKI_ATTN_SIM_REPLAY_TOTAL_MB"
-            return None
     return prog
 
 
