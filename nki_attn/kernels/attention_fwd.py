@@ -100,9 +100,14 @@ VT_CACHE = True
 # least this many times the O elements that store moves (it is then out before the pipeline's end)
 EARLY_STORE_RATIO = 2
 # the pipeline's last block takes its statistics before its last PVs only in a launch of more units than this: in a
-# shorter one nothing else is in flight to hide them (one causal head of 512 tokens, one unit: 11.1 -> 13.0 us with
-# them early; two heads of 1024, two units: 34.1 -> 38.2 us; cost model v2)
+# shorter one nothing else is in flight to hide them (one causal head of 512 tokens, one unit: 9.98 -> 11.91 us with
+# them early; two heads of 1024, two units: 35.57 -> 38.70 us; cost model v2)
 STATS_EARLY_MIN_UNITS = 2
+# ... and only where the last unit's PV matmuls move at least this many columns (one matmul per visible 128-key
+# chunk, d_v columns each: 48 chunks at d_v 128, three quarters of a full unit's 64): the statistics then have that
+# much PV work to hide behind; a lighter last unit (the causal diagonal of a block of one head, a window, d_v 64)
+# finishes sooner with them after its PVs (docs/kernel-fwd.md, "Sixth round")
+STATS_EARLY_PV_COLUMNS = 6144
 SBUF_MARGIN = 24576  # bytes per partition left free when sizing a slab (allocation order, small tiles)
 
 
@@ -1775,6 +1780,19 @@ def _plan_early_store(cfg, last):
         last.slab.early_store = True
 
 
+def _stats_early(cfg, n_units, last):
+    """Whether the pipeline's ``last`` unit (of ``n_units``) takes its block's statistics before its last PVs:
+    in a launch of more than ``STATS_EARLY_MIN_UNITS`` units where its PV matmuls move at least
+    ``STATS_EARLY_PV_COLUMNS`` columns (visible 128-key chunks x d_v)."""
+    if n_units <= STATS_EARLY_MIN_UNITS:
+        return False
+    chunks = 0
+    for j in range(len(last.jobs)):
+        kt = last.kb.vis[last.jobs[j][0]][last.jobs[j][1]]
+        chunks = chunks + (kt.k1 - kt.k0 + PMAX - 1) // PMAX
+    return chunks * cfg.d_v >= STATS_EARLY_PV_COLUMNS
+
+
 def _make_room(cfg, hbm, steps, pipe):
     """Before a slab opens: while three slabs are live (finishing, current, next: what ``_slab_tiles`` sizes
     for), emit the waiting PVs and the deferred finishing, oldest first, until one is stored. Only short slabs
@@ -1868,10 +1886,10 @@ def _attend_all(cfg, hbm, sinks_ref, launch, steps, units):
             prev.rs = None
             prev.summed = True
             _release_unit(prev)
-            if cur is None and prev.last and cfg.finish_on_vector and n_units > STATS_EARLY_MIN_UNITS:
+            if cur is None and prev.last and cfg.finish_on_vector and _stats_early(cfg, n_units, prev):
                 # the pipeline's last block: its statistics need no O, so they go out before its last PVs and
                 # each member's O / l follows its last O update (the finishing waits for less at the end);
-                # not in a launch of one or two units, whose last PVs then wait behind the statistics
+                # not where the last PVs are too few to hide them, which then wait behind the statistics
                 prev.blk.o_ns = _finish_stats(cfg, steps, prev.blk, False)
     while pipe.pv_at < len(pipe.pv):
         _pv_tile(cfg, pipe)

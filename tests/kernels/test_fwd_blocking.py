@@ -266,12 +266,18 @@ def test_statistics_batched_per_block():
     assert o_updates == want > 0
 
 
-@pytest.mark.parametrize("nheads,sq,early", [(1, 512, False), (2, 1024, False), (2, 2560, True)])
-def test_last_block_statistics_early_only_in_longer_launches(nheads, sq, early):
+@pytest.mark.parametrize("nheads,sq,d,causal,early", [
+    (1, 512, 128, True, False), (2, 1024, 128, False, False),  # one and two units: nothing in flight
+    (4, 2048, 128, True, True),  # shape (a): 12 units, the last one's PVs 60 chunks x 128 columns
+    (1, 1536, 128, True, False),  # 3 units, the last one a causal diagonal of 10 chunks
+    (2, 2048, 64, False, False),  # 8 units, the last one full (64 chunks) but d_v 64
+])
+def test_last_block_statistics_early_only_before_enough_pv_work(nheads, sq, d, causal, early):
     # the pipeline's last block takes its statistics (its reciprocal) before its last PV matmuls only in a launch
-    # of more than STATS_EARLY_MIN_UNITS units; a shorter one has nothing in flight to hide them behind
-    q, k, v = make_qkv(nheads=nheads, nheads_kv=1, d=64, sq=sq, dtype=torch.bfloat16, seed=34)
-    _, rec = traced(q, k, v, use_causal_mask=True)
+    # of more than STATS_EARLY_MIN_UNITS units whose last unit's PVs move at least STATS_EARLY_PV_COLUMNS columns;
+    # with less the last PVs would wait behind the statistics
+    q, k, v = make_qkv(nheads=nheads, nheads_kv=1, d=d, sq=sq, dtype=torch.bfloat16, seed=34)
+    _, rec = traced(q, k, v, use_causal_mask=causal)
     instrs = [r.instr for r in rec]
     last_recip = max(i for i, n in enumerate(instrs) if n == "reciprocal")
     last_mm = max(i for i, n in enumerate(instrs) if n == "nc_matmul")
