@@ -1532,16 +1532,20 @@ def _finish_member(cfg, blk, u, o_n, drain=False):
             nisa.activation(dst=slab.o[vi][:, col:col + PMAX], op=nl.copy, data=ot_ps)
 
 
+def _lse_dma(cfg, hbm, slab, h, a, z):
+    """The LSE of head ``h`` of the group for the slab's query tiles ``[t0 + a, t0 + z)``: ONE DMA from the slab's
+    LSE staging ``[128, n * group]`` (member order: column ``t * group + h``, read with stride ``group``) to
+    ``lse[b, kvh * group + h, :, t0 + a:t0 + z]`` (the ``[128, n_tiles]`` layout ``attention_bwd`` loads)."""
+    g = cfg.group
+    nisa.dma_copy(dst=hbm.lse[slab.work.b, slab.work.kvh * g + h, :, slab.t0 + a:slab.t0 + z],
+                  src=slab.lse.ap(pattern=[[slab.n * g, PMAX], [g, z - a]], offset=a * g + h))
+
+
 def _store_lse(cfg, hbm, slab):
     """Head dims > 128, the launch's last slab at its last block's LSE: the LSE not stored yet goes out now,
     one DMA per head (every block before has its LSE), so the pipeline's end waits for O's stores only."""
-    g = cfg.group
-    a = slab.lse_done
-    m = slab.n - a
-    for h in range(g):
-        hq = slab.work.kvh * g + h
-        nisa.dma_copy(dst=hbm.lse[slab.work.b, hq, :, slab.t0 + a:slab.t0 + slab.n],
-                      src=slab.lse.ap(pattern=[[slab.n * g, PMAX], [g, m]], offset=a * g + h))
+    for h in range(cfg.group):
+        _lse_dma(cfg, hbm, slab, h, slab.lse_done, slab.n)
     slab.lse_done = slab.n
 
 
@@ -1562,9 +1566,7 @@ def _store_slab(cfg, hbm, slab, a, z):
                           src=slab.o[vi].ap(pattern=[[n * g * PMAX, vsz], [g * PMAX, m], [1, PMAX]],
                                             offset=(a * g + h) * PMAX))
         if z > slab.lse_done:
-            la = max(a, slab.lse_done)
-            nisa.dma_copy(dst=hbm.lse[b, hq, :, t0 + la:t0 + z],
-                          src=slab.lse.ap(pattern=[[n * g, PMAX], [g, z - la]], offset=la * g + h))
+            _lse_dma(cfg, hbm, slab, h, max(a, slab.lse_done), z)
     slab.stored = z
     if z > slab.lse_done:
         slab.lse_done = z
