@@ -103,12 +103,13 @@ EARLY_STORE_RATIO = 2
 # shorter one nothing else is in flight to hide them (one causal head of 512 tokens, one unit: 9.98 -> 11.91 us with
 # them early; two heads of 1024, two units: 35.57 -> 38.70 us; cost model v2)
 STATS_EARLY_MIN_UNITS = 2
-# ... and, where the last block has more than one unit, only if the last unit's PV matmuls move at least this many
-# columns (one matmul per visible 128-key chunk, d_v columns each: 48 chunks at d_v 128, three quarters of a full
-# unit's 64): the statistics then have that much PV work to hide behind; a lighter last unit (the causal diagonal
-# of a block of one head, a window, d_v 64) finishes sooner with them after its PVs (docs/kernel-fwd.md, "Sixth
-# round"; a last block of one unit, a narrow window with a wide group, keeps the step: its time is the same either
-# way, and the step keeps its worst case over the sensitivity set)
+# ... and, where the last block has more than one unit and both head dims are <= 128, only if the last unit's PV
+# matmuls move at least this many columns (one matmul per visible 128-key chunk, d_v columns each: 48 chunks at
+# d_v 128, three quarters of a full unit's 64): the statistics then have that much PV work to hide behind; a
+# lighter last unit (the causal diagonal of a block of one head, a window, d_v 64) finishes sooner with them after
+# its PVs (docs/kernel-fwd.md, "Sixth round"; a last block of one unit, a narrow window with a wide group, keeps
+# the step: its time is the same either way, and the step keeps its worst case over the sensitivity set; so do
+# head dims > 128, whose one-tile key blocks make every unit light and whose model shapes are faster with it)
 STATS_EARLY_PV_COLUMNS = 6144
 SBUF_MARGIN = 24576  # bytes per partition left free when sizing a slab (allocation order, small tiles)
 
@@ -1786,11 +1787,12 @@ def _plan_early_store(cfg, last):
 
 def _stats_early(cfg, n_units, last):
     """Whether the pipeline's ``last`` unit (of ``n_units``) takes its block's statistics before its last PVs:
-    in a launch of more than ``STATS_EARLY_MIN_UNITS`` units, where it is its block's only unit or its PV matmuls
-    move at least ``STATS_EARLY_PV_COLUMNS`` columns (visible 128-key chunks x d_v)."""
+    in a launch of more than ``STATS_EARLY_MIN_UNITS`` units, where it is its block's only unit, a head dim is
+    > 128 (``cfg.wide``) or its PV matmuls move at least ``STATS_EARLY_PV_COLUMNS`` columns (visible 128-key
+    chunks x d_v)."""
     if n_units <= STATS_EARLY_MIN_UNITS:
         return False
-    if last.first:
+    if last.first or cfg.wide:
         return True
     chunks = 0
     for j in range(len(last.jobs)):

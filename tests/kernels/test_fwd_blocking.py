@@ -272,11 +272,12 @@ def test_statistics_batched_per_block():
     (1, 1536, 128, True, False),  # 3 units, the last one a causal diagonal of 10 chunks
     (2, 2048, 64, False, False),  # 8 units, the last one full (64 chunks) but d_v 64
     (8, 1024, 64, True, True),  # 8 units, light, but its block's only one
+    (2, 2048, 256, True, True),  # 10 units, light, but head dims > 128 (one-tile key blocks) keep the step
 ])
 def test_last_block_statistics_early_only_before_enough_pv_work(nheads, sq, d, causal, early):
     # the pipeline's last block takes its statistics (its reciprocal) before its last PV matmuls only in a launch
-    # of more than STATS_EARLY_MIN_UNITS units whose last unit is its block's only one or has PVs moving at least
-    # STATS_EARLY_PV_COLUMNS columns; with less the last PVs would wait behind the statistics
+    # of more than STATS_EARLY_MIN_UNITS units whose last unit is its block's only one, has a head dim > 128 or PVs
+    # moving at least STATS_EARLY_PV_COLUMNS columns; with less the last PVs would wait behind the statistics
     q, k, v = make_qkv(nheads=nheads, nheads_kv=1, d=d, sq=sq, dtype=torch.bfloat16, seed=34)
     _, rec = traced(q, k, v, use_causal_mask=causal)
     instrs = [r.instr for r in rec]
