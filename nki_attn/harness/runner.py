@@ -33,8 +33,8 @@ _TILE = 128
 # float64 golden's backward holds about six at once. They run one block of query rows at a time (each row's
 # softmax sees all its keys, so the results are the whole problem's), the block as many rows (a multiple of
 # 128) as keep one such float64 matrix within this budget in MiB; a row that fits is one block, computed as
-# it always was. 256 MiB: every row of the quick and full presets up to 4096 tokens is one block, and the
-# 16K row's reference peaks near 2 GiB instead of over 12 (docs/harness.md, "Memory").
+# it always was. 256 MiB: every row of the quick and full presets up to 4096 tokens is one block, and the full
+# preset's 16K row peaks at 3.3 GB resident instead of 16 GB (docs/harness.md, "Memory").
 BLOCK_MIB_ENV = "NKI_ATTN_GOLDEN_BLOCK_MIB"
 BLOCK_MIB = 256.0
 
