@@ -17,8 +17,6 @@ float32 sums, so a float32 difference can flip that rounding: one unit in the la
 2 u_dt max|X|, on top.
 
 A planted mistake (a block given the whole problem's diagonal offset) must exceed the bound by far."""
-import math
-
 import pytest
 import torch
 
@@ -125,45 +123,3 @@ def test_a_wrong_block_offset_is_far_outside_the_bound(monkeypatch):
     bent = runner.reference(ins, case, torch.float64)
     diff = float((bent["o"] - ref["o"]).abs().max())
     assert diff > 1e6 * _bound(_n(case), U[torch.float64], ref["o"])
-
-
-def test_golden_block_offset_hook_gives_the_rows_of_the_whole_problem():
-    """The golden's own hook, without the harness: query rows 128..255 of a causal ALiBi problem with packing
-    bounds and seqlen_k > seqlen_q, given alone with ``diag_offset``, are those rows of the whole forward; their
-    backward's dq rows likewise, and the blocks' ``kv_partial`` dk, dv add up to the whole dk, dv."""
-    g = torch.Generator().manual_seed(3)
-    sq, sk, d = 384, 512, 16
-    q, k, v, dy = (torch.randn(1, 2, d, n, generator=g, dtype=torch.float64) for n in (sq, sk, sk, sq))
-    slopes = torch.tensor([[0.1, 0.25]], dtype=torch.float32)
-    bmin = torch.zeros(sq, dtype=torch.float32)
-    bmax = torch.full((sq,), float(sk - 7), dtype=torch.float32)
-    kw = dict(use_causal_mask=True, alibi_slopes=slopes, window_size=(200, -1))
-    o, lse = gf.attention_fwd_torch_ref(q, k, v, None, bmin, bmax, **kw)
-    import golden
-    gr = golden.attention_bwd_torch_ref(q, k, v, o, dy, lse, None, bmin, bmax, **kw)
-    dk = dv = 0.0
-    for i0 in range(0, sq, 128):
-        r = slice(i0, i0 + 128)
-        off = gf.block_offset(sq, sk, i0)
-        ob, lb = gf.attention_fwd_torch_ref(q[..., r], k, v, None, bmin[r], bmax[r], diag_offset=off, **kw)
-        assert torch.allclose(ob, o[..., r], rtol=0, atol=1e-13) and torch.allclose(lb, lse[..., i0 // 128:][..., :1],
-                                                                                     rtol=0, atol=1e-13)
-        gb = golden.attention_bwd_torch_ref(q[..., r], k, v, ob, dy[..., r], lb, None, bmin[r], bmax[r],
-                                            diag_offset=off, kv_partial=True, **kw)
-        assert torch.allclose(gb["out_dq_ref"], gr["out_dq_ref"][..., r], rtol=0, atol=1e-12)
-        dk, dv = dk + gb["out_dk_ref"], dv + gb["out_dv_ref"]
-    assert torch.allclose(dk, gr["out_dk_ref"], rtol=0, atol=1e-12)
-    assert torch.allclose(dv, gr["out_dv_ref"], rtol=0, atol=1e-12)
-    # a whole-problem offset for a middle block is a different (wrong) problem
-    wrong, _ = gf.attention_fwd_torch_ref(q[..., 128:256], k, v, None, bmin[128:256], bmax[128:256], **kw)
-    assert not torch.allclose(wrong, o[..., 128:256], rtol=0, atol=1e-6)
-
-
-def test_golden_refuses_a_seed_for_a_block():
-    q = torch.randn(1, 1, 8, 128, dtype=torch.float64)
-    with pytest.raises(ValueError, match="dropout_seed"):
-        gf.attention_fwd_torch_ref(q, q, q, dropout_p=0.1, dropout_seed=torch.tensor([1, 0], dtype=torch.int32),
-                                   diag_offset=0)
-    with pytest.raises(ValueError, match="diag_offset"):
-        gf.attention_fwd_torch_ref(q, q, q, diag_offset=1.5)
-    assert math.isfinite(float(gf.attention_fwd_torch_ref(q, q, q, diag_offset=0)[1].sum()))
