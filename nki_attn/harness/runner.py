@@ -131,6 +131,12 @@ def make_inputs(case, seed=None):
     return ins
 
 
+def _refuse_api_dropout(case):
+    if case.dropout and case.via_api:
+        raise ValueError(f"row {case.name}: dropout rows need lengths that are multiples of 128 (the harness "
+                         f"regenerates the kernels' keep mask from the seed; the API draws its own)")
+
+
 def dropout_seed(case):
     """The dropout seed of a row: the kernels' runtime seed tensor, int32 ``[2]`` = (seed, offset)
     (docs/semantics.md, "Dropout"), the seed derived from the row name like its inputs, offset 0."""
@@ -141,9 +147,7 @@ def keep_mask(ins, case):
     """The bool keep mask ``[b, heads, seqlen_q, seqlen_k]`` the row's seed gives (``golden.dropout``), or None."""
     if not case.dropout:
         return None
-    if case.via_api:
-        raise ValueError(f"row {case.name}: dropout rows need lengths that are multiples of 128 (the harness "
-                         f"regenerates the kernels' keep mask from the seed; the API draws its own)")
+    _refuse_api_dropout(case)
     from golden import dropout as gd
     return gd.keep_mask(ins["dropout_seed"], case.dropout, case.batch, case.heads, case.seqlen_q, case.seqlen_k)
 
@@ -253,7 +257,7 @@ def _keep_rows(ins, case, hq, rows):
     ``[b, heads, seqlen_q, seqlen_k]`` mask), or None without dropout."""
     if not case.dropout:
         return None
-    keep_mask(ins, case)  # the API rows' refusal
+    _refuse_api_dropout(case)
     from golden import dropout as gd
     h = gd.hash_values(ins["dropout_seed"], case.batch, case.heads, case.seqlen_q, case.seqlen_k,
                        q_range=range(rows.start, rows.stop))
