@@ -87,6 +87,13 @@ PIPE_LEAD = 4
 DS_DMA_EVERY = 1
 PIPE_LAG_B = 2
 PIPE_LAG_D = 4
+# TensorE's shortest matmul, in moving columns (cost model v2: MM_INIT_LATENCY, 64 cycles; docs/performance.md):
+# a matmul streaming fewer columns takes as long as one streaming this many (``transposed_dq``).
+MM_MIN_COLUMNS = 64
+# With the transposed dQ (``transposed_dq``), a group's dQ leaves PSUM in two parts: the ScalarE copy at its last
+# visit's stage D, and the TensorE transposes back to the HBM layout DQ_T_LAG visits later, so TensorE does not
+# wait for that copy (``_pipeline``).
+DQ_T_LAG = 2
 
 
 # ----------------------------------------------------------------------------------------------- planning
@@ -155,7 +162,7 @@ def block_members(d_tiles, itemsize, dq_fp32, v_tiles=None, group_max=None, bloc
 def sbuf_usage(d_head, d_tiles, itemsize, section_len, group, seqlen_q, mixed_precision=False, packing=False,
                num_sinks=0, trn1_packing=False, dq_fp32=False, d_v=None, v_tiles=None, dropout=False,
                group_max=None, block_members_max=None, mod_bytes=(0, 0), pipe=(PIPE_LEAD, PIPE_LAG_B, PIPE_LAG_D),
-               live_sections=1):
+               live_sections=1, dq_transposed=False):
     """SBUF bytes per partition of the kernel's live tensors, by category. ``pipe``: ``(pipe_lead, pipe_lag_b,
     pipe_lag_d)`` of the software pipeline; ``live_sections``: K/V sections whose buffers are live at once (2
     when the pipeline runs more than one section, of one work item or several: the next one loads while the
@@ -163,8 +170,10 @@ def sbuf_usage(d_head, d_tiles, itemsize, section_len, group, seqlen_q, mixed_pr
     lead: loading, in stage A, in stage D), two groups, two visits' stage-A tiles and the visit buffers in flight
     between stages A, B and D (``in_flight``). ``mod_bytes``: ``(persistent, per_key)``, the bytes the score
     modifications' steps add per work item and per key of a visit (``_mod_bytes``: their ``bwd_sbuf``).
-    ``d_head``/``d_tiles``: d_qk and its partition tiles; ``d_v``/``v_tiles`` default to them. Used by the
-    trace-time budget check and docs/kernel-bwd.md."""
+    ``d_head``/``d_tiles``: d_qk and its partition tiles; ``d_v``/``v_tiles`` default to them.
+    ``dq_transposed`` (``transposed_dq``): the groups' dQ copies waiting ``DQ_T_LAG`` visits for their transposes
+    (``_evict_dq_transposed``) are counted in ``in_flight``. Used by the trace-time budget check and
+    docs/kernel-bwd.md."""
     e = itemsize
     nq = seqlen_q // PMAX
     pe = 4 if mixed_precision else e
@@ -196,6 +205,9 @@ def sbuf_usage(d_head, d_tiles, itemsize, section_len, group, seqlen_q, mixed_pr
                + K_TILE * mod_bytes[1])                    # the score modifications' tiles
     per_visit = stage_a + p_cast + 2 * K_TILE * e
     in_flight = 2 * stage_a + (lag_b + 1) * (p_cast + K_TILE * e) + (max(lag_b, lag_d) - lag_b + 1) * K_TILE * e
+    if dq_transposed:
+        # at most one group per visit waits between its dQ copy and its transposes, each g x d_qk (<= fp32)
+        in_flight += (DQ_T_LAG + 1) * g * d_head * 4
     # blocks: the one in stage D, the one in stage A and, with a lead, the one whose loads are in flight
     n_blocks = 3 if lead > 0 else 2
     total = live_sections * section + persistent + n_blocks * per_block + 2 * per_group + in_flight
@@ -204,13 +216,32 @@ def sbuf_usage(d_head, d_tiles, itemsize, section_len, group, seqlen_q, mixed_pr
             "d_tile": min(d_head, PMAX)}
 
 
-def psum_banks(d_tiles, v_tiles=None):
+def transposed_dq(d_qk, d_v, qk_rows):
+    """True when dQ is accumulated transposed, ``[128 queries, d_qk]`` per member (``_dq``): only for d_qk != d_v
+    (every d_qk == d_v launch keeps the untransposed form and its instruction trace), and only when it streams
+    fewer TensorE columns. Per 128-key chunk the untransposed dQ streams 128 columns (dS^T moving) per Q/K
+    head-dim tile; the transposed one streams each tile's ``rn`` columns (K^T moving), at least
+    ``MM_MIN_COLUMNS``: 192 instead of 256 for MLA's 192 = 128 + 64, none saved for d_qk = 128 or 256. It costs
+    one TensorE transpose per member and Q/K tile when dQ leaves PSUM (``_evict_dq``)."""
+    if d_qk == d_v:
+        return False
+    cols = 0
+    for rt in qk_rows:
+        cols += max(rt[1], MM_MIN_COLUMNS)
+    return cols < len(qk_rows) * PMAX
+
+
+def psum_banks(d_tiles, v_tiles=None, dq_transposed=False):
     """PSUM banks that can be live at once: a visit's S, dP, dS^T with its group's dV (one per V head-dim tile)
     and dK (one per Q/K head-dim tile) and dQ: d_tiles + v_tiles + 4 (6 for head dims <= 128, 8 for 256). The
     transposes at group, block and section start (Q^T, dO^T, K^T, the D sums) are never live together with dV/dK,
-    which are allocated per key tile inside the group."""
+    which are allocated per key tile inside the group. ``dq_transposed`` (``transposed_dq``): one bank more, the
+    transposes of the dQ eviction."""
     if v_tiles is None:
         v_tiles = d_tiles
+    if dq_transposed:
+        # the transposes of a group's dQ on its way out of PSUM (``_evict_dq``), while later visits run
+        return d_tiles + v_tiles + 5
     return d_tiles + v_tiles + 4
 
 
@@ -593,6 +624,8 @@ class BwdConfig(nl.NKIObject):
         self.dq_scratch = mixed and str(dtype) != str(nl.float32) and self.n_sections > 1
         self.dq_park_dtype = nl.float32 if self.dq_scratch else dtype
         self.group_size = group_size(self.d_tiles, group_max)
+        # dQ accumulated as [128 queries, d_qk] per member for d_qk != d_v when that streams fewer TensorE columns
+        self.dq_t = transposed_dq(a.d_qk, a.d_v, a.qk_tiles)
         self.block_members = block_members(self.d_tiles, self.itemsize, self.dq_scratch, self.v_tiles, group_max,
                                            block_members_max)
         if ds_dma_every is None:
@@ -758,7 +791,7 @@ def _bwd_problem(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref, bound_m
     use = sbuf_usage(a.d_qk, len(a.qk_tiles), isz, sec, a.group, a.seqlen_q, mixed_precision, a.packing,
                      a.num_sinks, trn1 and a.packing, dq_fp32, a.d_v, len(a.v_tiles), a.dropout, group_max,
                      block_members_max, _mod_bytes(a), _pipe_of(pipe_lead, pipe_lag_b, pipe_lag_d),
-                     _live_sections(a, sec))
+                     _live_sections(a, sec), transposed_dq(a.d_qk, a.d_v, a.qk_tiles))
     cap = sbuf_bytes_per_partition()
     if use["total"] > cap:
         return (f"attention_bwd needs {use['total']} SBUF bytes per partition (section {use['section']}, per-row "
@@ -1186,12 +1219,38 @@ def _transpose_ds(c, v, ds):
     return dsT
 
 
+def _dq_width(c):
+    """Columns of a group's fp32 dQ PSUM tile (one bank): ``group_size`` members x 128 queries per Q/K head-dim
+    tile, or transposed (``c.dq_t``) ``group_size`` members x d_qk."""
+    if c.dq_t:
+        return c.group_size * c.d_qk
+    return len(c.qk_rows) * c.group_size * PMAX
+
+
+def _dqT_col(c, dt, m):
+    """First column of member ``m``'s Q/K head-dim tile ``dt`` in the transposed dQ PSUM tile: tile-major, the
+    group's members side by side (``[128 queries, rn]`` each)."""
+    r0, rn = c.qk_rows[dt]
+    return c.group_size * r0 + m * rn
+
+
 def _dq(c, v, dsT, kts, kk, dq_ps, dq_fresh):
     """Step 5.1: dQ += dS K, contracting keys on the partitions (dS^T, ``_transpose_ds``, against the section's
     K^T), into the member's columns of the group's dQ PSUM tile, accumulated over all the key tiles of the
     section (onto the earlier sections' partial sum, which ``_reload_dq`` put there, unless ``dq_fresh``)."""
     n_ch = v.kw // PMAX
     ch0 = kk // PMAX
+    if c.dq_t:
+        # transposed (``transposed_dq``): dQ^T [128 queries, rn] += dS [queries, keys] K^T [keys, rn], dS^T the
+        # stationary operand, each Q/K tile's K^T the moving one (rn columns streamed instead of 128)
+        for ch in range(n_ch):
+            for dt in range(len(c.qk_rows)):
+                rn = c.qk_rows[dt][1]
+                col = _dqT_col(c, dt, v.m)
+                nisa.nc_matmul(dst=dq_ps[:, col:col + rn], stationary=dsT[:, 0, ch, :],
+                               moving=kts[dt][:, (ch0 + ch) * rn:(ch0 + ch + 1) * rn],
+                               accumulate=not (dq_fresh and v.dq_first and ch == 0))
+        return
     for dt in range(len(c.qk_rows)):
         rn = c.qk_rows[dt][1]
         col = (dt * c.group_size + v.m) * PMAX
@@ -1260,6 +1319,13 @@ def _reload_dq(c, grp, dq_ps, dq_prev, ident):
         col = grp.members[mi][2]
         for dt in range(len(c.qk_rows)):
             rn = c.qk_rows[dt][1]
+            if c.dq_t:
+                # transposed: the partial sum [rn, 128 queries] is the stationary operand, the identity the
+                # moving one, so the product is its transpose [128 queries, rn] (exact, as above)
+                pc = _dqT_col(c, dt, mi)
+                nisa.nc_matmul(dst=dq_ps[:, pc:pc + rn], stationary=dq_prev[dt][:, col:col + PMAX],
+                               moving=ident[0:rn, 0:rn], accumulate=False)
+                continue
             pc = (dt * c.group_size + mi) * PMAX
             nisa.nc_matmul(dst=dq_ps[0:rn, pc:pc + PMAX], stationary=ident[0:rn, 0:rn],
                            moving=dq_prev[dt][:, col:col + PMAX], accumulate=False)
@@ -1278,6 +1344,49 @@ def _evict_dq(c, grp, blk, dq_ps, dq_stage):
             rn = c.qk_rows[dt][1]
             pc = (dt * c.group_size + mi) * PMAX
             _copy_on_scalar(c, dq_stage[dt][:, col:col + PMAX], dq_ps[0:rn, pc:pc + PMAX], scale)
+
+
+def _evict_dq_transposed(c, grp, dq_ps, dq_stage, scale):
+    """``_evict_dq``'s first part for the transposed dQ (``c.dq_t``): per Q/K head-dim tile ONE ScalarE copy of
+    the group's ``[128 queries, rn]`` columns out of PSUM, times ``scale``, rounded to the staging dtype (the one
+    rounding). Returns the SBUF copy for ``_finish_dq_transposed``."""
+    n = len(grp.members)
+    sb = nl.ndarray((PMAX, _dq_width(c)), dtype=dq_stage[0].dtype, buffer=nl.sbuf)
+    for dt in range(len(c.qk_rows)):
+        rn = c.qk_rows[dt][1]
+        a = _dqT_col(c, dt, 0)
+        _copy_on_scalar(c, sb[:, a:a + n * rn], dq_ps[:, a:a + n * rn], scale)
+    return sb
+
+
+def _finish_dq_transposed(c, grp, sb, dq_stage):
+    """``_evict_dq``'s second part for the transposed dQ, ``DQ_T_LAG`` visits after the first: one TensorE
+    transpose per member and Q/K head-dim tile of the copy ``sb`` back to ``[rn, 128 queries]`` (exact) into one
+    PSUM tile, and one ScalarE copy per tile (per member when the members' block columns are not consecutive)
+    into the block's staging tile."""
+    n = len(grp.members)
+    tp = nl.ndarray((PMAX, len(c.qk_rows) * n * PMAX), dtype=sb.dtype, buffer=nl.psum)
+    for dt in range(len(c.qk_rows)):
+        rn = c.qk_rows[dt][1]
+        for mi in range(n):
+            a = _dqT_col(c, dt, mi)
+            t0 = (dt * n + mi) * PMAX
+            nisa.nc_transpose(dst=tp[0:rn, t0:t0 + PMAX], data=sb[:, a:a + rn])
+    consecutive = True
+    for mi in range(n):
+        if grp.members[mi][2] != grp.members[0][2] + mi * PMAX:
+            consecutive = False
+    for dt in range(len(c.qk_rows)):
+        rn = c.qk_rows[dt][1]
+        if consecutive:
+            col = grp.members[0][2]
+            t0 = dt * n * PMAX
+            _copy_on_scalar(c, dq_stage[dt][:, col:col + n * PMAX], tp[0:rn, t0:t0 + n * PMAX], 1.0)
+        else:
+            for mi in range(n):
+                col = grp.members[mi][2]
+                t0 = (dt * n + mi) * PMAX
+                _copy_on_scalar(c, dq_stage[dt][:, col:col + PMAX], tp[0:rn, t0:t0 + PMAX], 1.0)
 
 
 class _MemberData(nl.NKIObject):
@@ -1618,7 +1727,14 @@ def _pipeline(c, hbm, steps, start, end, bounds, seed, ones, ident):
     item = None
     dv_ps = None
     dk_ps = None
-    for u in range(n + lead + lag_d):
+    # transposed dQ (``c.dq_t``): groups whose dQ copy is out of PSUM, waiting for their transposes:
+    # [due iteration, group, SBUF copy, staging tiles, (segment, block, block buffers, work item) to store or None]
+    pending = []
+    pi = 0
+    tail = 0
+    if c.dq_t:
+        tail = DQ_T_LAG
+    for u in range(n + lead + lag_d + tail):
         if u < n:
             at = _VisitAt(c, segs, order, u)
             seg = at.seg
@@ -1686,23 +1802,36 @@ def _pipeline(c, hbm, steps, start, end, bounds, seed, ones, ident):
             v = at.v
             bb = seg.bbs[st.bi]
             if st.grp_first and not blk.first and bb.dq_prev is None:
-                # (the earlier sections' stores precede this one in stage D's order)
+                # (the earlier sections' stores precede this one in stage D's order; with the transposed dQ,
+                # the stores still waiting for their transposes are emitted first)
+                pi = _finish_pending(c, hbm, pending, pi, -1, parked, start)
                 bb.dq_prev = _load_dq_prev(c, hbm, seg.item, blk)
             if st.grp_first:
-                seg.dqs[st.gf] = nl.ndarray((PMAX, len(c.qk_rows) * c.group_size * PMAX), dtype=nl.float32,
-                                            buffer=nl.psum)
+                seg.dqs[st.gf] = nl.ndarray((PMAX, _dq_width(c)), dtype=nl.float32, buffer=nl.psum)
                 if not blk.first:
                     _reload_dq(c, grp, seg.dqs[st.gf], bb.dq_prev, seg.item.ident)
             _dq(c, v, seg.dsT[jj], seg.sec.kts, v.k0 - seg.sec.k_lo, seg.dqs[st.gf], blk.first)
             seg.dsT[jj] = None
-            if st.grp_last:
+            if st.grp_last and c.dq_t:
+                scale = 1.0
+                if blk.last:
+                    scale = c.scale
+                sb = _evict_dq_transposed(c, grp, seg.dqs[st.gf], bb.dq_stage, scale)
+                store = None
+                if st.blk_last:
+                    store = (seg, blk, bb, at.w)
+                pending.append((u + DQ_T_LAG, grp, sb, bb.dq_stage, store))
+                seg.dqs[st.gf] = None
+                seg.mems[st.gf] = None
+            elif st.grp_last:
                 _evict_dq(c, grp, blk, seg.dqs[st.gf], bb.dq_stage)
                 seg.dqs[st.gf] = None
                 seg.mems[st.gf] = None
-            if st.blk_last:
+            if st.blk_last and not c.dq_t:
                 _block_store(c, hbm, seg.item, blk, bb)
                 if not blk.last:
                     _set_parked(c, parked[at.w - start], blk, seg.s)
+            if st.blk_last:
                 seg.bbs[st.bi] = None
             if jj == len(c.streams[seg.s]) - 1:
                 seg.sec = None
@@ -1711,6 +1840,29 @@ def _pipeline(c, hbm, steps, start, end, bounds, seed, ones, ident):
                     _dsinks(c, hbm.sinks, hbm.dsinks, seg.item.b, seg.item.kvh, seg.item.neg_lse, seg.item.dsum)
                 for f in steps.item_end:
                     f(c, hbm, seg.item)
+        due = u
+        if u == n + lead + lag_d + tail - 1:
+            due = -1
+        pi = _finish_pending(c, hbm, pending, pi, due, parked, start)
+
+
+def _finish_pending(c, hbm, pending, pi, due, parked, start):
+    """Transposed dQ (``c.dq_t``): finish the groups of ``pending[pi:]`` (``_pipeline``'s list) due at iteration
+    ``due`` or before (all of them with ``due`` < 0): their transposes back to the HBM layout
+    (``_finish_dq_transposed``), then the store of a block whose last group it was (``_block_store``, marked
+    parked for a later section's reload). Returns the index of the first group left waiting."""
+    while pi < len(pending) and (due < 0 or pending[pi][0] <= due):
+        entry = pending[pi]
+        pending[pi] = None
+        pi += 1
+        _finish_dq_transposed(c, entry[1], entry[2], entry[3])
+        store = entry[4]
+        if store is not None:
+            sseg, sblk, sbb, sw = store
+            _block_store(c, hbm, sseg.item, sblk, sbb)
+            if not sblk.last:
+                _set_parked(c, parked[sw - start], sblk, sseg.s)
+    return pi
 
 
 def _item_start(c, hbm, steps, w, bounds, seed, ones, ident):
