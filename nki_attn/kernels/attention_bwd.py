@@ -88,12 +88,15 @@ DS_DMA_EVERY = 1
 PIPE_LAG_B = 2
 PIPE_LAG_D = 4
 # TensorE's shortest matmul, in moving columns (cost model v2: MM_INIT_LATENCY, 64 cycles; docs/performance.md):
-# a matmul streaming fewer columns takes as long as one streaming this many (``transposed_dq``).
+# a matmul streaming fewer columns takes as long as one streaming this many (``transposed_qk_grads``).
 MM_MIN_COLUMNS = 64
-# With the transposed dQ (``transposed_dq``), a group's dQ leaves PSUM in two parts: the ScalarE copy at its last
+# With the transposed dQ (``transposed_qk_grads``), a group's dQ leaves PSUM in two parts: the ScalarE copy at its last
 # visit's stage D, and the TensorE transposes back to the HBM layout DQ_T_LAG visits later, so TensorE does not
 # wait for that copy (``_pipeline``).
 DQ_T_LAG = 2
+# With the transposed dK, the keys whose dK and dV are final after a key tile's eviction are transposed and
+# stored (``_store_keys``) KEY_STORE_LAG visits after it, so TensorE does not wait for the eviction.
+KEY_STORE_LAG = 2
 
 
 # ----------------------------------------------------------------------------------------------- planning
@@ -171,7 +174,7 @@ def sbuf_usage(d_head, d_tiles, itemsize, section_len, group, seqlen_q, mixed_pr
     between stages A, B and D (``in_flight``). ``mod_bytes``: ``(persistent, per_key)``, the bytes the score
     modifications' steps add per work item and per key of a visit (``_mod_bytes``: their ``bwd_sbuf``).
     ``d_head``/``d_tiles``: d_qk and its partition tiles; ``d_v``/``v_tiles`` default to them.
-    ``dq_transposed`` (``transposed_dq``): the groups' dQ copies waiting ``DQ_T_LAG`` visits for their transposes
+    ``dq_transposed`` (``transposed_qk_grads``): the groups' dQ copies waiting ``DQ_T_LAG`` visits for their transposes
     (``_evict_dq_transposed``) are counted in ``in_flight``. Used by the trace-time budget check and
     docs/kernel-bwd.md."""
     e = itemsize
@@ -216,13 +219,15 @@ def sbuf_usage(d_head, d_tiles, itemsize, section_len, group, seqlen_q, mixed_pr
             "d_tile": min(d_head, PMAX)}
 
 
-def transposed_dq(d_qk, d_v, qk_rows):
-    """True when dQ is accumulated transposed, ``[128 queries, d_qk]`` per member (``_dq``): only for d_qk != d_v
-    (every d_qk == d_v launch keeps the untransposed form and its instruction trace), and only when it streams
-    fewer TensorE columns. Per 128-key chunk the untransposed dQ streams 128 columns (dS^T moving) per Q/K
-    head-dim tile; the transposed one streams each tile's ``rn`` columns (K^T moving), at least
-    ``MM_MIN_COLUMNS``: 192 instead of 256 for MLA's 192 = 128 + 64, none saved for d_qk = 128 or 256. It costs
-    one TensorE transpose per member and Q/K tile when dQ leaves PSUM (``_evict_dq``)."""
+def transposed_qk_grads(d_qk, d_v, qk_rows):
+    """True when dQ and dK are accumulated transposed, dQ as ``[128 queries, d_qk]`` per member (``_dq``), dK as
+    ``[128 keys, d_qk]`` per 128-key chunk (``_dv_dk``): only for d_qk != d_v (every d_qk == d_v launch keeps the
+    untransposed form and its instruction trace), and only when it streams fewer TensorE columns. Per 128-key
+    chunk the untransposed dQ and dK each stream 128 columns (dS^T, dS moving) per Q/K head-dim tile; the
+    transposed ones stream each tile's ``rn`` columns (K^T, Q^T moving), at least ``MM_MIN_COLUMNS``: 192 instead
+    of 256 for MLA's 192 = 128 + 64, none saved for d_qk = 128 or 256. It costs one TensorE transpose per member
+    and Q/K tile when dQ leaves PSUM (``_evict_dq``) and one per 128 keys and Q/K tile when dK does
+    (``_store_keys``)."""
     if d_qk == d_v:
         return False
     cols = 0
@@ -235,7 +240,7 @@ def psum_banks(d_tiles, v_tiles=None, dq_transposed=False):
     """PSUM banks that can be live at once: a visit's S, dP, dS^T with its group's dV (one per V head-dim tile)
     and dK (one per Q/K head-dim tile) and dQ: d_tiles + v_tiles + 4 (6 for head dims <= 128, 8 for 256). The
     transposes at group, block and section start (Q^T, dO^T, K^T, the D sums) are never live together with dV/dK,
-    which are allocated per key tile inside the group. ``dq_transposed`` (``transposed_dq``): one bank more, the
+    which are allocated per key tile inside the group. ``dq_transposed`` (``transposed_qk_grads``): one bank more, the
     transposes of the dQ eviction."""
     if v_tiles is None:
         v_tiles = d_tiles
@@ -513,6 +518,33 @@ def _section_stream(blocks):
     return out, gf
 
 
+def _key_stores(c, s):
+    """Per visit of section ``s``'s stream, the runs ``[(x, y)]`` of 128-key chunks (section-relative) whose dK
+    and dV that visit's eviction (``_evict_dv_dk``, at a key tile's last visit) completes: the last eviction that
+    writes them. Chunks no eviction writes are in no run (``_section_end`` zeroes and stores them)."""
+    k_lo, k_len = c.sections[s]
+    n_ch = k_len // PMAX
+    last = []
+    for j in range(n_ch):
+        last.append(-1)
+    stream = c.streams[s]
+    for jj in range(len(stream)):
+        st = stream[jj]
+        if st.kt_last:
+            kt = c.blocks[s][st.bi].groups[st.gi].ktiles[st.ki]
+            ch0 = (kt.u0 - k_lo) // PMAX
+            for j in range(len(kt.wrote)):
+                if kt.wrote[j]:
+                    last[ch0 + j] = jj
+    out = []
+    for jj in range(len(stream)):
+        done = []
+        for j in range(n_ch):
+            done.append(last[j] == jj)
+        out.append(_runs(done, 0, n_ch))
+    return out
+
+
 class BwdConfig(nl.NKIObject):
     """Trace-time plan of one attention_bwd call (shapes, dtypes, engines, sections, blocks, groups, visits).
 
@@ -625,7 +657,10 @@ class BwdConfig(nl.NKIObject):
         self.dq_park_dtype = nl.float32 if self.dq_scratch else dtype
         self.group_size = group_size(self.d_tiles, group_max)
         # dQ accumulated as [128 queries, d_qk] per member for d_qk != d_v when that streams fewer TensorE columns
-        self.dq_t = transposed_dq(a.d_qk, a.d_v, a.qk_tiles)
+        self.dq_t = transposed_qk_grads(a.d_qk, a.d_v, a.qk_tiles)
+        # dK accumulated as [128 keys, d_qk] per 128-key chunk (the same rule), each key's dK and dV stored as soon
+        # as its last eviction is done (``key_stores``) instead of at the section's end
+        self.dk_t = self.dq_t
         self.block_members = block_members(self.d_tiles, self.itemsize, self.dq_scratch, self.v_tiles, group_max,
                                            block_members_max)
         if ds_dma_every is None:
@@ -637,11 +672,14 @@ class BwdConfig(nl.NKIObject):
         self.blocks = []
         self.streams = []
         self.stream_groups = []
+        self.key_stores = []
         for s in range(self.n_sections):
             self.blocks.append(_section_blocks(self, s))
             stream, n_groups = _section_stream(self.blocks[s])
             self.streams.append(stream)
             self.stream_groups.append(n_groups)
+            if self.dk_t:
+                self.key_stores.append(_key_stores(self, s))
         # the software pipeline of ``_pipeline`` (stage B never after stage D)
         pipe = _pipe_of(pipe_lead, pipe_lag_b, pipe_lag_d)
         self.pipe_lead = pipe[0]
@@ -791,7 +829,7 @@ def _bwd_problem(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref, bound_m
     use = sbuf_usage(a.d_qk, len(a.qk_tiles), isz, sec, a.group, a.seqlen_q, mixed_precision, a.packing,
                      a.num_sinks, trn1 and a.packing, dq_fp32, a.d_v, len(a.v_tiles), a.dropout, group_max,
                      block_members_max, _mod_bytes(a), _pipe_of(pipe_lead, pipe_lag_b, pipe_lag_d),
-                     _live_sections(a, sec), transposed_dq(a.d_qk, a.d_v, a.qk_tiles))
+                     _live_sections(a, sec), transposed_qk_grads(a.d_qk, a.d_v, a.qk_tiles))
     cap = sbuf_bytes_per_partition()
     if use["total"] > cap:
         return (f"attention_bwd needs {use['total']} SBUF bytes per partition (section {use['section']}, per-row "
@@ -1197,6 +1235,16 @@ def _dv_dk(c, v, dyT, qT, p_mm, ds, dv_ps, dk_ps):
             r0, rn = c.v_rows[dt]
             nisa.nc_matmul(dst=dv_ps[dt][:, a:e], stationary=dyT[:, r0:r0 + rn], moving=p_mm[:, cols],
                            accumulate=acc)
+        if c.dk_t:
+            # transposed (``transposed_qk_grads``): dK^T [128 keys, rn] += dS^T Q^T per 128-key chunk, the chunk
+            # of dS the stationary operand, Q^T's rn columns the moving one
+            for ch in range(a // PMAX, e // PMAX):
+                d0 = ch * PMAX - v.off
+                for dt in range(len(c.qk_rows)):
+                    r0, rn = c.qk_rows[dt]
+                    nisa.nc_matmul(dst=dk_ps[dt][:, ch * rn:(ch + 1) * rn], stationary=ds[:, d0:d0 + PMAX],
+                                   moving=qT[:, r0:r0 + rn], accumulate=acc)
+            continue
         for dt in range(len(c.qk_rows)):
             r0, rn = c.qk_rows[dt]
             nisa.nc_matmul(dst=dk_ps[dt][:, a:e], stationary=qT[:, r0:r0 + rn], moving=ds[:, cols],
@@ -1241,7 +1289,7 @@ def _dq(c, v, dsT, kts, kk, dq_ps, dq_fresh):
     n_ch = v.kw // PMAX
     ch0 = kk // PMAX
     if c.dq_t:
-        # transposed (``transposed_dq``): dQ^T [128 queries, rn] += dS [queries, keys] K^T [keys, rn], dS^T the
+        # transposed (``transposed_qk_grads``): dQ^T [128 queries, rn] += dS [queries, keys] K^T [keys, rn], dS^T the
         # stationary operand, each Q/K tile's K^T the moving one (rn columns streamed instead of 128)
         for ch in range(n_ch):
             for dt in range(len(c.qk_rows)):
@@ -1298,16 +1346,23 @@ def _evict_dv_dk(c, kt, sec, dv_ps, dk_ps):
             else:
                 nisa.tensor_copy(dst=dst, src=dv_ps[dt][:, src])
         for dt in range(len(c.qk_rows)):
-            dst = sec.dk_acc[dt][:, x:y]
+            if c.dk_t:
+                # transposed: chunk j's rn columns at j * rn, in PSUM and in the accumulator
+                rn = c.qk_rows[dt][1]
+                dst = sec.dk_acc[dt][:, x // PMAX * rn:y // PMAX * rn]
+                dk_src = dk_ps[dt][:, (x - a0) // PMAX * rn:(y - a0) // PMAX * rn]
+            else:
+                dst = sec.dk_acc[dt][:, x:y]
+                dk_src = dk_ps[dt][:, src]
             if acc and c.dk_scale == 1.0:
-                nisa.tensor_tensor(dst=dst, data1=dst, data2=dk_ps[dt][:, src], op=nl.add)
+                nisa.tensor_tensor(dst=dst, data1=dst, data2=dk_src, op=nl.add)
             elif acc:
-                nisa.scalar_tensor_tensor(dst=dst, data=dk_ps[dt][:, src], op0=nl.multiply, operand0=c.dk_scale,
+                nisa.scalar_tensor_tensor(dst=dst, data=dk_src, op0=nl.multiply, operand0=c.dk_scale,
                                           op1=nl.add, operand1=dst)
             elif c.dk_scale == 1.0:
-                nisa.tensor_copy(dst=dst, src=dk_ps[dt][:, src])
+                nisa.tensor_copy(dst=dst, src=dk_src)
             else:
-                nisa.tensor_scalar(dst=dst, data=dk_ps[dt][:, src], op0=nl.multiply, operand0=c.dk_scale)
+                nisa.tensor_scalar(dst=dst, data=dk_src, op0=nl.multiply, operand0=c.dk_scale)
 
 
 def _reload_dq(c, grp, dq_ps, dq_prev, ident):
@@ -1541,7 +1596,11 @@ def _key_tile_psum(c, kt):
         dv_ps.append(nl.ndarray((rt[1], kt.uw), dtype=nl.float32, buffer=nl.psum))
     dk_ps = []
     for rt in c.qk_rows:
-        dk_ps.append(nl.ndarray((rt[1], kt.uw), dtype=nl.float32, buffer=nl.psum))
+        if c.dk_t:
+            # transposed: [128 keys, rn] per 128-key chunk of the key tile, side by side
+            dk_ps.append(nl.ndarray((PMAX, kt.uw // PMAX * rt[1]), dtype=nl.float32, buffer=nl.psum))
+        else:
+            dk_ps.append(nl.ndarray((rt[1], kt.uw), dtype=nl.float32, buffer=nl.psum))
     return dv_ps, dk_ps
 
 
@@ -1596,7 +1655,11 @@ def _section_start(c, hbm, item, s):
         ks, vs, kts = _load_kv_section(c, hbm.k, hbm.v, item.b, item.kvh, k_lo, k_len)
     dk_acc, dv_acc = [], []
     for rt in c.qk_rows:
-        dk_acc.append(nl.ndarray((rt[1], k_len), dtype=nl.float32, buffer=nl.sbuf))
+        if c.dk_t:
+            # transposed: [128 keys, rn] per 128-key chunk (fewer bytes than [rn, k_len] when rn < 128)
+            dk_acc.append(nl.ndarray((PMAX, k_len // PMAX * rt[1]), dtype=nl.float32, buffer=nl.sbuf))
+        else:
+            dk_acc.append(nl.ndarray((rt[1], k_len), dtype=nl.float32, buffer=nl.sbuf))
     for rt in c.v_rows:
         dv_acc.append(nl.ndarray((rt[1], k_len), dtype=nl.float32, buffer=nl.sbuf))
     return _SectionBufs(s, k_lo, k_len, ks, vs, kts, dk_acc, dv_acc)
@@ -1606,6 +1669,11 @@ def _section_end(c, hbm, item, sec):
     """Write dK, dV of a section (cast on the DMA), zeroing first the key chunks no visit reached."""
     b = item.b
     hk = item.kvh
+    if c.dk_t:
+        # the written keys went out with their last eviction (``_store_keys``): zeros for the others
+        for run in _runs(sec.written, 0, len(sec.written), False):
+            _store_keys(c, hbm, item, sec, run[0], run[1], True)
+        return
     for run in _runs(sec.written, 0, len(sec.written), False):
         j, e = run
         for t in sec.dk_acc:
@@ -1618,6 +1686,39 @@ def _section_end(c, hbm, item, sec):
     for dt in range(len(c.v_rows)):
         r0, rn = c.v_rows[dt]
         nisa.dma_copy(dst=hbm.dv[b, hk, r0:r0 + rn, sec.k_lo:sec.k_lo + sec.k_len], src=sec.dv_acc[dt])
+
+
+def _store_keys(c, hbm, item, sec, x, y, zero):
+    """Transposed dK (``c.dk_t``): store dK and dV of the section's 128-key chunks ``[x, y)`` (zeros when
+    ``zero``: no visit reached them). dV goes out of its accumulator as it is (cast on the DMA). dK, ``[128 keys,
+    rn]`` per chunk, goes back to the HBM layout by TensorE transposes (float32, exact), 4 chunks per PSUM bank,
+    each bank copied by ScalarE into a staging tile in the output dtype (the one rounding), one DMA per Q/K
+    head-dim tile."""
+    b = item.b
+    hk = item.kvh
+    k0 = sec.k_lo + x * PMAX
+    k1 = sec.k_lo + y * PMAX
+    for dt in range(len(c.v_rows)):
+        r0, rn = c.v_rows[dt]
+        if zero:
+            nisa.memset(dst=sec.dv_acc[dt][:, x * PMAX:y * PMAX], value=0.0, engine=nisa.engine.gpsimd)
+        nisa.dma_copy(dst=hbm.dv[b, hk, r0:r0 + rn, k0:k1], src=sec.dv_acc[dt][:, x * PMAX:y * PMAX])
+    per = K_TILE // PMAX
+    for dt in range(len(c.qk_rows)):
+        r0, rn = c.qk_rows[dt]
+        stage = nl.ndarray((rn, (y - x) * PMAX), dtype=c.mm_dtype, buffer=nl.sbuf)
+        if zero:
+            nisa.memset(dst=stage, value=0.0, engine=nisa.engine.gpsimd)
+        else:
+            for g0 in range(x, y, per):
+                gn = min(per, y - g0)
+                tp = nl.ndarray((PMAX, gn * PMAX), dtype=nl.float32, buffer=nl.psum)
+                for j in range(gn):
+                    ch = g0 + j
+                    nisa.nc_transpose(dst=tp[0:rn, j * PMAX:(j + 1) * PMAX],
+                                      data=sec.dk_acc[dt][:, ch * rn:(ch + 1) * rn])
+                _copy_on_scalar(c, stage[:, (g0 - x) * PMAX:(g0 - x + gn) * PMAX], tp[0:rn, :], 1.0)
+        nisa.dma_copy(dst=hbm.dk[b, hk, r0:r0 + rn, k0:k1], src=stage)
 
 
 class _Segment(nl.NKIObject):
@@ -1731,9 +1832,13 @@ def _pipeline(c, hbm, steps, start, end, bounds, seed, ones, ident):
     # [due iteration, group, SBUF copy, staging tiles, (segment, block, block buffers, work item) to store or None]
     pending = []
     pi = 0
+    # transposed dK (``c.dk_t``): key runs to store (``_store_keys``), or a section's end (run -1, -1):
+    # [due iteration, work item, section buffers, first chunk, end chunk]
+    kpending = []
+    kpi = 0
     tail = 0
     if c.dq_t:
-        tail = DQ_T_LAG
+        tail = max(DQ_T_LAG, KEY_STORE_LAG)
     for u in range(n + lead + lag_d + tail):
         if u < n:
             at = _VisitAt(c, segs, order, u)
@@ -1785,12 +1890,19 @@ def _pipeline(c, hbm, steps, start, end, bounds, seed, ones, ident):
             seg.ds[jj] = None
             if st.kt_last:
                 _evict_dv_dk(c, kt, seg.sec, dv_ps, dk_ps)
+                if c.dk_t:
+                    for run in c.key_stores[seg.s][jj]:
+                        kpending.append((u + KEY_STORE_LAG, seg.item, seg.sec, run[0], run[1]))
                 # release this key tile's dV / dK banks before the next one allocates its own: with two head-dim
                 # tiles (d_head > 128) two generations of them would not fit the 8 PSUM banks next to S, dP, dQ
                 dv_ps = None
                 dk_ps = None
             if jj == len(c.streams[seg.s]) - 1:
-                _section_end(c, hbm, seg.item, seg.sec)
+                if c.dk_t:
+                    # (the section's key stores still waiting are emitted at their time, below)
+                    kpending.append((u + KEY_STORE_LAG, seg.item, seg.sec, -1, -1))
+                else:
+                    _section_end(c, hbm, seg.item, seg.sec)
         j = u - lead - lag_d
         if j >= 0 and j < n:
             at = _VisitAt(c, segs, order, j)
@@ -1844,6 +1956,14 @@ def _pipeline(c, hbm, steps, start, end, bounds, seed, ones, ident):
         if u == n + lead + lag_d + tail - 1:
             due = -1
         pi = _finish_pending(c, hbm, pending, pi, due, parked, start)
+        while kpi < len(kpending) and (due < 0 or kpending[kpi][0] <= due):
+            kit, ksec, kx, ky = kpending[kpi][1], kpending[kpi][2], kpending[kpi][3], kpending[kpi][4]
+            kpending[kpi] = None
+            kpi += 1
+            if kx < 0:
+                _section_end(c, hbm, kit, ksec)
+            else:
+                _store_keys(c, hbm, kit, ksec, kx, ky, False)
 
 
 def _finish_pending(c, hbm, pending, pi, due, parked, start):
