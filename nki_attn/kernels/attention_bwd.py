@@ -94,6 +94,9 @@ MM_MIN_COLUMNS = 64
 # visit's stage D, and the TensorE transposes back to the HBM layout DQ_T_LAG visits later, so TensorE does not
 # wait for that copy (``_pipeline``).
 DQ_T_LAG = 2
+# With the same rule, a block's O * dO product (for D) is formed D_PRODUCT_LAG visits after its loads instead of
+# at its first stage A, so the ones-vector matmuls that sum it do not wait for VectorE there (``_pipeline``).
+D_PRODUCT_LAG = 2
 # With the transposed dK, the keys whose dK and dV are final after a key tile's eviction are transposed and
 # stored (``_store_keys``) KEY_STORE_LAG visits after it, so TensorE does not wait for the eviction.
 KEY_STORE_LAG = 2
@@ -976,21 +979,31 @@ def _load_bounds(c, bound_min, bound_max):
 
 
 # ----------------------------------------------------------------------------------------------- steps
-def _rowsum_o_dy(c, blk, o_b, dy_b, ones, dsum):
-    """Step 1: D = rowsum(O * dO) of the block's members into ``dsum[:, g, i]`` (fp32). Equals
-    sum_j P_ij dP_ij (O = P V), so the softmax Jacobian needs no key-axis reduction. O and dO are multiplied in
-    their HBM layout (head dim on the partitions: no transpose), one fp32 ``tensor_tensor`` per head-dim tile for
-    the whole block; a ones-vector matmul per member sums the head dim over the partitions into one PSUM column.
-    Run in each member's first section only; D stays in SBUF for the later sections. ``o_b``, ``dy_b``: the
-    block's O and dO tiles (``_block_load``)."""
+def _o_dy_products(c, blk, o_b, dy_b):
+    """O * dO of the block's members in fp32, one VectorE ``tensor_tensor`` per V head-dim tile (``_rowsum_o_dy``'s
+    first half)."""
     n = blk.nh * blk.nt
-    d_ps = nl.ndarray((PMAX, n), dtype=nl.float32, buffer=nl.psum)
     prods = []
     for dt in range(len(c.v_rows)):
         rn = c.v_rows[dt][1]
         prod = nl.ndarray((rn, n * PMAX), dtype=nl.float32, buffer=nl.sbuf)
         nisa.tensor_tensor(dst=prod, data1=o_b[dt], data2=dy_b[dt], op=nl.multiply)
         prods.append(prod)
+    return prods
+
+
+def _rowsum_o_dy(c, blk, o_b, dy_b, ones, dsum, prods=None):
+    """Step 1: D = rowsum(O * dO) of the block's members into ``dsum[:, g, i]`` (fp32). Equals
+    sum_j P_ij dP_ij (O = P V), so the softmax Jacobian needs no key-axis reduction. O and dO are multiplied in
+    their HBM layout (head dim on the partitions: no transpose), one fp32 ``tensor_tensor`` per head-dim tile for
+    the whole block; a ones-vector matmul per member sums the head dim over the partitions into one PSUM column.
+    Run in each member's first section only; D stays in SBUF for the later sections. ``o_b``, ``dy_b``: the
+    block's O and dO tiles (``_block_load``); ``prods``: their products when ``_o_dy_products`` formed them
+    earlier (the transposed rule's pipeline), else None."""
+    n = blk.nh * blk.nt
+    d_ps = nl.ndarray((PMAX, n), dtype=nl.float32, buffer=nl.psum)
+    if prods is None:
+        prods = _o_dy_products(c, blk, o_b, dy_b)
     for j in range(n):
         for dt in range(len(c.v_rows)):
             rn = c.v_rows[dt][1]
@@ -1487,6 +1500,8 @@ class _BlockBufs(nl.NKIObject):
         self.dq_stage = dq_stage
         self.dq_prev = dq_prev
         self.o = o
+        # O * dO, formed before stage A by the transposed rule's pipeline (``_o_dy_products``), else None
+        self.prods = None
 
 
 def _block_load(c, hbm, item, blk):
@@ -1853,6 +1868,13 @@ def _pipeline(c, hbm, steps, start, end, bounds, seed, ones, ident):
                 seg.bbs[st.bi] = _block_load(c, hbm, item, at.blk)
                 if not at.blk.first and _parked(c, parked[at.w - start], at.blk, seg.s):
                     seg.bbs[st.bi].dq_prev = _load_dq_prev(c, hbm, item, at.blk)
+        j = u - D_PRODUCT_LAG
+        if c.dq_t and lead > D_PRODUCT_LAG and j >= 0 and j < n:
+            at = _VisitAt(c, segs, order, j)
+            if at.st.blk_first and at.blk.first:
+                bb = at.seg.bbs[at.st.bi]
+                bb.prods = _o_dy_products(c, at.blk, bb.o, bb.dy)
+                bb.o = None
         j = u - lead
         if j >= 0 and j < n:
             at = _VisitAt(c, segs, order, j)
@@ -1862,8 +1884,9 @@ def _pipeline(c, hbm, steps, start, end, bounds, seed, ones, ident):
             jj = at.jj
             bb = seg.bbs[st.bi]
             if st.blk_first and blk.first:
-                _rowsum_o_dy(c, blk, bb.o, bb.dy, seg.item.ones, seg.item.dsum)
+                _rowsum_o_dy(c, blk, bb.o, bb.dy, seg.item.ones, seg.item.dsum, bb.prods)
                 bb.o = None
+                bb.prods = None
             if st.blk_first and not blk.first and bb.dq_prev is None and \
                     _parked(c, parked[at.w - start], blk, seg.s):
                 bb.dq_prev = _load_dq_prev(c, hbm, seg.item, blk)
