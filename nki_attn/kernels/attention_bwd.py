@@ -1487,6 +1487,12 @@ class _SectionBufs(nl.NKIObject):
         self.written = []
         for j in range(k_len // PMAX):
             self.written.append(False)
+        # per 512-key tile, with the transposed rule (``_section_start``): K, V loaded; K^T formed
+        self.loaded = []
+        self.kT_done = []
+        for t in range((k_len + K_TILE - 1) // K_TILE):
+            self.loaded.append(False)
+            self.kT_done.append(False)
 
 
 class _BlockBufs(nl.NKIObject):
@@ -1666,7 +1672,15 @@ def _section_start(c, hbm, item, s):
     the fp32 dK, dV accumulators (written by the evictions, ``_evict_dv_dk``). Returns its ``_SectionBufs``."""
     k_lo, k_len = c.sections[s]
     ks, vs, kts = None, None, None
-    if c.streams[s]:
+    if c.streams[s] and c.dq_t:
+        # the transposed rule loads K, V by 512-key tile as the visits first need them (``_load_key_tile``)
+        ks, vs, kts = [], [], []
+        for rt in c.qk_rows:
+            ks.append(nl.ndarray((rt[1], k_len), dtype=c.mm_dtype, buffer=nl.sbuf))
+            kts.append(nl.ndarray((PMAX, k_len // PMAX * rt[1]), dtype=c.mm_dtype, buffer=nl.sbuf))
+        for rt in c.v_rows:
+            vs.append(nl.ndarray((rt[1], k_len), dtype=c.mm_dtype, buffer=nl.sbuf))
+    elif c.streams[s]:
         ks, vs, kts = _load_kv_section(c, hbm.k, hbm.v, item.b, item.kvh, k_lo, k_len)
     dk_acc, dv_acc = [], []
     for rt in c.qk_rows:
@@ -1678,6 +1692,39 @@ def _section_start(c, hbm, item, s):
     for rt in c.v_rows:
         dv_acc.append(nl.ndarray((rt[1], k_len), dtype=nl.float32, buffer=nl.sbuf))
     return _SectionBufs(s, k_lo, k_len, ks, vs, kts, dk_acc, dv_acc)
+
+
+def _load_key_tile(c, hbm, item, sec, t):
+    """The transposed rule's section load, one 512-key tile ``t`` of section ``sec`` at a time: K and V of its
+    keys (one DMA per head-dim tile), at the stage L of the first visit that needs them, so the first visits
+    do not wait for the whole section to arrive."""
+    x = t * K_TILE
+    w = min(K_TILE, sec.k_len - x)
+    k0 = sec.k_lo + x
+    for dt in range(len(c.qk_rows)):
+        r0, rn = c.qk_rows[dt]
+        nisa.dma_copy(dst=sec.ks[dt][:, x:x + w], src=hbm.k[item.b, item.kvh, r0:r0 + rn, k0:k0 + w])
+    for dt in range(len(c.v_rows)):
+        r0, rn = c.v_rows[dt]
+        nisa.dma_copy(dst=sec.vs[dt][:, x:x + w], src=hbm.v[item.b, item.kvh, r0:r0 + rn, k0:k0 + w])
+    sec.loaded[t] = True
+
+
+def _transpose_key_tile(c, sec, t):
+    """K^T of 512-key tile ``t`` (``_load_kv_section``'s layout: chunk j at columns ``j * rn``), at the stage A of
+    the first visit that needs it, ``c.pipe_lead`` visits after its load: TensorE transposes into one PSUM tile
+    per Q/K head-dim tile, one VectorE copy each."""
+    x = t * K_TILE
+    n_ch = min(K_TILE, sec.k_len - x) // PMAX
+    ch0 = x // PMAX
+    for dt in range(len(c.qk_rows)):
+        rn = c.qk_rows[dt][1]
+        ps = nl.ndarray((PMAX, n_ch * rn), dtype=c.mm_dtype, buffer=nl.psum)
+        for j in range(n_ch):
+            ch = ch0 + j
+            nisa.nc_transpose(dst=ps[:, j * rn:(j + 1) * rn], data=sec.ks[dt][:, ch * PMAX:(ch + 1) * PMAX])
+        nisa.tensor_copy(dst=sec.kts[dt][:, ch0 * rn:(ch0 + n_ch) * rn], src=ps)
+    sec.kT_done[t] = True
 
 
 def _section_end(c, hbm, item, sec):
@@ -1868,6 +1915,9 @@ def _pipeline(c, hbm, steps, start, end, bounds, seed, ones, ident):
                 seg.bbs[st.bi] = _block_load(c, hbm, item, at.blk)
                 if not at.blk.first and _parked(c, parked[at.w - start], at.blk, seg.s):
                     seg.bbs[st.bi].dq_prev = _load_dq_prev(c, hbm, item, at.blk)
+            # (after the block's loads: D and the group's transposes need them before S needs K)
+            if c.dq_t and not seg.sec.loaded[(at.v.k0 - seg.sec.k_lo) // K_TILE]:
+                _load_key_tile(c, hbm, item, seg.sec, (at.v.k0 - seg.sec.k_lo) // K_TILE)
         j = u - D_PRODUCT_LAG
         if c.dq_t and lead > D_PRODUCT_LAG and j >= 0 and j < n:
             at = _VisitAt(c, segs, order, j)
@@ -1893,6 +1943,8 @@ def _pipeline(c, hbm, steps, start, end, bounds, seed, ones, ident):
             if st.grp_first:
                 seg.mems[st.gf] = _group_start(c, seg.item, at.grp, bb)
             v = at.v
+            if c.dq_t and not seg.sec.kT_done[(v.k0 - seg.sec.k_lo) // K_TILE]:
+                _transpose_key_tile(c, seg.sec, (v.k0 - seg.sec.k_lo) // K_TILE)
             p_mm, ds = _visit_a(c, seg.item, steps, seg.sec, at.grp, seg.mems[st.gf][v.m], v)
             seg.p_mm[jj] = p_mm
             seg.ds[jj] = ds
