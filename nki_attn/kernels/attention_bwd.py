@@ -5,7 +5,7 @@ use_causal_mask=False, mixed_precision=False, softmax_scale=None, sliding_window
 alibi_slopes=None, window_size=None, dropout_p=0.0, dropout_seed=None, k_section_len=None, group_max=None,
 block_members_max=None, p_cast_on_gpsimd=None, ds_dma_transpose=None, attn_bias=None, bias_grad=False,
 block_mask=None, block_bits=None, logit_scale=None, ds_dma_every=None, pipe_lead=None, pipe_lag_b=None,
-pipe_lag_d=None, d_from_o=False)`` returns ``(dq, dk, dv)``, then ``dsinks`` with sinks, then ``dlogit_scale`` (float32
+pipe_lag_d=None, d_from_o=False, qk_transposed=None)`` returns ``(dq, dk, dv)``, then ``dsinks`` with sinks, then ``dlogit_scale`` (float32
 ``[bs, nheads]``) with a logit scale: the layouts and semantics of
 ``golden.attention_bwd_torch.attention_bwd_torch_ref`` (see docs/semantics.md). docs/kernel-bwd.md explains the
 design; each step below is named there after the function that implements it. Kernel code stays in NKI's
@@ -237,6 +237,14 @@ def transposed_qk_grads(d_qk, d_v, qk_rows):
     for rt in qk_rows:
         cols += max(rt[1], MM_MIN_COLUMNS)
     return cols < len(qk_rows) * PMAX
+
+
+def _qk_transposed(a, qk_transposed):
+    """The launch's choice of the transposed dQ / dK (``BwdConfig.dq_t``): the ``qk_transposed`` keyword when
+    given, else the rule ``transposed_qk_grads``."""
+    if qk_transposed is None:
+        return transposed_qk_grads(a.d_qk, a.d_v, a.qk_tiles)
+    return qk_transposed
 
 
 def psum_banks(d_tiles, v_tiles=None, dq_transposed=False):
@@ -552,12 +560,12 @@ class BwdConfig(nl.NKIObject):
     """Trace-time plan of one attention_bwd call (shapes, dtypes, engines, sections, blocks, groups, visits).
 
     ``a``: the call's ``validation.AttentionShape``; ``group_max``, ``block_members_max``, ``p_cast_on_gpsimd``,
-    ``ds_dma_transpose``, ``pipe_lead``, ``pipe_lag_b``, ``pipe_lag_d``: the kernel's tuning keywords (None: the
-    module defaults); ``block_mask``: a ``band.BlockRows`` or None."""
+    ``ds_dma_transpose``, ``pipe_lead``, ``pipe_lag_b``, ``pipe_lag_d``, ``qk_transposed``: the kernel's tuning
+    keywords (None: the module defaults, or the rule); ``block_mask``: a ``band.BlockRows`` or None."""
 
     def __init__(self, a, dtype, mixed, section_len, trn1, group_max=None, block_members_max=None,
                  p_cast_on_gpsimd=None, ds_dma_transpose=None, block_mask=None, ds_dma_every=None, pipe_lead=None,
-                 pipe_lag_b=None, pipe_lag_d=None, d_from_o=False):
+                 pipe_lag_b=None, pipe_lag_d=None, d_from_o=False, qk_transposed=None):
         # (NKI binds one target per attribute assignment: no tuple unpacking into attributes)
         self.bs = a.bs
         self.nheads = a.nheads
@@ -660,7 +668,7 @@ class BwdConfig(nl.NKIObject):
         self.dq_park_dtype = nl.float32 if self.dq_scratch else dtype
         self.group_size = group_size(self.d_tiles, group_max)
         # dQ accumulated as [128 queries, d_qk] per member for d_qk != d_v when that streams fewer TensorE columns
-        self.dq_t = transposed_qk_grads(a.d_qk, a.d_v, a.qk_tiles)
+        self.dq_t = _qk_transposed(a, qk_transposed)
         # dK accumulated as [128 keys, d_qk] per 128-key chunk (the same rule), each key's dK and dV stored as soon
         # as its last eviction is done (``key_stores``) instead of at the section's end
         self.dk_t = self.dq_t
@@ -767,7 +775,7 @@ def bwd_problem(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref=None, bou
                 window_size=None, dropout_p=0.0, dropout_seed=None, k_section_len=None, group_max=None,
                 block_members_max=None, p_cast_on_gpsimd=None, ds_dma_transpose=None, block_mask=None,
                 block_bits=None, ds_dma_every=None, pipe_lead=None, pipe_lag_b=None, pipe_lag_d=None,
-                d_from_o=False, **mods):
+                d_from_o=False, qk_transposed=None, **mods):
     """``None`` when ``attention_bwd`` accepts these arguments on the current target, else the first problem as
     a message (argument, value, rule); host side: ``nki_attn.kernel_api.attention_bwd`` raises it as
     ``ValueError`` before launching. The score modifications' keywords (``softcap``, ``alibi_slopes``,
@@ -780,13 +788,13 @@ def bwd_problem(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref=None, bou
                         use_causal_mask, mixed_precision, softmax_scale, sliding_window, window_size, dropout_p,
                         dropout_seed, k_section_len, group_max, block_members_max, p_cast_on_gpsimd,
                         ds_dma_transpose, block_mask, block_bits, ds_dma_every, pipe_lead, pipe_lag_b, pipe_lag_d,
-                        d_from_o, mods)
+                        d_from_o, mods, qk_transposed)
 
 
 def _bwd_problem(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref, bound_min, bound_max, use_causal_mask,
                  mixed_precision, softmax_scale, sliding_window, window_size, dropout_p, dropout_seed,
                  k_section_len, group_max, block_members_max, p_cast_on_gpsimd, ds_dma_transpose, block_mask,
-                 block_bits, ds_dma_every, pipe_lead, pipe_lag_b, pipe_lag_d, d_from_o, mods):
+                 block_bits, ds_dma_every, pipe_lead, pipe_lag_b, pipe_lag_d, d_from_o, mods, qk_transposed=None):
     """``bwd_problem`` in kernel code (the kernel asserts on it): ``mods`` the score modifications' arguments by
     kernel keyword."""
     if lse_ref is None or o_ref is None or dy_ref is None:
@@ -809,7 +817,7 @@ def _bwd_problem(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref, bound_m
              ("p_cast_on_gpsimd", p_cast_on_gpsimd, "bool"), ("ds_dma_transpose", ds_dma_transpose, "bool"),
              ("ds_dma_every", ds_dma_every, "int"), ("pipe_lead", pipe_lead, "count"),
              ("pipe_lag_b", pipe_lag_b, "count"),
-             ("pipe_lag_d", pipe_lag_d, "count"))
+             ("pipe_lag_d", pipe_lag_d, "count"), ("qk_transposed", qk_transposed, "bool"))
     for knob in knobs:
         name, value, allowed = knob
         problem = _knob_problem(name, value, allowed)
@@ -832,7 +840,7 @@ def _bwd_problem(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref, bound_m
     use = sbuf_usage(a.d_qk, len(a.qk_tiles), isz, sec, a.group, a.seqlen_q, mixed_precision, a.packing,
                      a.num_sinks, trn1 and a.packing, dq_fp32, a.d_v, len(a.v_tiles), a.dropout, group_max,
                      block_members_max, _mod_bytes(a), _pipe_of(pipe_lead, pipe_lag_b, pipe_lag_d),
-                     _live_sections(a, sec), transposed_qk_grads(a.d_qk, a.d_v, a.qk_tiles))
+                     _live_sections(a, sec), _qk_transposed(a, qk_transposed))
     cap = sbuf_bytes_per_partition()
     if use["total"] > cap:
         return (f"attention_bwd needs {use['total']} SBUF bytes per partition (section {use['section']}, per-row "
@@ -863,7 +871,8 @@ def _shape_of(q_ref, k_ref, v_ref, sinks_ref, bound_min, use_causal_mask, softma
 def _configure(q_ref, k_ref, sinks_ref, bound_min, use_causal_mask, mixed_precision, softmax_scale,
                sliding_window, k_section_len, v_ref=None, window_size=None, dropout_p=0.0, group_max=None,
                block_members_max=None, p_cast_on_gpsimd=None, ds_dma_transpose=None, block_mask=None,
-               ds_dma_every=None, pipe_lead=None, pipe_lag_b=None, pipe_lag_d=None, d_from_o=False, mods=None):
+               ds_dma_every=None, pipe_lead=None, pipe_lag_b=None, pipe_lag_d=None, d_from_o=False, mods=None,
+               qk_transposed=None):
     """The launch's ``BwdConfig``, built once from arguments ``bwd_problem`` accepted (``v_ref`` None: d_v =
     d_qk; ``block_mask`` the kernel's trace-time ``(n_b, n_h, rows)`` or None; ``mods`` the score
     modifications' arguments by kernel keyword)."""
@@ -875,7 +884,7 @@ def _configure(q_ref, k_ref, sinks_ref, bound_min, use_causal_mask, mixed_precis
         rows = BlockRows(block_mask[0], block_mask[1], block_mask[2], a.seqlen_k // PMAX)
     return BwdConfig(a, q_ref.dtype, mixed_precision, sec, _is_trn1(), group_max, block_members_max,
                      p_cast_on_gpsimd, ds_dma_transpose, rows, ds_dma_every, pipe_lead, pipe_lag_b, pipe_lag_d,
-                     d_from_o)
+                     d_from_o, qk_transposed)
 
 
 # ----------------------------------------------------------------------------------------------- engines
@@ -2099,7 +2108,7 @@ def attention_bwd(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref=None, b
                   k_section_len=None, group_max=None, block_members_max=None, p_cast_on_gpsimd=None,
                   ds_dma_transpose=None, attn_bias=None, bias_grad=False, block_mask=None, block_bits=None,
                   logit_scale=None, ds_dma_every=None, pipe_lead=None, pipe_lag_b=None, pipe_lag_d=None,
-                  d_from_o=False):
+                  d_from_o=False, qk_transposed=None):
     """Flash-attention backward: ``(dq, dk, dv)`` or ``(dq, dk, dv, dsinks)``, then ``dbias`` when
     ``bias_grad``, then ``dlogit_scale`` (float32 ``[bs, nheads]``, per batch row) with a logit scale (float32
     ``[bs, nheads]``, as in ``attention_fwd``). See the module docstring.
@@ -2127,7 +2136,10 @@ def attention_bwd(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref=None, b
     - ``pipe_lead``, ``pipe_lag_b``, ``pipe_lag_d``: the software pipeline of the visits (``_pipeline``): block
       loads ``pipe_lead`` visits ahead (``PIPE_LEAD``, 4), dV/dK matmuls and dS transposes ``pipe_lag_b`` visits
       (``PIPE_LAG_B``, 2) and dQ matmuls ``pipe_lag_d`` visits (``PIPE_LAG_D``, 4) behind S / dP / dS; all 0: the
-      visit-by-visit order.
+      visit-by-visit order;
+    - ``qk_transposed``: dQ and dK accumulated transposed, with the pipeline that goes with them (K/V loaded by
+      key tile, dK/dV stored by key as they complete, D's product ahead of its block) (default: the rule
+      ``transposed_qk_grads``, on for d_qk != d_v where it streams fewer TensorE columns; True / False force it).
 
     ``block_mask`` / ``block_bits``: a block mask, as in ``attention_fwd`` (sections end on 512-key tiles).
 
@@ -2147,7 +2159,7 @@ def attention_bwd(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref=None, b
                            use_causal_mask, mixed_precision, softmax_scale, sliding_window, window_size, dropout_p,
                            dropout_seed, k_section_len, group_max, block_members_max, p_cast_on_gpsimd,
                            ds_dma_transpose, block_mask, block_bits, ds_dma_every, pipe_lead, pipe_lag_b, pipe_lag_d,
-                           d_from_o, mods)
+                           d_from_o, mods, qk_transposed)
     assert problem is None, problem
     if block_mask is not None and pipe_lag_b is None and pipe_lag_d is None:
         lags = _narrow_visit_lags(block_mask[2])
@@ -2156,13 +2168,13 @@ def attention_bwd(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref=None, b
                                              sliding_window, window_size, dropout_p, dropout_seed, k_section_len,
                                              group_max, block_members_max, p_cast_on_gpsimd, ds_dma_transpose,
                                              block_mask, block_bits, ds_dma_every, pipe_lead, lags[0], lags[1],
-                                             d_from_o, mods) is None:
+                                             d_from_o, mods, qk_transposed) is None:
             pipe_lag_b = lags[0]
             pipe_lag_d = lags[1]
     c = _configure(q_ref, k_ref, sinks_ref, bound_min, use_causal_mask, mixed_precision, softmax_scale,
                    sliding_window, k_section_len, v_ref, window_size, dropout_p, group_max, block_members_max,
                    p_cast_on_gpsimd, ds_dma_transpose, block_mask, ds_dma_every, pipe_lead, pipe_lag_b, pipe_lag_d,
-                   d_from_o, mods)
+                   d_from_o, mods, qk_transposed)
     if c.block_mask is not None and c.block_mask.n_slots > 0:
         c.block_mask.bits = block_bits
         c.block_mask.bitsel = block_bitsel()
