@@ -5,8 +5,8 @@ use_causal_mask=False, mixed_precision=False, softmax_scale=None, sliding_window
 alibi_slopes=None, window_size=None, dropout_p=0.0, dropout_seed=None, k_section_len=None, group_max=None,
 block_members_max=None, p_cast_on_gpsimd=None, ds_dma_transpose=None, attn_bias=None, bias_grad=False,
 block_mask=None, block_bits=None, logit_scale=None, ds_dma_every=None, pipe_lead=None, pipe_lag_b=None,
-pipe_lag_d=None, d_from_o=False, qk_transposed=None)`` returns ``(dq, dk, dv)``, then ``dsinks`` with sinks, then ``dlogit_scale`` (float32
-``[bs, nheads]``) with a logit scale: the layouts and semantics of
+pipe_lag_d=None, d_from_o=False, qk_transposed=None)`` returns ``(dq, dk, dv)``, then ``dsinks`` with sinks, then
+``dlogit_scale`` (float32 ``[bs, nheads]``) with a logit scale: the layouts and semantics of
 ``golden.attention_bwd_torch.attention_bwd_torch_ref`` (see docs/semantics.md). docs/kernel-bwd.md explains the
 design; each step below is named there after the function that implements it. Kernel code stays in NKI's
 compile-time subset (checked by the simulator's frontend check): invalid arguments fail an ``assert`` on
@@ -90,9 +90,9 @@ PIPE_LAG_D = 4
 # TensorE's shortest matmul, in moving columns (cost model v2: MM_INIT_LATENCY, 64 cycles; docs/performance.md):
 # a matmul streaming fewer columns takes as long as one streaming this many (``transposed_qk_grads``).
 MM_MIN_COLUMNS = 64
-# With the transposed dQ (``transposed_qk_grads``), a group's dQ leaves PSUM in two parts: the ScalarE copy at its last
-# visit's stage D, and the TensorE transposes back to the HBM layout DQ_T_LAG visits later, so TensorE does not
-# wait for that copy (``_pipeline``).
+# With the transposed dQ (``transposed_qk_grads``), a group's dQ leaves PSUM in two parts: the ScalarE copy at
+# its last visit's stage D, and the TensorE transposes back to the HBM layout DQ_T_LAG visits later, so TensorE
+# does not wait for that copy (``_pipeline``).
 DQ_T_LAG = 2
 # With the same rule, a block's O * dO product (for D) is formed D_PRODUCT_LAG visits after its loads instead of
 # at its first stage A, so the ones-vector matmuls that sum it do not wait for VectorE there (``_pipeline``).
@@ -177,9 +177,9 @@ def sbuf_usage(d_head, d_tiles, itemsize, section_len, group, seqlen_q, mixed_pr
     between stages A, B and D (``in_flight``). ``mod_bytes``: ``(persistent, per_key)``, the bytes the score
     modifications' steps add per work item and per key of a visit (``_mod_bytes``: their ``bwd_sbuf``).
     ``d_head``/``d_tiles``: d_qk and its partition tiles; ``d_v``/``v_tiles`` default to them.
-    ``dq_transposed`` (``transposed_qk_grads``): the groups' dQ copies waiting ``DQ_T_LAG`` visits for their transposes
-    (``_evict_dq_transposed``) are counted in ``in_flight``. Used by the trace-time budget check and
-    docs/kernel-bwd.md."""
+    ``dq_transposed`` (``transposed_qk_grads``): the groups' dQ copies waiting ``DQ_T_LAG`` visits for their
+    transposes (``_evict_dq_transposed``) and the dK staging tiles of the key stores (``_store_keys``) are counted
+    in ``in_flight``, and the section's dK accumulator in its transposed layout. Used by the trace-time budget check and docs/kernel-bwd.md."""
     e = itemsize
     nq = seqlen_q // PMAX
     pe = 4 if mixed_precision else e
@@ -188,6 +188,10 @@ def sbuf_usage(d_head, d_tiles, itemsize, section_len, group, seqlen_q, mixed_pr
     if v_tiles is None:
         v_tiles = d_tiles
     section = int(section_len * section_bytes_per_key(d_head, d_tiles, itemsize, v_tiles))
+    if dq_transposed:
+        # the transposed dK accumulator is [128 keys, d_qk] per 128-key chunk: d_qk * 4 / 128 bytes per key
+        # instead of 4 per Q/K head-dim tile (MLA: 6 instead of 8)
+        section -= int(section_len * (d_tiles * 4 - d_head * 4 / PMAX))
     # -LSE and D of every member; the ones column (D); the identity of the dQ reload (several sections)
     persistent = 2 * group * nq * 4 + 4 + PMAX * 4
     if packing:
@@ -212,8 +216,9 @@ def sbuf_usage(d_head, d_tiles, itemsize, section_len, group, seqlen_q, mixed_pr
     per_visit = stage_a + p_cast + 2 * K_TILE * e
     in_flight = 2 * stage_a + (lag_b + 1) * (p_cast + K_TILE * e) + (max(lag_b, lag_d) - lag_b + 1) * K_TILE * e
     if dq_transposed:
-        # at most one group per visit waits between its dQ copy and its transposes, each g x d_qk (<= fp32)
-        in_flight += (DQ_T_LAG + 1) * g * d_head * 4
+        # at most one group per visit waits between its dQ copy and its transposes, each g x d_qk (<= fp32); the
+        # dK of at most one key tile per visit waits in a staging tile for its store, K_TILE keys per Q/K tile
+        in_flight += (DQ_T_LAG + 1) * g * d_head * 4 + (KEY_STORE_LAG + 1) * d_tiles * K_TILE * e
     # blocks: the one in stage D, the one in stage A and, with a lead, the one whose loads are in flight
     n_blocks = 3 if lead > 0 else 2
     total = live_sections * section + persistent + n_blocks * per_block + 2 * per_group + in_flight
@@ -229,8 +234,10 @@ def transposed_qk_grads(d_qk, d_v, qk_rows):
     chunk the untransposed dQ and dK each stream 128 columns (dS^T, dS moving) per Q/K head-dim tile; the
     transposed ones stream each tile's ``rn`` columns (K^T, Q^T moving), at least ``MM_MIN_COLUMNS``: 192 instead
     of 256 for MLA's 192 = 128 + 64, none saved for d_qk = 128 or 256. It costs one TensorE transpose per member
-    and Q/K tile when dQ leaves PSUM (``_evict_dq``) and one per 128 keys and Q/K tile when dK does
-    (``_store_keys``)."""
+    and Q/K tile when dQ leaves PSUM (``_finish_dq_transposed``) and one per 128 keys and Q/K tile when dK does
+    (``_store_keys``). The pipeline changes that go with it (``_pipeline``: K, V loaded by key tile, dK and dV
+    stored by key as they complete, D's product formed ahead of its block) come with the same rule, so that
+    d_qk == d_v launches keep their instruction trace; ``qk_transposed`` forces the choice either way."""
     if d_qk == d_v:
         return False
     cols = 0
@@ -239,24 +246,43 @@ def transposed_qk_grads(d_qk, d_v, qk_rows):
     return cols < len(qk_rows) * PMAX
 
 
-def _qk_transposed(a, qk_transposed):
+def _qk_transposed(a, isz, sec, qk_transposed, mixed_precision, group_max, block_members_max, pipe_lead,
+                   pipe_lag_b, pipe_lag_d):
     """The launch's choice of the transposed dQ / dK (``BwdConfig.dq_t``): the ``qk_transposed`` keyword when
-    given, else the rule ``transposed_qk_grads``."""
-    if qk_transposed is None:
-        return transposed_qk_grads(a.d_qk, a.d_v, a.qk_tiles)
-    return qk_transposed
+    given, else the rule ``transposed_qk_grads`` when the SBUF budget check passes with the buffers it adds
+    (``sbuf_usage``'s ``dq_transposed``), so that the rule never refuses a launch the untransposed path takes
+    (float32 MLA on trn1 falls back to it)."""
+    if qk_transposed is not None:
+        return qk_transposed
+    if not transposed_qk_grads(a.d_qk, a.d_v, a.qk_tiles):
+        return False
+    use = _sbuf_use(a, isz, sec, mixed_precision, group_max, block_members_max, pipe_lead, pipe_lag_b, pipe_lag_d,
+                    True)
+    return use["total"] <= sbuf_bytes_per_partition()
+
+
+def _sbuf_use(a, isz, sec, mixed_precision, group_max, block_members_max, pipe_lead, pipe_lag_b, pipe_lag_d,
+              transposed):
+    """``sbuf_usage`` of a launch (``a`` its ``AttentionShape``, ``isz`` the input dtype's bytes, ``sec`` its
+    section length; ``transposed``: with the transposed dQ / dK's buffers)."""
+    dq_fp32 = mixed_precision and isz != 4 and sec < a.seqlen_k
+    return sbuf_usage(a.d_qk, len(a.qk_tiles), isz, sec, a.group, a.seqlen_q, mixed_precision, a.packing,
+                      a.num_sinks, _is_trn1() and a.packing, dq_fp32, a.d_v, len(a.v_tiles), a.dropout, group_max,
+                      block_members_max, _mod_bytes(a), _pipe_of(pipe_lead, pipe_lag_b, pipe_lag_d),
+                      _live_sections(a, sec), transposed)
 
 
 def psum_banks(d_tiles, v_tiles=None, dq_transposed=False):
     """PSUM banks that can be live at once: a visit's S, dP, dS^T with its group's dV (one per V head-dim tile)
     and dK (one per Q/K head-dim tile) and dQ: d_tiles + v_tiles + 4 (6 for head dims <= 128, 8 for 256). The
     transposes at group, block and section start (Q^T, dO^T, K^T, the D sums) are never live together with dV/dK,
-    which are allocated per key tile inside the group. ``dq_transposed`` (``transposed_qk_grads``): one bank more, the
-    transposes of the dQ eviction."""
+    which are allocated per key tile inside the group. ``dq_transposed`` (``transposed_qk_grads``): one bank more
+    for the transposes of the dQ eviction and the key stores (an upper bound: the simulator's program-order peak
+    stays 5 banks at MLA's 192 / 128, as without them)."""
     if v_tiles is None:
         v_tiles = d_tiles
     if dq_transposed:
-        # the transposes of a group's dQ on its way out of PSUM (``_evict_dq``), while later visits run
+        # the transposes of a group's dQ on its way out of PSUM, or of a key store, while later visits run
         return d_tiles + v_tiles + 5
     return d_tiles + v_tiles + 4
 
@@ -668,7 +694,8 @@ class BwdConfig(nl.NKIObject):
         self.dq_park_dtype = nl.float32 if self.dq_scratch else dtype
         self.group_size = group_size(self.d_tiles, group_max)
         # dQ accumulated as [128 queries, d_qk] per member for d_qk != d_v when that streams fewer TensorE columns
-        self.dq_t = _qk_transposed(a, qk_transposed)
+        self.dq_t = _qk_transposed(a, self.itemsize, section_len, qk_transposed, mixed, group_max,
+                                   block_members_max, pipe_lead, pipe_lag_b, pipe_lag_d)
         # dK accumulated as [128 keys, d_qk] per 128-key chunk (the same rule), each key's dK and dV stored as soon
         # as its last eviction is done (``key_stores``) instead of at the section's end
         self.dk_t = self.dq_t
@@ -835,12 +862,10 @@ def _bwd_problem(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref, bound_m
                   window_size, dropout_p, mods)
     isz = itemsize(q_ref.dtype)
     sec = _section_len(a, isz, k_section_len)
-    trn1 = _is_trn1()
-    dq_fp32 = mixed_precision and isz != 4 and sec < a.seqlen_k
-    use = sbuf_usage(a.d_qk, len(a.qk_tiles), isz, sec, a.group, a.seqlen_q, mixed_precision, a.packing,
-                     a.num_sinks, trn1 and a.packing, dq_fp32, a.d_v, len(a.v_tiles), a.dropout, group_max,
-                     block_members_max, _mod_bytes(a), _pipe_of(pipe_lead, pipe_lag_b, pipe_lag_d),
-                     _live_sections(a, sec), _qk_transposed(a, qk_transposed))
+    t = _qk_transposed(a, isz, sec, qk_transposed, mixed_precision, group_max, block_members_max, pipe_lead,
+                       pipe_lag_b, pipe_lag_d)
+    use = _sbuf_use(a, isz, sec, mixed_precision, group_max, block_members_max, pipe_lead, pipe_lag_b, pipe_lag_d,
+                    t)
     cap = sbuf_bytes_per_partition()
     if use["total"] > cap:
         return (f"attention_bwd needs {use['total']} SBUF bytes per partition (section {use['section']}, per-row "
@@ -1764,7 +1789,8 @@ def _store_keys(c, hbm, item, sec, x, y, zero):
     ``zero``: no visit reached them). dV goes out of its accumulator as it is (cast on the DMA). dK, ``[128 keys,
     rn]`` per chunk, goes back to the HBM layout by TensorE transposes (float32, exact), 4 chunks per PSUM bank,
     each bank copied by ScalarE into a staging tile in the output dtype (the one rounding), one DMA per Q/K
-    head-dim tile."""
+    head-dim tile. A run of keys that one eviction completes lies in one key tile; a zero run (``_section_end``)
+    may be longer and goes out of one zero tile of at most K_TILE keys."""
     b = item.b
     hk = item.kvh
     k0 = sec.k_lo + x * PMAX
@@ -1777,18 +1803,23 @@ def _store_keys(c, hbm, item, sec, x, y, zero):
     per = K_TILE // PMAX
     for dt in range(len(c.qk_rows)):
         r0, rn = c.qk_rows[dt]
-        stage = nl.ndarray((rn, (y - x) * PMAX), dtype=c.mm_dtype, buffer=nl.sbuf)
         if zero:
-            nisa.memset(dst=stage, value=0.0, engine=nisa.engine.gpsimd)
-        else:
+            # one zero tile of at most K_TILE keys, stored as often as the run needs
+            zt = nl.ndarray((rn, min(y - x, per) * PMAX), dtype=c.mm_dtype, buffer=nl.sbuf)
+            nisa.memset(dst=zt, value=0.0, engine=nisa.engine.gpsimd)
             for g0 in range(x, y, per):
                 gn = min(per, y - g0)
-                tp = nl.ndarray((PMAX, gn * PMAX), dtype=nl.float32, buffer=nl.psum)
-                for j in range(gn):
-                    ch = g0 + j
-                    nisa.nc_transpose(dst=tp[0:rn, j * PMAX:(j + 1) * PMAX],
-                                      data=sec.dk_acc[dt][:, ch * rn:(ch + 1) * rn])
-                _copy_on_scalar(c, stage[:, (g0 - x) * PMAX:(g0 - x + gn) * PMAX], tp[0:rn, :], 1.0)
+                kz = sec.k_lo + g0 * PMAX
+                nisa.dma_copy(dst=hbm.dk[b, hk, r0:r0 + rn, kz:kz + gn * PMAX], src=zt[:, 0:gn * PMAX])
+            continue
+        stage = nl.ndarray((rn, (y - x) * PMAX), dtype=c.mm_dtype, buffer=nl.sbuf)
+        for g0 in range(x, y, per):
+            gn = min(per, y - g0)
+            tp = nl.ndarray((PMAX, gn * PMAX), dtype=nl.float32, buffer=nl.psum)
+            for j in range(gn):
+                ch = g0 + j
+                nisa.nc_transpose(dst=tp[0:rn, j * PMAX:(j + 1) * PMAX], data=sec.dk_acc[dt][:, ch * rn:(ch + 1) * rn])
+            _copy_on_scalar(c, stage[:, (g0 - x) * PMAX:(g0 - x + gn) * PMAX], tp[0:rn, :], 1.0)
         nisa.dma_copy(dst=hbm.dk[b, hk, r0:r0 + rn, k0:k1], src=stage)
 
 
@@ -1863,7 +1894,16 @@ def _pipeline(c, hbm, steps, start, end, bounds, seed, ones, ident):
     So TensorE's stream is S, dP of one visit, dV, dK, dS^T of a visit ``pipe_lag_b`` earlier, dQ of one
     ``pipe_lag_d`` earlier: the other engines' work for a visit has that many visits of TensorE work to finish
     in. With all three at 0 the order is the plain visit-by-visit one. The buffers of a visit live from its stage
-    A to its stage D (``sbuf_usage`` counts them)."""
+    A to its stage D (``sbuf_usage`` counts them).
+
+    With the transposed dQ / dK (``c.dq_t``, ``transposed_qk_grads``): stage L loads K and V by 512-key tile for
+    the first visit that needs it (``_load_key_tile``, after the block's loads) and stage A forms its K^T
+    (``_transpose_key_tile``) instead of the whole section at its start; a block's O * dO is formed
+    ``D_PRODUCT_LAG`` visits after its loads (``_o_dy_products``); a group's dQ leaves PSUM in stage D
+    (``_evict_dq_transposed``) and is transposed back and stored ``DQ_T_LAG`` visits later
+    (``_finish_pending``); the keys a key tile's eviction completes are transposed back and stored, with their
+    dV, ``KEY_STORE_LAG`` visits later (``_store_keys``), the section's end only zeroing the keys no visit
+    reached. Each delay keeps TensorE from waiting on the engine that produced the operand it reads."""
     secs_used = []
     for s in range(c.n_sections):
         if c.streams[s]:

@@ -57,6 +57,8 @@ CASES = [
     ("trn3", "bfloat16", 1, 1, 192, 128, 384, 640, dict(use_causal_mask=True), dict(k_section_len=256)),
     ("trn1", "float32", 2, 1, 192, 128, 512, 512, dict(window_size=(100, 60)), dict(k_section_len=128)),
     ("trn2", "float32", 1, 1, 64, 200, 384, 384, dict(), dict()),
+    # keys 0..703 seen by no query (zero dK / dV, 704 keys: more than one zero tile's 512)
+    ("trn2", "bfloat16", 1, 1, 192, 128, 256, 1024, dict(window_size=(64, 0)), dict(mixed_precision=True)),
 ]
 
 
@@ -71,6 +73,8 @@ def test_transposed_is_bit_identical_to_untransposed(case, target):
     for a, b in zip(got, base):
         assert a.dtype == b.dtype and np.array_equal(a.view(np.uint8), b.view(np.uint8))
     assert len(rec1) != len(rec0)
+    if fkw.get("window_size") == (64, 0):
+        assert not np.any(got[1][..., :704].astype(np.float32)) and np.any(got[1][..., 704:].astype(np.float32))
     if d_qk == 192:
         assert _narrow_tensor_matmuls(rec1) > 0 and _narrow_tensor_matmuls(rec0) == 0
 
@@ -112,3 +116,29 @@ def test_keyword_is_checked():
     lse = np.zeros((1, 1, 128, 1), dtype=np.float32)
     with pytest.raises(AssertionError, match=r"qk_transposed=1 must be None \(the default\), True or False"):
         kb.attention_bwd(q, k, v, v, v, lse, qk_transposed=1)
+
+
+def test_rule_falls_back_where_its_buffers_do_not_fit(target):
+    # the transposed path adds SBUF (the dQ copies and dK staging tiles in flight) and saves some (its dK
+    # accumulator); the rule takes it only where the budget check passes with it, so it never refuses a launch
+    # the untransposed path takes: float32 MLA with 16 query heads per kv head at 8192 tokens on trn1 falls back
+    import types
+
+    def t(*shape, dt="float32"):
+        return types.SimpleNamespace(shape=shape, dtype=dt)
+
+    def shapes(h, s, dt):
+        return t(1, h, 192, s, dt=dt), t(1, 1, 192, s, dt=dt), t(1, 1, 128, s, dt=dt), t(1, h, 128, s, dt=dt), \
+            t(1, h, 128, s // 128)
+
+    target("trn1")
+    q, k, v, o, lse = shapes(16, 8192, "float32")
+    assert kb.bwd_problem(q, k, v, o, o, lse, use_causal_mask=True) is None
+    assert not kb._configure(q, k, None, None, True, False, None, None, None, v).dq_t
+    assert "SBUF bytes per partition" in kb.bwd_problem(q, k, v, o, o, lse, use_causal_mask=True, qk_transposed=True)
+    q, k, v, o, lse = shapes(1, 4096, "float32")
+    assert kb._configure(q, k, None, None, True, False, None, None, None, v).dq_t
+    target("trn2")
+    q, k, v, o, lse = shapes(16, 16384, "bfloat16")
+    assert kb.bwd_problem(q, k, v, o, o, lse, use_causal_mask=True, mixed_precision=True) is None
+    assert kb._configure(q, k, None, None, True, True, None, None, None, v).dq_t
