@@ -1507,7 +1507,8 @@ class _SectionBufs(nl.NKIObject):
     """The buffers of one K/V section ``s`` (keys ``[k_lo, k_lo + k_len)``): ``ks`` / ``vs`` / ``kts`` K, V and
     K^T per head-dim tile (``_load_kv_section``), ``dk_acc`` / ``dv_acc`` the fp32 accumulators; ``written``: per
     128-key chunk, whether an eviction has written its accumulator columns yet (the first one overwrites, so the
-    accumulators need no zeroing)."""
+    accumulators need no zeroing); ``loaded`` / ``kT_done``: per 512-key tile, whether its K, V and its K^T are
+    there yet (the transposed rule's loads by key tile)."""
 
     def __init__(self, s, k_lo, k_len, ks, vs, kts, dk_acc, dv_acc):
         self.s = s
@@ -1702,8 +1703,10 @@ def _identity(c):
 
 
 def _section_start(c, hbm, item, s):
-    """A K/V section ``s`` of a work item: load K, V and K^T (only when a query tile sees a key of it), allocate
-    the fp32 dK, dV accumulators (written by the evictions, ``_evict_dv_dk``). Returns its ``_SectionBufs``."""
+    """A K/V section ``s`` of a work item: load K, V and K^T (only when a query tile sees a key of it; with the
+    transposed rule, ``c.dq_t``, only allocate them: ``_load_key_tile`` and ``_transpose_key_tile`` fill them by
+    key tile), allocate the fp32 dK, dV accumulators (written by the evictions, ``_evict_dv_dk``). Returns its
+    ``_SectionBufs``."""
     k_lo, k_len = c.sections[s]
     ks, vs, kts = None, None, None
     if c.streams[s] and c.dq_t:
