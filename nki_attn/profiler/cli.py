@@ -266,9 +266,9 @@ def format_report(prof, title, wall=None):
     return "\n".join(lines)
 
 
-def write_plot(prof, path, title):
-    """Bar chart of busy time per engine with the scheduled time and the perfect-overlap bound; returns False (with a message on stderr)
-    when matplotlib is missing."""
+def _pyplot(path):
+    """matplotlib's pyplot on the file-only Agg backend, or None (with a message on stderr naming ``path``, the
+    picture not written) when matplotlib is missing: pictures are an optional extra."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -276,6 +276,15 @@ def write_plot(prof, path, title):
     except ImportError:
         print(f"nki-attn profile: matplotlib is not installed, so {path} was not written; "
               f"install it with: pip install 'nki-attn[plot]'", file=sys.stderr)
+        return None
+    return plt
+
+
+def write_plot(prof, path, title):
+    """Bar chart of busy time per engine with the scheduled time and the perfect-overlap bound; returns False (with a message on stderr)
+    when matplotlib is missing."""
+    plt = _pyplot(path)
+    if plt is None:
         return False
     rows = prof.engine_rows()
     names = [r[0] for r in rows]
@@ -306,13 +315,8 @@ def write_plot(prof, path, title):
 def write_timeline(prof, path, title, max_events=None):
     """Gantt picture of the modeled schedule (one row per engine, DMA queue and DGE block of the slowest core);
     returns False (with a message on stderr) when matplotlib is missing."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print(f"nki-attn profile: matplotlib is not installed, so {path} was not written; "
-              f"install it with: pip install 'nki-attn[plot]'", file=sys.stderr)
+    plt = _pyplot(path)
+    if plt is None:
         return False
     from .schedule import chrome_trace
     sched = prof.schedule
