@@ -188,10 +188,11 @@ def sbuf_usage(d_head, d_tiles, itemsize, section_len, group, seqlen_q, mixed_pr
     if v_tiles is None:
         v_tiles = d_tiles
     section = int(section_len * section_bytes_per_key(d_head, d_tiles, itemsize, v_tiles))
-    if dq_transposed:
-        # the transposed dK accumulator is [128 keys, d_qk] per 128-key chunk: d_qk * 4 / 128 bytes per key
-        # instead of 4 per Q/K head-dim tile (MLA: 6 instead of 8)
-        section -= int(section_len * (d_tiles * 4 - d_head * 4 / PMAX))
+    # with the transposed path, the partial Q/K tile (the last; MLA's 64 rows) is the transposed one
+    rn_t = d_head - PMAX * (d_tiles - 1)
+    if dq_transposed and rn_t < PMAX:
+        # its dK accumulator is [128 keys, rn_t] per 128-key chunk: rn_t * 4 / 128 bytes per key instead of 4
+        section -= int(section_len * (4 - rn_t * 4 / PMAX))
     # -LSE and D of every member; the ones column (D); the identity of the dQ reload (several sections)
     persistent = 2 * group * nq * 4 + 4 + PMAX * 4
     if packing:
@@ -215,10 +216,10 @@ def sbuf_usage(d_head, d_tiles, itemsize, section_len, group, seqlen_q, mixed_pr
                + K_TILE * mod_bytes[1])                    # the score modifications' tiles
     per_visit = stage_a + p_cast + 2 * K_TILE * e
     in_flight = 2 * stage_a + (lag_b + 1) * (p_cast + K_TILE * e) + (max(lag_b, lag_d) - lag_b + 1) * K_TILE * e
-    if dq_transposed:
-        # at most one group per visit waits between its dQ copy and its transposes, each g x d_qk (<= fp32); the
-        # dK of at most one key tile per visit waits in a staging tile for its store, K_TILE keys per Q/K tile
-        in_flight += (DQ_T_LAG + 1) * g * d_head * 4 + (KEY_STORE_LAG + 1) * d_tiles * K_TILE * e
+    if dq_transposed and rn_t < PMAX:
+        # at most one group per visit waits between its dQ copy and its transposes, each g x rn_t (<= fp32); the
+        # transposed dK of at most one key tile per visit waits in a staging tile for its store, K_TILE keys
+        in_flight += (DQ_T_LAG + 1) * g * rn_t * 4 + (KEY_STORE_LAG + 1) * K_TILE * e
     # blocks: the one in stage D, the one in stage A and, with a lead, the one whose loads are in flight
     n_blocks = 3 if lead > 0 else 2
     total = live_sections * section + persistent + n_blocks * per_block + 2 * per_group + in_flight
@@ -699,6 +700,12 @@ class BwdConfig(nl.NKIObject):
         # dK accumulated as [128 keys, d_qk] per 128-key chunk (the same rule), each key's dK and dV stored as soon
         # as its last eviction is done (``key_stores``) instead of at the section's end
         self.dk_t = self.dq_t
+        # per Q/K head-dim tile: transposed or not. A full 128-row tile streams 128 columns either way, so only a
+        # partial tile (MLA's 64 rows) is transposed; the full one keeps the untransposed products and needs no
+        # transposes on its way out
+        self.qk_t = []
+        for rt in a.qk_tiles:
+            self.qk_t.append(self.dq_t and rt[1] < PMAX)
         self.block_members = block_members(self.d_tiles, self.itemsize, self.dq_scratch, self.v_tiles, group_max,
                                            block_members_max)
         if ds_dma_every is None:
@@ -1283,12 +1290,16 @@ def _dv_dk(c, v, dyT, qT, p_mm, ds, dv_ps, dk_ps):
             nisa.nc_matmul(dst=dv_ps[dt][:, a:e], stationary=dyT[:, r0:r0 + rn], moving=p_mm[:, cols],
                            accumulate=acc)
         if c.dk_t:
-            # transposed (``transposed_qk_grads``): dK^T [128 keys, rn] += dS^T Q^T per 128-key chunk, the chunk
-            # of dS the stationary operand, Q^T's rn columns the moving one
-            for ch in range(a // PMAX, e // PMAX):
-                d0 = ch * PMAX - v.off
-                for dt in range(len(c.qk_rows)):
-                    r0, rn = c.qk_rows[dt]
+            for dt in range(len(c.qk_rows)):
+                r0, rn = c.qk_rows[dt]
+                if not c.qk_t[dt]:
+                    nisa.nc_matmul(dst=dk_ps[dt][:, a:e], stationary=qT[:, r0:r0 + rn], moving=ds[:, cols],
+                                   accumulate=acc)
+                    continue
+                # transposed (``transposed_qk_grads``): dK^T [128 keys, rn] += dS^T Q^T per 128-key chunk, the
+                # chunk of dS the stationary operand, Q^T's rn columns the moving one
+                for ch in range(a // PMAX, e // PMAX):
+                    d0 = ch * PMAX - v.off
                     nisa.nc_matmul(dst=dk_ps[dt][:, ch * rn:(ch + 1) * rn], stationary=ds[:, d0:d0 + PMAX],
                                    moving=qT[:, r0:r0 + rn], accumulate=acc)
             continue
@@ -1314,19 +1325,31 @@ def _transpose_ds(c, v, ds):
     return dsT
 
 
+def _dq_cols(c, dt):
+    """Columns one member's Q/K head-dim tile ``dt`` takes in the group's dQ PSUM tile: 128 queries, or its ``rn``
+    rows when it is transposed (``c.qk_t``)."""
+    if c.qk_t[dt]:
+        return c.qk_rows[dt][1]
+    return PMAX
+
+
 def _dq_width(c):
-    """Columns of a group's fp32 dQ PSUM tile (one bank): ``group_size`` members x 128 queries per Q/K head-dim
-    tile, or transposed (``c.dq_t``) ``group_size`` members x d_qk."""
-    if c.dq_t:
-        return c.group_size * c.d_qk
-    return len(c.qk_rows) * c.group_size * PMAX
+    """Columns of a group's fp32 dQ PSUM tile (one bank): ``group_size`` members x ``_dq_cols`` per Q/K head-dim
+    tile."""
+    w = 0
+    for dt in range(len(c.qk_rows)):
+        w += c.group_size * _dq_cols(c, dt)
+    return w
 
 
-def _dqT_col(c, dt, m):
-    """First column of member ``m``'s Q/K head-dim tile ``dt`` in the transposed dQ PSUM tile: tile-major, the
-    group's members side by side (``[128 queries, rn]`` each)."""
-    r0, rn = c.qk_rows[dt]
-    return c.group_size * r0 + m * rn
+def _dq_col(c, dt, m):
+    """First column of member ``m``'s Q/K head-dim tile ``dt`` in the group's dQ PSUM tile: tile-major, the
+    group's members side by side (``[rn, 128 queries]`` each, or ``[128 queries, rn]`` transposed). For
+    untransposed tiles only this is ``(dt * group_size + m) * 128``."""
+    col = 0
+    for t in range(dt):
+        col += c.group_size * _dq_cols(c, t)
+    return col + m * _dq_cols(c, dt)
 
 
 def _dq(c, v, dsT, kts, kk, dq_ps, dq_fresh):
@@ -1336,15 +1359,20 @@ def _dq(c, v, dsT, kts, kk, dq_ps, dq_fresh):
     n_ch = v.kw // PMAX
     ch0 = kk // PMAX
     if c.dq_t:
-        # transposed (``transposed_qk_grads``): dQ^T [128 queries, rn] += dS [queries, keys] K^T [keys, rn], dS^T the
-        # stationary operand, each Q/K tile's K^T the moving one (rn columns streamed instead of 128)
-        for ch in range(n_ch):
-            for dt in range(len(c.qk_rows)):
-                rn = c.qk_rows[dt][1]
-                col = _dqT_col(c, dt, v.m)
-                nisa.nc_matmul(dst=dq_ps[:, col:col + rn], stationary=dsT[:, 0, ch, :],
-                               moving=kts[dt][:, (ch0 + ch) * rn:(ch0 + ch + 1) * rn],
-                               accumulate=not (dq_fresh and v.dq_first and ch == 0))
+        for dt in range(len(c.qk_rows)):
+            rn = c.qk_rows[dt][1]
+            col = _dq_col(c, dt, v.m)
+            for ch in range(n_ch):
+                acc = not (dq_fresh and v.dq_first and ch == 0)
+                ktc = kts[dt][:, (ch0 + ch) * rn:(ch0 + ch + 1) * rn]
+                if c.qk_t[dt]:
+                    # transposed (``transposed_qk_grads``): dQ^T [128 queries, rn] += dS K^T, dS^T the stationary
+                    # operand, the tile's K^T the moving one (rn columns streamed instead of 128)
+                    nisa.nc_matmul(dst=dq_ps[:, col:col + rn], stationary=dsT[:, 0, ch, :], moving=ktc,
+                                   accumulate=acc)
+                else:
+                    nisa.nc_matmul(dst=dq_ps[0:rn, col:col + PMAX], stationary=ktc, moving=dsT[:, 0, ch, :],
+                                   accumulate=acc)
         return
     for dt in range(len(c.qk_rows)):
         rn = c.qk_rows[dt][1]
@@ -1393,7 +1421,7 @@ def _evict_dv_dk(c, kt, sec, dv_ps, dk_ps):
             else:
                 nisa.tensor_copy(dst=dst, src=dv_ps[dt][:, src])
         for dt in range(len(c.qk_rows)):
-            if c.dk_t:
+            if c.qk_t[dt]:
                 # transposed: chunk j's rn columns at j * rn, in PSUM and in the accumulator
                 rn = c.qk_rows[dt][1]
                 dst = sec.dk_acc[dt][:, x // PMAX * rn:y // PMAX * rn]
@@ -1421,14 +1449,14 @@ def _reload_dq(c, grp, dq_ps, dq_prev, ident):
         col = grp.members[mi][2]
         for dt in range(len(c.qk_rows)):
             rn = c.qk_rows[dt][1]
-            if c.dq_t:
+            if c.qk_t[dt]:
                 # transposed: the partial sum [rn, 128 queries] is the stationary operand, the identity the
                 # moving one, so the product is its transpose [128 queries, rn] (exact, as above)
-                pc = _dqT_col(c, dt, mi)
+                pc = _dq_col(c, dt, mi)
                 nisa.nc_matmul(dst=dq_ps[:, pc:pc + rn], stationary=dq_prev[dt][:, col:col + PMAX],
                                moving=ident[0:rn, 0:rn], accumulate=False)
                 continue
-            pc = (dt * c.group_size + mi) * PMAX
+            pc = _dq_col(c, dt, mi)
             nisa.nc_matmul(dst=dq_ps[0:rn, pc:pc + PMAX], stationary=ident[0:rn, 0:rn],
                            moving=dq_prev[dt][:, col:col + PMAX], accumulate=False)
 
@@ -1448,38 +1476,72 @@ def _evict_dq(c, grp, blk, dq_ps, dq_stage):
             _copy_on_scalar(c, dq_stage[dt][:, col:col + PMAX], dq_ps[0:rn, pc:pc + PMAX], scale)
 
 
+def _dq_t_base(c):
+    """First column of the transposed Q/K tiles in the group's dQ PSUM tile (they come last: only the partial
+    tile, the last, is transposed); the SBUF copy of ``_evict_dq_transposed`` holds the columns from there on."""
+    for dt in range(len(c.qk_rows)):
+        if c.qk_t[dt]:
+            return _dq_col(c, dt, 0)
+    return _dq_width(c)
+
+
+def _consecutive(grp):
+    """True when the group's members sit in consecutive 128-column slots of their block's tiles."""
+    ok = True
+    for mi in range(len(grp.members)):
+        if grp.members[mi][2] != grp.members[0][2] + mi * PMAX:
+            ok = False
+    return ok
+
+
 def _evict_dq_transposed(c, grp, dq_ps, dq_stage, scale):
-    """``_evict_dq``'s first part for the transposed dQ (``c.dq_t``): per Q/K head-dim tile ONE ScalarE copy of
-    the group's ``[128 queries, rn]`` columns out of PSUM, times ``scale``, rounded to the staging dtype (the one
-    rounding). Returns the SBUF copy for ``_finish_dq_transposed``."""
+    """``_evict_dq`` for the transposed dQ (``c.dq_t``), first part: per transposed Q/K head-dim tile ONE ScalarE
+    copy of the group's ``[128 queries, rn]`` columns out of PSUM, times ``scale``, rounded to the staging dtype
+    (the one rounding); an untransposed tile goes straight into the staging tile as in ``_evict_dq`` (one copy
+    for the group when its members are consecutive). Returns the SBUF copy for ``_finish_dq_transposed``."""
     n = len(grp.members)
-    sb = nl.ndarray((PMAX, _dq_width(c)), dtype=dq_stage[0].dtype, buffer=nl.sbuf)
+    base = _dq_t_base(c)
+    sb = None
+    if base < _dq_width(c):
+        sb = nl.ndarray((PMAX, _dq_width(c) - base), dtype=dq_stage[0].dtype, buffer=nl.sbuf)
     for dt in range(len(c.qk_rows)):
         rn = c.qk_rows[dt][1]
-        a = _dqT_col(c, dt, 0)
-        _copy_on_scalar(c, sb[:, a:a + n * rn], dq_ps[:, a:a + n * rn], scale)
+        a = _dq_col(c, dt, 0)
+        if c.qk_t[dt]:
+            _copy_on_scalar(c, sb[:, a - base:a - base + n * rn], dq_ps[:, a:a + n * rn], scale)
+        elif _consecutive(grp):
+            col = grp.members[0][2]
+            _copy_on_scalar(c, dq_stage[dt][:, col:col + n * PMAX], dq_ps[0:rn, a:a + n * PMAX], scale)
+        else:
+            for mi in range(n):
+                col = grp.members[mi][2]
+                pc = _dq_col(c, dt, mi)
+                _copy_on_scalar(c, dq_stage[dt][:, col:col + PMAX], dq_ps[0:rn, pc:pc + PMAX], scale)
     return sb
 
 
 def _finish_dq_transposed(c, grp, sb, dq_stage):
     """``_evict_dq``'s second part for the transposed dQ, ``DQ_T_LAG`` visits after the first: one TensorE
-    transpose per member and Q/K head-dim tile of the copy ``sb`` back to ``[rn, 128 queries]`` (exact) into one
-    PSUM tile, and one ScalarE copy per tile (per member when the members' block columns are not consecutive)
-    into the block's staging tile."""
+    transpose per member and transposed Q/K head-dim tile of the copy ``sb`` back to ``[rn, 128 queries]``
+    (exact) into one PSUM tile, and one ScalarE copy per tile (per member when the members' block columns are not
+    consecutive) into the block's staging tile."""
+    if sb is None:
+        return
     n = len(grp.members)
     tp = nl.ndarray((PMAX, len(c.qk_rows) * n * PMAX), dtype=sb.dtype, buffer=nl.psum)
     for dt in range(len(c.qk_rows)):
         rn = c.qk_rows[dt][1]
+        if not c.qk_t[dt]:
+            continue
         for mi in range(n):
-            a = _dqT_col(c, dt, mi)
+            a = _dq_col(c, dt, mi) - _dq_t_base(c)
             t0 = (dt * n + mi) * PMAX
             nisa.nc_transpose(dst=tp[0:rn, t0:t0 + PMAX], data=sb[:, a:a + rn])
-    consecutive = True
-    for mi in range(n):
-        if grp.members[mi][2] != grp.members[0][2] + mi * PMAX:
-            consecutive = False
+    consecutive = _consecutive(grp)
     for dt in range(len(c.qk_rows)):
         rn = c.qk_rows[dt][1]
+        if not c.qk_t[dt]:
+            continue
         if consecutive:
             col = grp.members[0][2]
             t0 = dt * n * PMAX
@@ -1652,7 +1714,7 @@ def _key_tile_psum(c, kt):
         dv_ps.append(nl.ndarray((rt[1], kt.uw), dtype=nl.float32, buffer=nl.psum))
     dk_ps = []
     for rt in c.qk_rows:
-        if c.dk_t:
+        if c.dk_t and rt[1] < PMAX:
             # transposed: [128 keys, rn] per 128-key chunk of the key tile, side by side
             dk_ps.append(nl.ndarray((PMAX, kt.uw // PMAX * rt[1]), dtype=nl.float32, buffer=nl.psum))
         else:
@@ -1721,8 +1783,8 @@ def _section_start(c, hbm, item, s):
         ks, vs, kts = _load_kv_section(c, hbm.k, hbm.v, item.b, item.kvh, k_lo, k_len)
     dk_acc, dv_acc = [], []
     for rt in c.qk_rows:
-        if c.dk_t:
-            # transposed: [128 keys, rn] per 128-key chunk (fewer bytes than [rn, k_len] when rn < 128)
+        if c.dk_t and rt[1] < PMAX:
+            # transposed: [128 keys, rn] per 128-key chunk (fewer bytes than [rn, k_len])
             dk_acc.append(nl.ndarray((PMAX, k_len // PMAX * rt[1]), dtype=nl.float32, buffer=nl.sbuf))
         else:
             dk_acc.append(nl.ndarray((rt[1], k_len), dtype=nl.float32, buffer=nl.sbuf))
@@ -1789,8 +1851,8 @@ def _section_end(c, hbm, item, sec):
 
 def _store_keys(c, hbm, item, sec, x, y, zero):
     """Transposed dK (``c.dk_t``): store dK and dV of the section's 128-key chunks ``[x, y)`` (zeros when
-    ``zero``: no visit reached them). dV goes out of its accumulator as it is (cast on the DMA). dK, ``[128 keys,
-    rn]`` per chunk, goes back to the HBM layout by TensorE transposes (float32, exact), 4 chunks per PSUM bank,
+    ``zero``: no visit reached them). dV and an untransposed dK tile go out of their accumulators as they are
+    (cast on the DMA). A transposed dK tile, ``[128 keys, rn]`` per chunk, goes back to the HBM layout by TensorE transposes (float32, exact), 4 chunks per PSUM bank,
     each bank copied by ScalarE into a staging tile in the output dtype (the one rounding), one DMA per Q/K
     head-dim tile. A run of keys that one eviction completes lies in one key tile; a zero run (``_section_end``)
     may be longer and goes out of one zero tile of at most K_TILE keys."""
@@ -1806,6 +1868,12 @@ def _store_keys(c, hbm, item, sec, x, y, zero):
     per = K_TILE // PMAX
     for dt in range(len(c.qk_rows)):
         r0, rn = c.qk_rows[dt]
+        if not c.qk_t[dt]:
+            # an untransposed tile goes out of its accumulator as dV does
+            if zero:
+                nisa.memset(dst=sec.dk_acc[dt][:, x * PMAX:y * PMAX], value=0.0, engine=nisa.engine.gpsimd)
+            nisa.dma_copy(dst=hbm.dk[b, hk, r0:r0 + rn, k0:k1], src=sec.dk_acc[dt][:, x * PMAX:y * PMAX])
+            continue
         if zero:
             # one zero tile of at most K_TILE keys, stored as often as the run needs
             zt = nl.ndarray((rn, min(y - x, per) * PMAX), dtype=c.mm_dtype, buffer=nl.sbuf)
