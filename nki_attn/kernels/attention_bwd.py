@@ -229,13 +229,14 @@ def sbuf_usage(d_head, d_tiles, itemsize, section_len, group, seqlen_q, mixed_pr
 
 
 def transposed_qk_grads(d_qk, d_v, qk_rows):
-    """True when dQ and dK are accumulated transposed, dQ as ``[128 queries, d_qk]`` per member (``_dq``), dK as
-    ``[128 keys, d_qk]`` per 128-key chunk (``_dv_dk``): only for d_qk != d_v (every d_qk == d_v launch keeps the
-    untransposed form and its instruction trace), and only when it streams fewer TensorE columns. Per 128-key
-    chunk the untransposed dQ and dK each stream 128 columns (dS^T, dS moving) per Q/K head-dim tile; the
-    transposed ones stream each tile's ``rn`` columns (K^T, Q^T moving), at least ``MM_MIN_COLUMNS``: 192 instead
-    of 256 for MLA's 192 = 128 + 64, none saved for d_qk = 128 or 256. It costs one TensorE transpose per member
-    and Q/K tile when dQ leaves PSUM (``_finish_dq_transposed``) and one per 128 keys and Q/K tile when dK does
+    """True when dQ and dK are accumulated transposed, dQ as ``[128 queries, rn]`` per member (``_dq``), dK as
+    ``[128 keys, rn]`` per 128-key chunk (``_dv_dk``), for the partial Q/K head-dim tile of ``rn`` < 128 rows
+    (``BwdConfig.qk_t``): only for d_qk != d_v (every d_qk == d_v launch keeps the untransposed form and its
+    instruction trace), and only when it streams fewer TensorE columns. Per 128-key chunk the untransposed dQ and
+    dK each stream 128 columns (dS^T, dS moving) per Q/K head-dim tile; a transposed tile streams its ``rn``
+    columns (K^T, Q^T moving), at least ``MM_MIN_COLUMNS``: 192 instead of 256 for MLA's 192 = 128 + 64, none
+    saved for d_qk = 128 or 256 (a full tile streams 128 either way, so it is never transposed). It costs one
+    TensorE transpose per member when dQ leaves PSUM (``_finish_dq_transposed``) and one per 128 keys when dK does
     (``_store_keys``). The pipeline changes that go with it (``_pipeline``: K, V loaded by key tile, dK and dV
     stored by key as they complete, D's product formed ahead of its block) come with the same rule, so that
     d_qk == d_v launches keep their instruction trace; ``qk_transposed`` forces the choice either way."""
@@ -694,11 +695,11 @@ class BwdConfig(nl.NKIObject):
         self.dq_scratch = mixed and str(dtype) != str(nl.float32) and self.n_sections > 1
         self.dq_park_dtype = nl.float32 if self.dq_scratch else dtype
         self.group_size = group_size(self.d_tiles, group_max)
-        # dQ accumulated as [128 queries, d_qk] per member for d_qk != d_v when that streams fewer TensorE columns
+        # the transposed path (``transposed_qk_grads``) for d_qk != d_v when it streams fewer TensorE columns
         self.dq_t = _qk_transposed(a, self.itemsize, section_len, qk_transposed, mixed, group_max,
                                    block_members_max, pipe_lead, pipe_lag_b, pipe_lag_d)
-        # dK accumulated as [128 keys, d_qk] per 128-key chunk (the same rule), each key's dK and dV stored as soon
-        # as its last eviction is done (``key_stores``) instead of at the section's end
+        # with it, each key's dK and dV are stored as soon as its last eviction is done (``key_stores``) instead of
+        # at the section's end
         self.dk_t = self.dq_t
         # per Q/K head-dim tile: transposed or not. A full 128-row tile streams 128 columns either way, so only a
         # partial tile (MLA's 64 rows) is transposed; the full one keeps the untransposed products and needs no
@@ -2248,9 +2249,10 @@ def attention_bwd(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref=None, b
       loads ``pipe_lead`` visits ahead (``PIPE_LEAD``, 4), dV/dK matmuls and dS transposes ``pipe_lag_b`` visits
       (``PIPE_LAG_B``, 2) and dQ matmuls ``pipe_lag_d`` visits (``PIPE_LAG_D``, 4) behind S / dP / dS; all 0: the
       visit-by-visit order;
-    - ``qk_transposed``: dQ and dK accumulated transposed, with the pipeline that goes with them (K/V loaded by
-      key tile, dK/dV stored by key as they complete, D's product ahead of its block) (default: the rule
-      ``transposed_qk_grads``, on for d_qk != d_v where it streams fewer TensorE columns; True / False force it).
+    - ``qk_transposed``: dQ and dK of the partial Q/K head-dim tile accumulated transposed, with the pipeline that
+      goes with them (K/V loaded by key tile, dK/dV stored by key as they complete, D's product ahead of its
+      block) (default: the rule ``transposed_qk_grads``, on for d_qk != d_v where it streams fewer TensorE columns
+      and its buffers fit SBUF; True / False force it).
 
     ``block_mask`` / ``block_bits``: a block mask, as in ``attention_fwd`` (sections end on 512-key tiles).
 
