@@ -107,7 +107,7 @@ def softmax_dx(dy: torch.Tensor, y: torch.Tensor, dim: int,
 
 def _validate_bwd(q, k, v, o, dy, lse, sinks, bound_min, bound_max, use_causal_mask,
                   mixed_precision, softmax_scale, sliding_window, mods, window_size=None,
-                  dropout_p=0.0, dropout_seed=None, dropout_mask=None) -> dict:
+                  dropout_p=0.0, dropout_seed=None, dropout_mask=None, diag_offset=None) -> dict:
     """The single validation entry point of this module (``mods``: the score
     modifications by keyword, checked by their ``SCORE_STEPS`` rows)."""
     fn = "attention_bwd_torch_ref"
@@ -118,7 +118,7 @@ def _validate_bwd(q, k, v, o, dy, lse, sinks, bound_min, bound_max, use_causal_m
                       use_causal_mask=use_causal_mask, mixed_precision=mixed_precision,
                       softmax_scale=softmax_scale, sliding_window=sliding_window, mods=mods,
                       window_size=window_size, dropout_p=dropout_p, dropout_seed=dropout_seed,
-                      dropout_mask=dropout_mask)
+                      dropout_mask=dropout_mask, diag_offset=diag_offset)
     # o and dy are [bs, nheads, d_v, seqlen_q]: q's shape unless d_v != d_qk.
     o_shape = None
     if a["d_v"] != a["d_head"]:
@@ -152,7 +152,9 @@ def attention_bwd_torch_ref(q_ref: torch.Tensor, k_ref: torch.Tensor, v_ref: tor
                             dropout_seed=None,
                             dropout_mask: Optional[torch.Tensor] = None,
                             attn_bias: Optional[torch.Tensor] = None,
-                            logit_scale: Optional[torch.Tensor] = None) -> Dict[str, torch.Tensor]:
+                            logit_scale: Optional[torch.Tensor] = None,
+                            diag_offset: Optional[int] = None,
+                            kv_partial: bool = False) -> Dict[str, torch.Tensor]:
     """Reference with the backward kernel's signature.
 
     Args:
@@ -172,6 +174,17 @@ def attention_bwd_torch_ref(q_ref: torch.Tensor, k_ref: torch.Tensor, v_ref: tor
         attn_bias: optional floating tensor broadcastable to ``[bs, nheads,
             seqlen_q, seqlen_k]``, as in the forward.
         logit_scale: optional float32 ``[bs, nheads]``, as in the forward.
+        diag_offset: None, or a block of query rows of a longer problem, as in
+            the forward (q_ref, o_ref, dy_ref ``[..., rows]``, lse_ref of the
+            rows, and the rows of the bounds, ``attn_bias`` and
+            ``dropout_mask``): dq is those rows of the whole problem's; dk, dv,
+            dsinks, dlogit_scale and dbias (over broadcast rows) are these
+            rows' terms of sums over all rows, for the caller to add up.
+        kv_partial: True returns ``out_dk_ref`` and ``out_dv_ref`` as their
+            matmuls' accumulation, in float32 (float64 for float64 inputs)
+            and not rounded to the input dtype: the terms of a block of query
+            rows, which the caller sums over the blocks and rounds to the
+            input dtype once, as the unblocked matmul does.
 
     Returns:
         dict with ``out_dq_ref`` ``[bs, nheads, d_qk, seqlen_q]``,
@@ -195,7 +208,8 @@ def attention_bwd_torch_ref(q_ref: torch.Tensor, k_ref: torch.Tensor, v_ref: tor
     a = _validate_bwd(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref, bound_min,
                       bound_max, use_causal_mask, mixed_precision, softmax_scale,
                       sliding_window, score_mods(locals()), window_size, dropout_p,
-                      dropout_seed, dropout_mask)
+                      dropout_seed, dropout_mask, diag_offset)
+    kv_partial = _v.check_flag("attention_bwd_torch_ref", "kv_partial", kv_partial)
     bs, nheads, nheads_kv = a["bs"], a["nheads"], a["nheads_kv"]
     seqlen_q, seqlen_k, group = a["seqlen_q"], a["seqlen_k"], a["group"]
     dt = q_ref.dtype
@@ -238,8 +252,13 @@ def attention_bwd_torch_ref(q_ref: torch.Tensor, k_ref: torch.Tensor, v_ref: tor
     def stack(x: torch.Tensor) -> torch.Tensor:
         return x.reshape(bs, nheads_kv, group * seqlen_q, x.shape[-1])
 
-    dv = torch.matmul(stack(p_keys).transpose(-1, -2), stack(do))   # [b, hk, sk, d_v]
-    dk = torch.matmul(stack(ds_keys).transpose(-1, -2), stack(qt))  # [b, hk, sk, d_qk]
+    mm = dt
+    if kv_partial:
+        # the operands are exact in the accumulation dtype (a product of two 16-bit numbers is exact in
+        # float32), so this is the dt matmul without its final rounding
+        mm = acc_dtype(dt)
+    dv = torch.matmul(stack(p_keys.to(mm)).transpose(-1, -2), stack(do.to(mm)))   # [b, hk, sk, d_v]
+    dk = torch.matmul(stack(ds_keys.to(mm)).transpose(-1, -2), stack(qt.to(mm)))  # [b, hk, sk, d_qk]
 
     out = {
         "out_dq_ref": dq.transpose(-1, -2).contiguous(),

@@ -83,7 +83,8 @@ import torch
 
 from . import _validate as _v
 
-__all__ = ["compute_o_lse", "attention_fwd_torch_ref", "packing_bounds", "visibility_mask", "alibi_bias"]
+__all__ = ["compute_o_lse", "attention_fwd_torch_ref", "packing_bounds", "visibility_mask", "alibi_bias",
+           "block_offset"]
 
 
 def stats_dtype(dtype: torch.dtype, mixed_precision: bool) -> torch.dtype:
@@ -103,7 +104,7 @@ def acc_dtype(dtype: torch.dtype) -> torch.dtype:
 def _validate_fwd(fn: str, q, k, v, *, sinks, sinks_name: str, bound_min, bound_max,
                   use_causal_mask, mixed_precision, softmax_scale, sliding_window, mods: dict,
                   mod_names=None, dropout_mask=None, qkv_names=("q", "k", "v"), window_size=None,
-                  dropout_p=None, dropout_seed=None) -> dict:
+                  dropout_p=None, dropout_seed=None, diag_offset=None) -> dict:
     """The single validation entry point of this module; returns the resolved arguments.
 
     ``sinks_name``/``qkv_names`` are the caller's parameter names, so that
@@ -115,6 +116,9 @@ def _validate_fwd(fn: str, q, k, v, *, sinks, sinks_name: str, bound_min, bound_
     ``dropout_p=None`` selects ``compute_o_lse``'s raw-mask dropout (any
     bool/floating mask, no rescale); a number selects the kernels' dropout
     (``dropout_p`` with a seed or a bool keep mask, scaled by ``1/(1-p)``).
+    ``diag_offset`` (None: ``seqlen_k - seqlen_q``) comes back resolved as
+    ``"diag_offset"``; a block's (not None) rules out ``dropout_seed``, whose
+    mask would number the block's rows from 0.
     """
     dims = _v.check_qkv(fn, q, k, v, names=qkv_names)
     causal, window, pair = _v.check_masking(fn, dims, use_causal_mask, sliding_window,
@@ -137,8 +141,16 @@ def _validate_fwd(fn: str, q, k, v, *, sinks, sinks_name: str, bound_min, bound_
                 _v.fail(fn, "dropout_mask.dtype", dropout_mask.dtype, "must be bool or floating")
     else:
         p = _v.check_dropout(fn, dropout_p, dropout_seed, dropout_mask, dims)
+    off = band_offset(dims["seqlen_q"], dims["seqlen_k"])
+    if diag_offset is not None:
+        if isinstance(diag_offset, bool) or not isinstance(diag_offset, numbers.Integral):
+            _v.fail(fn, "diag_offset", repr(diag_offset), "must be an int (block_offset) or None")
+        if p and dropout_seed is not None:
+            _v.fail(fn, "dropout_seed", "given with diag_offset",
+                    "a block of a longer problem takes its rows of the keep mask as dropout_mask")
+        off = int(diag_offset)
     return dict(dims, causal=causal, window=window, window_size=pair, mixed=mixed, scale=scale,
-                num_sinks=num_sinks, dropout_p=p, mods=resolved)
+                num_sinks=num_sinks, dropout_p=p, mods=resolved, diag_offset=off)
 
 
 def band_offset(seqlen_q: int, seqlen_k: int) -> int:
@@ -150,20 +162,37 @@ def band_offset(seqlen_q: int, seqlen_k: int) -> int:
     return seqlen_k - seqlen_q
 
 
+def block_offset(seqlen_q: int, seqlen_k: int, q_start: int = 0, k_start: int = 0) -> int:
+    """The ``diag_offset`` of a block of a longer problem: the block's query row
+    ``i'`` is row ``q_start + i'`` and its key ``j'`` key ``k_start + j'`` of a
+    problem of ``seqlen_q`` queries and ``seqlen_k`` keys, so its masks and ALiBi
+    distances are the whole problem's when ``i' + diag_offset - j'`` equals
+    ``(q_start + i') + (seqlen_k - seqlen_q) - (k_start + j')``.
+
+    Pass it (with the block's rows of the packing bounds, shifted by
+    ``-k_start``, its slice of ``attn_bias`` and of the dropout keep mask) to
+    the golden's ``diag_offset`` keywords to compute the block on its own.
+    """
+    return band_offset(seqlen_q, seqlen_k) + q_start - k_start
+
+
 def visibility_mask(seqlen_q: int, seqlen_k: int, causal: bool = False,
                     window: Optional[int] = None,
                     bound_min: Optional[torch.Tensor] = None,
                     bound_max: Optional[torch.Tensor] = None,
-                    window_size: Optional[Tuple[int, int]] = None) -> torch.Tensor:
+                    window_size: Optional[Tuple[int, int]] = None,
+                    diag_offset: Optional[int] = None) -> torch.Tensor:
     """Boolean ``[seqlen_q, seqlen_k]`` matrix, True where query i may see key j.
 
     With ``off = seqlen_k - seqlen_q`` all rules are ANDed: causal
     (``j <= i + off``), sliding window W (``j >= i + off - W + 1``),
     ``window_size = (left, right)`` (``i + off - left <= j <= i + off + right``,
-    a side of -1 unbounded), packing (``bound_min[i] <= j < bound_max[i]``).
+    a side of -1 unbounded), packing (``bound_min[i] <= j < bound_max[i]``,
+    float32 ``[seqlen_q]``).  ``diag_offset`` replaces ``off`` (see
+    :func:`block_offset`: the mask of a block of a longer problem).
     No argument checking: callers validate first.
     """
-    off = band_offset(seqlen_q, seqlen_k)
+    off = band_offset(seqlen_q, seqlen_k) if diag_offset is None else int(diag_offset)
     i = torch.arange(seqlen_q).unsqueeze(1)
     j = torch.arange(seqlen_k).unsqueeze(0)
     vis = torch.ones(seqlen_q, seqlen_k, dtype=torch.bool)
@@ -187,16 +216,17 @@ def visibility_mask(seqlen_q: int, seqlen_k: int, causal: bool = False,
 
 
 def alibi_bias(alibi_slopes: torch.Tensor, seqlen_q: int, seqlen_k: int,
-               dtype: torch.dtype = torch.float32) -> torch.Tensor:
+               dtype: torch.dtype = torch.float32, diag_offset: Optional[int] = None) -> torch.Tensor:
     """ALiBi bias ``[bs, nheads, seqlen_q, seqlen_k]``: ``-slope[b, h] * |i + off - j|``.
 
     ``alibi_slopes`` is ``[bs, nheads]``; ``off = seqlen_k - seqlen_q`` (bottom-right
-    alignment, FlashAttention's).  The distance is an exact integer; the product
+    alignment, FlashAttention's), or ``diag_offset`` when given (see
+    :func:`block_offset`).  The distance is an exact integer; the product
     is formed in ``dtype`` (one rounding).  Causal and non-causal use the same
     formula (see docs/semantics.md on FlashAttention's causal variant, which
     differs by a per-row constant).
     """
-    off = band_offset(seqlen_q, seqlen_k)
+    off = band_offset(seqlen_q, seqlen_k) if diag_offset is None else int(diag_offset)
     i = torch.arange(seqlen_q, dtype=torch.int64).unsqueeze(1)
     j = torch.arange(seqlen_k, dtype=torch.int64).unsqueeze(0)
     dist = (i + off - j).abs().to(dtype)
@@ -384,7 +414,8 @@ def _softcap_check(fn, name, softcap, dims):
 
 
 def _alibi_fwd(s, slopes, a):
-    return s + alibi_bias(slopes, a["seqlen_q"], a["seqlen_k"], a["adt"]).to(device=s.device, dtype=s.dtype), None
+    return s + alibi_bias(slopes, a["seqlen_q"], a["seqlen_k"], a["adt"],
+                          a.get("diag_offset")).to(device=s.device, dtype=s.dtype), None
 
 
 def _alibi_check(fn, name, alibi_slopes, dims):
@@ -479,7 +510,7 @@ def _forward(q, k, v, a, dropout_mask, sinks, bound_min, bound_max) -> dict:
             s, kept = row.forward(s, value, ctx)
             steps.append((row, value, kept))
     vis = visibility_mask(seqlen_q, seqlen_k, a["causal"], a["window"], bound_min, bound_max,
-                          a["window_size"])
+                          a["window_size"], a["diag_offset"])
     s = s.masked_fill(~vis.to(s.device), float("-inf"))
     if sinks is not None:
         sink_cols = sinks.to(device=s.device, dtype=sdt).reshape(bs, nheads, 1, a["num_sinks"])
@@ -537,7 +568,8 @@ def attention_fwd_torch_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                             dropout_seed=None,
                             dropout_mask: Optional[torch.Tensor] = None,
                             attn_bias: Optional[torch.Tensor] = None,
-                            logit_scale: Optional[torch.Tensor] = None):
+                            logit_scale: Optional[torch.Tensor] = None,
+                            diag_offset: Optional[int] = None):
     """Reference with the forward kernel's signature; returns ``(o, lse)``.
 
     Args:
@@ -559,6 +591,12 @@ def attention_fwd_torch_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             added to the scaled and capped scores after ALiBi (as in
             :func:`compute_o_lse`).
         logit_scale: optional float32 ``[bs, nheads]`` (see :func:`compute_o_lse`).
+        diag_offset: None, or the :func:`block_offset` of a block of query
+            rows (all keys) of a longer problem, given as q ``[bs, nheads,
+            d_qk, rows]`` with the block's rows of ``bound_min``/``bound_max``
+            ``[rows]``, of ``attn_bias`` and of ``dropout_mask``: its o and lse
+            are those rows of the whole problem's (every row's softmax sees
+            all its keys), so a caller can bound its memory by blocks.
 
     Returns:
         o: ``[bs, nheads, d_v, seqlen_q]`` in q's dtype.
@@ -570,7 +608,8 @@ def attention_fwd_torch_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       use_causal_mask=use_causal_mask, mixed_precision=mixed_precision,
                       softmax_scale=softmax_scale, sliding_window=sliding_window,
                       mods=score_mods(locals()), window_size=window_size,
-                      dropout_p=dropout_p, dropout_seed=dropout_seed, dropout_mask=dropout_mask)
+                      dropout_p=dropout_p, dropout_seed=dropout_seed, dropout_mask=dropout_mask,
+                      diag_offset=diag_offset)
     drop = dropout_multiplier(a, dropout_seed, dropout_mask, stats_dtype(q.dtype, a["mixed"]))
     f = _forward(q, k, v, a, drop, sinks_ref, bound_min, bound_max)
     return f["o"], f["lse"]

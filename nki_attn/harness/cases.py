@@ -263,7 +263,8 @@ def full():
     for d in (64, 256):
         rows += [feature_case("causal", 4096, d, "bfloat16", heads=1)]
     rows += [feature_case("window", 8192, 128, "bfloat16", heads=1)]
-    # 16K tokens: several K/V sections in the backward (the float64 golden needs about 9 GB here)
+    # 16K tokens: several K/V sections in the backward (the largest row: 3.3 GB resident with the golden in
+    # blocks of query rows, docs/harness.md "Memory")
     rows += [feature_case("causal", 16384, 128, "bfloat16", heads=1)]
     # lengths that are not multiples of 128, through the API's padding path, in every dtype
     rows += [feature_case(f, 1000, 128, dt, heads=1) for dt in DTYPES for f in ("causal", "sinks", "packing_causal")]

@@ -15,7 +15,7 @@ import dataclasses
 from typing import Callable, Optional
 
 import torch
-from golden.attention_fwd_torch import alibi_bias
+from golden.attention_fwd_torch import alibi_bias, block_offset
 
 from .. import spec
 
@@ -42,8 +42,9 @@ class HarnessMod:
             (``cases.VARIANT_FEATURES``) whose rows make the modification bite at N(0, 1) inputs.
         draw: ``(case, g, randn) -> tensor``: the row's input (``ins[<kernel keyword>]``) from the row's generator
             ``g`` (``randn(*shape)``: N(0, 1) draws in the row dtype), or None for a number (the field's value).
-        scores: ``(s, case, ins, hq, dt) -> (s, state)``: the formula on the float scores ``[b, group, sq, sk]``
-            of the query heads ``hq`` in dtype ``dt``; ``state`` is what its backward needs.
+        scores: ``(s, case, ins, hq, dt, rows=None) -> (s, state)``: the formula on the float scores
+            ``[b, group, sq, sk]`` of the query heads ``hq`` in dtype ``dt`` (with ``rows``, a slice of the query
+            rows, the scores are ``[b, group, rows, sk]``: those rows only); ``state`` is what its backward needs.
         chain: ``state -> factor``: d(its output) / d(its input scores), multiplying dS on its way back, or None
             when that is 1 (an additive term).
         grad: ``(ds, state) -> [b, group]``: its parameter's gradient in the baseline from the dS reaching its
@@ -70,7 +71,7 @@ class HarnessMod:
 
 
 # ------------------------------------------------------------------------------------------------ soft-capping
-def _softcap_scores(s, case, ins, hq, dt):
+def _softcap_scores(s, case, ins, hq, dt, rows=None):
     th = torch.tanh(s / case.softcap)
     return case.softcap * th, th
 
@@ -100,8 +101,11 @@ def _alibi_draw(case, g, randn):
     return slopes.expand(b, h).contiguous()
 
 
-def _alibi_scores(s, case, ins, hq, dt):
-    return s + alibi_bias(ins["alibi_slopes"][:, hq], case.seqlen_q, case.seqlen_k, dt), None
+def _alibi_scores(s, case, ins, hq, dt, rows=None):
+    if rows is None:
+        return s + alibi_bias(ins["alibi_slopes"][:, hq], case.seqlen_q, case.seqlen_k, dt), None
+    off = block_offset(case.seqlen_q, case.seqlen_k, rows.start)
+    return s + alibi_bias(ins["alibi_slopes"][:, hq], s.shape[-2], case.seqlen_k, dt, off), None
 
 
 def _alibi_sdpa(ins, case, sq, sk):
@@ -129,8 +133,11 @@ def bias_head_slice(bias, hq):
     return bias[:, hq] if bias.shape[1] > 1 else bias
 
 
-def _bias_scores(s, case, ins, hq, dt):
-    return s + bias_head_slice(ins["attn_bias"], hq).to(dt), None
+def _bias_scores(s, case, ins, hq, dt, rows=None):
+    bias = bias_head_slice(ins["attn_bias"], hq)
+    if rows is not None and bias.shape[2] > 1:
+        bias = bias[:, :, rows]
+    return s + bias.to(dt), None
 
 
 def _bias_terms(case, keys):
@@ -157,7 +164,7 @@ def _logit_scale_draw(case, g, randn):
     return lam.to(torch.float32).expand(case.batch, case.heads).contiguous()
 
 
-def _logit_scale_scores(s, case, ins, hq, dt):
+def _logit_scale_scores(s, case, ins, hq, dt, rows=None):
     lam = ins["logit_scale"][:, hq, None, None].to(dt)
     return s * lam, (s, lam)
 
@@ -226,10 +233,11 @@ def active(case):
     return [(m, spec.MODS[m.name]) for m in APPLY_ORDER if getattr(case, m.name)]
 
 
-def apply_scores(s, case, ins, hq, dt):
-    """The row's modifications applied to the scores ``s`` in score order: (scores, [(HarnessMod, state)])."""
+def apply_scores(s, case, ins, hq, dt, rows=None):
+    """The row's modifications applied to the scores ``s`` in score order: (scores, [(HarnessMod, state)]).
+    ``s`` is ``[b, group, sq, sk]``, or with ``rows`` (a slice of the query rows) ``[b, group, rows, sk]``."""
     states = []
     for m, _ in active(case):
-        s, st = m.scores(s, case, ins, hq, dt)
+        s, st = m.scores(s, case, ins, hq, dt, rows)
         states.append((m, st))
     return s, states

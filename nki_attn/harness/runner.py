@@ -29,6 +29,14 @@ from .errors import CandidateError, Unsupported
 
 _TORCH = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _TILE = 128
+# The golden and the baselines form matrices of (query heads of one kv group) x (query rows) x (keys): the
+# float64 golden's backward holds about six at once. They run one block of query rows at a time (each row's
+# softmax sees all its keys, so the results are the whole problem's), the block as many rows (a multiple of
+# 128) as keep one such float64 matrix within this budget in MiB; a row that fits is one block, computed as
+# it always was. 256 MiB: every row of the quick and full presets up to 4096 tokens is one block, and the full
+# preset's 16K row peaks at 3.3 GB resident instead of 16 GB (docs/harness.md, "Memory").
+BLOCK_MIB_ENV = "NKI_ATTN_GOLDEN_BLOCK_MIB"
+BLOCK_MIB = 256.0
 
 
 class KernelCandidate:
@@ -123,6 +131,12 @@ def make_inputs(case, seed=None):
     return ins
 
 
+def _refuse_api_dropout(case):
+    if case.dropout and case.via_api:
+        raise ValueError(f"row {case.name}: dropout rows need lengths that are multiples of 128 (the harness "
+                         f"regenerates the kernels' keep mask from the seed; the API draws its own)")
+
+
 def dropout_seed(case):
     """The dropout seed of a row: the kernels' runtime seed tensor, int32 ``[2]`` = (seed, offset)
     (docs/semantics.md, "Dropout"), the seed derived from the row name like its inputs, offset 0."""
@@ -133,9 +147,7 @@ def keep_mask(ins, case):
     """The bool keep mask ``[b, heads, seqlen_q, seqlen_k]`` the row's seed gives (``golden.dropout``), or None."""
     if not case.dropout:
         return None
-    if case.via_api:
-        raise ValueError(f"row {case.name}: dropout rows need lengths that are multiples of 128 (the harness "
-                         f"regenerates the kernels' keep mask from the seed; the API draws its own)")
+    _refuse_api_dropout(case)
     from golden import dropout as gd
     return gd.keep_mask(ins["dropout_seed"], case.dropout, case.batch, case.heads, case.seqlen_q, case.seqlen_k)
 
@@ -206,6 +218,52 @@ def _pad_to_tiles(ins, case):
     return pad, cut
 
 
+def block_mib():
+    """The block budget in MiB: ``NKI_ATTN_GOLDEN_BLOCK_MIB`` (a number > 0) when set, else ``BLOCK_MIB``.
+    Raises ValueError naming the variable when it is not a positive number."""
+    text = os.environ.get(BLOCK_MIB_ENV, "")
+    if not text:
+        return BLOCK_MIB
+    try:
+        mib = float(text)
+    except ValueError:
+        mib = float("nan")
+    if not mib > 0 or mib == float("inf"):
+        raise ValueError(f"{BLOCK_MIB_ENV}={text!r} must be a finite number of MiB > 0 (default {BLOCK_MIB:g})")
+    return mib
+
+
+def query_block_rows(batch, group, seqlen_q, seqlen_k):
+    """Query rows per block of the golden and the baselines: ``seqlen_q`` (one block) when a float64
+    ``[batch, group, seqlen_q, seqlen_k]`` matrix fits in ``block_mib()``, else the largest multiple of 128
+    whose ``[batch, group, rows, seqlen_k]`` matrix fits (at least 128). ``seqlen_k`` counts the sinks'
+    columns too."""
+    per_row = 8 * max(1, batch * group * seqlen_k)
+    rows = int(block_mib() * 2 ** 20) // per_row
+    if rows >= seqlen_q:
+        return seqlen_q
+    return max(_TILE, rows // _TILE * _TILE)
+
+
+def _row_blocks(batch, group, seqlen_q, seqlen_k):
+    """The query-row slices of ``query_block_rows``, in order, covering ``[0, seqlen_q)``."""
+    rows = query_block_rows(batch, group, seqlen_q, seqlen_k)
+    return [slice(i, min(seqlen_q, i + rows)) for i in range(0, seqlen_q, rows)] or [slice(0, 0)]
+
+
+def _keep_rows(ins, case, hq, rows):
+    """The dropout keep mask of query heads ``hq`` and query rows ``rows`` (slices), bool ``[b, group, rows,
+    seqlen_k]``: ``golden.dropout``'s hash of just those rows (``keep_mask``'s values, without forming the whole
+    ``[b, heads, seqlen_q, seqlen_k]`` mask), or None without dropout."""
+    if not case.dropout:
+        return None
+    _refuse_api_dropout(case)
+    from golden import dropout as gd
+    h = gd.hash_values(ins["dropout_seed"], case.batch, case.heads, case.seqlen_q, case.seqlen_k,
+                       q_range=range(rows.start, rows.stop))
+    return h[:, hq] < gd.keep_threshold(case.dropout)
+
+
 def reference(ins, case, as_dtype):
     """Golden outputs of a row: ``as_dtype=torch.float64`` gives the reference, ``None`` the dtype baseline.
 
@@ -219,15 +277,26 @@ def reference(ins, case, as_dtype):
 
 
 def _softmax_groups(ins, ref, case, dt):
-    """The backward's softmax pieces in dtype ``dt``, one kv group at a time, from the reference LSE rounded to
-    float32 (the LSE a backward kernel is handed) on the unpadded problem.
+    """``_softmax_blocks`` with every query row in one block, without the rows: ``(hq, g, p, dp, drop, states)``
+    per kv head g, each matrix ``[b, group, sq, sk]``."""
+    sq = case.seqlen_q
+    for hq, g, _, p, dp, drop, states in _softmax_blocks(ins, ref, case, dt, rows=max(1, sq)):
+        yield hq, g, p, dp, drop, states
 
-    Yields ``(hq, g, p, dp, drop, states)`` per kv head g: ``hq`` the slice of its query heads; p =
-    exp(S - LSE) [b, group, sq, sk] (0 where a row sees no key); dp = dO V^T [b, group, sq, sk]; drop the
-    dropout multiplier M / (1 - p) or None; states the score modifications the row sets, in score order, each
-    ``(HarnessMod, state)`` with what its backward needs (``mods.apply_scores``).
+
+def _softmax_blocks(ins, ref, case, dt, rows=None, with_dp=True):
+    """The backward's softmax pieces in dtype ``dt``, one kv group and one block of query rows at a time, from
+    the reference LSE rounded to float32 (the LSE a backward kernel is handed) on the unpadded problem.
+
+    Yields ``(hq, g, r, p, dp, drop, states)`` per kv head g and block ``r`` (a slice of the query rows, of
+    ``rows`` rows; default ``query_block_rows``): ``hq`` the slice of its query heads; p = exp(S - LSE)
+    [b, group, r, sk] (0 where a row sees no key); dp = dO V^T [b, group, r, sk]; drop the dropout multiplier
+    M / (1 - p) or None; states the score modifications the row sets, in score order, each ``(HarnessMod,
+    state)`` with what its backward needs (``mods.apply_scores``). Every row's values are those of the whole
+    head's matrices (the rows are independent), so a caller summing over rows adds up its blocks.
+    ``with_dp=False`` yields None for dp (a caller that does not read it holds one matrix less).
     """
-    from golden.attention_fwd_torch import visibility_mask
+    from golden.attention_fwd_torch import block_offset, visibility_mask
 
     lse = ref["lse"]
     if lse.dim() == 4:  # kernel layout [b, h, 128, sq // 128]: row t * 128 + p at [p, t]
@@ -235,21 +304,38 @@ def _softmax_groups(ins, ref, case, dt):
     lse = lse.to(torch.float32).to(dt)
     q, k, v, dy = (ins[n].to(dt) for n in ("q", "k", "v", "dy"))
     scale = case.scale or case.d_head ** -0.5
-    vis = visibility_mask(case.seqlen_q, case.seqlen_k, case.causal, case.window or None,
-                          ins["bound_min"] if case.cu_seqlens or case.mask else None,
-                          ins["bound_max"] if case.cu_seqlens or case.mask else None,
-                          window_size=tuple(case.window_size) or None)
+    sq, sk = case.seqlen_q, case.seqlen_k
+    bounds = case.cu_seqlens or case.mask
     group = case.heads // case.kv_heads
-    keep = keep_mask(ins, case)
+    if rows is None:
+        blocks = _row_blocks(case.batch, group, sq, sk)
+    else:
+        blocks = [slice(i, min(sq, i + rows)) for i in range(0, sq, rows)] or [slice(0, 0)]
+    whole = len(blocks) == 1
+    keep = keep_mask(ins, case) if whole else None
     for g in range(case.kv_heads):
         hq = slice(g * group, (g + 1) * group)
-        s = torch.einsum("bhdq,bdk->bhqk", q[:, hq], k[:, g]) * scale
-        s, states = mods.apply_scores(s, case, ins, hq, dt)
-        p = torch.exp(s.masked_fill(~vis, float("-inf")) - lse[:, hq, :, None])
-        p = torch.nan_to_num(p, nan=0.0)                                             # rows with no key: 0
-        dp = torch.einsum("bhdq,bdk->bhqk", dy[:, hq], v[:, g])
-        drop = None if keep is None else keep[:, hq].to(dt) / (1.0 - case.dropout)
-        yield hq, g, p, dp, drop, states
+        for r in blocks:
+            vis = visibility_mask(r.stop - r.start, sk, case.causal, case.window or None,
+                                  ins["bound_min"][r] if bounds else None, ins["bound_max"][r] if bounds else None,
+                                  window_size=tuple(case.window_size) or None,
+                                  diag_offset=block_offset(sq, sk, r.start))
+            s = torch.einsum("bhdq,bdk->bhqk", q[:, hq, :, r], k[:, g]) * scale
+            s, states = mods.apply_scores(s, case, ins, hq, dt, None if whole else r)
+            # in place: the scores after the modifications are no modification's state (each keeps its input)
+            p = s.masked_fill_(~vis, float("-inf")).sub_(lse[:, hq, r, None]).exp_()
+            del s, vis
+            p = torch.nan_to_num(p, nan=0.0, out=p)                                      # rows with no key: 0
+            dp = torch.einsum("bhdq,bdk->bhqk", dy[:, hq, :, r], v[:, g]) if with_dp else None
+            kb = None if not case.dropout else keep[:, hq] if whole else _keep_rows(ins, case, hq, r)
+            drop = None if kb is None else kb.to(dt) / (1.0 - case.dropout)
+            yield hq, g, r, p, dp, drop, states
+
+
+def _add(acc, t):
+    """``acc + t``, or ``t`` itself when ``acc`` is None (so a single block's sum is its own value, bit for
+    bit)."""
+    return t if acc is None else acc + t
 
 
 def inputs_baseline(ins, ref, case):
@@ -273,19 +359,29 @@ def inputs_baseline(ins, ref, case):
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     dd = (o * dy).sum(2)                                                              # D [b, h, sq] (dropped O)
     grads = {m.name: torch.zeros(q.shape[:2], dtype=f32) for m, _ in mods.active(case) if m.grad is not None}
-    for hq, g, p, dp, drop, states in _softmax_groups(ins, ref, case, f32):
+    # dk, dv and the parameters' gradients sum over the query rows: their blocks' terms are added up in float32
+    acc = {}
+    for hq, g, r, p, dp, drop, states in _softmax_blocks(ins, ref, case, f32):
         p_v = p                                                                      # P as dV and O see it
         if drop is not None:
             p_v, dp = p * drop, dp * drop
-        ds = p * (dp - dd[:, hq, :, None])
+        ds = p * (dp - dd[:, hq, r, None])
         for m, st in reversed(states):                # dS at each modification's output, last applied first
             if m.grad is not None:
-                grads[m.name][:, hq] = m.grad(ds, st)
+                acc[m.name, g] = _add(acc.get((m.name, g)), m.grad(ds, st))
             if m.chain is not None:
                 ds = ds * m.chain(st)
-        dq[:, hq] = torch.einsum("bhqk,bdk->bhdq", ds, k[:, g]) * scale
-        dk[:, g] = torch.einsum("bhqk,bhdq->bdk", ds, q[:, hq]) * scale
-        dv[:, g] = torch.einsum("bhqk,bhdq->bdk", p_v, dy[:, hq])
+        dq[:, hq, :, r] = torch.einsum("bhqk,bdk->bhdq", ds, k[:, g]) * scale
+        acc["dk", g] = _add(acc.get(("dk", g)), torch.einsum("bhqk,bhdq->bdk", ds, q[:, hq, :, r]) * scale)
+        acc["dv", g] = _add(acc.get(("dv", g)), torch.einsum("bhqk,bhdq->bdk", p_v, dy[:, hq, :, r]))
+    group = case.heads // case.kv_heads
+    for (name, g), t in acc.items():
+        if name == "dk":
+            dk[:, g] = t
+        elif name == "dv":
+            dv[:, g] = t
+        else:
+            grads[name][:, g * group:(g + 1) * group] = t
     out = {"dq": dq, "dk": dk, "dv": dv}
     for name, grad in grads.items():
         out["d" + name] = grad
@@ -325,18 +421,30 @@ def residue_scales(ins, ref, case):
     scale = case.scale or case.d_head ** -0.5
     b_i = ((o * dy) ** 2).sum(2).sqrt()                                               # [b, h, sq]
     rq, rk = torch.zeros_like(q), torch.zeros_like(k)
-    for hq, g, p, _, drop, states in _softmax_groups(ins, ref, case, f64):
+    sums = {}  # dk's two sums of squares over the query rows, per kv head, added up over the blocks
+    # (in place where a matrix is not read again: a block holds about three [b, group, rows, sk] matrices)
+    for hq, g, r, p, _, drop, states in _softmax_blocks(ins, ref, case, f64, with_dp=False):
         for m, st in reversed(states):  # dS reaches dq and dk times each modification's chain factor
             if m.chain is not None:
                 p = p * m.chain(st).abs()
-        a = torch.einsum("bhdq,bdk->bhqk", dy[:, hq] ** 2, v[:, g] ** 2).sqrt()         # ||dO_i * V_j||_2
+        del states
+        pk = torch.einsum("bhqk,bdk->bhdq", p, k[:, g]).abs()
+        pa2 = torch.einsum("bhdq,bdk->bhqk", dy[:, hq, :, r] ** 2, v[:, g] ** 2).sqrt_()  # ||dO_i * V_j||_2
         if drop is not None:
-            a = a * drop
-        pb = p * b_i[:, hq, :, None]
-        rq[:, hq] = torch.einsum("bhqk,bdk->bhdq", (p * a) ** 2, k[:, g] ** 2).sqrt() \
-            + b_i[:, hq, None, :] * torch.einsum("bhqk,bdk->bhdq", p, k[:, g]).abs()
-        rk[:, g] = torch.einsum("bhqk,bhdq->bdk", (p * a) ** 2, q[:, hq] ** 2).sqrt() \
-            + torch.einsum("bhqk,bhdq->bdk", pb ** 2, q[:, hq] ** 2).sqrt()
+            pa2.mul_(drop)
+        del drop
+        pa2.mul_(p).square_()                                                              # (P a)^2
+        rq[:, hq, :, r] = torch.einsum("bhqk,bdk->bhdq", pa2, k[:, g] ** 2).sqrt() + b_i[:, hq, None, r] * pk
+        q2 = q[:, hq, :, r] ** 2
+        s_a = torch.einsum("bhqk,bhdq->bdk", pa2, q2)
+        del pa2
+        pb2 = p.mul_(b_i[:, hq, r, None]).square_()                                        # (P b)^2
+        del p
+        s_b = torch.einsum("bhqk,bhdq->bdk", pb2, q2)
+        del pb2
+        sums[g] = (_add(sums.get(g, (None, None))[0], s_a), _add(sums.get(g, (None, None))[1], s_b))
+    for g, (s_a, s_b) in sums.items():
+        rk[:, g] = s_a.sqrt() + s_b.sqrt()
     d = case.dv ** 0.5 * scale
 
     def top(t):
@@ -348,18 +456,21 @@ def residue_scales(ins, ref, case):
 def _golden(ins, case, as_dtype):
     """Golden forward + backward with inputs converted to ``as_dtype`` (float64: the reference).
 
-    Run one kv head (with its query heads) at a time: the golden materialises [heads, seqlen_q, seqlen_k]
-    matrices, which for a whole model's heads at 4096 tokens in float64 would need tens of GiB. Each kv head's
-    slice is an independent attention problem, so the results are the same.
+    Run one kv head (with its query heads) at a time, and within it one block of query rows at a time
+    (``query_block_rows``): the golden materialises [heads, seqlen_q, seqlen_k] matrices, which for a whole
+    model's heads at 4096 tokens, or one head at 16K tokens, in float64 would need tens of GiB. Each kv head's
+    slice is an independent attention problem, so the results are the same; so is each block of query rows
+    against all keys (``_golden_blocks``).
     """
     cv = (lambda t: None if t is None else t.to(as_dtype)) if as_dtype is not None else (lambda t: t)
     q, k, v, dy = (cv(ins[n]) for n in ("q", "k", "v", "dy"))
     sinks = ins["sinks"].to(torch.float64) if (ins["sinks"] is not None and as_dtype == torch.float64) \
         else ins["sinks"]
     group = case.heads // case.kv_heads
+    blocks = _row_blocks(q.shape[0], group, q.shape[-1], k.shape[-1] + case.num_sinks)
     # the keep mask is a function of the QUERY head: regenerate it once for all heads and hand each kv group its
-    # query heads' slice (the golden would otherwise number a group's heads from 0)
-    keep = keep_mask(ins, case)
+    # query heads' slice (the golden would otherwise number a group's heads from 0); blocks hash their own rows
+    keep = keep_mask(ins, case) if len(blocks) == 1 else None
     parts = []
     for g in range(case.kv_heads):
         hq, hk = slice(g * group, (g + 1) * group), slice(g, g + 1)
@@ -368,6 +479,9 @@ def _golden(ins, case, as_dtype):
         for m in SCORE_MODS:
             if m.is_tensor and getattr(case, m.name):
                 kw[m.kernel] = _group_slice(ins[m.kernel], hq, cv)
+        if len(blocks) > 1:
+            parts.append(_golden_blocks(q[:, hq], k[:, hk], v[:, hk], dy[:, hq], s_g, ins, case, hq, kw, blocks))
+            continue
         if keep is not None:
             kw.update(dropout_p=case.dropout, dropout_mask=keep[:, hq].contiguous())
         o, lse = golden.attention_fwd_torch_ref(q[:, hq], k[:, hk], v[:, hk], s_g, ins["bound_min"],
@@ -386,6 +500,59 @@ def _golden(ins, case, as_dtype):
         if getattr(case, m.name) and ins[m.kernel].shape[1] == 1:
             out["d" + m.name] = sum(p["d" + m.name] for p in parts)
     return out
+
+
+def _golden_blocks(q, k, v, dy, sinks, ins, case, hq, kw, blocks):
+    """One kv group's golden forward + backward, one block of query rows at a time (``blocks``: slices of the
+    rows, multiples of 128 long but the last): the golden's ``diag_offset`` hook gives a block the whole
+    problem's masks and ALiBi distances (``golden.attention_fwd_torch.block_offset``), and the block's rows of
+    the packing bounds, of a bias with a query dim and of the dropout keep mask go with it. Each block's o, lse
+    and dq rows are the whole problem's (every row's softmax sees all its keys); dk and dv come back unrounded
+    (``kv_partial``) and are summed over the blocks in float32 (float64 for the reference), then rounded to the
+    inputs' dtype once, like the unblocked matmul; dsinks and the parameters' gradients are summed over the
+    blocks (a bias with a query dim takes its blocks' rows). Returns ``_golden``'s part of one group."""
+    from golden.attention_fwd_torch import block_offset
+
+    sq, sk = q.shape[-1], k.shape[-1]
+    rows_of = {}  # the gradients of inputs with a query dim: their blocks' rows, concatenated
+    for m in GRAD_MODS:
+        t = kw.get(m.kernel)
+        if getattr(case, m.name) and t is not None and t.dim() == 4 and t.shape[2] > 1:
+            rows_of["d" + m.name] = 2
+    cat, total = {}, {}
+    for r in blocks:
+        kb = dict(kw, diag_offset=block_offset(sq, sk, r.start))
+        for m in SCORE_MODS:
+            t = kw.get(m.kernel)
+            if m.is_tensor and t is not None and t.dim() == 4 and t.shape[2] > 1:
+                kb[m.kernel] = t[:, :, r]
+        if case.dropout:
+            kb.update(dropout_p=case.dropout, dropout_mask=_keep_rows(ins, case, hq, r))
+        bmin = None if ins["bound_min"] is None else ins["bound_min"][r]
+        bmax = None if ins["bound_max"] is None else ins["bound_max"][r]
+        qb, dyb = q[..., r], dy[..., r]
+        o, lse = golden.attention_fwd_torch_ref(qb, k, v, sinks, bmin, bmax, mixed_precision=True, **kb)
+        gr = golden.attention_bwd_torch_ref(qb, k, v, o, dyb, lse, sinks, bmin, bmax, mixed_precision=True,
+                                            kv_partial=True, **kb)
+        for name, t in (("o", o), ("lse", lse), ("dq", gr["out_dq_ref"])):
+            cat.setdefault(name, []).append(t)
+        sums = {"dk": gr["out_dk_ref"], "dv": gr["out_dv_ref"]}
+        if sinks is not None:
+            sums["dsinks"] = gr["out_dsinks_ref"]
+        for m in GRAD_MODS:
+            if getattr(case, m.name):
+                name = "d" + m.name
+                if name in rows_of:
+                    cat.setdefault(name, []).append(gr[f"out_d{m.name}_ref"])
+                else:
+                    sums[name] = gr[f"out_d{m.name}_ref"]
+        for name, t in sums.items():
+            total[name] = _add(total.get(name), t)
+    part = {name: torch.cat(ts, dim=rows_of.get(name, -1)) for name, ts in cat.items()}
+    part.update(total)
+    part["dk"], part["dv"] = part["dk"].to(q.dtype), part["dv"].to(q.dtype)
+    order = ("o", "lse", "dq", "dk", "dv", "dsinks") + tuple("d" + m.name for m in GRAD_MODS)  # _golden's order
+    return {name: part[name] for name in order if name in part}
 
 
 def run_candidate(candidate, ins, case):
@@ -620,8 +787,10 @@ def zero_scale(name, ins, case, n):
     cancellation leaves, times 1 / (1 - dropout_p) with dropout."""
     q, k, v, dy = (ins[n].to(torch.float64) for n in ("q", "k", "v", "dy"))
     group = case.heads // case.kv_heads
-    dp = max(float(torch.einsum("bhdq,bdk->bhqk", dy[:, g * group:(g + 1) * group].abs(), v[:, g].abs()).max())
-             for g in range(case.kv_heads)) if q.numel() and k.numel() else 0.0
+    blocks = _row_blocks(case.batch, group, case.seqlen_q, case.seqlen_k)  # the [group, sq, sk] matrix in blocks
+    dp = max(float(torch.einsum("bhdq,bdk->bhqk", dy[:, g * group:(g + 1) * group, :, r].abs(),
+                                v[:, g].abs()).max())
+             for g in range(case.kv_heads) for r in blocks) if q.numel() and k.numel() else 0.0
     other = k if name == "dq" else q
     return n ** 0.5 * (case.scale or case.d_head ** -0.5) * dp * float(other.abs().max()) / (1.0 - case.dropout)
 
@@ -664,12 +833,15 @@ def sdpa_low_precision(ins, case):
                           ins["bound_min"] if case.cu_seqlens or case.mask else None,
                           ins["bound_max"] if case.cu_seqlens or case.mask else None,
                           window_size=tuple(case.window_size) or None)
+    # (SDPA takes whole rows and sums dk, dv over all of them in the row dtype: it is not run in blocks, but its
+    # mask is built in place and only its dtype copy is kept for the call)
     bias = torch.zeros(b, h, sq, sk, dtype=torch.float32)
     for m in mods.HARNESS_MODS:  # the additive ones, in table order
         if getattr(case, m.name):
-            bias = bias + m.sdpa(ins, case, sq, sk)
-    bias = bias.masked_fill(~vis, float("-inf"))
+            bias.add_(m.sdpa(ins, case, sq, sk))
+    bias.masked_fill_(~vis, float("-inf"))
     seen = vis.any(dim=1)  # [sq]
+    del vis
     kx = k.repeat_interleave(group, dim=1).transpose(-1, -2)
     vx = v.repeat_interleave(group, dim=1).transpose(-1, -2)
     if ins["sinks"] is not None:
@@ -680,11 +852,13 @@ def sdpa_low_precision(ins, case):
         vx = torch.cat([vx, torch.zeros(b, h, n, vx.shape[-1], dtype=vx.dtype)], dim=2)
         bias = torch.cat([bias, sinks[:, :, None, :].expand(b, h, sq, n)], dim=-1)
         seen = seen | True
+    mask = bias.to(dt)
+    del bias
     was = torch.backends.cuda.fp16_bf16_reduction_math_sdp_allowed()
     torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(True)
     try:
         leaves = [t.to(dt).detach().requires_grad_(True) for t in (q.transpose(-1, -2), kx, vx)]
-        o = torch.ops.aten._scaled_dot_product_attention_math(*leaves, bias.to(dt), 0.0, False,
+        o = torch.ops.aten._scaled_dot_product_attention_math(*leaves, mask, 0.0, False,
                                                               scale=case.scale or d_qk ** -0.5)[0]
         keep = seen[None, None, :, None]
         o = torch.where(keep, o, torch.zeros((), dtype=dt))

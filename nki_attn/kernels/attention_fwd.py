@@ -94,13 +94,23 @@ POS_INF = float("inf")  # lse of a row that sees no key (module level: plain Pyt
 # V^T of a work item's keys is kept for the whole work item (computed once per 128-key chunk, not once per block
 # that sees it) where the SBUF holds it without a smaller key block (``_FwdConfig.vt_cache``)
 VT_CACHE = True
+# ... in a ring of 128-key chunks (chunk c in slot c mod ring) as long as the widest run of chunks still read when
+# a unit writes its V^T (``_vt_ring_need``), so a window or a narrow band keeps V^T in SBUF at any length
 # the launch's last slab stores the blocks before its last one early when the last block's score elements are at
 # least this many times the O elements that store moves (it is then out before the pipeline's end)
 EARLY_STORE_RATIO = 2
 # the pipeline's last block takes its statistics before its last PVs only in a launch of more units than this: in a
-# shorter one nothing else is in flight to hide them (one causal head of 512 tokens, one unit: 11.1 -> 13.0 us with
-# them early; two heads of 1024, two units: 34.1 -> 38.2 us; cost model v2)
+# shorter one nothing else is in flight to hide them (one causal head of 512 tokens, one unit: 9.98 -> 11.91 us with
+# them early; two heads of 1024, two units: 35.57 -> 38.70 us; cost model v2)
 STATS_EARLY_MIN_UNITS = 2
+# ... and, where the last block has more than one unit and both head dims are <= 128, only if the last unit's PV
+# matmuls move at least this many columns (one matmul per visible 128-key chunk, d_v columns each: 48 chunks at
+# d_v 128, three quarters of a full unit's 64): the statistics then have that much PV work to hide behind; a
+# lighter last unit (the causal diagonal of a block of one head, a window, d_v 64) finishes sooner with them after
+# its PVs (docs/kernel-fwd.md, "Sixth round"; a last block of one unit, a narrow window with a wide group, keeps
+# the step: its time is the same either way, and the step keeps its worst case over the sensitivity set; so do
+# head dims > 128, whose one-tile key blocks make every unit light and whose model shapes are faster with it)
+STATS_EARLY_PV_COLUMNS = 6144
 SBUF_MARGIN = 24576  # bytes per partition left free when sizing a slab (allocation order, small tiles)
 
 
@@ -122,7 +132,9 @@ class _FwdConfig(nl.NKIObject):
     of the P tiles transposed by TensorE every n-th is evicted by VectorE, the others by ScalarE, ``pt_scalar_lag``
     steps later (``_evict_pt``); finish_on_vector: the block finishing's O normalisation and O^T evictions run on
     VectorE; score_num / score_den: the share of a segment by which the next unit's scores are all out;
-    vt_cache: V^T is kept per work item (``_WorkItem.vt``, ``_transpose_v_into``) instead of per unit.
+    vt_cache: V^T is kept per work item (``_WorkItem.vt``, ``_transpose_v_into``) instead of per unit; vt_ring:
+    the chunks that store holds (``_vt_ring``: seqlen_k / 128 unless the band is narrower), chunk c in slot
+    c mod vt_ring.
 
     ``shp`` is the call's ``validation.AttentionShape`` (its softcap, alibi, window_size and dropout_p give the
     variants); ``kb_tiles``, ``block_members_max``, ``slab_tiles``: the kernel's tuning keywords (None: default).
@@ -155,6 +167,7 @@ class _FwdConfig(nl.NKIObject):
         self.acc_dtype = acc_dtype
         self.kb_tiles = KB_TILES if kb_tiles is None else kb_tiles  # the default is sized below
         self.vt_cache = False  # decided below, once the key block is sized
+        self.vt_ring = shp.seqlen_k // PMAX
         self.block_members_max = BLOCK_MEMBERS_MAX if block_members_max is None else block_members_max
         self.n_qt = shp.seqlen_q // PMAX
         self.n_kt = (shp.seqlen_k + K_TILE - 1) // K_TILE
@@ -232,10 +245,12 @@ class _FwdConfig(nl.NKIObject):
                 self.kb_tiles = _kb_tiles(self, itemsize(io_dtype), itemsize(acc_dtype))
                 if fits and self.kb_tiles <= kb_long:
                     self.fin_delay = FIN_DELAY
-        # V^T once per work item: only where a second block reads the same keys and the whole work item's V^T
-        # (two items live at an item boundary) fits beside the key block already chosen
+        # V^T once per work item: only where a second block reads the same keys and the work item's V^T store
+        # (two items live at an item boundary; a ring of the band's chunks, ``_vt_ring``) fits beside the key
+        # block already chosen
         if VT_CACHE and self.n_qt * self.group > self.members:
             self.vt_cache = True
+            self.vt_ring = _vt_ring(self, [(0, self.n_qt)])  # one slab: the launch's are sized after the ring
             if not _kb_fits(self, self.kb_tiles, itemsize(io_dtype), itemsize(acc_dtype)):
                 self.vt_cache = False
         # where the SBUF cannot keep the work item's V^T and d_v > 128: the HBM scratch (``_plan_vt``)
@@ -244,6 +259,16 @@ class _FwdConfig(nl.NKIObject):
             self.slab_tiles = _slab_tiles(self, itemsize(io_dtype), itemsize(acc_dtype))
         else:
             self.slab_tiles = min(slab_tiles, self.n_qt)
+        if self.vt_cache:
+            # the launch's slabs may cut blocks short, so the ring may need a little more: sized again with them
+            # (where that leaves too little SBUF, no store; the plan is checked once more, ``attention_fwd``)
+            ring = _vt_ring(self, _slabs(self))
+            if ring > self.vt_ring:
+                self.vt_ring = ring
+                if not _kb_fits(self, self.kb_tiles, itemsize(io_dtype), itemsize(acc_dtype)):
+                    self.vt_cache = False
+                if slab_tiles is None:
+                    self.slab_tiles = _slab_tiles(self, itemsize(io_dtype), itemsize(acc_dtype))
 
 
 def _working_set(cfg, kb_tiles, e, acc_e):
@@ -258,7 +283,7 @@ def _working_set(cfg, kb_tiles, e, acc_e):
     fixed = 2 * u * kk * 4  # scores of every member of two units (float32): the next one's, this one's
     fixed += 3 * (n_qk + n_v) * kk * e  # K and V of three units
     if cfg.vt_cache:
-        fixed += 2 * (cfg.shp.seqlen_k // PMAX) * cfg.d_v * e  # V^T of two work items' keys
+        fixed += 2 * cfg.vt_ring * cfg.d_v * e  # V^T stores of two work items (rings of the band's chunks)
     else:
         fixed += 2 * (kk // PMAX) * cfg.d_v * e  # V^T of two units
     # O accumulators of three blocks (one accumulating, two finishing), and of the blocks a finishing longer than
@@ -274,6 +299,24 @@ def _working_set(cfg, kb_tiles, e, acc_e):
         fixed += 2 * kk * 4 + K_TILE  # key index of two units, visibility predicate
     fixed += 3 * cfg.group * max(shp.num_sinks, 1) * 4  # sink statistics
     return fixed
+
+
+def _vt_ring(cfg, slabs):
+    """Chunks of a work item's V^T store, used as a ring (chunk c in slot c mod ring): what the key-block plan of
+    one work item in ``slabs`` needs (``_vt_ring_need``), at most every 128-key chunk of the keys (``seqlen_k /
+    128``: the whole keys, where the band is not narrower)."""
+    n_all = cfg.shp.seqlen_k // PMAX
+    if cfg.packing:
+        return n_all
+    return min(n_all, _vt_ring_need(cfg, _plan_units(cfg, 0, 1, slabs)))
+
+
+def _slabs(cfg):
+    """``[(t0, t1)]`` query-tile ranges of the slabs (``cfg.slab_tiles`` each, the last one shorter)."""
+    out = []
+    for t0 in range(0, cfg.n_qt, cfg.slab_tiles):
+        out.append((t0, min(t0 + cfg.slab_tiles, cfg.n_qt)))
+    return out
 
 
 def _per_tile(cfg, e):
@@ -556,10 +599,10 @@ def _blocks(cfg, n_tiles):
 
 class _WorkItem(nl.NKIObject):
     """One (batch ``b``, kv head ``kvh``) work item of the pipeline; ``item``: its ``steps.Item`` (runtime
-    tiles), made when its first slab opens (``_open_item``). With ``cfg.vt_cache``: ``vt`` the V^T of its keys
-    ``[128 keys, seqlen_k / 128, d_v]`` (allocated at its first load), ``vt_done[c]``: chunk c's V^T is claimed
-    by a unit already (trace time), ``vt_users``: its units whose PVs are not all out (the store is dropped after
-    the last)."""
+    tiles), made when its first slab opens (``_open_item``). With ``cfg.vt_cache``: ``vt`` the V^T store of its
+    keys ``[128 keys, cfg.vt_ring, d_v]`` (allocated at its first load; chunk c in slot c mod vt_ring),
+    ``vt_done[r]``: the chunk whose V^T slot r holds or is claimed for by a unit already (trace time; -1: none),
+    ``vt_users``: its units whose PVs are not all out (the store is dropped after the last)."""
 
     def __init__(self, b, kvh):
         self.b = b
@@ -706,16 +749,18 @@ def _transpose_v(cfg, v_tiles, n_ch):
 
 def _transpose_v_into(cfg, v_tiles, chunks, store):
     """V^T of the 128-key ``chunks`` (ascending work-item chunk indices; ``v_tiles`` hold V from the first to
-    the last of them) into the work item's V^T ``store`` ``[128 keys, seqlen_k / 128, d_v]``: TensorE transposes,
-    runs of consecutive chunks sharing a PSUM bank, one eviction per bank."""
+    the last of them) into the work item's V^T ``store`` ``[128 keys, cfg.vt_ring, d_v]`` (chunk c in slot
+    c mod vt_ring): TensorE transposes, runs of consecutive chunks sharing a PSUM bank (a run ends where the
+    ring wraps), one eviction per bank."""
     e = itemsize(cfg.io_dtype)
     per = max(1, 2048 // (cfg.d_v * e))
+    ring = cfg.vt_ring
     first = chunks[0]
     n = len(chunks)
     j = 0
     while j < n:
         g = 1
-        while j + g < n and g < per and chunks[j + g] == chunks[j] + g:
+        while j + g < n and g < per and chunks[j + g] == chunks[j] + g and (chunks[j] + g) % ring != 0:
             g = g + 1
         vt_ps = nl.ndarray((PMAX, g, cfg.d_v), dtype=cfg.io_dtype, buffer=nl.psum)
         for c in range(g):
@@ -723,7 +768,8 @@ def _transpose_v_into(cfg, v_tiles, chunks, store):
             for vi in range(len(cfg.v_tiles)):
                 v0, vsz = cfg.v_tiles[vi]
                 nisa.nc_transpose(dst=vt_ps[:, c, v0:v0 + vsz], data=v_tiles[vi][:, k0:k0 + PMAX])
-        nisa.tensor_copy(dst=store[:, chunks[j]:chunks[j] + g, :], src=vt_ps)
+        r = chunks[j] % ring
+        nisa.tensor_copy(dst=store[:, r:r + g, :], src=vt_ps)
         j = j + g
 
 
@@ -980,7 +1026,10 @@ def _pv_tile(cfg, pipe):
     o_ps = unit.o_ps[u]
     chunks = _tile_chunks(tile)
     for c in range(n_ch):
-        nisa.nc_matmul(dst=o_ps, stationary=pt_sb[:, c, :], moving=vt[:, i * ch + lo + chunks[c] - unit.vt_base, :])
+        r = i * ch + lo + chunks[c] - unit.vt_base
+        if cfg.vt_cache:
+            r = r % cfg.vt_ring  # the work item's store: chunk c in slot c mod vt_ring
+        nisa.nc_matmul(dst=o_ps, stationary=pt_sb[:, c, :], moving=vt[:, r, :])
     unit.pv_left[u] = unit.pv_left[u] - 1
     unit.pv_total = unit.pv_total - 1
     if unit.pv_left[u] == 0:
@@ -1152,19 +1201,16 @@ def _load_unit(cfg, hbm, sinks_ref, launch, steps, unit, first):
         k_tiles = _load_k(cfg, hbm, unit, first)
     ch = K_TILE // PMAX
     if cfg.vt_cache:
-        # only the chunks no earlier unit of the work item transposes: V loaded from the first to the last of them
+        # only the chunks whose slot of the store does not hold them (claimed by an earlier unit of the work item
+        # and not overwritten since): V loaded from the first to the last of them. A ring evicts the chunk a slot
+        # held, which is transposed again if a later unit needs it (``_plan_vt_ring``: never one still read)
         if work.vt is None:
-            n_all = cfg.shp.seqlen_k // PMAX
-            work.vt = nl.ndarray((PMAX, n_all, cfg.d_v), dtype=cfg.io_dtype, buffer=nl.sbuf)
+            work.vt = nl.ndarray((PMAX, cfg.vt_ring, cfg.d_v), dtype=cfg.io_dtype, buffer=nl.sbuf)
             done = []
-            for c in range(n_all):
-                done.append(False)
+            for r in range(cfg.vt_ring):
+                done.append(-1)
             work.vt_done = done
-        new = []
-        for c in range(kb.kt0 * ch + kb.c_lo, kb.kt0 * ch + kb.c_hi):
-            if not work.vt_done[c]:
-                new.append(c)
-                work.vt_done[c] = True
+        new = _claim_chunks(work.vt_done, kb.kt0 * ch + kb.c_lo, kb.kt0 * ch + kb.c_hi)
         unit.vt_new = new
         unit.vt_base = -kb.kt0 * ch
         if len(new) > 0:
@@ -1191,6 +1237,19 @@ def _load_unit(cfg, hbm, sinks_ref, launch, steps, unit, first):
     unit.v_tiles = v_tiles
     if opening:
         _load_q_rest(cfg, hbm, slab)
+
+
+def _claim_chunks(done, c0, c1):
+    """The chunks of ``[c0, c1)`` whose V^T a unit must transpose: those whose ring slot (``done``, one entry per
+    slot: the chunk it holds or is claimed for, -1 none; chunk c in slot c mod len(done)) holds another chunk.
+    Claims them (trace time, in unit order, which is the order of the transposes)."""
+    new = []
+    for c in range(c0, c1):
+        r = c % len(done)
+        if done[r] != c:
+            new.append(c)
+            done[r] = c
+    return new
 
 
 def _load_k(cfg, hbm, unit, first):
@@ -1476,16 +1535,20 @@ def _finish_member(cfg, blk, u, o_n, drain=False):
             nisa.activation(dst=slab.o[vi][:, col:col + PMAX], op=nl.copy, data=ot_ps)
 
 
+def _lse_dma(cfg, hbm, slab, h, a, z):
+    """The LSE of head ``h`` of the group for the slab's query tiles ``[t0 + a, t0 + z)``: ONE DMA from the slab's
+    LSE staging ``[128, n * group]`` (member order: column ``t * group + h``, read with stride ``group``) to
+    ``lse[b, kvh * group + h, :, t0 + a:t0 + z]`` (the ``[128, n_tiles]`` layout ``attention_bwd`` loads)."""
+    g = cfg.group
+    nisa.dma_copy(dst=hbm.lse[slab.work.b, slab.work.kvh * g + h, :, slab.t0 + a:slab.t0 + z],
+                  src=slab.lse.ap(pattern=[[slab.n * g, PMAX], [g, z - a]], offset=a * g + h))
+
+
 def _store_lse(cfg, hbm, slab):
     """Head dims > 128, the launch's last slab at its last block's LSE: the LSE not stored yet goes out now,
     one DMA per head (every block before has its LSE), so the pipeline's end waits for O's stores only."""
-    g = cfg.group
-    a = slab.lse_done
-    m = slab.n - a
-    for h in range(g):
-        hq = slab.work.kvh * g + h
-        nisa.dma_copy(dst=hbm.lse[slab.work.b, hq, :, slab.t0 + a:slab.t0 + slab.n],
-                      src=slab.lse.ap(pattern=[[slab.n * g, PMAX], [g, m]], offset=a * g + h))
+    for h in range(cfg.group):
+        _lse_dma(cfg, hbm, slab, h, slab.lse_done, slab.n)
     slab.lse_done = slab.n
 
 
@@ -1506,9 +1569,7 @@ def _store_slab(cfg, hbm, slab, a, z):
                           src=slab.o[vi].ap(pattern=[[n * g * PMAX, vsz], [g * PMAX, m], [1, PMAX]],
                                             offset=(a * g + h) * PMAX))
         if z > slab.lse_done:
-            la = max(a, slab.lse_done)
-            nisa.dma_copy(dst=hbm.lse[b, hq, :, t0 + la:t0 + z],
-                          src=slab.lse.ap(pattern=[[n * g, PMAX], [g, z - la]], offset=la * g + h))
+            _lse_dma(cfg, hbm, slab, h, max(a, slab.lse_done), z)
     slab.stored = z
     if z > slab.lse_done:
         slab.lse_done = z
@@ -1610,6 +1671,45 @@ def _plan_units(cfg, start, stop, slabs):
     return units
 
 
+def _vt_ring_need(cfg, units):
+    """The fewest chunks a work item's V^T ring may hold so that no unit of ``units`` overwrites a chunk still
+    read. Unit n writes its V^T in segment n, while unit n - 1 is in phase 3 and the PVs of older units may still
+    wait (``cfg.pv_lag`` at most, all from units up to n - 2): every unit m of the work item with at most
+    ``pv_lag`` jobs after it up to unit n - 2 is read then. Two chunks share a slot only when they are a
+    multiple of the ring apart, so the ring must span the chunks of those units and unit n."""
+    ch = K_TILE // PMAX
+    lo = []
+    hi = []
+    jobs = []
+    item = []
+    for m in range(len(units)):
+        unit = units[m]
+        work = unit.blk.slab.work
+        item.append(work.b * cfg.shp.nheads_kv + work.kvh)
+        jobs.append(len(unit.jobs))
+        lo.append(-1)
+        hi.append(-1)
+        if unit.kb is not None:
+            lo[m] = unit.kb.kt0 * ch + unit.kb.c_lo
+            hi[m] = unit.kb.kt0 * ch + unit.kb.c_hi
+    need = 0
+    for n in range(len(units)):
+        if lo[n] >= 0:
+            c0 = lo[n]
+            c1 = hi[n]
+            m = n - 1
+            after = 0
+            while m >= 0 and item[m] == item[n] and after <= cfg.pv_lag:
+                if lo[m] >= 0:
+                    c0 = min(c0, lo[m])
+                    c1 = max(c1, hi[m])
+                if m < n - 1:
+                    after = after + jobs[m]
+                m = m - 1
+            need = max(need, c1 - c0)
+    return need
+
+
 def _plan_vt(cfg, units):
     """Which units load V^T from the work item's HBM scratch (``vt_load``) and which write theirs there
     (``vt_store``). Unit m's K/V load is emitted in segment m - 2, before that segment's V^T (of unit m - 1), so
@@ -1683,6 +1783,22 @@ def _plan_early_store(cfg, last):
                 elems = elems + kb.vis[u][i].k1 - kb.vis[u][i].k0
     if elems >= EARLY_STORE_RATIO * done * cfg.group * cfg.d_v:
         last.slab.early_store = True
+
+
+def _stats_early(cfg, n_units, last):
+    """Whether the pipeline's ``last`` unit (of ``n_units``) takes its block's statistics before its last PVs:
+    in a launch of more than ``STATS_EARLY_MIN_UNITS`` units, where it is its block's only unit, a head dim is
+    > 128 (``cfg.wide``) or its PV matmuls move at least ``STATS_EARLY_PV_COLUMNS`` columns (visible 128-key
+    chunks x d_v)."""
+    if n_units <= STATS_EARLY_MIN_UNITS:
+        return False
+    if last.first or cfg.wide:
+        return True
+    chunks = 0
+    for j in range(len(last.jobs)):
+        kt = last.kb.vis[last.jobs[j][0]][last.jobs[j][1]]
+        chunks = chunks + (kt.k1 - kt.k0 + PMAX - 1) // PMAX
+    return chunks * cfg.d_v >= STATS_EARLY_PV_COLUMNS
 
 
 def _make_room(cfg, hbm, steps, pipe):
@@ -1778,10 +1894,10 @@ def _attend_all(cfg, hbm, sinks_ref, launch, steps, units):
             prev.rs = None
             prev.summed = True
             _release_unit(prev)
-            if cur is None and prev.last and cfg.finish_on_vector and n_units > STATS_EARLY_MIN_UNITS:
+            if cur is None and prev.last and cfg.finish_on_vector and _stats_early(cfg, n_units, prev):
                 # the pipeline's last block: its statistics need no O, so they go out before its last PVs and
                 # each member's O / l follows its last O update (the finishing waits for less at the end);
-                # not in a launch of one or two units, whose last PVs then wait behind the statistics
+                # not where the last PVs are too few to hide them, which then wait behind the statistics
                 prev.blk.o_ns = _finish_stats(cfg, steps, prev.blk, False)
     while pipe.pv_at < len(pipe.pv):
         _pv_tile(cfg, pipe)
@@ -1956,9 +2072,8 @@ def attention_fwd(q_ref, k_ref, v_ref, sinks_ref=None, bound_min=None, bound_max
         f(cfg, hbm, launch)
     if cfg.masked and cfg.mask != "affine":
         launch.bounds = _load_bounds(cfg, bound_min, bound_max)
-    slabs = []
-    for t0 in range(0, cfg.n_qt, cfg.slab_tiles):
-        slabs.append((t0, min(t0 + cfg.slab_tiles, cfg.n_qt)))
-    units = _plan_units(cfg, start, stop, slabs)
+    units = _plan_units(cfg, start, stop, _slabs(cfg))
+    if cfg.vt_cache and _vt_ring_need(cfg, units) > cfg.vt_ring:
+        cfg.vt_cache = False  # a unit would overwrite a chunk still read: V^T per unit (it fits where the ring does)
     _attend_all(cfg, hbm, sinks_ref, launch, steps, units)
     return o_ref, lse_ref

@@ -266,12 +266,20 @@ def test_statistics_batched_per_block():
     assert o_updates == want > 0
 
 
-@pytest.mark.parametrize("nheads,sq,early", [(1, 512, False), (2, 1024, False), (2, 2560, True)])
-def test_last_block_statistics_early_only_in_longer_launches(nheads, sq, early):
+@pytest.mark.parametrize("nheads,sq,d,causal,early", [
+    (1, 512, 128, True, False), (2, 1024, 128, False, False),  # one and two units: nothing in flight
+    (4, 2048, 128, True, True),  # shape (a): 12 units, the last one's PVs 60 chunks x 128 columns
+    (1, 1536, 128, True, False),  # 3 units, the last one a causal diagonal of 10 chunks
+    (2, 2048, 64, False, False),  # 8 units, the last one full (64 chunks) but d_v 64
+    (8, 1024, 64, True, True),  # 8 units, light, but its block's only one
+    (2, 2048, 256, True, True),  # 10 units, light, but head dims > 128 (one-tile key blocks) keep the step
+])
+def test_last_block_statistics_early_only_before_enough_pv_work(nheads, sq, d, causal, early):
     # the pipeline's last block takes its statistics (its reciprocal) before its last PV matmuls only in a launch
-    # of more than STATS_EARLY_MIN_UNITS units; a shorter one has nothing in flight to hide them behind
-    q, k, v = make_qkv(nheads=nheads, nheads_kv=1, d=64, sq=sq, dtype=torch.bfloat16, seed=34)
-    _, rec = traced(q, k, v, use_causal_mask=True)
+    # of more than STATS_EARLY_MIN_UNITS units whose last unit is its block's only one, has a head dim > 128 or PVs
+    # moving at least STATS_EARLY_PV_COLUMNS columns; with less the last PVs would wait behind the statistics
+    q, k, v = make_qkv(nheads=nheads, nheads_kv=1, d=d, sq=sq, dtype=torch.bfloat16, seed=34)
+    _, rec = traced(q, k, v, use_causal_mask=causal)
     instrs = [r.instr for r in rec]
     last_recip = max(i for i, n in enumerate(instrs) if n == "reciprocal")
     last_mm = max(i for i, n in enumerate(instrs) if n == "nc_matmul")
@@ -356,6 +364,53 @@ def test_v_transposed_once_per_work_item():
     # a work item of one block has nothing to share: V^T per unit, as before
     small = config(nheads=1, d=64, sq=1024)
     assert small.n_qt <= small.members and not small.vt_cache
+
+
+def test_window_keeps_its_v_transposes_per_chunk_at_any_length():
+    # causal, window 512, d 128, one head: the work item's V^T store is a ring of the chunks the band keeps in
+    # flight, so it is taken at 8192 tokens as at 4096 (sized by seqlen_k it did not fit at 8192, where every unit
+    # transposed its V again): each 128-key chunk loaded and transposed once, and the instruction count grows
+    # with the length (the docs' window figure, target 2.1)
+    counts = {}
+    for s in (4096, 8192):
+        cfg = config(nheads=1, d=128, sq=s, causal=True, window=512)
+        assert cfg.vt_cache and cfg.vt_ring < s // 128
+        q, k, v = make_qkv(nheads=1, nheads_kv=1, d=128, sq=s, dtype=torch.bfloat16, seed=36)
+        _, rec = traced(q, k, v, use_causal_mask=True, sliding_window=512)
+        assert sum(r.dst.shape[1] for r in dmas(rec, src="arg2")) == s  # V of each key once
+        counts[s] = len(rec)
+    assert counts[8192] <= 2.1 * counts[4096]
+
+
+def test_ring_claims_transpose_an_evicted_chunk_again():
+    # the ring's trace-time bookkeeping: a slot holds one chunk; a chunk whose slot another took is claimed (and
+    # so loaded and transposed) again
+    done = [-1] * 8
+    assert fwd._claim_chunks(done, 0, 6) == [0, 1, 2, 3, 4, 5]
+    assert fwd._claim_chunks(done, 4, 10) == [6, 7, 8, 9]  # 8 and 9 take the slots of 0 and 1
+    assert fwd._claim_chunks(done, 0, 4) == [0, 1]  # 2 and 3 are still held
+    assert done == [0, 1, 2, 3, 4, 5, 6, 7]
+
+
+def test_ring_slots_reused_give_the_per_unit_result():
+    # 4096 keys, window 256, key blocks of 2 tiles: the ring holds 24 of the 32 chunks, so slots are reused (each
+    # chunk still transposed once); a deeper PV lag leaves no room for a store (V^T per unit, transposed again by
+    # every unit). Moving V^T changes no arithmetic: bit for bit the same, and the golden's criterion
+    q, k, v = make_qkv(nheads=1, nheads_kv=1, d=64, sq=4096, dtype=torch.bfloat16, seed=37)
+    shp = attention_shape(np.zeros((1, 1, 64, 4096), np.float32), np.zeros((1, 1, 64, 4096), np.float32),
+                          use_causal_mask=True, sliding_window=256)
+    ring = fwd._FwdConfig(shp, nl.bfloat16, nl.float32, True, kb_tiles=2)
+    per_unit = fwd._FwdConfig(shp, nl.bfloat16, nl.float32, True, kb_tiles=2, pv_lag=64)
+    assert ring.vt_cache and ring.vt_ring < 32 and not per_unit.vt_cache
+    out = {}
+    for lag in (None, 64):
+        (o, lse), rec = traced(q, k, v, use_causal_mask=True, sliding_window=256, kb_tiles=2, pv_lag=lag)
+        out[lag] = (o, lse, sum(1 for r in rec if r.instr == "nc_transpose" and r.srcs[0].shape == (64, 128)))
+    assert out[None][2] == 32 < out[64][2]
+    assert torch.equal(out[None][0], out[64][0]) and torch.equal(out[None][1], out[64][1])
+    check_fwd_outputs(out[None][0], out[None][1], q, k, v, None, True,
+                      dict(bound_min=None, bound_max=None, use_causal_mask=True, softmax_scale=None,
+                           sliding_window=256))
 
 
 def test_first_loads_split_and_last_slab_stored_early():
