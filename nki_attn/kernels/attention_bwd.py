@@ -5,8 +5,8 @@ use_causal_mask=False, mixed_precision=False, softmax_scale=None, sliding_window
 alibi_slopes=None, window_size=None, dropout_p=0.0, dropout_seed=None, k_section_len=None, group_max=None,
 block_members_max=None, p_cast_on_gpsimd=None, ds_dma_transpose=None, attn_bias=None, bias_grad=False,
 block_mask=None, block_bits=None, logit_scale=None, ds_dma_every=None, pipe_lead=None, pipe_lag_b=None,
-pipe_lag_d=None, d_from_o=False)`` returns ``(dq, dk, dv)``, then ``dsinks`` with sinks, then ``dlogit_scale`` (float32
-``[bs, nheads]``) with a logit scale: the layouts and semantics of
+pipe_lag_d=None, d_from_o=False, qk_transposed=None)`` returns ``(dq, dk, dv)``, then ``dsinks`` with sinks, then
+``dlogit_scale`` (float32 ``[bs, nheads]``) with a logit scale: the layouts and semantics of
 ``golden.attention_bwd_torch.attention_bwd_torch_ref`` (see docs/semantics.md). docs/kernel-bwd.md explains the
 design; each step below is named there after the function that implements it. Kernel code stays in NKI's
 compile-time subset (checked by the simulator's frontend check): invalid arguments fail an ``assert`` on
@@ -87,6 +87,19 @@ PIPE_LEAD = 4
 DS_DMA_EVERY = 1
 PIPE_LAG_B = 2
 PIPE_LAG_D = 4
+# TensorE's shortest matmul, in moving columns (cost model v2: MM_INIT_LATENCY, 64 cycles; docs/performance.md):
+# a matmul streaming fewer columns takes as long as one streaming this many (``transposed_qk_grads``).
+MM_MIN_COLUMNS = 64
+# With the transposed dQ (``transposed_qk_grads``), a group's dQ leaves PSUM in two parts: the ScalarE copy at
+# its last visit's stage D, and the TensorE transposes back to the HBM layout DQ_T_LAG visits later, so TensorE
+# does not wait for that copy (``_pipeline``).
+DQ_T_LAG = 2
+# With the same rule, a block's O * dO product (for D) is formed D_PRODUCT_LAG visits after its loads instead of
+# at its first stage A, so the ones-vector matmuls that sum it do not wait for VectorE there (``_pipeline``).
+D_PRODUCT_LAG = 2
+# With the transposed dK, the keys whose dK and dV are final after a key tile's eviction are transposed and
+# stored (``_store_keys``) KEY_STORE_LAG visits after it, so TensorE does not wait for the eviction.
+KEY_STORE_LAG = 2
 
 
 # ----------------------------------------------------------------------------------------------- planning
@@ -155,7 +168,7 @@ def block_members(d_tiles, itemsize, dq_fp32, v_tiles=None, group_max=None, bloc
 def sbuf_usage(d_head, d_tiles, itemsize, section_len, group, seqlen_q, mixed_precision=False, packing=False,
                num_sinks=0, trn1_packing=False, dq_fp32=False, d_v=None, v_tiles=None, dropout=False,
                group_max=None, block_members_max=None, mod_bytes=(0, 0), pipe=(PIPE_LEAD, PIPE_LAG_B, PIPE_LAG_D),
-               live_sections=1):
+               live_sections=1, dq_transposed=False):
     """SBUF bytes per partition of the kernel's live tensors, by category. ``pipe``: ``(pipe_lead, pipe_lag_b,
     pipe_lag_d)`` of the software pipeline; ``live_sections``: K/V sections whose buffers are live at once (2
     when the pipeline runs more than one section, of one work item or several: the next one loads while the
@@ -163,8 +176,10 @@ def sbuf_usage(d_head, d_tiles, itemsize, section_len, group, seqlen_q, mixed_pr
     lead: loading, in stage A, in stage D), two groups, two visits' stage-A tiles and the visit buffers in flight
     between stages A, B and D (``in_flight``). ``mod_bytes``: ``(persistent, per_key)``, the bytes the score
     modifications' steps add per work item and per key of a visit (``_mod_bytes``: their ``bwd_sbuf``).
-    ``d_head``/``d_tiles``: d_qk and its partition tiles; ``d_v``/``v_tiles`` default to them. Used by the
-    trace-time budget check and docs/kernel-bwd.md."""
+    ``d_head``/``d_tiles``: d_qk and its partition tiles; ``d_v``/``v_tiles`` default to them.
+    ``dq_transposed`` (``transposed_qk_grads``): the groups' dQ copies waiting ``DQ_T_LAG`` visits for their
+    transposes (``_evict_dq_transposed``) and the dK staging tiles of the key stores (``_store_keys``) are counted
+    in ``in_flight``, and the section's dK accumulator in its transposed layout. Used by the trace-time budget check and docs/kernel-bwd.md."""
     e = itemsize
     nq = seqlen_q // PMAX
     pe = 4 if mixed_precision else e
@@ -173,6 +188,11 @@ def sbuf_usage(d_head, d_tiles, itemsize, section_len, group, seqlen_q, mixed_pr
     if v_tiles is None:
         v_tiles = d_tiles
     section = int(section_len * section_bytes_per_key(d_head, d_tiles, itemsize, v_tiles))
+    # with the transposed path, the partial Q/K tile (the last; MLA's 64 rows) is the transposed one
+    rn_t = d_head - PMAX * (d_tiles - 1)
+    if dq_transposed and rn_t < PMAX:
+        # its dK accumulator is [128 keys, rn_t] per 128-key chunk: rn_t * 4 / 128 bytes per key instead of 4
+        section -= int(section_len * (4 - rn_t * 4 / PMAX))
     # -LSE and D of every member; the ones column (D); the identity of the dQ reload (several sections)
     persistent = 2 * group * nq * 4 + 4 + PMAX * 4
     if packing:
@@ -196,6 +216,10 @@ def sbuf_usage(d_head, d_tiles, itemsize, section_len, group, seqlen_q, mixed_pr
                + K_TILE * mod_bytes[1])                    # the score modifications' tiles
     per_visit = stage_a + p_cast + 2 * K_TILE * e
     in_flight = 2 * stage_a + (lag_b + 1) * (p_cast + K_TILE * e) + (max(lag_b, lag_d) - lag_b + 1) * K_TILE * e
+    if dq_transposed and rn_t < PMAX:
+        # at most one group per visit waits between its dQ copy and its transposes, each g x rn_t (<= fp32); the
+        # transposed dK of at most one key tile per visit waits in a staging tile for its store, K_TILE keys
+        in_flight += (DQ_T_LAG + 1) * g * rn_t * 4 + (KEY_STORE_LAG + 1) * K_TILE * e
     # blocks: the one in stage D, the one in stage A and, with a lead, the one whose loads are in flight
     n_blocks = 3 if lead > 0 else 2
     total = live_sections * section + persistent + n_blocks * per_block + 2 * per_group + in_flight
@@ -204,13 +228,64 @@ def sbuf_usage(d_head, d_tiles, itemsize, section_len, group, seqlen_q, mixed_pr
             "d_tile": min(d_head, PMAX)}
 
 
-def psum_banks(d_tiles, v_tiles=None):
+def transposed_qk_grads(d_qk, d_v, qk_rows):
+    """True when dQ and dK are accumulated transposed, dQ as ``[128 queries, rn]`` per member (``_dq``), dK as
+    ``[128 keys, rn]`` per 128-key chunk (``_dv_dk``), for the partial Q/K head-dim tile of ``rn`` < 128 rows
+    (``BwdConfig.qk_t``): only for d_qk != d_v (every d_qk == d_v launch keeps the untransposed form and its
+    instruction trace), and only when it streams fewer TensorE columns. Per 128-key chunk the untransposed dQ and
+    dK each stream 128 columns (dS^T, dS moving) per Q/K head-dim tile; a transposed tile streams its ``rn``
+    columns (K^T, Q^T moving), at least ``MM_MIN_COLUMNS``: 192 instead of 256 for MLA's 192 = 128 + 64, none
+    saved for d_qk = 128 or 256 (a full tile streams 128 either way, so it is never transposed). It costs one
+    TensorE transpose per member when dQ leaves PSUM (``_finish_dq_transposed``) and one per 128 keys when dK does
+    (``_store_keys``). The pipeline changes that go with it (``_pipeline``: K, V loaded by key tile, dK and dV
+    stored by key as they complete, D's product formed ahead of its block) come with the same rule, so that
+    d_qk == d_v launches keep their instruction trace; ``qk_transposed`` forces the choice either way."""
+    if d_qk == d_v:
+        return False
+    cols = 0
+    for rt in qk_rows:
+        cols += max(rt[1], MM_MIN_COLUMNS)
+    return cols < len(qk_rows) * PMAX
+
+
+def _qk_transposed(a, isz, sec, qk_transposed, mixed_precision, group_max, block_members_max, pipe_lead,
+                   pipe_lag_b, pipe_lag_d):
+    """The launch's choice of the transposed dQ / dK (``BwdConfig.dq_t``): the ``qk_transposed`` keyword when
+    given, else the rule ``transposed_qk_grads`` when the SBUF budget check passes with the buffers it adds
+    (``sbuf_usage``'s ``dq_transposed``), so that the rule never refuses a launch the untransposed path takes
+    (float32 MLA on trn1 falls back to it)."""
+    if qk_transposed is not None:
+        return qk_transposed
+    if not transposed_qk_grads(a.d_qk, a.d_v, a.qk_tiles):
+        return False
+    use = _sbuf_use(a, isz, sec, mixed_precision, group_max, block_members_max, pipe_lead, pipe_lag_b, pipe_lag_d,
+                    True)
+    return use["total"] <= sbuf_bytes_per_partition()
+
+
+def _sbuf_use(a, isz, sec, mixed_precision, group_max, block_members_max, pipe_lead, pipe_lag_b, pipe_lag_d,
+              transposed):
+    """``sbuf_usage`` of a launch (``a`` its ``AttentionShape``, ``isz`` the input dtype's bytes, ``sec`` its
+    section length; ``transposed``: with the transposed dQ / dK's buffers)."""
+    dq_fp32 = mixed_precision and isz != 4 and sec < a.seqlen_k
+    return sbuf_usage(a.d_qk, len(a.qk_tiles), isz, sec, a.group, a.seqlen_q, mixed_precision, a.packing,
+                      a.num_sinks, _is_trn1() and a.packing, dq_fp32, a.d_v, len(a.v_tiles), a.dropout, group_max,
+                      block_members_max, _mod_bytes(a), _pipe_of(pipe_lead, pipe_lag_b, pipe_lag_d),
+                      _live_sections(a, sec), transposed)
+
+
+def psum_banks(d_tiles, v_tiles=None, dq_transposed=False):
     """PSUM banks that can be live at once: a visit's S, dP, dS^T with its group's dV (one per V head-dim tile)
     and dK (one per Q/K head-dim tile) and dQ: d_tiles + v_tiles + 4 (6 for head dims <= 128, 8 for 256). The
     transposes at group, block and section start (Q^T, dO^T, K^T, the D sums) are never live together with dV/dK,
-    which are allocated per key tile inside the group."""
+    which are allocated per key tile inside the group. ``dq_transposed`` (``transposed_qk_grads``): one bank more
+    for the transposes of the dQ eviction and the key stores (an upper bound: the simulator's program-order peak
+    stays 5 banks at MLA's 192 / 128, as without them)."""
     if v_tiles is None:
         v_tiles = d_tiles
+    if dq_transposed:
+        # the transposes of a group's dQ on its way out of PSUM, or of a key store, while later visits run
+        return d_tiles + v_tiles + 5
     return d_tiles + v_tiles + 4
 
 
@@ -482,16 +557,43 @@ def _section_stream(blocks):
     return out, gf
 
 
+def _key_stores(c, s):
+    """Per visit of section ``s``'s stream, the runs ``[(x, y)]`` of 128-key chunks (section-relative) whose dK
+    and dV that visit's eviction (``_evict_dv_dk``, at a key tile's last visit) completes: the last eviction that
+    writes them. Chunks no eviction writes are in no run (``_section_end`` zeroes and stores them)."""
+    k_lo, k_len = c.sections[s]
+    n_ch = k_len // PMAX
+    last = []
+    for j in range(n_ch):
+        last.append(-1)
+    stream = c.streams[s]
+    for jj in range(len(stream)):
+        st = stream[jj]
+        if st.kt_last:
+            kt = c.blocks[s][st.bi].groups[st.gi].ktiles[st.ki]
+            ch0 = (kt.u0 - k_lo) // PMAX
+            for j in range(len(kt.wrote)):
+                if kt.wrote[j]:
+                    last[ch0 + j] = jj
+    out = []
+    for jj in range(len(stream)):
+        done = []
+        for j in range(n_ch):
+            done.append(last[j] == jj)
+        out.append(_runs(done, 0, n_ch))
+    return out
+
+
 class BwdConfig(nl.NKIObject):
     """Trace-time plan of one attention_bwd call (shapes, dtypes, engines, sections, blocks, groups, visits).
 
     ``a``: the call's ``validation.AttentionShape``; ``group_max``, ``block_members_max``, ``p_cast_on_gpsimd``,
-    ``ds_dma_transpose``, ``pipe_lead``, ``pipe_lag_b``, ``pipe_lag_d``: the kernel's tuning keywords (None: the
-    module defaults); ``block_mask``: a ``band.BlockRows`` or None."""
+    ``ds_dma_transpose``, ``pipe_lead``, ``pipe_lag_b``, ``pipe_lag_d``, ``qk_transposed``: the kernel's tuning
+    keywords (None: the module defaults, or the rule); ``block_mask``: a ``band.BlockRows`` or None."""
 
     def __init__(self, a, dtype, mixed, section_len, trn1, group_max=None, block_members_max=None,
                  p_cast_on_gpsimd=None, ds_dma_transpose=None, block_mask=None, ds_dma_every=None, pipe_lead=None,
-                 pipe_lag_b=None, pipe_lag_d=None, d_from_o=False):
+                 pipe_lag_b=None, pipe_lag_d=None, d_from_o=False, qk_transposed=None):
         # (NKI binds one target per attribute assignment: no tuple unpacking into attributes)
         self.bs = a.bs
         self.nheads = a.nheads
@@ -593,6 +695,18 @@ class BwdConfig(nl.NKIObject):
         self.dq_scratch = mixed and str(dtype) != str(nl.float32) and self.n_sections > 1
         self.dq_park_dtype = nl.float32 if self.dq_scratch else dtype
         self.group_size = group_size(self.d_tiles, group_max)
+        # the transposed path (``transposed_qk_grads``) for d_qk != d_v when it streams fewer TensorE columns
+        self.dq_t = _qk_transposed(a, self.itemsize, section_len, qk_transposed, mixed, group_max,
+                                   block_members_max, pipe_lead, pipe_lag_b, pipe_lag_d)
+        # with it, each key's dK and dV are stored as soon as its last eviction is done (``key_stores``) instead of
+        # at the section's end
+        self.dk_t = self.dq_t
+        # per Q/K head-dim tile: transposed or not. A full 128-row tile streams 128 columns either way, so only a
+        # partial tile (MLA's 64 rows) is transposed; the full one keeps the untransposed products and needs no
+        # transposes on its way out
+        self.qk_t = []
+        for rt in a.qk_tiles:
+            self.qk_t.append(self.dq_t and rt[1] < PMAX)
         self.block_members = block_members(self.d_tiles, self.itemsize, self.dq_scratch, self.v_tiles, group_max,
                                            block_members_max)
         if ds_dma_every is None:
@@ -604,11 +718,14 @@ class BwdConfig(nl.NKIObject):
         self.blocks = []
         self.streams = []
         self.stream_groups = []
+        self.key_stores = []
         for s in range(self.n_sections):
             self.blocks.append(_section_blocks(self, s))
             stream, n_groups = _section_stream(self.blocks[s])
             self.streams.append(stream)
             self.stream_groups.append(n_groups)
+            if self.dk_t:
+                self.key_stores.append(_key_stores(self, s))
         # the software pipeline of ``_pipeline`` (stage B never after stage D)
         pipe = _pipe_of(pipe_lead, pipe_lag_b, pipe_lag_d)
         self.pipe_lead = pipe[0]
@@ -693,7 +810,7 @@ def bwd_problem(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref=None, bou
                 window_size=None, dropout_p=0.0, dropout_seed=None, k_section_len=None, group_max=None,
                 block_members_max=None, p_cast_on_gpsimd=None, ds_dma_transpose=None, block_mask=None,
                 block_bits=None, ds_dma_every=None, pipe_lead=None, pipe_lag_b=None, pipe_lag_d=None,
-                d_from_o=False, **mods):
+                d_from_o=False, qk_transposed=None, **mods):
     """``None`` when ``attention_bwd`` accepts these arguments on the current target, else the first problem as
     a message (argument, value, rule); host side: ``nki_attn.kernel_api.attention_bwd`` raises it as
     ``ValueError`` before launching. The score modifications' keywords (``softcap``, ``alibi_slopes``,
@@ -706,13 +823,13 @@ def bwd_problem(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref=None, bou
                         use_causal_mask, mixed_precision, softmax_scale, sliding_window, window_size, dropout_p,
                         dropout_seed, k_section_len, group_max, block_members_max, p_cast_on_gpsimd,
                         ds_dma_transpose, block_mask, block_bits, ds_dma_every, pipe_lead, pipe_lag_b, pipe_lag_d,
-                        d_from_o, mods)
+                        d_from_o, mods, qk_transposed)
 
 
 def _bwd_problem(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref, bound_min, bound_max, use_causal_mask,
                  mixed_precision, softmax_scale, sliding_window, window_size, dropout_p, dropout_seed,
                  k_section_len, group_max, block_members_max, p_cast_on_gpsimd, ds_dma_transpose, block_mask,
-                 block_bits, ds_dma_every, pipe_lead, pipe_lag_b, pipe_lag_d, d_from_o, mods):
+                 block_bits, ds_dma_every, pipe_lead, pipe_lag_b, pipe_lag_d, d_from_o, mods, qk_transposed=None):
     """``bwd_problem`` in kernel code (the kernel asserts on it): ``mods`` the score modifications' arguments by
     kernel keyword."""
     if lse_ref is None or o_ref is None or dy_ref is None:
@@ -735,7 +852,7 @@ def _bwd_problem(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref, bound_m
              ("p_cast_on_gpsimd", p_cast_on_gpsimd, "bool"), ("ds_dma_transpose", ds_dma_transpose, "bool"),
              ("ds_dma_every", ds_dma_every, "int"), ("pipe_lead", pipe_lead, "count"),
              ("pipe_lag_b", pipe_lag_b, "count"),
-             ("pipe_lag_d", pipe_lag_d, "count"))
+             ("pipe_lag_d", pipe_lag_d, "count"), ("qk_transposed", qk_transposed, "bool"))
     for knob in knobs:
         name, value, allowed = knob
         problem = _knob_problem(name, value, allowed)
@@ -753,12 +870,10 @@ def _bwd_problem(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref, bound_m
                   window_size, dropout_p, mods)
     isz = itemsize(q_ref.dtype)
     sec = _section_len(a, isz, k_section_len)
-    trn1 = _is_trn1()
-    dq_fp32 = mixed_precision and isz != 4 and sec < a.seqlen_k
-    use = sbuf_usage(a.d_qk, len(a.qk_tiles), isz, sec, a.group, a.seqlen_q, mixed_precision, a.packing,
-                     a.num_sinks, trn1 and a.packing, dq_fp32, a.d_v, len(a.v_tiles), a.dropout, group_max,
-                     block_members_max, _mod_bytes(a), _pipe_of(pipe_lead, pipe_lag_b, pipe_lag_d),
-                     _live_sections(a, sec))
+    t = _qk_transposed(a, isz, sec, qk_transposed, mixed_precision, group_max, block_members_max, pipe_lead,
+                       pipe_lag_b, pipe_lag_d)
+    use = _sbuf_use(a, isz, sec, mixed_precision, group_max, block_members_max, pipe_lead, pipe_lag_b, pipe_lag_d,
+                    t)
     cap = sbuf_bytes_per_partition()
     if use["total"] > cap:
         return (f"attention_bwd needs {use['total']} SBUF bytes per partition (section {use['section']}, per-row "
@@ -789,7 +904,8 @@ def _shape_of(q_ref, k_ref, v_ref, sinks_ref, bound_min, use_causal_mask, softma
 def _configure(q_ref, k_ref, sinks_ref, bound_min, use_causal_mask, mixed_precision, softmax_scale,
                sliding_window, k_section_len, v_ref=None, window_size=None, dropout_p=0.0, group_max=None,
                block_members_max=None, p_cast_on_gpsimd=None, ds_dma_transpose=None, block_mask=None,
-               ds_dma_every=None, pipe_lead=None, pipe_lag_b=None, pipe_lag_d=None, d_from_o=False, mods=None):
+               ds_dma_every=None, pipe_lead=None, pipe_lag_b=None, pipe_lag_d=None, d_from_o=False, mods=None,
+               qk_transposed=None):
     """The launch's ``BwdConfig``, built once from arguments ``bwd_problem`` accepted (``v_ref`` None: d_v =
     d_qk; ``block_mask`` the kernel's trace-time ``(n_b, n_h, rows)`` or None; ``mods`` the score
     modifications' arguments by kernel keyword)."""
@@ -801,7 +917,7 @@ def _configure(q_ref, k_ref, sinks_ref, bound_min, use_causal_mask, mixed_precis
         rows = BlockRows(block_mask[0], block_mask[1], block_mask[2], a.seqlen_k // PMAX)
     return BwdConfig(a, q_ref.dtype, mixed_precision, sec, _is_trn1(), group_max, block_members_max,
                      p_cast_on_gpsimd, ds_dma_transpose, rows, ds_dma_every, pipe_lead, pipe_lag_b, pipe_lag_d,
-                     d_from_o)
+                     d_from_o, qk_transposed)
 
 
 # ----------------------------------------------------------------------------------------------- engines
@@ -905,21 +1021,31 @@ def _load_bounds(c, bound_min, bound_max):
 
 
 # ----------------------------------------------------------------------------------------------- steps
-def _rowsum_o_dy(c, blk, o_b, dy_b, ones, dsum):
-    """Step 1: D = rowsum(O * dO) of the block's members into ``dsum[:, g, i]`` (fp32). Equals
-    sum_j P_ij dP_ij (O = P V), so the softmax Jacobian needs no key-axis reduction. O and dO are multiplied in
-    their HBM layout (head dim on the partitions: no transpose), one fp32 ``tensor_tensor`` per head-dim tile for
-    the whole block; a ones-vector matmul per member sums the head dim over the partitions into one PSUM column.
-    Run in each member's first section only; D stays in SBUF for the later sections. ``o_b``, ``dy_b``: the
-    block's O and dO tiles (``_block_load``)."""
+def _o_dy_products(c, blk, o_b, dy_b):
+    """O * dO of the block's members in fp32, one VectorE ``tensor_tensor`` per V head-dim tile (``_rowsum_o_dy``'s
+    first half)."""
     n = blk.nh * blk.nt
-    d_ps = nl.ndarray((PMAX, n), dtype=nl.float32, buffer=nl.psum)
     prods = []
     for dt in range(len(c.v_rows)):
         rn = c.v_rows[dt][1]
         prod = nl.ndarray((rn, n * PMAX), dtype=nl.float32, buffer=nl.sbuf)
         nisa.tensor_tensor(dst=prod, data1=o_b[dt], data2=dy_b[dt], op=nl.multiply)
         prods.append(prod)
+    return prods
+
+
+def _rowsum_o_dy(c, blk, o_b, dy_b, ones, dsum, prods=None):
+    """Step 1: D = rowsum(O * dO) of the block's members into ``dsum[:, g, i]`` (fp32). Equals
+    sum_j P_ij dP_ij (O = P V), so the softmax Jacobian needs no key-axis reduction. O and dO are multiplied in
+    their HBM layout (head dim on the partitions: no transpose), one fp32 ``tensor_tensor`` per head-dim tile for
+    the whole block; a ones-vector matmul per member sums the head dim over the partitions into one PSUM column.
+    Run in each member's first section only; D stays in SBUF for the later sections. ``o_b``, ``dy_b``: the
+    block's O and dO tiles (``_block_load``); ``prods``: their products when ``_o_dy_products`` formed them
+    earlier (the transposed rule's pipeline), else None."""
+    n = blk.nh * blk.nt
+    d_ps = nl.ndarray((PMAX, n), dtype=nl.float32, buffer=nl.psum)
+    if prods is None:
+        prods = _o_dy_products(c, blk, o_b, dy_b)
     for j in range(n):
         for dt in range(len(c.v_rows)):
             rn = c.v_rows[dt][1]
@@ -1164,6 +1290,20 @@ def _dv_dk(c, v, dyT, qT, p_mm, ds, dv_ps, dk_ps):
             r0, rn = c.v_rows[dt]
             nisa.nc_matmul(dst=dv_ps[dt][:, a:e], stationary=dyT[:, r0:r0 + rn], moving=p_mm[:, cols],
                            accumulate=acc)
+        if c.dk_t:
+            for dt in range(len(c.qk_rows)):
+                r0, rn = c.qk_rows[dt]
+                if not c.qk_t[dt]:
+                    nisa.nc_matmul(dst=dk_ps[dt][:, a:e], stationary=qT[:, r0:r0 + rn], moving=ds[:, cols],
+                                   accumulate=acc)
+                    continue
+                # transposed (``transposed_qk_grads``): dK^T [128 keys, rn] += dS^T Q^T per 128-key chunk, the
+                # chunk of dS the stationary operand, Q^T's rn columns the moving one
+                for ch in range(a // PMAX, e // PMAX):
+                    d0 = ch * PMAX - v.off
+                    nisa.nc_matmul(dst=dk_ps[dt][:, ch * rn:(ch + 1) * rn], stationary=ds[:, d0:d0 + PMAX],
+                                   moving=qT[:, r0:r0 + rn], accumulate=acc)
+            continue
         for dt in range(len(c.qk_rows)):
             r0, rn = c.qk_rows[dt]
             nisa.nc_matmul(dst=dk_ps[dt][:, a:e], stationary=qT[:, r0:r0 + rn], moving=ds[:, cols],
@@ -1186,12 +1326,55 @@ def _transpose_ds(c, v, ds):
     return dsT
 
 
+def _dq_cols(c, dt):
+    """Columns one member's Q/K head-dim tile ``dt`` takes in the group's dQ PSUM tile: 128 queries, or its ``rn``
+    rows when it is transposed (``c.qk_t``)."""
+    if c.qk_t[dt]:
+        return c.qk_rows[dt][1]
+    return PMAX
+
+
+def _dq_width(c):
+    """Columns of a group's fp32 dQ PSUM tile (one bank): ``group_size`` members x ``_dq_cols`` per Q/K head-dim
+    tile."""
+    w = 0
+    for dt in range(len(c.qk_rows)):
+        w += c.group_size * _dq_cols(c, dt)
+    return w
+
+
+def _dq_col(c, dt, m):
+    """First column of member ``m``'s Q/K head-dim tile ``dt`` in the group's dQ PSUM tile: tile-major, the
+    group's members side by side (``[rn, 128 queries]`` each, or ``[128 queries, rn]`` transposed). For
+    untransposed tiles only this is ``(dt * group_size + m) * 128``."""
+    col = 0
+    for t in range(dt):
+        col += c.group_size * _dq_cols(c, t)
+    return col + m * _dq_cols(c, dt)
+
+
 def _dq(c, v, dsT, kts, kk, dq_ps, dq_fresh):
     """Step 5.1: dQ += dS K, contracting keys on the partitions (dS^T, ``_transpose_ds``, against the section's
     K^T), into the member's columns of the group's dQ PSUM tile, accumulated over all the key tiles of the
     section (onto the earlier sections' partial sum, which ``_reload_dq`` put there, unless ``dq_fresh``)."""
     n_ch = v.kw // PMAX
     ch0 = kk // PMAX
+    if c.dq_t:
+        for dt in range(len(c.qk_rows)):
+            rn = c.qk_rows[dt][1]
+            col = _dq_col(c, dt, v.m)
+            for ch in range(n_ch):
+                acc = not (dq_fresh and v.dq_first and ch == 0)
+                ktc = kts[dt][:, (ch0 + ch) * rn:(ch0 + ch + 1) * rn]
+                if c.qk_t[dt]:
+                    # transposed (``transposed_qk_grads``): dQ^T [128 queries, rn] += dS K^T, dS^T the stationary
+                    # operand, the tile's K^T the moving one (rn columns streamed instead of 128)
+                    nisa.nc_matmul(dst=dq_ps[:, col:col + rn], stationary=dsT[:, 0, ch, :], moving=ktc,
+                                   accumulate=acc)
+                else:
+                    nisa.nc_matmul(dst=dq_ps[0:rn, col:col + PMAX], stationary=ktc, moving=dsT[:, 0, ch, :],
+                                   accumulate=acc)
+        return
     for dt in range(len(c.qk_rows)):
         rn = c.qk_rows[dt][1]
         col = (dt * c.group_size + v.m) * PMAX
@@ -1239,16 +1422,23 @@ def _evict_dv_dk(c, kt, sec, dv_ps, dk_ps):
             else:
                 nisa.tensor_copy(dst=dst, src=dv_ps[dt][:, src])
         for dt in range(len(c.qk_rows)):
-            dst = sec.dk_acc[dt][:, x:y]
+            if c.qk_t[dt]:
+                # transposed: chunk j's rn columns at j * rn, in PSUM and in the accumulator
+                rn = c.qk_rows[dt][1]
+                dst = sec.dk_acc[dt][:, x // PMAX * rn:y // PMAX * rn]
+                dk_src = dk_ps[dt][:, (x - a0) // PMAX * rn:(y - a0) // PMAX * rn]
+            else:
+                dst = sec.dk_acc[dt][:, x:y]
+                dk_src = dk_ps[dt][:, src]
             if acc and c.dk_scale == 1.0:
-                nisa.tensor_tensor(dst=dst, data1=dst, data2=dk_ps[dt][:, src], op=nl.add)
+                nisa.tensor_tensor(dst=dst, data1=dst, data2=dk_src, op=nl.add)
             elif acc:
-                nisa.scalar_tensor_tensor(dst=dst, data=dk_ps[dt][:, src], op0=nl.multiply, operand0=c.dk_scale,
+                nisa.scalar_tensor_tensor(dst=dst, data=dk_src, op0=nl.multiply, operand0=c.dk_scale,
                                           op1=nl.add, operand1=dst)
             elif c.dk_scale == 1.0:
-                nisa.tensor_copy(dst=dst, src=dk_ps[dt][:, src])
+                nisa.tensor_copy(dst=dst, src=dk_src)
             else:
-                nisa.tensor_scalar(dst=dst, data=dk_ps[dt][:, src], op0=nl.multiply, operand0=c.dk_scale)
+                nisa.tensor_scalar(dst=dst, data=dk_src, op0=nl.multiply, operand0=c.dk_scale)
 
 
 def _reload_dq(c, grp, dq_ps, dq_prev, ident):
@@ -1260,7 +1450,14 @@ def _reload_dq(c, grp, dq_ps, dq_prev, ident):
         col = grp.members[mi][2]
         for dt in range(len(c.qk_rows)):
             rn = c.qk_rows[dt][1]
-            pc = (dt * c.group_size + mi) * PMAX
+            if c.qk_t[dt]:
+                # transposed: the partial sum [rn, 128 queries] is the stationary operand, the identity the
+                # moving one, so the product is its transpose [128 queries, rn] (exact, as above)
+                pc = _dq_col(c, dt, mi)
+                nisa.nc_matmul(dst=dq_ps[:, pc:pc + rn], stationary=dq_prev[dt][:, col:col + PMAX],
+                               moving=ident[0:rn, 0:rn], accumulate=False)
+                continue
+            pc = _dq_col(c, dt, mi)
             nisa.nc_matmul(dst=dq_ps[0:rn, pc:pc + PMAX], stationary=ident[0:rn, 0:rn],
                            moving=dq_prev[dt][:, col:col + PMAX], accumulate=False)
 
@@ -1280,6 +1477,83 @@ def _evict_dq(c, grp, blk, dq_ps, dq_stage):
             _copy_on_scalar(c, dq_stage[dt][:, col:col + PMAX], dq_ps[0:rn, pc:pc + PMAX], scale)
 
 
+def _dq_t_base(c):
+    """First column of the transposed Q/K tiles in the group's dQ PSUM tile (they come last: only the partial
+    tile, the last, is transposed); the SBUF copy of ``_evict_dq_transposed`` holds the columns from there on."""
+    for dt in range(len(c.qk_rows)):
+        if c.qk_t[dt]:
+            return _dq_col(c, dt, 0)
+    return _dq_width(c)
+
+
+def _consecutive(grp):
+    """True when the group's members sit in consecutive 128-column slots of their block's tiles."""
+    ok = True
+    for mi in range(len(grp.members)):
+        if grp.members[mi][2] != grp.members[0][2] + mi * PMAX:
+            ok = False
+    return ok
+
+
+def _evict_dq_transposed(c, grp, dq_ps, dq_stage, scale):
+    """``_evict_dq`` for the transposed dQ (``c.dq_t``), first part: per transposed Q/K head-dim tile ONE ScalarE
+    copy of the group's ``[128 queries, rn]`` columns out of PSUM, times ``scale``, rounded to the staging dtype
+    (the one rounding); an untransposed tile goes straight into the staging tile as in ``_evict_dq`` (one copy
+    for the group when its members are consecutive). Returns the SBUF copy for ``_finish_dq_transposed``."""
+    n = len(grp.members)
+    base = _dq_t_base(c)
+    sb = None
+    if base < _dq_width(c):
+        sb = nl.ndarray((PMAX, _dq_width(c) - base), dtype=dq_stage[0].dtype, buffer=nl.sbuf)
+    for dt in range(len(c.qk_rows)):
+        rn = c.qk_rows[dt][1]
+        a = _dq_col(c, dt, 0)
+        if c.qk_t[dt]:
+            _copy_on_scalar(c, sb[:, a - base:a - base + n * rn], dq_ps[:, a:a + n * rn], scale)
+        elif _consecutive(grp):
+            col = grp.members[0][2]
+            _copy_on_scalar(c, dq_stage[dt][:, col:col + n * PMAX], dq_ps[0:rn, a:a + n * PMAX], scale)
+        else:
+            for mi in range(n):
+                col = grp.members[mi][2]
+                pc = _dq_col(c, dt, mi)
+                _copy_on_scalar(c, dq_stage[dt][:, col:col + PMAX], dq_ps[0:rn, pc:pc + PMAX], scale)
+    return sb
+
+
+def _finish_dq_transposed(c, grp, sb, dq_stage):
+    """``_evict_dq``'s second part for the transposed dQ, ``DQ_T_LAG`` visits after the first: one TensorE
+    transpose per member and transposed Q/K head-dim tile of the copy ``sb`` back to ``[rn, 128 queries]``
+    (exact) into one PSUM tile, and one ScalarE copy per tile (per member when the members' block columns are not
+    consecutive) into the block's staging tile."""
+    if sb is None:
+        return
+    n = len(grp.members)
+    tp = nl.ndarray((PMAX, len(c.qk_rows) * n * PMAX), dtype=sb.dtype, buffer=nl.psum)
+    for dt in range(len(c.qk_rows)):
+        rn = c.qk_rows[dt][1]
+        if not c.qk_t[dt]:
+            continue
+        for mi in range(n):
+            a = _dq_col(c, dt, mi) - _dq_t_base(c)
+            t0 = (dt * n + mi) * PMAX
+            nisa.nc_transpose(dst=tp[0:rn, t0:t0 + PMAX], data=sb[:, a:a + rn])
+    consecutive = _consecutive(grp)
+    for dt in range(len(c.qk_rows)):
+        rn = c.qk_rows[dt][1]
+        if not c.qk_t[dt]:
+            continue
+        if consecutive:
+            col = grp.members[0][2]
+            t0 = dt * n * PMAX
+            _copy_on_scalar(c, dq_stage[dt][:, col:col + n * PMAX], tp[0:rn, t0:t0 + n * PMAX], 1.0)
+        else:
+            for mi in range(n):
+                col = grp.members[mi][2]
+                t0 = (dt * n + mi) * PMAX
+                _copy_on_scalar(c, dq_stage[dt][:, col:col + PMAX], tp[0:rn, t0:t0 + PMAX], 1.0)
+
+
 class _MemberData(nl.NKIObject):
     """One member's views for its visits: ``q`` / ``dy`` its Q and dO tiles (head dim on the partitions), ``qT`` /
     ``dyT`` their transposes (``_transpose_members``), ``rows`` its dropout row words (or None)."""
@@ -1296,7 +1570,8 @@ class _SectionBufs(nl.NKIObject):
     """The buffers of one K/V section ``s`` (keys ``[k_lo, k_lo + k_len)``): ``ks`` / ``vs`` / ``kts`` K, V and
     K^T per head-dim tile (``_load_kv_section``), ``dk_acc`` / ``dv_acc`` the fp32 accumulators; ``written``: per
     128-key chunk, whether an eviction has written its accumulator columns yet (the first one overwrites, so the
-    accumulators need no zeroing)."""
+    accumulators need no zeroing); ``loaded`` / ``kT_done``: per 512-key tile, whether its K, V and its K^T are
+    there yet (the transposed rule's loads by key tile)."""
 
     def __init__(self, s, k_lo, k_len, ks, vs, kts, dk_acc, dv_acc):
         self.s = s
@@ -1310,6 +1585,12 @@ class _SectionBufs(nl.NKIObject):
         self.written = []
         for j in range(k_len // PMAX):
             self.written.append(False)
+        # per 512-key tile, with the transposed rule (``_section_start``): K, V loaded; K^T formed
+        self.loaded = []
+        self.kT_done = []
+        for t in range((k_len + K_TILE - 1) // K_TILE):
+            self.loaded.append(False)
+            self.kT_done.append(False)
 
 
 class _BlockBufs(nl.NKIObject):
@@ -1323,6 +1604,8 @@ class _BlockBufs(nl.NKIObject):
         self.dq_stage = dq_stage
         self.dq_prev = dq_prev
         self.o = o
+        # O * dO, formed before stage A by the transposed rule's pipeline (``_o_dy_products``), else None
+        self.prods = None
 
 
 def _block_load(c, hbm, item, blk):
@@ -1432,7 +1715,11 @@ def _key_tile_psum(c, kt):
         dv_ps.append(nl.ndarray((rt[1], kt.uw), dtype=nl.float32, buffer=nl.psum))
     dk_ps = []
     for rt in c.qk_rows:
-        dk_ps.append(nl.ndarray((rt[1], kt.uw), dtype=nl.float32, buffer=nl.psum))
+        if c.dk_t and rt[1] < PMAX:
+            # transposed: [128 keys, rn] per 128-key chunk of the key tile, side by side
+            dk_ps.append(nl.ndarray((PMAX, kt.uw // PMAX * rt[1]), dtype=nl.float32, buffer=nl.psum))
+        else:
+            dk_ps.append(nl.ndarray((rt[1], kt.uw), dtype=nl.float32, buffer=nl.psum))
     return dv_ps, dk_ps
 
 
@@ -1479,24 +1766,76 @@ def _identity(c):
 
 
 def _section_start(c, hbm, item, s):
-    """A K/V section ``s`` of a work item: load K, V and K^T (only when a query tile sees a key of it), allocate
-    the fp32 dK, dV accumulators (written by the evictions, ``_evict_dv_dk``). Returns its ``_SectionBufs``."""
+    """A K/V section ``s`` of a work item: load K, V and K^T (only when a query tile sees a key of it; with the
+    transposed rule, ``c.dq_t``, only allocate them: ``_load_key_tile`` and ``_transpose_key_tile`` fill them by
+    key tile), allocate the fp32 dK, dV accumulators (written by the evictions, ``_evict_dv_dk``). Returns its
+    ``_SectionBufs``."""
     k_lo, k_len = c.sections[s]
     ks, vs, kts = None, None, None
-    if c.streams[s]:
+    if c.streams[s] and c.dq_t:
+        # the transposed rule loads K, V by 512-key tile as the visits first need them (``_load_key_tile``)
+        ks, vs, kts = [], [], []
+        for rt in c.qk_rows:
+            ks.append(nl.ndarray((rt[1], k_len), dtype=c.mm_dtype, buffer=nl.sbuf))
+            kts.append(nl.ndarray((PMAX, k_len // PMAX * rt[1]), dtype=c.mm_dtype, buffer=nl.sbuf))
+        for rt in c.v_rows:
+            vs.append(nl.ndarray((rt[1], k_len), dtype=c.mm_dtype, buffer=nl.sbuf))
+    elif c.streams[s]:
         ks, vs, kts = _load_kv_section(c, hbm.k, hbm.v, item.b, item.kvh, k_lo, k_len)
     dk_acc, dv_acc = [], []
     for rt in c.qk_rows:
-        dk_acc.append(nl.ndarray((rt[1], k_len), dtype=nl.float32, buffer=nl.sbuf))
+        if c.dk_t and rt[1] < PMAX:
+            # transposed: [128 keys, rn] per 128-key chunk (fewer bytes than [rn, k_len])
+            dk_acc.append(nl.ndarray((PMAX, k_len // PMAX * rt[1]), dtype=nl.float32, buffer=nl.sbuf))
+        else:
+            dk_acc.append(nl.ndarray((rt[1], k_len), dtype=nl.float32, buffer=nl.sbuf))
     for rt in c.v_rows:
         dv_acc.append(nl.ndarray((rt[1], k_len), dtype=nl.float32, buffer=nl.sbuf))
     return _SectionBufs(s, k_lo, k_len, ks, vs, kts, dk_acc, dv_acc)
+
+
+def _load_key_tile(c, hbm, item, sec, t):
+    """The transposed rule's section load, one 512-key tile ``t`` of section ``sec`` at a time: K and V of its
+    keys (one DMA per head-dim tile), at the stage L of the first visit that needs them, so the first visits
+    do not wait for the whole section to arrive."""
+    x = t * K_TILE
+    w = min(K_TILE, sec.k_len - x)
+    k0 = sec.k_lo + x
+    for dt in range(len(c.qk_rows)):
+        r0, rn = c.qk_rows[dt]
+        nisa.dma_copy(dst=sec.ks[dt][:, x:x + w], src=hbm.k[item.b, item.kvh, r0:r0 + rn, k0:k0 + w])
+    for dt in range(len(c.v_rows)):
+        r0, rn = c.v_rows[dt]
+        nisa.dma_copy(dst=sec.vs[dt][:, x:x + w], src=hbm.v[item.b, item.kvh, r0:r0 + rn, k0:k0 + w])
+    sec.loaded[t] = True
+
+
+def _transpose_key_tile(c, sec, t):
+    """K^T of 512-key tile ``t`` (``_load_kv_section``'s layout: chunk j at columns ``j * rn``), at the stage A of
+    the first visit that needs it, ``c.pipe_lead`` visits after its load: TensorE transposes into one PSUM tile
+    per Q/K head-dim tile, one VectorE copy each."""
+    x = t * K_TILE
+    n_ch = min(K_TILE, sec.k_len - x) // PMAX
+    ch0 = x // PMAX
+    for dt in range(len(c.qk_rows)):
+        rn = c.qk_rows[dt][1]
+        ps = nl.ndarray((PMAX, n_ch * rn), dtype=c.mm_dtype, buffer=nl.psum)
+        for j in range(n_ch):
+            ch = ch0 + j
+            nisa.nc_transpose(dst=ps[:, j * rn:(j + 1) * rn], data=sec.ks[dt][:, ch * PMAX:(ch + 1) * PMAX])
+        nisa.tensor_copy(dst=sec.kts[dt][:, ch0 * rn:(ch0 + n_ch) * rn], src=ps)
+    sec.kT_done[t] = True
 
 
 def _section_end(c, hbm, item, sec):
     """Write dK, dV of a section (cast on the DMA), zeroing first the key chunks no visit reached."""
     b = item.b
     hk = item.kvh
+    if c.dk_t:
+        # the written keys went out with their last eviction (``_store_keys``): zeros for the others
+        for run in _runs(sec.written, 0, len(sec.written), False):
+            _store_keys(c, hbm, item, sec, run[0], run[1], True)
+        return
     for run in _runs(sec.written, 0, len(sec.written), False):
         j, e = run
         for t in sec.dk_acc:
@@ -1509,6 +1848,51 @@ def _section_end(c, hbm, item, sec):
     for dt in range(len(c.v_rows)):
         r0, rn = c.v_rows[dt]
         nisa.dma_copy(dst=hbm.dv[b, hk, r0:r0 + rn, sec.k_lo:sec.k_lo + sec.k_len], src=sec.dv_acc[dt])
+
+
+def _store_keys(c, hbm, item, sec, x, y, zero):
+    """Transposed dK (``c.dk_t``): store dK and dV of the section's 128-key chunks ``[x, y)`` (zeros when
+    ``zero``: no visit reached them). dV and an untransposed dK tile go out of their accumulators as they are
+    (cast on the DMA). A transposed dK tile, ``[128 keys, rn]`` per chunk, goes back to the HBM layout by TensorE transposes (float32, exact), 4 chunks per PSUM bank,
+    each bank copied by ScalarE into a staging tile in the output dtype (the one rounding), one DMA per Q/K
+    head-dim tile. A run of keys that one eviction completes lies in one key tile; a zero run (``_section_end``)
+    may be longer and goes out of one zero tile of at most K_TILE keys."""
+    b = item.b
+    hk = item.kvh
+    k0 = sec.k_lo + x * PMAX
+    k1 = sec.k_lo + y * PMAX
+    for dt in range(len(c.v_rows)):
+        r0, rn = c.v_rows[dt]
+        if zero:
+            nisa.memset(dst=sec.dv_acc[dt][:, x * PMAX:y * PMAX], value=0.0, engine=nisa.engine.gpsimd)
+        nisa.dma_copy(dst=hbm.dv[b, hk, r0:r0 + rn, k0:k1], src=sec.dv_acc[dt][:, x * PMAX:y * PMAX])
+    per = K_TILE // PMAX
+    for dt in range(len(c.qk_rows)):
+        r0, rn = c.qk_rows[dt]
+        if not c.qk_t[dt]:
+            # an untransposed tile goes out of its accumulator as dV does
+            if zero:
+                nisa.memset(dst=sec.dk_acc[dt][:, x * PMAX:y * PMAX], value=0.0, engine=nisa.engine.gpsimd)
+            nisa.dma_copy(dst=hbm.dk[b, hk, r0:r0 + rn, k0:k1], src=sec.dk_acc[dt][:, x * PMAX:y * PMAX])
+            continue
+        if zero:
+            # one zero tile of at most K_TILE keys, stored as often as the run needs
+            zt = nl.ndarray((rn, min(y - x, per) * PMAX), dtype=c.mm_dtype, buffer=nl.sbuf)
+            nisa.memset(dst=zt, value=0.0, engine=nisa.engine.gpsimd)
+            for g0 in range(x, y, per):
+                gn = min(per, y - g0)
+                kz = sec.k_lo + g0 * PMAX
+                nisa.dma_copy(dst=hbm.dk[b, hk, r0:r0 + rn, kz:kz + gn * PMAX], src=zt[:, 0:gn * PMAX])
+            continue
+        stage = nl.ndarray((rn, (y - x) * PMAX), dtype=c.mm_dtype, buffer=nl.sbuf)
+        for g0 in range(x, y, per):
+            gn = min(per, y - g0)
+            tp = nl.ndarray((PMAX, gn * PMAX), dtype=nl.float32, buffer=nl.psum)
+            for j in range(gn):
+                ch = g0 + j
+                nisa.nc_transpose(dst=tp[0:rn, j * PMAX:(j + 1) * PMAX], data=sec.dk_acc[dt][:, ch * rn:(ch + 1) * rn])
+            _copy_on_scalar(c, stage[:, (g0 - x) * PMAX:(g0 - x + gn) * PMAX], tp[0:rn, :], 1.0)
+        nisa.dma_copy(dst=hbm.dk[b, hk, r0:r0 + rn, k0:k1], src=stage)
 
 
 class _Segment(nl.NKIObject):
@@ -1582,7 +1966,16 @@ def _pipeline(c, hbm, steps, start, end, bounds, seed, ones, ident):
     So TensorE's stream is S, dP of one visit, dV, dK, dS^T of a visit ``pipe_lag_b`` earlier, dQ of one
     ``pipe_lag_d`` earlier: the other engines' work for a visit has that many visits of TensorE work to finish
     in. With all three at 0 the order is the plain visit-by-visit one. The buffers of a visit live from its stage
-    A to its stage D (``sbuf_usage`` counts them)."""
+    A to its stage D (``sbuf_usage`` counts them).
+
+    With the transposed dQ / dK (``c.dq_t``, ``transposed_qk_grads``): stage L loads K and V by 512-key tile for
+    the first visit that needs it (``_load_key_tile``, after the block's loads) and stage A forms its K^T
+    (``_transpose_key_tile``) instead of the whole section at its start; a block's O * dO is formed
+    ``D_PRODUCT_LAG`` visits after its loads (``_o_dy_products``); a group's dQ leaves PSUM in stage D
+    (``_evict_dq_transposed``) and is transposed back and stored ``DQ_T_LAG`` visits later
+    (``_finish_pending``); the keys a key tile's eviction completes are transposed back and stored, with their
+    dV, ``KEY_STORE_LAG`` visits later (``_store_keys``), the section's end only zeroing the keys no visit
+    reached. Each delay keeps TensorE from waiting on the engine that produced the operand it reads."""
     secs_used = []
     for s in range(c.n_sections):
         if c.streams[s]:
@@ -1618,7 +2011,18 @@ def _pipeline(c, hbm, steps, start, end, bounds, seed, ones, ident):
     item = None
     dv_ps = None
     dk_ps = None
-    for u in range(n + lead + lag_d):
+    # transposed dQ (``c.dq_t``): groups whose dQ copy is out of PSUM, waiting for their transposes:
+    # [due iteration, group, SBUF copy, staging tiles, (segment, block, block buffers, work item) to store or None]
+    pending = []
+    pi = 0
+    # transposed dK (``c.dk_t``): key runs to store (``_store_keys``), or a section's end (run -1, -1):
+    # [due iteration, work item, section buffers, first chunk, end chunk]
+    kpending = []
+    kpi = 0
+    tail = 0
+    if c.dq_t:
+        tail = max(DQ_T_LAG, KEY_STORE_LAG)
+    for u in range(n + lead + lag_d + tail):
         if u < n:
             at = _VisitAt(c, segs, order, u)
             seg = at.seg
@@ -1632,6 +2036,16 @@ def _pipeline(c, hbm, steps, start, end, bounds, seed, ones, ident):
                 seg.bbs[st.bi] = _block_load(c, hbm, item, at.blk)
                 if not at.blk.first and _parked(c, parked[at.w - start], at.blk, seg.s):
                     seg.bbs[st.bi].dq_prev = _load_dq_prev(c, hbm, item, at.blk)
+            # (after the block's loads: D and the group's transposes need them before S needs K)
+            if c.dq_t and not seg.sec.loaded[(at.v.k0 - seg.sec.k_lo) // K_TILE]:
+                _load_key_tile(c, hbm, item, seg.sec, (at.v.k0 - seg.sec.k_lo) // K_TILE)
+        j = u - D_PRODUCT_LAG
+        if c.dq_t and lead > D_PRODUCT_LAG and j >= 0 and j < n:
+            at = _VisitAt(c, segs, order, j)
+            if at.st.blk_first and at.blk.first:
+                bb = at.seg.bbs[at.st.bi]
+                bb.prods = _o_dy_products(c, at.blk, bb.o, bb.dy)
+                bb.o = None
         j = u - lead
         if j >= 0 and j < n:
             at = _VisitAt(c, segs, order, j)
@@ -1641,14 +2055,17 @@ def _pipeline(c, hbm, steps, start, end, bounds, seed, ones, ident):
             jj = at.jj
             bb = seg.bbs[st.bi]
             if st.blk_first and blk.first:
-                _rowsum_o_dy(c, blk, bb.o, bb.dy, seg.item.ones, seg.item.dsum)
+                _rowsum_o_dy(c, blk, bb.o, bb.dy, seg.item.ones, seg.item.dsum, bb.prods)
                 bb.o = None
+                bb.prods = None
             if st.blk_first and not blk.first and bb.dq_prev is None and \
                     _parked(c, parked[at.w - start], blk, seg.s):
                 bb.dq_prev = _load_dq_prev(c, hbm, seg.item, blk)
             if st.grp_first:
                 seg.mems[st.gf] = _group_start(c, seg.item, at.grp, bb)
             v = at.v
+            if c.dq_t and not seg.sec.kT_done[(v.k0 - seg.sec.k_lo) // K_TILE]:
+                _transpose_key_tile(c, seg.sec, (v.k0 - seg.sec.k_lo) // K_TILE)
             p_mm, ds = _visit_a(c, seg.item, steps, seg.sec, at.grp, seg.mems[st.gf][v.m], v)
             seg.p_mm[jj] = p_mm
             seg.ds[jj] = ds
@@ -1669,12 +2086,19 @@ def _pipeline(c, hbm, steps, start, end, bounds, seed, ones, ident):
             seg.ds[jj] = None
             if st.kt_last:
                 _evict_dv_dk(c, kt, seg.sec, dv_ps, dk_ps)
+                if c.dk_t:
+                    for run in c.key_stores[seg.s][jj]:
+                        kpending.append((u + KEY_STORE_LAG, seg.item, seg.sec, run[0], run[1]))
                 # release this key tile's dV / dK banks before the next one allocates its own: with two head-dim
                 # tiles (d_head > 128) two generations of them would not fit the 8 PSUM banks next to S, dP, dQ
                 dv_ps = None
                 dk_ps = None
             if jj == len(c.streams[seg.s]) - 1:
-                _section_end(c, hbm, seg.item, seg.sec)
+                if c.dk_t:
+                    # (the section's key stores still waiting are emitted at their time, below)
+                    kpending.append((u + KEY_STORE_LAG, seg.item, seg.sec, -1, -1))
+                else:
+                    _section_end(c, hbm, seg.item, seg.sec)
         j = u - lead - lag_d
         if j >= 0 and j < n:
             at = _VisitAt(c, segs, order, j)
@@ -1686,23 +2110,36 @@ def _pipeline(c, hbm, steps, start, end, bounds, seed, ones, ident):
             v = at.v
             bb = seg.bbs[st.bi]
             if st.grp_first and not blk.first and bb.dq_prev is None:
-                # (the earlier sections' stores precede this one in stage D's order)
+                # (the earlier sections' stores precede this one in stage D's order; with the transposed dQ,
+                # the stores still waiting for their transposes are emitted first)
+                pi = _finish_pending(c, hbm, pending, pi, -1, parked, start)
                 bb.dq_prev = _load_dq_prev(c, hbm, seg.item, blk)
             if st.grp_first:
-                seg.dqs[st.gf] = nl.ndarray((PMAX, len(c.qk_rows) * c.group_size * PMAX), dtype=nl.float32,
-                                            buffer=nl.psum)
+                seg.dqs[st.gf] = nl.ndarray((PMAX, _dq_width(c)), dtype=nl.float32, buffer=nl.psum)
                 if not blk.first:
                     _reload_dq(c, grp, seg.dqs[st.gf], bb.dq_prev, seg.item.ident)
             _dq(c, v, seg.dsT[jj], seg.sec.kts, v.k0 - seg.sec.k_lo, seg.dqs[st.gf], blk.first)
             seg.dsT[jj] = None
-            if st.grp_last:
+            if st.grp_last and c.dq_t:
+                scale = 1.0
+                if blk.last:
+                    scale = c.scale
+                sb = _evict_dq_transposed(c, grp, seg.dqs[st.gf], bb.dq_stage, scale)
+                store = None
+                if st.blk_last:
+                    store = (seg, blk, bb, at.w)
+                pending.append((u + DQ_T_LAG, grp, sb, bb.dq_stage, store))
+                seg.dqs[st.gf] = None
+                seg.mems[st.gf] = None
+            elif st.grp_last:
                 _evict_dq(c, grp, blk, seg.dqs[st.gf], bb.dq_stage)
                 seg.dqs[st.gf] = None
                 seg.mems[st.gf] = None
-            if st.blk_last:
+            if st.blk_last and not c.dq_t:
                 _block_store(c, hbm, seg.item, blk, bb)
                 if not blk.last:
                     _set_parked(c, parked[at.w - start], blk, seg.s)
+            if st.blk_last:
                 seg.bbs[st.bi] = None
             if jj == len(c.streams[seg.s]) - 1:
                 seg.sec = None
@@ -1711,6 +2148,37 @@ def _pipeline(c, hbm, steps, start, end, bounds, seed, ones, ident):
                     _dsinks(c, hbm.sinks, hbm.dsinks, seg.item.b, seg.item.kvh, seg.item.neg_lse, seg.item.dsum)
                 for f in steps.item_end:
                     f(c, hbm, seg.item)
+        due = u
+        if u == n + lead + lag_d + tail - 1:
+            due = -1
+        pi = _finish_pending(c, hbm, pending, pi, due, parked, start)
+        while kpi < len(kpending) and (due < 0 or kpending[kpi][0] <= due):
+            kit, ksec, kx, ky = kpending[kpi][1], kpending[kpi][2], kpending[kpi][3], kpending[kpi][4]
+            kpending[kpi] = None
+            kpi += 1
+            if kx < 0:
+                _section_end(c, hbm, kit, ksec)
+            else:
+                _store_keys(c, hbm, kit, ksec, kx, ky, False)
+
+
+def _finish_pending(c, hbm, pending, pi, due, parked, start):
+    """Transposed dQ (``c.dq_t``): finish the groups of ``pending[pi:]`` (``_pipeline``'s list) due at iteration
+    ``due`` or before (all of them with ``due`` < 0): their transposes back to the HBM layout
+    (``_finish_dq_transposed``), then the store of a block whose last group it was (``_block_store``, marked
+    parked for a later section's reload). Returns the index of the first group left waiting."""
+    while pi < len(pending) and (due < 0 or pending[pi][0] <= due):
+        entry = pending[pi]
+        pending[pi] = None
+        pi += 1
+        _finish_dq_transposed(c, entry[1], entry[2], entry[3])
+        store = entry[4]
+        if store is not None:
+            sseg, sblk, sbb, sw = store
+            _block_store(c, hbm, sseg.item, sblk, sbb)
+            if not sblk.last:
+                _set_parked(c, parked[sw - start], sblk, sseg.s)
+    return pi
 
 
 def _item_start(c, hbm, steps, w, bounds, seed, ones, ident):
@@ -1752,7 +2220,7 @@ def attention_bwd(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref=None, b
                   k_section_len=None, group_max=None, block_members_max=None, p_cast_on_gpsimd=None,
                   ds_dma_transpose=None, attn_bias=None, bias_grad=False, block_mask=None, block_bits=None,
                   logit_scale=None, ds_dma_every=None, pipe_lead=None, pipe_lag_b=None, pipe_lag_d=None,
-                  d_from_o=False):
+                  d_from_o=False, qk_transposed=None):
     """Flash-attention backward: ``(dq, dk, dv)`` or ``(dq, dk, dv, dsinks)``, then ``dbias`` when
     ``bias_grad``, then ``dlogit_scale`` (float32 ``[bs, nheads]``, per batch row) with a logit scale (float32
     ``[bs, nheads]``, as in ``attention_fwd``). See the module docstring.
@@ -1780,7 +2248,11 @@ def attention_bwd(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref=None, b
     - ``pipe_lead``, ``pipe_lag_b``, ``pipe_lag_d``: the software pipeline of the visits (``_pipeline``): block
       loads ``pipe_lead`` visits ahead (``PIPE_LEAD``, 4), dV/dK matmuls and dS transposes ``pipe_lag_b`` visits
       (``PIPE_LAG_B``, 2) and dQ matmuls ``pipe_lag_d`` visits (``PIPE_LAG_D``, 4) behind S / dP / dS; all 0: the
-      visit-by-visit order.
+      visit-by-visit order;
+    - ``qk_transposed``: dQ and dK of the partial Q/K head-dim tile accumulated transposed, with the pipeline that
+      goes with them (K/V loaded by key tile, dK/dV stored by key as they complete, D's product ahead of its
+      block) (default: the rule ``transposed_qk_grads``, on for d_qk != d_v where it streams fewer TensorE columns
+      and its buffers fit SBUF; True / False force it).
 
     ``block_mask`` / ``block_bits``: a block mask, as in ``attention_fwd`` (sections end on 512-key tiles).
 
@@ -1800,7 +2272,7 @@ def attention_bwd(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref=None, b
                            use_causal_mask, mixed_precision, softmax_scale, sliding_window, window_size, dropout_p,
                            dropout_seed, k_section_len, group_max, block_members_max, p_cast_on_gpsimd,
                            ds_dma_transpose, block_mask, block_bits, ds_dma_every, pipe_lead, pipe_lag_b, pipe_lag_d,
-                           d_from_o, mods)
+                           d_from_o, mods, qk_transposed)
     assert problem is None, problem
     if block_mask is not None and pipe_lag_b is None and pipe_lag_d is None:
         lags = _narrow_visit_lags(block_mask[2])
@@ -1809,13 +2281,13 @@ def attention_bwd(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref=None, b
                                              sliding_window, window_size, dropout_p, dropout_seed, k_section_len,
                                              group_max, block_members_max, p_cast_on_gpsimd, ds_dma_transpose,
                                              block_mask, block_bits, ds_dma_every, pipe_lead, lags[0], lags[1],
-                                             d_from_o, mods) is None:
+                                             d_from_o, mods, qk_transposed) is None:
             pipe_lag_b = lags[0]
             pipe_lag_d = lags[1]
     c = _configure(q_ref, k_ref, sinks_ref, bound_min, use_causal_mask, mixed_precision, softmax_scale,
                    sliding_window, k_section_len, v_ref, window_size, dropout_p, group_max, block_members_max,
                    p_cast_on_gpsimd, ds_dma_transpose, block_mask, ds_dma_every, pipe_lead, pipe_lag_b, pipe_lag_d,
-                   d_from_o, mods)
+                   d_from_o, mods, qk_transposed)
     if c.block_mask is not None and c.block_mask.n_slots > 0:
         c.block_mask.bits = block_bits
         c.block_mask.bitsel = block_bitsel()

@@ -116,6 +116,10 @@ ROWS = [
     ("b", "fp32", "causal+sec128", "d256-s384", "h1k1"),
     ("b", "bf16", "causal+swa200+cap3+sec128", "d256-s384", "h2k1"),         # Gemma-2 like
     ("b", "fp32", "alibi+win100:60+sec128", "d192v128-s512", "h2k1"),
+    # the transposed dQ (d_qk != d_v, transposed_dq) across sections: fp32 HBM scratch, then the bf16 round trip
+    ("b", "bf16", "causal+sec128", "d192v128-s512", "h2k1"),
+    ("b", "bf16-nomix", "causal+sinks1+sec256", "d192v128-s512x768", "h1k1"),
+    ("b", "fp32", "causal+sec128", "d64v200-s384", "h2k1"),
     ("b", "bf16", "causal+alibi+cap2+sinks1+sec128", "d64-s512x640", "h1k1"),
     ("b", "bf16", "causal+swa700+sinks1+sec1024", "d128-s2048", "h4k2", S),
     ("b", "fp32-nomix", "causal+swa700+sinks1+sec1024", "d128-s2048", "h4k2", S),
