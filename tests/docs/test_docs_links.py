@@ -118,3 +118,43 @@ def test_every_script_command_names_an_existing_script_and_subcommand():
                 if m.group(2) not in names:
                     bad.append(f"{doc.name}: {m.group(0)}: no subcommand {m.group(2)}")
     assert not bad, bad
+
+
+# a file of this repository named in prose: a path under one of its top-level folders with a file suffix
+REPO_PATH = re.compile(r"(?<![\w/.-])((?:tests|nki_attn|scripts|golden|reports|docs)/[\w./-]*"
+                       r"\.(?:py|md|json|png|txt|toml))")
+# names that are meant to be absent: the scripts the two figure entry points replaced (performance.md's table
+# "The scripts these replace"), the merged tolerance document, and a file of FlashAttention's public repository
+NOT_OURS = {
+    "docs/performance.md": {"scripts/bench_compile.py", "scripts/bench_frontend_overhead.py",
+                            "scripts/bench_sim_overhead.py", "scripts/bench_modeled_util.py",
+                            "scripts/dropout_cost.py", "scripts/dropout_stats.py", "scripts/blas_orders.py",
+                            "scripts/planted_bugs.py", "scripts/fwd_figures.py", "scripts/bwd_figures.py",
+                            "scripts/ring_figures.py", "scripts/make_validation_note.py",
+                            "scripts/fa_reference_check.py", "scripts/fwd_variant_costs.py",
+                            "scripts/bwd_variant_cost.py", "scripts/variant_costs.py", "scripts/bwd_ablation.py",
+                            "docs/tolerances.md"},
+    "docs/validation.md": {"tests/test_flash_attn.py"},
+}
+
+
+def _missing_repo_paths(doc_name, text):
+    allowed = NOT_OURS.get(doc_name, set())
+    return sorted({m.group(1) for m in REPO_PATH.finditer(text)
+                   if m.group(1) not in allowed and not (ROOT / m.group(1)).exists()})
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_named_repository_files_exist(doc):
+    """A test file, module or script the prose names (outside links) exists: a restructuring that moves tests
+    must move their description too."""
+    name = str(doc.relative_to(ROOT))
+    missing = _missing_repo_paths(name, doc.read_text())
+    assert not missing, f"{name} names files that do not exist: {missing}"
+
+
+def test_the_repository_path_check_catches_what_it_is_for():
+    assert _missing_repo_paths("docs/x.md", "see `tests/kernels/test_gone.py` (83 tests)") == \
+        ["tests/kernels/test_gone.py"]
+    assert _missing_repo_paths("docs/x.md", "see tests/kernels/test_matrix.py and a/tests/foo.py") == []
+    assert _missing_repo_paths("docs/performance.md", "| `scripts/bwd_ablation.py` |") == []
