@@ -397,6 +397,7 @@ ABLATION = (
     ("groups of 1 member (dV/dK out of PSUM per visit)", dict(group_max=1)),
     ("blocks of 1 member (one load per member)", dict(block_members_max=1)),
     ("K/V sections of 512 keys", dict(k_section_len=512)),
+    ("K/V loaded per section, dK / dV stored at its end (no streamed keys)", dict(stream_keys=False)),
 )
 
 

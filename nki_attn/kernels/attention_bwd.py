@@ -5,8 +5,8 @@ use_causal_mask=False, mixed_precision=False, softmax_scale=None, sliding_window
 alibi_slopes=None, window_size=None, dropout_p=0.0, dropout_seed=None, k_section_len=None, group_max=None,
 block_members_max=None, p_cast_on_gpsimd=None, ds_dma_transpose=None, attn_bias=None, bias_grad=False,
 block_mask=None, block_bits=None, logit_scale=None, ds_dma_every=None, pipe_lead=None, pipe_lag_b=None,
-pipe_lag_d=None, d_from_o=False, qk_transposed=None)`` returns ``(dq, dk, dv)``, then ``dsinks`` with sinks, then
-``dlogit_scale`` (float32 ``[bs, nheads]``) with a logit scale: the layouts and semantics of
+pipe_lag_d=None, d_from_o=False, qk_transposed=None, stream_keys=None)`` returns ``(dq, dk, dv)``, then
+``dsinks`` with sinks, then ``dlogit_scale`` (float32 ``[bs, nheads]``) with a logit scale: the layouts and semantics of
 ``golden.attention_bwd_torch.attention_bwd_torch_ref`` (see docs/semantics.md). docs/kernel-bwd.md explains the
 design; each step below is named there after the function that implements it. Kernel code stays in NKI's
 compile-time subset (checked by the simulator's frontend check): invalid arguments fail an ``assert`` on
@@ -90,16 +90,19 @@ PIPE_LAG_D = 4
 # TensorE's shortest matmul, in moving columns (cost model v2: MM_INIT_LATENCY, 64 cycles; docs/performance.md):
 # a matmul streaming fewer columns takes as long as one streaming this many (``transposed_qk_grads``).
 MM_MIN_COLUMNS = 64
-# With the transposed dQ (``transposed_qk_grads``), a group's dQ leaves PSUM in two parts: the ScalarE copy at
-# its last visit's stage D, and the TensorE transposes back to the HBM layout DQ_T_LAG visits later, so TensorE
-# does not wait for that copy (``_pipeline``).
+# With the streamed keys (``streamed_keys``), a group's dQ leaves PSUM in two parts: the ScalarE copy at its last
+# visit's stage D, and (for a transposed tile, ``transposed_qk_grads``) the TensorE transposes back to the HBM
+# layout, with its block's store, DQ_T_LAG visits later, so TensorE does not wait for that copy (``_pipeline``).
 DQ_T_LAG = 2
 # With the same rule, a block's O * dO product (for D) is formed D_PRODUCT_LAG visits after its loads instead of
 # at its first stage A, so the ones-vector matmuls that sum it do not wait for VectorE there (``_pipeline``).
 D_PRODUCT_LAG = 2
-# With the transposed dK, the keys whose dK and dV are final after a key tile's eviction are transposed and
-# stored (``_store_keys``) KEY_STORE_LAG visits after it, so TensorE does not wait for the eviction.
+# With the same rule, the keys whose dK and dV are final after a key tile's eviction are stored (``_store_keys``;
+# a transposed dK tile transposed back first) KEY_STORE_LAG visits after it, so TensorE does not wait for the
+# eviction.
 KEY_STORE_LAG = 2
+# The transposed dQ / dK (``transposed_qk_grads``) only where a 128-query tile's band spans more keys than this.
+QK_T_MIN_TILE_KEYS = 2 * PMAX
 
 
 # ----------------------------------------------------------------------------------------------- planning
@@ -179,7 +182,12 @@ def sbuf_usage(d_head, d_tiles, itemsize, section_len, group, seqlen_q, mixed_pr
     ``d_head``/``d_tiles``: d_qk and its partition tiles; ``d_v``/``v_tiles`` default to them.
     ``dq_transposed`` (``transposed_qk_grads``): the groups' dQ copies waiting ``DQ_T_LAG`` visits for their
     transposes (``_evict_dq_transposed``) and the dK staging tiles of the key stores (``_store_keys``) are counted
-    in ``in_flight``, and the section's dK accumulator in its transposed layout. Used by the trace-time budget check and docs/kernel-bwd.md."""
+    in ``in_flight``, and the section's dK accumulator in its transposed layout. The streamed keys
+    (``streamed_keys``) add nothing here: their O * dO product is formed in the loading block, whose product slot
+    ``block_member_bytes`` counts, and a block whose store waits ``DQ_T_LAG`` visits holds only its staging tiles,
+    no larger than the product / previous-dQ slot (first section) or the O slot (later sections: no O loaded)
+    that the stage-A and stage-D blocks count but do not use. Used by the trace-time budget check and
+    docs/kernel-bwd.md."""
     e = itemsize
     nq = seqlen_q // PMAX
     pe = 4 if mixed_precision else e
@@ -228,19 +236,22 @@ def sbuf_usage(d_head, d_tiles, itemsize, section_len, group, seqlen_q, mixed_pr
             "d_tile": min(d_head, PMAX)}
 
 
-def transposed_qk_grads(d_qk, d_v, qk_rows):
-    """True when dQ and dK are accumulated transposed, dQ as ``[128 queries, rn]`` per member (``_dq``), dK as
-    ``[128 keys, rn]`` per 128-key chunk (``_dv_dk``), for the partial Q/K head-dim tile of ``rn`` < 128 rows
-    (``BwdConfig.qk_t``): only for d_qk != d_v (every d_qk == d_v launch keeps the untransposed form and its
-    instruction trace), and only when it streams fewer TensorE columns. Per 128-key chunk the untransposed dQ and
-    dK each stream 128 columns (dS^T, dS moving) per Q/K head-dim tile; a transposed tile streams its ``rn``
-    columns (K^T, Q^T moving), at least ``MM_MIN_COLUMNS``: 192 instead of 256 for MLA's 192 = 128 + 64, none
-    saved for d_qk = 128 or 256 (a full tile streams 128 either way, so it is never transposed). It costs one
+def transposed_qk_grads(d_qk, d_v, qk_rows, tile_keys=None):
+    """True when dQ and dK of the partial Q/K head-dim tile (``rn`` < 128 rows, ``BwdConfig.qk_t``) are
+    accumulated transposed, dQ as ``[128 queries, rn]`` per member (``_dq``), dK as ``[128 keys, rn]`` per 128-key
+    chunk (``_dv_dk``): when it streams fewer TensorE columns, whatever ``d_v`` (kept in the signature: the rule
+    was once d_qk != d_v only). Per 128-key chunk the untransposed dQ and dK each stream 128 columns (dS^T, dS
+    moving) per Q/K head-dim tile; a transposed tile streams its ``rn`` columns (K^T, Q^T moving), at least
+    ``MM_MIN_COLUMNS``: 192 instead of 256 for MLA's 192 = 128 + 64, 64 instead of 128 for d 64, 96 for d 96,
+    none saved for d_qk = 128 or 256 (a full tile streams 128 either way, so it is never transposed). It costs one
     TensorE transpose per member when dQ leaves PSUM (``_finish_dq_transposed``) and one per 128 keys when dK does
-    (``_store_keys``). The pipeline changes that go with it (``_pipeline``: K, V loaded by key tile, dK and dV
-    stored by key as they complete, D's product formed ahead of its block) come with the same rule, so that
-    d_qk == d_v launches keep their instruction trace; ``qk_transposed`` forces the choice either way."""
-    if d_qk == d_v:
+    (``_store_keys``), and needs the streamed keys (``streamed_keys``); ``qk_transposed`` forces the choice.
+    ``tile_keys``: the keys a 128-query tile's band spans at most (None: unbounded); at most
+    ``QK_T_MIN_TILE_KEYS`` (two 128-key chunks: a sliding window of 128 or less) a member's dQ transposes and
+    copies are paid for by too few saved columns and the rule keeps the untransposed products (cost model v2,
+    GPT-OSS-like d 64, 8 / 1 heads, 2048 tokens, window 128, one sink: 159.5 us untransposed, 162.2 transposed;
+    window 256: 182.4 / 178.0)."""
+    if tile_keys is not None and tile_keys <= QK_T_MIN_TILE_KEYS:
         return False
     cols = 0
     for rt in qk_rows:
@@ -248,19 +259,44 @@ def transposed_qk_grads(d_qk, d_v, qk_rows):
     return cols < len(qk_rows) * PMAX
 
 
+def streamed_keys(d_qk, d_v, qk_rows):
+    """True when the backward streams its keys (``BwdConfig.stream``, ``_pipeline``): K and V loaded by 512-key
+    tile at the first visit that needs them and K^T formed at its first use (not the whole section up front), each
+    key's dK and dV stored ``KEY_STORE_LAG`` visits after its last eviction (not at the section's end), a block's
+    O * dO formed ``D_PRODUCT_LAG`` visits after its loads, a group's dQ leaving PSUM at its last visit and its
+    block stored ``DQ_T_LAG`` visits later. None of it depends on the matmul orientation or adds SBUF, so it is
+    taken for every shape; ``stream_keys`` forces the choice (the transposed dQ / dK need it)."""
+    return True
+
+
 def _qk_transposed(a, isz, sec, qk_transposed, mixed_precision, group_max, block_members_max, pipe_lead,
-                   pipe_lag_b, pipe_lag_d):
-    """The launch's choice of the transposed dQ / dK (``BwdConfig.dq_t``): the ``qk_transposed`` keyword when
-    given, else the rule ``transposed_qk_grads`` when the SBUF budget check passes with the buffers it adds
-    (``sbuf_usage``'s ``dq_transposed``), so that the rule never refuses a launch the untransposed path takes
-    (float32 MLA on trn1 falls back to it)."""
+                   pipe_lag_b, pipe_lag_d, stream=True):
+    """The launch's choice of the transposed dQ / dK of the partial Q/K tile (``BwdConfig.qk_t``): the
+    ``qk_transposed`` keyword when given, else the rule ``transposed_qk_grads`` when the keys are streamed
+    (``stream``) and the SBUF budget check passes with the buffers it adds (``sbuf_usage``'s ``dq_transposed``),
+    so that the rule never refuses a launch the untransposed path takes (float32 MLA on trn1 falls back to it)."""
     if qk_transposed is not None:
         return qk_transposed
-    if not transposed_qk_grads(a.d_qk, a.d_v, a.qk_tiles):
+    if not stream or not transposed_qk_grads(a.d_qk, a.d_v, a.qk_tiles, _tile_keys(a)):
         return False
     use = _sbuf_use(a, isz, sec, mixed_precision, group_max, block_members_max, pipe_lead, pipe_lag_b, pipe_lag_d,
                     True)
     return use["total"] <= sbuf_bytes_per_partition()
+
+
+def _tile_keys(a):
+    """The keys one 128-query tile's band spans at most (``a.lo_rel``, ``a.hi_rel``), at most seqlen_k."""
+    return min(a.hi_rel - a.lo_rel + PMAX, a.seqlen_k)
+
+
+def _stream_keys(a, stream_keys, qk_transposed):
+    """The launch's choice of the streamed keys (``BwdConfig.stream``): the ``stream_keys`` keyword when given,
+    else on with ``qk_transposed=True`` (the transposed dQ / dK need it), else the rule ``streamed_keys``."""
+    if stream_keys is not None:
+        return stream_keys
+    if qk_transposed:
+        return True
+    return streamed_keys(a.d_qk, a.d_v, a.qk_tiles)
 
 
 def _sbuf_use(a, isz, sec, mixed_precision, group_max, block_members_max, pipe_lead, pipe_lag_b, pipe_lag_d,
@@ -593,7 +629,7 @@ class BwdConfig(nl.NKIObject):
 
     def __init__(self, a, dtype, mixed, section_len, trn1, group_max=None, block_members_max=None,
                  p_cast_on_gpsimd=None, ds_dma_transpose=None, block_mask=None, ds_dma_every=None, pipe_lead=None,
-                 pipe_lag_b=None, pipe_lag_d=None, d_from_o=False, qk_transposed=None):
+                 pipe_lag_b=None, pipe_lag_d=None, d_from_o=False, qk_transposed=None, stream_keys=None):
         # (NKI binds one target per attribute assignment: no tuple unpacking into attributes)
         self.bs = a.bs
         self.nheads = a.nheads
@@ -695,18 +731,20 @@ class BwdConfig(nl.NKIObject):
         self.dq_scratch = mixed and str(dtype) != str(nl.float32) and self.n_sections > 1
         self.dq_park_dtype = nl.float32 if self.dq_scratch else dtype
         self.group_size = group_size(self.d_tiles, group_max)
-        # the transposed path (``transposed_qk_grads``) for d_qk != d_v when it streams fewer TensorE columns
-        self.dq_t = _qk_transposed(a, self.itemsize, section_len, qk_transposed, mixed, group_max,
-                                   block_members_max, pipe_lead, pipe_lag_b, pipe_lag_d)
-        # with it, each key's dK and dV are stored as soon as its last eviction is done (``key_stores``) instead of
-        # at the section's end
-        self.dk_t = self.dq_t
+        # the streamed keys (``streamed_keys``): K, V loaded by key tile, dK and dV stored by key as they complete
+        # (``key_stores``), D's product ahead of its block, dQ out of PSUM in two parts
+        self.stream = _stream_keys(a, stream_keys, qk_transposed)
+        # the transposed dQ / dK of the partial Q/K tile (``transposed_qk_grads``) where it streams fewer TensorE
+        # columns, with the streamed keys
+        self.qk_trans = self.stream and _qk_transposed(a, self.itemsize, section_len, qk_transposed, mixed,
+                                                       group_max, block_members_max, pipe_lead, pipe_lag_b,
+                                                       pipe_lag_d, self.stream)
         # per Q/K head-dim tile: transposed or not. A full 128-row tile streams 128 columns either way, so only a
-        # partial tile (MLA's 64 rows) is transposed; the full one keeps the untransposed products and needs no
-        # transposes on its way out
+        # partial tile (MLA's 64 rows, d 64, d 96) is transposed; the full one keeps the untransposed products and
+        # needs no transposes on its way out
         self.qk_t = []
         for rt in a.qk_tiles:
-            self.qk_t.append(self.dq_t and rt[1] < PMAX)
+            self.qk_t.append(self.qk_trans and rt[1] < PMAX)
         self.block_members = block_members(self.d_tiles, self.itemsize, self.dq_scratch, self.v_tiles, group_max,
                                            block_members_max)
         if ds_dma_every is None:
@@ -724,7 +762,7 @@ class BwdConfig(nl.NKIObject):
             stream, n_groups = _section_stream(self.blocks[s])
             self.streams.append(stream)
             self.stream_groups.append(n_groups)
-            if self.dk_t:
+            if self.stream:
                 self.key_stores.append(_key_stores(self, s))
         # the software pipeline of ``_pipeline`` (stage B never after stage D)
         pipe = _pipe_of(pipe_lead, pipe_lag_b, pipe_lag_d)
@@ -810,7 +848,7 @@ def bwd_problem(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref=None, bou
                 window_size=None, dropout_p=0.0, dropout_seed=None, k_section_len=None, group_max=None,
                 block_members_max=None, p_cast_on_gpsimd=None, ds_dma_transpose=None, block_mask=None,
                 block_bits=None, ds_dma_every=None, pipe_lead=None, pipe_lag_b=None, pipe_lag_d=None,
-                d_from_o=False, qk_transposed=None, **mods):
+                d_from_o=False, qk_transposed=None, stream_keys=None, **mods):
     """``None`` when ``attention_bwd`` accepts these arguments on the current target, else the first problem as
     a message (argument, value, rule); host side: ``nki_attn.kernel_api.attention_bwd`` raises it as
     ``ValueError`` before launching. The score modifications' keywords (``softcap``, ``alibi_slopes``,
@@ -823,13 +861,14 @@ def bwd_problem(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref=None, bou
                         use_causal_mask, mixed_precision, softmax_scale, sliding_window, window_size, dropout_p,
                         dropout_seed, k_section_len, group_max, block_members_max, p_cast_on_gpsimd,
                         ds_dma_transpose, block_mask, block_bits, ds_dma_every, pipe_lead, pipe_lag_b, pipe_lag_d,
-                        d_from_o, mods, qk_transposed)
+                        d_from_o, mods, qk_transposed, stream_keys)
 
 
 def _bwd_problem(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref, bound_min, bound_max, use_causal_mask,
                  mixed_precision, softmax_scale, sliding_window, window_size, dropout_p, dropout_seed,
                  k_section_len, group_max, block_members_max, p_cast_on_gpsimd, ds_dma_transpose, block_mask,
-                 block_bits, ds_dma_every, pipe_lead, pipe_lag_b, pipe_lag_d, d_from_o, mods, qk_transposed=None):
+                 block_bits, ds_dma_every, pipe_lead, pipe_lag_b, pipe_lag_d, d_from_o, mods, qk_transposed=None,
+                 stream_keys=None):
     """``bwd_problem`` in kernel code (the kernel asserts on it): ``mods`` the score modifications' arguments by
     kernel keyword."""
     if lse_ref is None or o_ref is None or dy_ref is None:
@@ -852,7 +891,8 @@ def _bwd_problem(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref, bound_m
              ("p_cast_on_gpsimd", p_cast_on_gpsimd, "bool"), ("ds_dma_transpose", ds_dma_transpose, "bool"),
              ("ds_dma_every", ds_dma_every, "int"), ("pipe_lead", pipe_lead, "count"),
              ("pipe_lag_b", pipe_lag_b, "count"),
-             ("pipe_lag_d", pipe_lag_d, "count"), ("qk_transposed", qk_transposed, "bool"))
+             ("pipe_lag_d", pipe_lag_d, "count"), ("qk_transposed", qk_transposed, "bool"),
+             ("stream_keys", stream_keys, "bool"))
     for knob in knobs:
         name, value, allowed = knob
         problem = _knob_problem(name, value, allowed)
@@ -870,8 +910,11 @@ def _bwd_problem(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref, bound_m
                   window_size, dropout_p, mods)
     isz = itemsize(q_ref.dtype)
     sec = _section_len(a, isz, k_section_len)
-    t = _qk_transposed(a, isz, sec, qk_transposed, mixed_precision, group_max, block_members_max, pipe_lead,
-                       pipe_lag_b, pipe_lag_d)
+    stream = _stream_keys(a, stream_keys, qk_transposed)
+    if qk_transposed and not stream:
+        return "qk_transposed=True needs the streamed keys: it cannot be combined with stream_keys=False"
+    t = stream and _qk_transposed(a, isz, sec, qk_transposed, mixed_precision, group_max, block_members_max,
+                                  pipe_lead, pipe_lag_b, pipe_lag_d, stream)
     use = _sbuf_use(a, isz, sec, mixed_precision, group_max, block_members_max, pipe_lead, pipe_lag_b, pipe_lag_d,
                     t)
     cap = sbuf_bytes_per_partition()
@@ -905,7 +948,7 @@ def _configure(q_ref, k_ref, sinks_ref, bound_min, use_causal_mask, mixed_precis
                sliding_window, k_section_len, v_ref=None, window_size=None, dropout_p=0.0, group_max=None,
                block_members_max=None, p_cast_on_gpsimd=None, ds_dma_transpose=None, block_mask=None,
                ds_dma_every=None, pipe_lead=None, pipe_lag_b=None, pipe_lag_d=None, d_from_o=False, mods=None,
-               qk_transposed=None):
+               qk_transposed=None, stream_keys=None):
     """The launch's ``BwdConfig``, built once from arguments ``bwd_problem`` accepted (``v_ref`` None: d_v =
     d_qk; ``block_mask`` the kernel's trace-time ``(n_b, n_h, rows)`` or None; ``mods`` the score
     modifications' arguments by kernel keyword)."""
@@ -917,7 +960,7 @@ def _configure(q_ref, k_ref, sinks_ref, bound_min, use_causal_mask, mixed_precis
         rows = BlockRows(block_mask[0], block_mask[1], block_mask[2], a.seqlen_k // PMAX)
     return BwdConfig(a, q_ref.dtype, mixed_precision, sec, _is_trn1(), group_max, block_members_max,
                      p_cast_on_gpsimd, ds_dma_transpose, rows, ds_dma_every, pipe_lead, pipe_lag_b, pipe_lag_d,
-                     d_from_o, qk_transposed)
+                     d_from_o, qk_transposed, stream_keys)
 
 
 # ----------------------------------------------------------------------------------------------- engines
@@ -1041,7 +1084,7 @@ def _rowsum_o_dy(c, blk, o_b, dy_b, ones, dsum, prods=None):
     the whole block; a ones-vector matmul per member sums the head dim over the partitions into one PSUM column.
     Run in each member's first section only; D stays in SBUF for the later sections. ``o_b``, ``dy_b``: the
     block's O and dO tiles (``_block_load``); ``prods``: their products when ``_o_dy_products`` formed them
-    earlier (the transposed rule's pipeline), else None."""
+    earlier (the streamed keys' pipeline), else None."""
     n = blk.nh * blk.nt
     d_ps = nl.ndarray((PMAX, n), dtype=nl.float32, buffer=nl.psum)
     if prods is None:
@@ -1290,7 +1333,7 @@ def _dv_dk(c, v, dyT, qT, p_mm, ds, dv_ps, dk_ps):
             r0, rn = c.v_rows[dt]
             nisa.nc_matmul(dst=dv_ps[dt][:, a:e], stationary=dyT[:, r0:r0 + rn], moving=p_mm[:, cols],
                            accumulate=acc)
-        if c.dk_t:
+        if c.stream:
             for dt in range(len(c.qk_rows)):
                 r0, rn = c.qk_rows[dt]
                 if not c.qk_t[dt]:
@@ -1359,7 +1402,7 @@ def _dq(c, v, dsT, kts, kk, dq_ps, dq_fresh):
     section (onto the earlier sections' partial sum, which ``_reload_dq`` put there, unless ``dq_fresh``)."""
     n_ch = v.kw // PMAX
     ch0 = kk // PMAX
-    if c.dq_t:
+    if c.stream:
         for dt in range(len(c.qk_rows)):
             rn = c.qk_rows[dt][1]
             col = _dq_col(c, dt, v.m)
@@ -1496,7 +1539,7 @@ def _consecutive(grp):
 
 
 def _evict_dq_transposed(c, grp, dq_ps, dq_stage, scale):
-    """``_evict_dq`` for the transposed dQ (``c.dq_t``), first part: per transposed Q/K head-dim tile ONE ScalarE
+    """``_evict_dq`` with the streamed keys (``c.stream``), first part: per transposed Q/K head-dim tile ONE ScalarE
     copy of the group's ``[128 queries, rn]`` columns out of PSUM, times ``scale``, rounded to the staging dtype
     (the one rounding); an untransposed tile goes straight into the staging tile as in ``_evict_dq`` (one copy
     for the group when its members are consecutive). Returns the SBUF copy for ``_finish_dq_transposed``."""
@@ -1571,7 +1614,7 @@ class _SectionBufs(nl.NKIObject):
     K^T per head-dim tile (``_load_kv_section``), ``dk_acc`` / ``dv_acc`` the fp32 accumulators; ``written``: per
     128-key chunk, whether an eviction has written its accumulator columns yet (the first one overwrites, so the
     accumulators need no zeroing); ``loaded`` / ``kT_done``: per 512-key tile, whether its K, V and its K^T are
-    there yet (the transposed rule's loads by key tile)."""
+    there yet (the streamed keys' loads by key tile)."""
 
     def __init__(self, s, k_lo, k_len, ks, vs, kts, dk_acc, dv_acc):
         self.s = s
@@ -1585,7 +1628,7 @@ class _SectionBufs(nl.NKIObject):
         self.written = []
         for j in range(k_len // PMAX):
             self.written.append(False)
-        # per 512-key tile, with the transposed rule (``_section_start``): K, V loaded; K^T formed
+        # per 512-key tile, with the streamed keys (``_section_start``): K, V loaded; K^T formed
         self.loaded = []
         self.kT_done = []
         for t in range((k_len + K_TILE - 1) // K_TILE):
@@ -1604,7 +1647,7 @@ class _BlockBufs(nl.NKIObject):
         self.dq_stage = dq_stage
         self.dq_prev = dq_prev
         self.o = o
-        # O * dO, formed before stage A by the transposed rule's pipeline (``_o_dy_products``), else None
+        # O * dO, formed before stage A by the streamed keys' pipeline (``_o_dy_products``), else None
         self.prods = None
 
 
@@ -1715,7 +1758,7 @@ def _key_tile_psum(c, kt):
         dv_ps.append(nl.ndarray((rt[1], kt.uw), dtype=nl.float32, buffer=nl.psum))
     dk_ps = []
     for rt in c.qk_rows:
-        if c.dk_t and rt[1] < PMAX:
+        if c.qk_t[len(dk_ps)]:
             # transposed: [128 keys, rn] per 128-key chunk of the key tile, side by side
             dk_ps.append(nl.ndarray((PMAX, kt.uw // PMAX * rt[1]), dtype=nl.float32, buffer=nl.psum))
         else:
@@ -1767,13 +1810,13 @@ def _identity(c):
 
 def _section_start(c, hbm, item, s):
     """A K/V section ``s`` of a work item: load K, V and K^T (only when a query tile sees a key of it; with the
-    transposed rule, ``c.dq_t``, only allocate them: ``_load_key_tile`` and ``_transpose_key_tile`` fill them by
+    streamed keys, ``c.stream``, only allocate them: ``_load_key_tile`` and ``_transpose_key_tile`` fill them by
     key tile), allocate the fp32 dK, dV accumulators (written by the evictions, ``_evict_dv_dk``). Returns its
     ``_SectionBufs``."""
     k_lo, k_len = c.sections[s]
     ks, vs, kts = None, None, None
-    if c.streams[s] and c.dq_t:
-        # the transposed rule loads K, V by 512-key tile as the visits first need them (``_load_key_tile``)
+    if c.streams[s] and c.stream:
+        # the streamed keys load K, V by 512-key tile as the visits first need them (``_load_key_tile``)
         ks, vs, kts = [], [], []
         for rt in c.qk_rows:
             ks.append(nl.ndarray((rt[1], k_len), dtype=c.mm_dtype, buffer=nl.sbuf))
@@ -1784,7 +1827,7 @@ def _section_start(c, hbm, item, s):
         ks, vs, kts = _load_kv_section(c, hbm.k, hbm.v, item.b, item.kvh, k_lo, k_len)
     dk_acc, dv_acc = [], []
     for rt in c.qk_rows:
-        if c.dk_t and rt[1] < PMAX:
+        if c.qk_t[len(dk_acc)]:
             # transposed: [128 keys, rn] per 128-key chunk (fewer bytes than [rn, k_len])
             dk_acc.append(nl.ndarray((PMAX, k_len // PMAX * rt[1]), dtype=nl.float32, buffer=nl.sbuf))
         else:
@@ -1795,7 +1838,7 @@ def _section_start(c, hbm, item, s):
 
 
 def _load_key_tile(c, hbm, item, sec, t):
-    """The transposed rule's section load, one 512-key tile ``t`` of section ``sec`` at a time: K and V of its
+    """The streamed keys' section load, one 512-key tile ``t`` of section ``sec`` at a time: K and V of its
     keys (one DMA per head-dim tile), at the stage L of the first visit that needs them, so the first visits
     do not wait for the whole section to arrive."""
     x = t * K_TILE
@@ -1831,7 +1874,7 @@ def _section_end(c, hbm, item, sec):
     """Write dK, dV of a section (cast on the DMA), zeroing first the key chunks no visit reached."""
     b = item.b
     hk = item.kvh
-    if c.dk_t:
+    if c.stream:
         # the written keys went out with their last eviction (``_store_keys``): zeros for the others
         for run in _runs(sec.written, 0, len(sec.written), False):
             _store_keys(c, hbm, item, sec, run[0], run[1], True)
@@ -1851,7 +1894,7 @@ def _section_end(c, hbm, item, sec):
 
 
 def _store_keys(c, hbm, item, sec, x, y, zero):
-    """Transposed dK (``c.dk_t``): store dK and dV of the section's 128-key chunks ``[x, y)`` (zeros when
+    """Streamed keys (``c.stream``): store dK and dV of the section's 128-key chunks ``[x, y)`` (zeros when
     ``zero``: no visit reached them). dV and an untransposed dK tile go out of their accumulators as they are
     (cast on the DMA). A transposed dK tile, ``[128 keys, rn]`` per chunk, goes back to the HBM layout by TensorE transposes (float32, exact), 4 chunks per PSUM bank,
     each bank copied by ScalarE into a staging tile in the output dtype (the one rounding), one DMA per Q/K
@@ -1968,7 +2011,7 @@ def _pipeline(c, hbm, steps, start, end, bounds, seed, ones, ident):
     in. With all three at 0 the order is the plain visit-by-visit one. The buffers of a visit live from its stage
     A to its stage D (``sbuf_usage`` counts them).
 
-    With the transposed dQ / dK (``c.dq_t``, ``transposed_qk_grads``): stage L loads K and V by 512-key tile for
+    With the streamed keys (``c.stream``, ``streamed_keys``): stage L loads K and V by 512-key tile for
     the first visit that needs it (``_load_key_tile``, after the block's loads) and stage A forms its K^T
     (``_transpose_key_tile``) instead of the whole section at its start; a block's O * dO is formed
     ``D_PRODUCT_LAG`` visits after its loads (``_o_dy_products``); a group's dQ leaves PSUM in stage D
@@ -2011,16 +2054,16 @@ def _pipeline(c, hbm, steps, start, end, bounds, seed, ones, ident):
     item = None
     dv_ps = None
     dk_ps = None
-    # transposed dQ (``c.dq_t``): groups whose dQ copy is out of PSUM, waiting for their transposes:
+    # streamed keys (``c.stream``): groups whose dQ copy is out of PSUM, waiting for their transposes and store:
     # [due iteration, group, SBUF copy, staging tiles, (segment, block, block buffers, work item) to store or None]
     pending = []
     pi = 0
-    # transposed dK (``c.dk_t``): key runs to store (``_store_keys``), or a section's end (run -1, -1):
+    # streamed keys (``c.stream``): key runs to store (``_store_keys``), or a section's end (run -1, -1):
     # [due iteration, work item, section buffers, first chunk, end chunk]
     kpending = []
     kpi = 0
     tail = 0
-    if c.dq_t:
+    if c.stream:
         tail = max(DQ_T_LAG, KEY_STORE_LAG)
     for u in range(n + lead + lag_d + tail):
         if u < n:
@@ -2037,10 +2080,10 @@ def _pipeline(c, hbm, steps, start, end, bounds, seed, ones, ident):
                 if not at.blk.first and _parked(c, parked[at.w - start], at.blk, seg.s):
                     seg.bbs[st.bi].dq_prev = _load_dq_prev(c, hbm, item, at.blk)
             # (after the block's loads: D and the group's transposes need them before S needs K)
-            if c.dq_t and not seg.sec.loaded[(at.v.k0 - seg.sec.k_lo) // K_TILE]:
+            if c.stream and not seg.sec.loaded[(at.v.k0 - seg.sec.k_lo) // K_TILE]:
                 _load_key_tile(c, hbm, item, seg.sec, (at.v.k0 - seg.sec.k_lo) // K_TILE)
         j = u - D_PRODUCT_LAG
-        if c.dq_t and lead > D_PRODUCT_LAG and j >= 0 and j < n:
+        if c.stream and lead > D_PRODUCT_LAG and j >= 0 and j < n:
             at = _VisitAt(c, segs, order, j)
             if at.st.blk_first and at.blk.first:
                 bb = at.seg.bbs[at.st.bi]
@@ -2064,7 +2107,7 @@ def _pipeline(c, hbm, steps, start, end, bounds, seed, ones, ident):
             if st.grp_first:
                 seg.mems[st.gf] = _group_start(c, seg.item, at.grp, bb)
             v = at.v
-            if c.dq_t and not seg.sec.kT_done[(v.k0 - seg.sec.k_lo) // K_TILE]:
+            if c.stream and not seg.sec.kT_done[(v.k0 - seg.sec.k_lo) // K_TILE]:
                 _transpose_key_tile(c, seg.sec, (v.k0 - seg.sec.k_lo) // K_TILE)
             p_mm, ds = _visit_a(c, seg.item, steps, seg.sec, at.grp, seg.mems[st.gf][v.m], v)
             seg.p_mm[jj] = p_mm
@@ -2086,7 +2129,7 @@ def _pipeline(c, hbm, steps, start, end, bounds, seed, ones, ident):
             seg.ds[jj] = None
             if st.kt_last:
                 _evict_dv_dk(c, kt, seg.sec, dv_ps, dk_ps)
-                if c.dk_t:
+                if c.stream:
                     for run in c.key_stores[seg.s][jj]:
                         kpending.append((u + KEY_STORE_LAG, seg.item, seg.sec, run[0], run[1]))
                 # release this key tile's dV / dK banks before the next one allocates its own: with two head-dim
@@ -2094,7 +2137,7 @@ def _pipeline(c, hbm, steps, start, end, bounds, seed, ones, ident):
                 dv_ps = None
                 dk_ps = None
             if jj == len(c.streams[seg.s]) - 1:
-                if c.dk_t:
+                if c.stream:
                     # (the section's key stores still waiting are emitted at their time, below)
                     kpending.append((u + KEY_STORE_LAG, seg.item, seg.sec, -1, -1))
                 else:
@@ -2120,13 +2163,17 @@ def _pipeline(c, hbm, steps, start, end, bounds, seed, ones, ident):
                     _reload_dq(c, grp, seg.dqs[st.gf], bb.dq_prev, seg.item.ident)
             _dq(c, v, seg.dsT[jj], seg.sec.kts, v.k0 - seg.sec.k_lo, seg.dqs[st.gf], blk.first)
             seg.dsT[jj] = None
-            if st.grp_last and c.dq_t:
+            if st.grp_last and c.stream:
                 scale = 1.0
                 if blk.last:
                     scale = c.scale
                 sb = _evict_dq_transposed(c, grp, seg.dqs[st.gf], bb.dq_stage, scale)
                 store = None
                 if st.blk_last:
+                    # only the staging tiles wait for the store: the block's other tiles are released now
+                    bb.q = None
+                    bb.dy = None
+                    bb.dq_prev = None
                     store = (seg, blk, bb, at.w)
                 pending.append((u + DQ_T_LAG, grp, sb, bb.dq_stage, store))
                 seg.dqs[st.gf] = None
@@ -2135,7 +2182,7 @@ def _pipeline(c, hbm, steps, start, end, bounds, seed, ones, ident):
                 _evict_dq(c, grp, blk, seg.dqs[st.gf], bb.dq_stage)
                 seg.dqs[st.gf] = None
                 seg.mems[st.gf] = None
-            if st.blk_last and not c.dq_t:
+            if st.blk_last and not c.stream:
                 _block_store(c, hbm, seg.item, blk, bb)
                 if not blk.last:
                     _set_parked(c, parked[at.w - start], blk, seg.s)
@@ -2163,7 +2210,7 @@ def _pipeline(c, hbm, steps, start, end, bounds, seed, ones, ident):
 
 
 def _finish_pending(c, hbm, pending, pi, due, parked, start):
-    """Transposed dQ (``c.dq_t``): finish the groups of ``pending[pi:]`` (``_pipeline``'s list) due at iteration
+    """Streamed keys (``c.stream``): finish the groups of ``pending[pi:]`` (``_pipeline``'s list) due at iteration
     ``due`` or before (all of them with ``due`` < 0): their transposes back to the HBM layout
     (``_finish_dq_transposed``), then the store of a block whose last group it was (``_block_store``, marked
     parked for a later section's reload). Returns the index of the first group left waiting."""
@@ -2220,7 +2267,7 @@ def attention_bwd(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref=None, b
                   k_section_len=None, group_max=None, block_members_max=None, p_cast_on_gpsimd=None,
                   ds_dma_transpose=None, attn_bias=None, bias_grad=False, block_mask=None, block_bits=None,
                   logit_scale=None, ds_dma_every=None, pipe_lead=None, pipe_lag_b=None, pipe_lag_d=None,
-                  d_from_o=False, qk_transposed=None):
+                  d_from_o=False, qk_transposed=None, stream_keys=None):
     """Flash-attention backward: ``(dq, dk, dv)`` or ``(dq, dk, dv, dsinks)``, then ``dbias`` when
     ``bias_grad``, then ``dlogit_scale`` (float32 ``[bs, nheads]``, per batch row) with a logit scale (float32
     ``[bs, nheads]``, as in ``attention_fwd``). See the module docstring.
@@ -2249,10 +2296,13 @@ def attention_bwd(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref=None, b
       loads ``pipe_lead`` visits ahead (``PIPE_LEAD``, 4), dV/dK matmuls and dS transposes ``pipe_lag_b`` visits
       (``PIPE_LAG_B``, 2) and dQ matmuls ``pipe_lag_d`` visits (``PIPE_LAG_D``, 4) behind S / dP / dS; all 0: the
       visit-by-visit order;
-    - ``qk_transposed``: dQ and dK of the partial Q/K head-dim tile accumulated transposed, with the pipeline that
-      goes with them (K/V loaded by key tile, dK/dV stored by key as they complete, D's product ahead of its
-      block) (default: the rule ``transposed_qk_grads``, on for d_qk != d_v where it streams fewer TensorE columns
-      and its buffers fit SBUF; True / False force it).
+    - ``stream_keys``: the streamed keys (K/V loaded by key tile as first needed, dK/dV stored by key as they
+      complete, D's product ahead of its block, dQ out of PSUM in two parts) (default: the rule
+      ``streamed_keys``, on for every launch; True / False force it);
+    - ``qk_transposed``: dQ and dK of the partial Q/K head-dim tile accumulated transposed, with the streamed keys
+      (default: the rule ``transposed_qk_grads``, on where it streams fewer TensorE columns, a query tile's band
+      spans more than two 128-key chunks and its buffers fit SBUF; True / False force it; True needs the
+      streamed keys).
 
     ``block_mask`` / ``block_bits``: a block mask, as in ``attention_fwd`` (sections end on 512-key tiles).
 
@@ -2272,7 +2322,7 @@ def attention_bwd(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref=None, b
                            use_causal_mask, mixed_precision, softmax_scale, sliding_window, window_size, dropout_p,
                            dropout_seed, k_section_len, group_max, block_members_max, p_cast_on_gpsimd,
                            ds_dma_transpose, block_mask, block_bits, ds_dma_every, pipe_lead, pipe_lag_b, pipe_lag_d,
-                           d_from_o, mods, qk_transposed)
+                           d_from_o, mods, qk_transposed, stream_keys)
     assert problem is None, problem
     if block_mask is not None and pipe_lag_b is None and pipe_lag_d is None:
         lags = _narrow_visit_lags(block_mask[2])
@@ -2281,13 +2331,13 @@ def attention_bwd(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref=None, b
                                              sliding_window, window_size, dropout_p, dropout_seed, k_section_len,
                                              group_max, block_members_max, p_cast_on_gpsimd, ds_dma_transpose,
                                              block_mask, block_bits, ds_dma_every, pipe_lead, lags[0], lags[1],
-                                             d_from_o, mods, qk_transposed) is None:
+                                             d_from_o, mods, qk_transposed, stream_keys) is None:
             pipe_lag_b = lags[0]
             pipe_lag_d = lags[1]
     c = _configure(q_ref, k_ref, sinks_ref, bound_min, use_causal_mask, mixed_precision, softmax_scale,
                    sliding_window, k_section_len, v_ref, window_size, dropout_p, group_max, block_members_max,
                    p_cast_on_gpsimd, ds_dma_transpose, block_mask, ds_dma_every, pipe_lead, pipe_lag_b, pipe_lag_d,
-                   d_from_o, mods, qk_transposed)
+                   d_from_o, mods, qk_transposed, stream_keys)
     if c.block_mask is not None and c.block_mask.n_slots > 0:
         c.block_mask.bits = block_bits
         c.block_mask.bitsel = block_bitsel()

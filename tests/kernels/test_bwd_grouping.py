@@ -189,9 +189,13 @@ def _exp_count(rec):
 def _evictions(rec):
     """dV/dK leaving PSUM: VectorE instructions reading a PSUM tile and writing an fp32 SBUF accumulator (the
     allocations DMAed out as dK / dV): an add in place, or the copy (scaled for dK) of the columns no earlier
-    eviction wrote. Returns ``(instructions, columns written)``."""
+    eviction wrote. Returns ``(instructions, columns written)``. With the streamed keys a transposed dK
+    accumulator (``[128 keys, rn]`` per chunk, rn < 128) leaves by TensorE transposes of its chunks instead of a DMA:
+    those count too (a float32 dS is transposed by whole 128-key chunks)."""
     accs = {r.srcs[0].uid for r in rec.records if r.instr == "dma_copy" and r.srcs and r.srcs[0].buffer == "sbuf"
             and r.srcs[0].dtype == "float32" and r.dst.buffer != "sbuf"}
+    accs |= {r.srcs[0].uid for r in rec.records if r.instr == "nc_transpose" and r.srcs[0].buffer == "sbuf"
+             and r.srcs[0].dtype == "float32" and r.dst.dtype == "float32" and r.srcs[0].shape[-1] < 128}
     ev = [r for r in rec.records if r.engine == "VectorE" and r.dst is not None and r.dst.uid in accs
           and any(s.buffer == "psum" for s in r.srcs)]
     return len(ev), sum(r.dst.free_elems for r in ev)
@@ -223,6 +227,11 @@ def test_trace_matches_plan(kw, target):
     with trace.recording() as rec:
         out = c.bwd(k_section_len=section)
     c.check_bwd(out)
+    # the DMA count below is the section path's (K, V loaded per section, dK, dV stored at its end)
+    with trace.recording() as rec_sec:
+        out_sec = c.bwd(k_section_len=section, stream_keys=False)
+    for x, y in zip(out, out_sec):
+        assert np.array_equal(np.asarray(x).view(np.uint8), np.asarray(y).view(np.uint8))
     cfg = plan(h=kw.get("h", 1), hk=kw.get("hk", 1), sq=kw["sq"], causal=kw.get("causal", False),
                window=kw.get("window"), section=section, dtype=kw.get("dtype", "float32"),
                mixed=kw.get("mixed", False))
@@ -237,10 +246,13 @@ def test_trace_matches_plan(kw, target):
     n_ev, cols = _evictions(rec)
     uw = sum(kt.uw for blks in cfg.blocks for blk in blks for grp in blk.groups for kt in grp.ktiles)
     tiles = len(cfg.v_rows) + len(cfg.qk_rows)
-    assert cols == uw * tiles * items
+    # a transposed dK tile (``qk_t``) writes its rn columns per 128-key chunk instead of 128
+    per_col = len(cfg.v_rows) + sum(rt[1] / 128 if t else 1 for rt, t in zip(cfg.qk_rows, cfg.qk_t))
+    assert cols == uw * per_col * items
+    assert _evictions(rec_sec)[1] == uw * tiles * items
     assert ktiles * tiles * items <= n_ev <= 2 * ktiles * tiles * items
     assert ktiles < visits
-    n_dma = sum(1 for r in rec.records if r.instr == "dma_copy")
+    n_dma = sum(1 for r in rec_sec.records if r.instr == "dma_copy")
     assert n_dma == expected_dmas(cfg, sinks) * items
     n_tr = rec.count("dma_transpose")
     assert n_tr == sum(v.dsT_dma for blks in cfg.blocks for blk in blks for grp in blk.groups

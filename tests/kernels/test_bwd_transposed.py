@@ -1,8 +1,10 @@
-"""The backward's transposed dQ / dK (``attention_bwd.transposed_qk_grads``, keyword ``qk_transposed``): the rule
-picks it for d_qk != d_v where it streams fewer TensorE columns and never for d_qk == d_v; it moves TensorE work
-and changes no gradient bit (the transposes are exact and every PSUM element sums the same products in the same
-matmul order), on one section and across sections (the dQ partial sums reloaded transposed), on every target,
-under the simulator's SBUF / PSUM capacity check; and it saves the TensorE columns the rule counts on."""
+"""The backward's streamed keys (``attention_bwd.streamed_keys``, keyword ``stream_keys``) and transposed dQ / dK
+of the partial Q/K head-dim tile (``attention_bwd.transposed_qk_grads``, keyword ``qk_transposed``): the rules
+stream the keys of every launch and transpose the partial tile where it streams fewer TensorE columns and a query
+tile's band spans more than two 128-key chunks; both move work and change no gradient bit (the transposes are
+exact and every PSUM element sums the same products in the same matmul order), on one section and across
+sections (the dQ partial sums reloaded transposed), on every target, under the simulator's SBUF / PSUM capacity
+check; and the transposed tile saves the TensorE columns the rule counts on."""
 import ml_dtypes
 import numpy as np
 import pytest
@@ -16,12 +18,39 @@ from .conftest import to_np
 
 @pytest.mark.parametrize("d_qk, d_v, expected", [(192, 128, True), (64, 200, True), (40, 256, True),
                                                  (199, 72, True), (256, 40, False), (128, 64, False),
-                                                 (64, 64, False), (128, 128, False), (192, 192, False),
-                                                 (256, 256, False)])
+                                                 (64, 64, True), (96, 96, True), (128, 128, False),
+                                                 (192, 192, True), (256, 256, False)])
 def test_rule(d_qk, d_v, expected):
     # columns per 128-key chunk, transposed (each Q/K tile's rows, at least 64) against untransposed (128 per
-    # tile): 192 : 256, 64 : 128, 64 : 128 (40 rows cost 64), 199 : 256, 256 : 256, 128 : 128; never d_qk == d_v
+    # tile): 192 : 256, 64 : 128, 64 : 128 (40 rows cost 64), 199 : 256, 256 : 256, 128 : 128, 96 : 128; d_v
+    # plays no part
     assert kb.transposed_qk_grads(d_qk, d_v, head_dim_tiles(d_qk)) == expected
+
+
+@pytest.mark.parametrize("tile_keys, expected", [(None, True), (4096, True), (257, True), (256, False),
+                                                 (255, False), (128, False)])
+def test_rule_needs_more_than_two_chunks_per_query_tile(tile_keys, expected):
+    # a sliding window of 128 spans 255 keys per 128-query tile (two chunks, three where misaligned): too few saved
+    # columns per member for its dQ transposes; a window of 256 spans 383
+    assert kb.transposed_qk_grads(64, 64, head_dim_tiles(64), tile_keys) == expected
+    assert kb.transposed_qk_grads(192, 128, head_dim_tiles(192), tile_keys) == expected
+
+
+def test_narrow_window_keeps_the_untransposed_products_and_streams(target):
+    import types
+
+    def t(*shape):
+        return types.SimpleNamespace(shape=shape, dtype="bfloat16")
+
+    target("trn2")
+    q, k, lse = t(1, 8, 64, 2048), t(1, 1, 64, 2048), t(1, 8, 2048, 1)
+    for window, trans in ((128, False), (129, False), (256, True)):
+        c = kb._configure(q, k, None, None, True, True, None, window, None)
+        assert c.stream and c.qk_trans == trans and c.qk_t == [trans]
+    c = kb._configure(q, k, None, None, True, True, None, None, None, stream_keys=False)
+    assert not c.stream and not c.qk_trans
+    c = kb._configure(q, k, None, None, True, True, None, None, None, qk_transposed=False)
+    assert c.stream and not c.qk_trans
 
 
 def _inputs(dtype, h, hkv, d_qk, d_v, sq, sk, seed=5):
@@ -44,9 +73,13 @@ def _run(x, fkw, **kw):
     return [np.asarray(t) for t in out], rec.records
 
 
-def _narrow_tensor_matmuls(rec):
-    # the transposed dK / dQ matmuls of a 64-row Q/K tile write [128, 64]; the untransposed ones write [64, N]
-    return sum(1 for r in rec if r.instr == "nc_matmul" and r.dst.shape == (128, 64))
+def _ops(rec):
+    return [(r.engine, r.instr) for r in rec]
+
+
+def _narrow_tensor_matmuls(rec, rn=64):
+    # the transposed dK / dQ matmuls of an rn-row Q/K tile write [128, rn]; the untransposed ones write [rn, N]
+    return sum(1 for r in rec if r.instr == "nc_matmul" and r.dst.shape == (128, rn))
 
 
 CASES = [
@@ -58,7 +91,11 @@ CASES = [
     ("trn1", "float32", 2, 1, 192, 128, 512, 512, dict(window_size=(100, 60)), dict(k_section_len=128)),
     ("trn2", "float32", 1, 1, 64, 200, 384, 384, dict(), dict()),
     # keys 0..703 seen by no query (zero dK / dV, 704 keys: more than one zero tile's 512)
-    ("trn2", "bfloat16", 1, 1, 192, 128, 256, 1024, dict(window_size=(64, 0)), dict(mixed_precision=True)),
+    # (a band this narrow keeps the untransposed products by the rule: forced on)
+    ("trn2", "bfloat16", 1, 1, 192, 128, 256, 1024, dict(window_size=(64, 0)),
+     dict(mixed_precision=True, qk_transposed=True)),
+    ("trn2", "bfloat16", 2, 1, 64, 64, 512, 512, dict(use_causal_mask=True), dict(mixed_precision=True)),
+    ("trn1", "float32", 2, 1, 96, 96, 384, 384, dict(), dict(k_section_len=128)),
 ]
 
 
@@ -67,30 +104,34 @@ def test_transposed_is_bit_identical_to_untransposed(case, target):
     tgt, dtype, h, hkv, d_qk, d_v, sq, sk, fkw, kw = case
     target(tgt)
     x = _inputs(dtype, h, hkv, d_qk, d_v, sq, sk)
-    got, rec1 = _run(x, fkw, **kw)                         # the rule: transposed for these shapes
-    base, rec0 = _run(x, fkw, qk_transposed=False, **kw)
-    assert len(got) == len(base) == 3
-    for a, b in zip(got, base):
-        assert a.dtype == b.dtype and np.array_equal(a.view(np.uint8), b.view(np.uint8))
-    assert len(rec1) != len(rec0)
+    got, rec1 = _run(x, fkw, **kw)                         # the rules: streamed keys, transposed partial tile
+    base, rec0 = _run(x, fkw, **dict(kw, qk_transposed=False))
+    old, rec2 = _run(x, fkw, **dict(kw, qk_transposed=False, stream_keys=False))
+    assert len(got) == len(base) == len(old) == 3
+    for a, b, o in zip(got, base, old):
+        assert a.dtype == b.dtype == o.dtype
+        assert np.array_equal(a.view(np.uint8), b.view(np.uint8))
+        assert np.array_equal(a.view(np.uint8), o.view(np.uint8))
+    assert len(rec1) != len(rec0) and _ops(rec0) != _ops(rec2)
     if fkw.get("window_size") == (64, 0):
         assert not np.any(got[1][..., :704].astype(np.float32)) and np.any(got[1][..., 704:].astype(np.float32))
-    if d_qk == 192:
-        assert _narrow_tensor_matmuls(rec1) > 0 and _narrow_tensor_matmuls(rec0) == 0
+    rn = d_qk % 128
+    assert _narrow_tensor_matmuls(rec1, rn) > 0 and _narrow_tensor_matmuls(rec0, rn) == 0
 
 
-@pytest.mark.parametrize("d", [64, 128])
-def test_forced_on_for_equal_head_dims_is_bit_identical(d, target):
-    # the keyword forces the transposed path on a d_qk == d_v launch (the rule never does): same gradients; a
-    # full 128-row tile is never transposed (it streams 128 columns either way), so d 128 gets the pipeline only
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_streamed_keys_are_bit_identical_to_the_section_loads(d, target):
+    # the streamed keys (on by the rule) against K / V loaded per section and dK / dV stored at its end: the same
+    # gradients; d 64 also transposes its partial tile, d 128 and 256 have none (they stream 128 columns either
+    # way), so only the order of their instructions changes
     target("trn2")
     x = _inputs("bfloat16", 2, 1, d, d, 512, 512, seed=9)
-    got, rec1 = _run(x, dict(use_causal_mask=True), mixed_precision=True, qk_transposed=True)
-    base, rec0 = _run(x, dict(use_causal_mask=True), mixed_precision=True)
+    got, rec1 = _run(x, dict(use_causal_mask=True), mixed_precision=True)
+    base, rec0 = _run(x, dict(use_causal_mask=True), mixed_precision=True, stream_keys=False)
     for a, b in zip(got, base):
         assert np.array_equal(a.view(np.uint8), b.view(np.uint8))
-    # (d 128 has no partial tile to transpose: only the pipeline's order changes)
-    assert [(r.engine, r.instr) for r in rec1] != [(r.engine, r.instr) for r in rec0]
+    assert _ops(rec1) != _ops(rec0)
+    assert (_narrow_tensor_matmuls(rec1) > 0) == (d == 64)
 
 
 def test_transposed_saves_the_columns_the_rule_counts(target):
@@ -119,6 +160,10 @@ def test_keyword_is_checked():
     lse = np.zeros((1, 1, 128, 1), dtype=np.float32)
     with pytest.raises(AssertionError, match=r"qk_transposed=1 must be None \(the default\), True or False"):
         kb.attention_bwd(q, k, v, v, v, lse, qk_transposed=1)
+    with pytest.raises(AssertionError, match=r"stream_keys=0 must be None \(the default\), True or False"):
+        kb.attention_bwd(q, k, v, v, v, lse, stream_keys=0)
+    with pytest.raises(AssertionError, match=r"qk_transposed=True needs the streamed keys"):
+        kb.attention_bwd(q, k, v, v, v, lse, qk_transposed=True, stream_keys=False)
 
 
 def test_rule_falls_back_where_its_buffers_do_not_fit(target):
@@ -137,11 +182,12 @@ def test_rule_falls_back_where_its_buffers_do_not_fit(target):
     target("trn1")
     q, k, v, o, lse = shapes(16, 16384, "float32")
     assert kb.bwd_problem(q, k, v, o, o, lse, use_causal_mask=True) is None
-    assert not kb._configure(q, k, None, None, True, False, None, None, None, v).dq_t
+    c = kb._configure(q, k, None, None, True, False, None, None, None, v)
+    assert c.stream and not c.qk_trans    # (the streamed keys add no SBUF: they stay)
     assert "SBUF bytes per partition" in kb.bwd_problem(q, k, v, o, o, lse, use_causal_mask=True, qk_transposed=True)
     q, k, v, o, lse = shapes(1, 4096, "float32")
-    assert kb._configure(q, k, None, None, True, False, None, None, None, v).dq_t
+    assert kb._configure(q, k, None, None, True, False, None, None, None, v).qk_trans
     target("trn2")
     q, k, v, o, lse = shapes(16, 16384, "bfloat16")
     assert kb.bwd_problem(q, k, v, o, o, lse, use_causal_mask=True, mixed_precision=True) is None
-    assert kb._configure(q, k, None, None, True, True, None, None, None, v).dq_t
+    assert kb._configure(q, k, None, None, True, True, None, None, None, v).qk_trans
