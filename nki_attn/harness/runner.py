@@ -245,10 +245,15 @@ def query_block_rows(batch, group, seqlen_q, seqlen_k):
     return max(_TILE, rows // _TILE * _TILE)
 
 
+def _slices(seqlen_q, rows):
+    """Slices of ``rows`` query rows (the last shorter), in order, covering ``[0, seqlen_q)``; one empty slice
+    for no rows."""
+    return [slice(i, min(seqlen_q, i + rows)) for i in range(0, seqlen_q, rows)] or [slice(0, 0)]
+
+
 def _row_blocks(batch, group, seqlen_q, seqlen_k):
     """The query-row slices of ``query_block_rows``, in order, covering ``[0, seqlen_q)``."""
-    rows = query_block_rows(batch, group, seqlen_q, seqlen_k)
-    return [slice(i, min(seqlen_q, i + rows)) for i in range(0, seqlen_q, rows)] or [slice(0, 0)]
+    return _slices(seqlen_q, query_block_rows(batch, group, seqlen_q, seqlen_k))
 
 
 def _keep_rows(ins, case, hq, rows):
@@ -310,7 +315,7 @@ def _softmax_blocks(ins, ref, case, dt, rows=None, with_dp=True):
     if rows is None:
         blocks = _row_blocks(case.batch, group, sq, sk)
     else:
-        blocks = [slice(i, min(sq, i + rows)) for i in range(0, sq, rows)] or [slice(0, 0)]
+        blocks = _slices(sq, rows)
     whole = len(blocks) == 1
     keep = keep_mask(ins, case) if whole else None
     for g in range(case.kv_heads):
@@ -442,7 +447,8 @@ def residue_scales(ins, ref, case):
         del p
         s_b = torch.einsum("bhqk,bhdq->bdk", pb2, q2)
         del pb2
-        sums[g] = (_add(sums.get(g, (None, None))[0], s_a), _add(sums.get(g, (None, None))[1], s_b))
+        acc_a, acc_b = sums.get(g, (None, None))
+        sums[g] = (_add(acc_a, s_a), _add(acc_b, s_b))
     for g, (s_a, s_b) in sums.items():
         rk[:, g] = s_a.sqrt() + s_b.sqrt()
     d = case.dv ** 0.5 * scale
@@ -513,19 +519,20 @@ def _golden_blocks(q, k, v, dy, sinks, ins, case, hq, kw, blocks):
     blocks (a bias with a query dim takes its blocks' rows). Returns ``_golden``'s part of one group."""
     from golden.attention_fwd_torch import block_offset
 
+    def has_rows(t):  # a [b, h, sq, sk] input with a query dim (not broadcast over the rows)
+        return t is not None and t.dim() == 4 and t.shape[2] > 1
+
     sq, sk = q.shape[-1], k.shape[-1]
     rows_of = {}  # the gradients of inputs with a query dim: their blocks' rows, concatenated
     for m in GRAD_MODS:
-        t = kw.get(m.kernel)
-        if getattr(case, m.name) and t is not None and t.dim() == 4 and t.shape[2] > 1:
+        if getattr(case, m.name) and has_rows(kw.get(m.kernel)):
             rows_of["d" + m.name] = 2
     cat, total = {}, {}
     for r in blocks:
         kb = dict(kw, diag_offset=block_offset(sq, sk, r.start))
         for m in SCORE_MODS:
-            t = kw.get(m.kernel)
-            if m.is_tensor and t is not None and t.dim() == 4 and t.shape[2] > 1:
-                kb[m.kernel] = t[:, :, r]
+            if m.is_tensor and has_rows(kw.get(m.kernel)):
+                kb[m.kernel] = kw[m.kernel][:, :, r]
         if case.dropout:
             kb.update(dropout_p=case.dropout, dropout_mask=_keep_rows(ins, case, hq, r))
         bmin = None if ins["bound_min"] is None else ins["bound_min"][r]
